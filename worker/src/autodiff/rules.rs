@@ -1,0 +1,342 @@
+//! One gradient rule per op: given a forward node and the gradients of its outputs, emit the
+//! nodes that compute the gradients of its inputs.
+
+use super::Builder;
+use crate::error::{Error, Result};
+use crate::graph::ir::{Meta, Node, ValueId};
+use crate::graph::op::{Binary, Op, Reduce, Unary};
+use crate::tensor::DType;
+
+/// Ops through which gradients flow.
+pub fn differentiable(op: &Op) -> bool {
+    match op {
+        Op::Unary(u) => !matches!(u, Unary::Floor | Unary::Ceil | Unary::Not),
+        Op::Binary(b) => !b.is_predicate(),
+        Op::Cast { to } => to.is_float(),
+        Op::Constant { .. } | Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range => false,
+        _ => true,
+    }
+}
+
+fn no_rule(node: &Node, what: &str) -> Error {
+    Error::Config(format!("{}: no gradient rule {what}; freeze the weights that feed it", node.describe()))
+}
+
+/// Returns one optional gradient per input of `node` (node index `n` in the graph).
+pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>], wanted: &[bool]) -> Result<Vec<Option<ValueId>>> {
+    let name = format!("{}_grad", node.name);
+    let x = |i: usize| node.input(i).expect("inputs with wanted gradients exist");
+    let want = |i: usize| wanted.get(i).copied().unwrap_or(false);
+    let Some(dy) = dys.first().copied().flatten() else {
+        // Only secondary outputs carry gradient (e.g. Split's later parts); handled per op.
+        return match &node.op {
+            Op::Split { .. } => split_grad(b, node, dys, &name),
+            _ => Ok(vec![None; node.inputs.len()]),
+        };
+    };
+    let shape_of = |b: &Builder, v: ValueId| b.meta(v).shape;
+    Ok(match &node.op {
+        Op::Unary(u) => vec![Some(match u {
+            Unary::Neg => b.emit1(&name, Op::Unary(Unary::Neg), &[dy])?,
+            _ => b.emit1(&name, Op::UnaryGrad(*u), &[dy, x(0)])?,
+        })],
+        Op::Binary(op) => {
+            let (a, c) = (x(0), x(1));
+            let (sa, sc) = (shape_of(b, a), shape_of(b, c));
+            let mul = Op::Binary(Binary::Mul);
+            let (da, dc) = match op {
+                Binary::Add => (Some(dy), Some(dy)),
+                Binary::Sub => (Some(dy), if want(1) { Some(b.emit1(&format!("{name}_neg"), Op::Unary(Unary::Neg), &[dy])?) } else { None }),
+                Binary::Mul => (
+                    if want(0) { Some(b.emit1(&format!("{name}_a"), mul.clone(), &[dy, c])?) } else { None },
+                    if want(1) { Some(b.emit1(&format!("{name}_b"), mul, &[dy, a])?) } else { None },
+                ),
+                Binary::Div => {
+                    let da = if want(0) { Some(b.emit1(&format!("{name}_a"), Op::Binary(Binary::Div), &[dy, c])?) } else { None };
+                    let dc = if want(1) {
+                        // d(a/c)/dc = −(a/c)/c
+                        let y = node.output(0).expect("Div has an output");
+                        let t = b.emit1(&format!("{name}_b0"), Op::Binary(Binary::Mul), &[dy, y])?;
+                        let t = b.emit1(&format!("{name}_b1"), Op::Binary(Binary::Div), &[t, c])?;
+                        Some(b.emit1(&format!("{name}_b"), Op::Unary(Unary::Neg), &[t])?)
+                    } else {
+                        None
+                    };
+                    (da, dc)
+                }
+                Binary::Pow => {
+                    let y = node.output(0).expect("Pow has an output");
+                    let da = if want(0) {
+                        // c · a^(c−1) = c · y / a
+                        let c_f = if b.meta(c).dtype == b.meta(a).dtype { c } else { b.emit1(&format!("{name}_cast"), Op::Cast { to: b.meta(a).dtype }, &[c])? };
+                        let t = b.emit1(&format!("{name}_a0"), Op::Binary(Binary::Mul), &[dy, c_f])?;
+                        let one = b.scalar_like(&format!("{name}_one"), c_f, 1.0);
+                        let cm1 = b.emit1(&format!("{name}_a1"), Op::Binary(Binary::Sub), &[c_f, one])?;
+                        let p = b.emit1(&format!("{name}_a2"), Op::Binary(Binary::Pow), &[a, cm1])?;
+                        Some(b.emit1(&format!("{name}_a"), Op::Binary(Binary::Mul), &[t, p])?)
+                    } else {
+                        None
+                    };
+                    let dc = if want(1) {
+                        let l = b.emit1(&format!("{name}_b0"), Op::Unary(Unary::Log), &[a])?;
+                        let t = b.emit1(&format!("{name}_b1"), Op::Binary(Binary::Mul), &[dy, y])?;
+                        Some(b.emit1(&format!("{name}_b"), Op::Binary(Binary::Mul), &[t, l])?)
+                    } else {
+                        None
+                    };
+                    (da, dc)
+                }
+                Binary::Max | Binary::Min => {
+                    // The gradient goes to the input that was chosen (ties to the first).
+                    let pick = if *op == Binary::Max { Binary::GreaterOrEqual } else { Binary::LessOrEqual };
+                    let cond = b.emit1(&format!("{name}_pick"), Op::Binary(pick), &[a, c])?;
+                    let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+                    let da = b.emit1(&format!("{name}_a"), Op::Where, &[cond, dy, zero])?;
+                    let dc = b.emit1(&format!("{name}_b"), Op::Where, &[cond, zero, dy])?;
+                    (Some(da), Some(dc))
+                }
+                _ => return Err(no_rule(node, "for comparisons")),
+            };
+            let da = match da {
+                Some(v) if want(0) => Some(b.sum_to(&format!("{name}_a_sum"), v, &sa)?),
+                _ => None,
+            };
+            let dc = match dc {
+                Some(v) if want(1) => Some(b.sum_to(&format!("{name}_b_sum"), v, &sc)?),
+                _ => None,
+            };
+            vec![da, dc]
+        }
+        Op::Where => {
+            let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+            let cnd = x(0);
+            let mut out = vec![None];
+            for (k, (t, f)) in [(dy, zero), (zero, dy)].into_iter().enumerate() {
+                if want(k + 1) {
+                    let v = b.emit1(&format!("{name}_{k}"), Op::Where, &[cnd, t, f])?;
+                    let s = shape_of(b, x(k + 1));
+                    out.push(Some(b.sum_to(&format!("{name}_{k}_sum"), v, &s)?));
+                } else {
+                    out.push(None);
+                }
+            }
+            out
+        }
+        Op::Cast { .. } => {
+            let to = b.meta(x(0)).dtype;
+            vec![Some(b.emit1(&name, Op::Cast { to }, &[dy])?)]
+        }
+        Op::Identity | Op::Reshape => {
+            let s = shape_of(b, x(0));
+            vec![Some(b.reshape(&name, dy, &s))]
+        }
+        Op::Dropout { ratio, training, .. } => {
+            if !*training || *ratio == 0.0 {
+                vec![Some(dy)]
+            } else {
+                let shape = shape_of(b, x(0));
+                let mask = b.ensure_output(n, 1, Meta::new(DType::Bool, &shape));
+                vec![Some(b.emit1(&name, Op::DropoutGrad { ratio: *ratio }, &[dy, mask])?)]
+            }
+        }
+        Op::MatMul => matmul_grad(b, node, dy, want(0), want(1), &name)?,
+        Op::Gemm { alpha, beta, trans_a, trans_b } => {
+            let (a, w) = (x(0), x(1));
+            let mm = |ta, tb| Op::FusedMatMul { trans_a: ta, trans_b: tb, activation: None };
+            // Y = A'·B': dA' = dY·B'ᵀ and dB' = A'ᵀ·dY, then undo the transposes.
+            let da = if want(0) {
+                let v = match trans_a {
+                    false => b.emit1(&format!("{name}_a"), mm(false, !trans_b), &[dy, w])?,
+                    true => b.emit1(&format!("{name}_a"), mm(*trans_b, true), &[w, dy])?,
+                };
+                Some(scale(b, v, *alpha, &format!("{name}_a_scale"))?)
+            } else {
+                None
+            };
+            let dw = if want(1) {
+                let v = match trans_b {
+                    false => b.emit1(&format!("{name}_b"), mm(!trans_a, false), &[a, dy])?,
+                    true => b.emit1(&format!("{name}_b"), mm(true, *trans_a), &[dy, a])?,
+                };
+                Some(scale(b, v, *alpha, &format!("{name}_b_scale"))?)
+            } else {
+                None
+            };
+            let dc = if node.inputs.len() > 2 && want(2) {
+                let v = scale(b, dy, *beta, &format!("{name}_c_scale"))?;
+                let s = shape_of(b, x(2));
+                Some(b.sum_to(&format!("{name}_c"), v, &s)?)
+            } else {
+                None
+            };
+            vec![da, dw, dc]
+        }
+        Op::Softmax { axis } => {
+            let y = node.output(0).expect("Softmax has an output");
+            vec![Some(b.emit1(&name, Op::SoftmaxGrad { axis: *axis }, &[dy, y])?)]
+        }
+        Op::LogSoftmax { axis } => {
+            let y = node.output(0).expect("LogSoftmax has an output");
+            vec![Some(b.emit1(&name, Op::LogSoftmaxGrad { axis: *axis }, &[dy, y])?)]
+        }
+        Op::LayerNorm { axis, .. } => {
+            let xm = b.meta(x(0));
+            let a = crate::graph::infer::norm_axis(*axis, xm.shape.len()).unwrap_or(0);
+            let stat: Vec<usize> = xm.shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect();
+            let mean = b.ensure_output(n, 1, Meta::new(DType::F32, &stat));
+            let inv = b.ensure_output(n, 2, Meta::new(DType::F32, &stat));
+            let outs = b.emit(&name, Op::LayerNormGrad { axis: *axis }, &[dy, x(0), x(1), mean, inv], 3)?;
+            // The kernel's dScale/dBias are shaped like the scale; a bias may be shaped otherwise.
+            let mut v = vec![Some(outs[0]), Some(outs[1])];
+            if node.inputs.len() > 2 {
+                v.push(Some(outs[2]));
+            }
+            v
+        }
+        Op::Transpose { perm } => {
+            let perm = perm.clone().unwrap_or_default();
+            let mut inv = vec![0i64; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p as usize] = i as i64;
+            }
+            vec![Some(b.emit1(&name, Op::Transpose { perm: Some(inv) }, &[dy])?)]
+        }
+        Op::Concat { axis } => {
+            let a = *axis as usize;
+            let sizes: Vec<i64> = node.inputs.iter().map(|i| b.meta(i.expect("Concat inputs exist")).shape[a] as i64).collect();
+            let parts = b.emit(&name, Op::Split { axis: *axis, sizes, num_outputs: None }, &[dy], node.inputs.len())?;
+            parts.into_iter().map(Some).collect()
+        }
+        Op::Split { .. } => split_grad(b, node, dys, &name)?,
+        Op::Slice { starts, ends, axes, steps } => {
+            let input_shape = shape_of(b, x(0));
+            vec![Some(b.emit1(
+                &name,
+                Op::SliceGrad { input_shape, starts: starts.clone(), ends: ends.clone(), axes: axes.clone(), steps: steps.clone() },
+                &[dy],
+            )?)]
+        }
+        Op::Gather { axis } => {
+            let data_shape = shape_of(b, x(0));
+            vec![Some(b.emit1(&name, Op::GatherGrad { axis: *axis, data_shape }, &[dy, x(1)])?), None]
+        }
+        Op::Expand => {
+            let s = shape_of(b, x(0));
+            vec![Some(b.sum_to(&name, dy, &s)?)]
+        }
+        Op::Trilu { .. } => vec![Some(b.emit1(&name, node.op.clone(), &[dy])?)],
+        Op::ReduceOp { kind, axes, keepdims, .. } => {
+            let xs = shape_of(b, x(0));
+            let axes = axes.clone().unwrap_or_default();
+            let kept: Vec<usize> = xs.iter().enumerate().map(|(i, &d)| if axes.contains(&(i as i64)) { 1 } else { d }).collect();
+            let _ = keepdims;
+            let g = b.reshape(&format!("{name}_keep"), dy, &kept);
+            let g = b.expand(&format!("{name}_expand"), g, &xs);
+            let g = match kind {
+                Reduce::Sum => g,
+                Reduce::Mean => {
+                    let count: usize = axes.iter().map(|&a| xs[a as usize]).product();
+                    scale(b, g, 1.0 / count.max(1) as f32, &format!("{name}_mean"))?
+                }
+                Reduce::SumSquare => {
+                    let two = b.scalar_like(&format!("{name}_two"), x(0), 2.0);
+                    let t = b.emit1(&format!("{name}_2x"), Op::Binary(Binary::Mul), &[x(0), two])?;
+                    b.emit1(&format!("{name}_sq"), Op::Binary(Binary::Mul), &[g, t])?
+                }
+                Reduce::Max | Reduce::Min => return Err(no_rule(node, "for ReduceMax/ReduceMin")),
+            };
+            vec![Some(g)]
+        }
+        Op::Conv { window, group } => {
+            let outs = b.emit(&name, Op::ConvGrad { window: window.clone(), group: *group }, &[dy, x(0), x(1)], 3)?;
+            outs.into_iter().take(node.inputs.len()).map(Some).collect()
+        }
+        Op::Pool { kind, window } => vec![Some(b.emit1(&name, Op::PoolGrad { kind: *kind, window: window.clone() }, &[dy, x(0)])?)],
+        Op::GlobalAveragePool => {
+            let xs = shape_of(b, x(0));
+            let plane: usize = xs[2..].iter().product();
+            let g = b.expand(&format!("{name}_expand"), dy, &xs);
+            vec![Some(scale(b, g, 1.0 / plane.max(1) as f32, &name)?)]
+        }
+        Op::BatchNorm { epsilon, training, .. } => {
+            if !*training {
+                return Err(no_rule(node, "for BatchNormalization in inference mode"));
+            }
+            let outs = b.emit(&name, Op::BatchNormGrad { epsilon: *epsilon }, &[dy, x(0), x(1)], 3)?;
+            vec![Some(outs[0]), Some(outs[1]), Some(outs[2]), None, None]
+        }
+        Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
+            let scores = b.meta(x(0));
+            let log_prob = b.ensure_output(n, 1, scores.clone());
+            let mut ins = vec![dy, log_prob, x(1)];
+            if let Some(w) = node.input(2) {
+                ins.push(w);
+            }
+            let op = Op::SoftmaxCrossEntropyLossGrad { reduction: *reduction, ignore_index: *ignore_index };
+            vec![Some(b.emit1(&name, op, &ins)?), None, None]
+        }
+        Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
+        _ => return Err(no_rule(node, "exists for this op")),
+    })
+}
+
+/// `v · k` (returns `v` when k is 1).
+fn scale(b: &mut Builder, v: ValueId, k: f32, name: &str) -> Result<ValueId> {
+    if k == 1.0 {
+        return Ok(v);
+    }
+    let c = b.scalar_like(&format!("{name}_k"), v, k as f64);
+    b.emit1(name, Op::Binary(Binary::Mul), &[v, c])
+}
+
+fn split_grad(b: &mut Builder, node: &Node, dys: &[Option<ValueId>], name: &str) -> Result<Vec<Option<ValueId>>> {
+    let Op::Split { axis, .. } = &node.op else { unreachable!("split_grad on a Split") };
+    let mut parts = Vec::new();
+    for (k, o) in node.outputs.iter().enumerate() {
+        let o = o.expect("bound Split outputs exist");
+        parts.push(match dys.get(k).copied().flatten() {
+            Some(g) => g,
+            None => {
+                // A part that does not reach the loss contributes zeros.
+                let z = b.scalar_like(&format!("{name}_zero{k}"), o, 0.0);
+                let s = b.meta(o).shape;
+                b.expand(&format!("{name}_zeros{k}"), z, &s)
+            }
+        });
+    }
+    Ok(vec![Some(b.emit1(name, Op::Concat { axis: *axis }, &parts)?)])
+}
+
+/// MatMul: dA = dY·Bᵀ, dB = Aᵀ·dY, each summed back over broadcast batch dims. A weight
+/// multiplied from the right (A [.., K], B [K, N]) gets its gradient as one big product over
+/// the flattened batch, not a batch of small ones.
+fn matmul_grad(b: &mut Builder, node: &Node, dy: ValueId, want_a: bool, want_b: bool, name: &str) -> Result<Vec<Option<ValueId>>> {
+    let (a, w) = (node.input(0).expect("MatMul input"), node.input(1).expect("MatMul input"));
+    let (sa, sw, sy) = (b.meta(a).shape, b.meta(w).shape, b.meta(dy).shape);
+    if sa.len() < 2 || sw.len() < 2 {
+        return Err(no_rule(node, "for 1-D MatMul operands"));
+    }
+    let mm = |ta, tb| Op::FusedMatMul { trans_a: ta, trans_b: tb, activation: None };
+    let da = if want_a {
+        let v = b.emit1(&format!("{name}_a"), mm(false, true), &[dy, w])?;
+        Some(b.sum_to(&format!("{name}_a_sum"), v, &sa)?)
+    } else {
+        None
+    };
+    let dw = if want_b {
+        if sw.len() == 2 {
+            let k = sa[sa.len() - 1];
+            let nn = sy[sy.len() - 1];
+            let rows: usize = sa[..sa.len() - 1].iter().product();
+            let a2 = b.reshape(&format!("{name}_a2d"), a, &[rows, k]);
+            let dy2 = b.reshape(&format!("{name}_dy2d"), dy, &[rows, nn]);
+            Some(b.emit1(&format!("{name}_b"), mm(true, false), &[a2, dy2])?)
+        } else {
+            let v = b.emit1(&format!("{name}_b"), mm(true, false), &[a, dy])?;
+            Some(b.sum_to(&format!("{name}_b_sum"), v, &sw)?)
+        }
+    } else {
+        None
+    };
+    Ok(vec![da, dw])
+}

@@ -1,0 +1,448 @@
+//! Convolution (im2col + GEMM), pooling and batch normalization, forward and backward, for
+//! 1-D and 2-D spatial inputs (1-D runs as 2-D with height 1). Layout NCHW.
+
+use super::matmul::{parallelism, sgemm, Mat};
+use super::KResult;
+use crate::graph::op::{PoolKind, Window};
+use crate::tensor::{DType, TensorView, TensorViewMut};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// Geometry of a 2-D window op, with 1-D lifted to 2-D.
+#[derive(Clone, Copy, Debug)]
+struct Geo {
+    c: usize,
+    h: usize,
+    w: usize,
+    oh: usize,
+    ow: usize,
+    kh: usize,
+    kw: usize,
+    sh: usize,
+    sw: usize,
+    dh: usize,
+    dw: usize,
+    ph: usize,
+    pw: usize,
+}
+
+fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
+    match x.len() {
+        4 => Ok(Geo {
+            c: x[1],
+            h: x[2],
+            w: x[3],
+            oh: y[2],
+            ow: y[3],
+            kh: win.kernel[0],
+            kw: win.kernel[1],
+            sh: win.strides[0],
+            sw: win.strides[1],
+            dh: win.dilations[0],
+            dw: win.dilations[1],
+            ph: win.pads[0],
+            pw: win.pads[1],
+        }),
+        3 => Ok(Geo {
+            c: x[1],
+            h: 1,
+            w: x[2],
+            oh: 1,
+            ow: y[2],
+            kh: 1,
+            kw: win.kernel[0],
+            sh: 1,
+            sw: win.strides[0],
+            dh: 1,
+            dw: win.dilations[0],
+            ph: 0,
+            pw: win.pads[0],
+        }),
+        r => Err(format!("{}-D spatial windows are not implemented (1-D and 2-D are)", r.saturating_sub(2))),
+    }
+}
+
+impl Geo {
+    /// Input coordinate of output (oy, ox) at kernel tap (ky, kx), if inside the input.
+    #[inline]
+    fn tap(&self, oy: usize, ox: usize, ky: usize, kx: usize) -> Option<(usize, usize)> {
+        let iy = (oy * self.sh + ky * self.dh) as isize - self.ph as isize;
+        let ix = (ox * self.sw + kx * self.dw) as isize - self.pw as isize;
+        (iy >= 0 && ix >= 0 && (iy as usize) < self.h && (ix as usize) < self.w).then(|| (iy as usize, ix as usize))
+    }
+}
+
+/// col[(c·kh+ky)·kw+kx, oy·ow+ox] = x[c, iy, ix] (0 in the padding), for channels `c0..c0+cn`.
+fn im2col(g: &Geo, x: &[f32], c0: usize, cn: usize, col: &mut [f32]) {
+    let plane = g.oh * g.ow;
+    for c in 0..cn {
+        let xc = &x[(c0 + c) * g.h * g.w..];
+        for ky in 0..g.kh {
+            for kx in 0..g.kw {
+                let row = &mut col[((c * g.kh + ky) * g.kw + kx) * plane..][..plane];
+                for oy in 0..g.oh {
+                    for ox in 0..g.ow {
+                        row[oy * g.ow + ox] = g.tap(oy, ox, ky, kx).map_or(0.0, |(iy, ix)| xc[iy * g.w + ix]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The adjoint of im2col: dx[c, iy, ix] += dcol[...].
+fn col2im(g: &Geo, dcol: &[f32], c0: usize, cn: usize, dx: &mut [f32]) {
+    let plane = g.oh * g.ow;
+    for c in 0..cn {
+        let dxc = &mut dx[(c0 + c) * g.h * g.w..][..g.h * g.w];
+        for ky in 0..g.kh {
+            for kx in 0..g.kw {
+                let row = &dcol[((c * g.kh + ky) * g.kw + kx) * plane..][..plane];
+                for oy in 0..g.oh {
+                    for ox in 0..g.ow {
+                        if let Some((iy, ix)) = g.tap(oy, ox, ky, kx) {
+                            dxc[iy * g.w + ix] += row[oy * g.ow + ox];
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn is_pointwise(g: &Geo) -> bool {
+    g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0
+}
+
+pub fn conv(win: &Window, group: usize, x: &TensorView, w: &TensorView, bias: Option<TensorView>, y: &mut TensorViewMut) -> KResult {
+    if x.dtype != DType::F32 {
+        return Err(format!("Conv is not implemented for {}", x.dtype));
+    }
+    let g = geo(win, x.shape, y.shape)?;
+    let (n, m) = (x.shape[0], y.shape[1]);
+    let (cg, mg) = (g.c / group, m / group);
+    let kdim = cg * g.kh * g.kw;
+    let plane = g.oh * g.ow;
+    let (xs, ws) = (x.as_slice::<f32>(), w.as_slice::<f32>());
+    let b = bias.map(|b| b.as_slice::<f32>());
+    let per_image = |i: usize, yi: &mut [f32], par: Parallelism| {
+        let xi = &xs[i * g.c * g.h * g.w..(i + 1) * g.c * g.h * g.w];
+        let mut col = if is_pointwise(&g) { Vec::new() } else { vec![0f32; kdim * plane] };
+        for gr in 0..group {
+            let src: &[f32] = if is_pointwise(&g) {
+                &xi[gr * cg * plane..(gr + 1) * cg * plane]
+            } else {
+                im2col(&g, xi, gr * cg, cg, &mut col);
+                &col
+            };
+            let yg = &mut yi[gr * mg * plane..(gr + 1) * mg * plane];
+            if let Some(b) = b {
+                for (k, row) in yg.chunks_mut(plane).enumerate() {
+                    row.fill(b[gr * mg + k]);
+                }
+            }
+            // y_g[mg × plane] = W_g[mg × kdim] · col[kdim × plane]
+            unsafe {
+                sgemm(
+                    mg,
+                    plane,
+                    kdim,
+                    yg.as_mut_ptr(),
+                    plane as isize,
+                    ws.as_ptr(),
+                    Mat { offset: gr * mg * kdim, rs: kdim as isize, cs: 1 },
+                    src.as_ptr(),
+                    Mat { offset: 0, rs: plane as isize, cs: 1 },
+                    b.is_some(),
+                    1.0,
+                    par,
+                )
+            };
+        }
+    };
+    let ys = y.as_mut_slice::<f32>();
+    let chunk = m * plane;
+    if n >= rayon::current_num_threads() {
+        ys.par_chunks_mut(chunk).enumerate().for_each(|(i, yi)| per_image(i, yi, Parallelism::None));
+    } else {
+        ys.chunks_mut(chunk).enumerate().for_each(|(i, yi)| per_image(i, yi, parallelism(mg, plane, kdim)));
+    }
+    Ok(())
+}
+
+/// dY, X, W → dX, dW, dB.
+pub fn conv_grad(win: &Window, group: usize, dy: &TensorView, x: &TensorView, w: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    let g = geo(win, x.shape, dy.shape)?;
+    let (n, m) = (x.shape[0], dy.shape[1]);
+    let (cg, mg) = (g.c / group, m / group);
+    let kdim = cg * g.kh * g.kw;
+    let plane = g.oh * g.ow;
+    let (dys, xs, ws) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), w.as_slice::<f32>());
+    let [dx, dw, db] = outs else { return Err("ConvGrad needs 3 outputs".into()) };
+    let image = g.c * g.h * g.w;
+    // Each image yields its dX slice and a partial dW; partials are summed after.
+    let partial_dw: Vec<Vec<f32>> = dx
+        .as_mut_slice::<f32>()
+        .par_chunks_mut(image)
+        .enumerate()
+        .map(|(i, dxi)| {
+            dxi.fill(0.0);
+            let xi = &xs[i * image..(i + 1) * image];
+            let dyi = &dys[i * m * plane..(i + 1) * m * plane];
+            let mut dwp = vec![0f32; m * kdim];
+            let mut col = vec![0f32; kdim * plane];
+            let mut dcol = vec![0f32; kdim * plane];
+            for gr in 0..group {
+                if is_pointwise(&g) {
+                    col.copy_from_slice(&xi[gr * cg * plane..(gr + 1) * cg * plane]);
+                } else {
+                    im2col(&g, xi, gr * cg, cg, &mut col);
+                }
+                unsafe {
+                    // dW_g[mg × kdim] = dY_g[mg × plane] · colᵀ[plane × kdim]
+                    sgemm(
+                        mg,
+                        kdim,
+                        plane,
+                        dwp[gr * mg * kdim..].as_mut_ptr(),
+                        kdim as isize,
+                        dyi.as_ptr(),
+                        Mat { offset: gr * mg * plane, rs: plane as isize, cs: 1 },
+                        col.as_ptr(),
+                        Mat { offset: 0, rs: 1, cs: plane as isize },
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                    // dcol[kdim × plane] = W_gᵀ[kdim × mg] · dY_g[mg × plane]
+                    sgemm(
+                        kdim,
+                        plane,
+                        mg,
+                        dcol.as_mut_ptr(),
+                        plane as isize,
+                        ws.as_ptr(),
+                        Mat { offset: gr * mg * kdim, rs: 1, cs: kdim as isize },
+                        dyi.as_ptr(),
+                        Mat { offset: gr * mg * plane, rs: plane as isize, cs: 1 },
+                        false,
+                        1.0,
+                        Parallelism::None,
+                    );
+                }
+                if is_pointwise(&g) {
+                    dxi[gr * cg * plane..(gr + 1) * cg * plane].copy_from_slice(&dcol);
+                } else {
+                    col2im(&g, &dcol, gr * cg, cg, dxi);
+                }
+            }
+            dwp
+        })
+        .collect();
+    let dws = dw.as_mut_slice::<f32>();
+    dws.fill(0.0);
+    for p in partial_dw {
+        dws.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+    }
+    let dbs = db.as_mut_slice::<f32>();
+    for (k, o) in dbs.iter_mut().enumerate() {
+        *o = (0..n).map(|i| dys[(i * m + k) * plane..(i * m + k + 1) * plane].iter().sum::<f32>()).sum();
+    }
+    Ok(())
+}
+
+/// The positions (input index) each output reads, per window: the shared loop of pooling.
+fn pool_windows(g: &Geo, mut f: impl FnMut(usize, &mut dyn Iterator<Item = Option<usize>>)) {
+    for oy in 0..g.oh {
+        for ox in 0..g.ow {
+            let mut it = (0..g.kh)
+                .flat_map(move |ky| (0..g.kw).map(move |kx| (ky, kx)))
+                .map(|(ky, kx)| g.tap(oy, ox, ky, kx).map(|(iy, ix)| iy * g.w + ix));
+            f(oy * g.ow + ox, &mut it);
+        }
+    }
+}
+
+/// How many taps an average counts: the ones inside the input, or with count_include_pad
+/// all taps inside the padded input (not those hanging off its end because of ceil_mode).
+fn average_count(g: &Geo, oy: usize, ox: usize, include_pad: bool) -> usize {
+    if !include_pad {
+        return (0..g.kh).flat_map(|ky| (0..g.kw).map(move |kx| (ky, kx))).filter(|&(ky, kx)| g.tap(oy, ox, ky, kx).is_some()).count();
+    }
+    let span = |o: usize, s: usize, k: usize, d: usize, p: usize, size: usize| {
+        let start = (o * s) as isize - p as isize;
+        let end = (start + ((k - 1) * d + 1) as isize).min((size + p) as isize);
+        ((end - start) as usize).div_ceil(d)
+    };
+    span(oy, g.sh, g.kh, g.dh, g.ph, g.h) * span(ox, g.sw, g.kw, g.dw, g.pw, g.w)
+}
+
+pub fn pool(kind: PoolKind, win: &Window, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    if x.dtype != DType::F32 {
+        return Err(format!("pooling is not implemented for {}", x.dtype));
+    }
+    let g = geo(win, x.shape, y.shape)?;
+    let xs = x.as_slice::<f32>();
+    let plane_in = g.h * g.w;
+    let plane_out = g.oh * g.ow;
+    y.as_mut_slice::<f32>().par_chunks_mut(plane_out).enumerate().for_each(|(p, yp)| {
+        let xp = &xs[p * plane_in..(p + 1) * plane_in];
+        pool_windows(&g, |o, taps| {
+            yp[o] = match kind {
+                PoolKind::Max => taps.flatten().map(|i| xp[i]).fold(f32::NEG_INFINITY, f32::max),
+                PoolKind::Average { count_include_pad } => {
+                    let s: f32 = taps.flatten().map(|i| xp[i]).sum();
+                    s / average_count(&g, o / g.ow, o % g.ow, count_include_pad).max(1) as f32
+                }
+            };
+        });
+    });
+    Ok(())
+}
+
+/// dY, X → dX: max pooling routes each gradient to its window's (first) maximum; average
+/// pooling spreads it over the window.
+pub fn pool_grad(kind: PoolKind, win: &Window, dy: &TensorView, x: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    let g = geo(win, x.shape, dy.shape)?;
+    let (xs, dys) = (x.as_slice::<f32>(), dy.as_slice::<f32>());
+    let plane_in = g.h * g.w;
+    let plane_out = g.oh * g.ow;
+    dx.as_mut_slice::<f32>().par_chunks_mut(plane_in).enumerate().for_each(|(p, dxp)| {
+        dxp.fill(0.0);
+        let xp = &xs[p * plane_in..(p + 1) * plane_in];
+        let dyp = &dys[p * plane_out..(p + 1) * plane_out];
+        pool_windows(&g, |o, taps| match kind {
+            PoolKind::Max => {
+                let mut best: Option<usize> = None;
+                for i in taps.flatten() {
+                    if best.is_none_or(|b| xp[i] > xp[b]) {
+                        best = Some(i);
+                    }
+                }
+                if let Some(b) = best {
+                    dxp[b] += dyp[o];
+                }
+            }
+            PoolKind::Average { count_include_pad } => {
+                let share = dyp[o] / average_count(&g, o / g.ow, o % g.ow, count_include_pad).max(1) as f32;
+                for i in taps.flatten() {
+                    dxp[i] += share;
+                }
+            }
+        });
+    });
+    Ok(())
+}
+
+pub fn global_average_pool(x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let plane: usize = x.shape[2..].iter().product();
+    match x.dtype {
+        DType::F32 => {
+            let xs = x.as_slice::<f32>();
+            for (o, v) in y.as_mut_slice::<f32>().iter_mut().enumerate() {
+                *v = xs[o * plane..(o + 1) * plane].iter().sum::<f32>() / plane as f32;
+            }
+        }
+        DType::F64 => {
+            let xs = x.as_slice::<f64>();
+            for (o, v) in y.as_mut_slice::<f64>().iter_mut().enumerate() {
+                *v = xs[o * plane..(o + 1) * plane].iter().sum::<f64>() / plane as f64;
+            }
+        }
+        d => return Err(format!("GlobalAveragePool is not implemented for {d}")),
+    }
+    Ok(())
+}
+
+/// Per-channel mean and biased variance over N and the spatial dims.
+fn channel_stats(x: &[f32], n: usize, c: usize, plane: usize) -> (Vec<f32>, Vec<f32>) {
+    let count = (n * plane) as f64;
+    let mut mean = vec![0f32; c];
+    let mut var = vec![0f32; c];
+    for ch in 0..c {
+        let vals = (0..n).flat_map(|i| x[(i * c + ch) * plane..(i * c + ch + 1) * plane].iter());
+        let m: f64 = vals.clone().map(|&v| v as f64).sum::<f64>() / count;
+        let v: f64 = vals.map(|&v| (v as f64 - m).powi(2)).sum::<f64>() / count;
+        mean[ch] = m as f32;
+        var[ch] = v as f32;
+    }
+    (mean, var)
+}
+
+/// Inference: normalizes with the running statistics. Training: with the batch's, and writes
+/// the updated running statistics to outputs 1 and 2 (ONNX's momentum convention).
+#[allow(clippy::too_many_arguments)]
+pub fn batch_norm(
+    eps: f32,
+    momentum: f32,
+    training: bool,
+    x: &TensorView,
+    scale: &TensorView,
+    bias: &TensorView,
+    running_mean: &TensorView,
+    running_var: &TensorView,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    if x.dtype != DType::F32 {
+        return Err(format!("BatchNormalization is not implemented for {}", x.dtype));
+    }
+    let (n, c) = (x.shape[0], x.shape[1]);
+    let plane: usize = x.shape[2..].iter().product();
+    let xs = x.as_slice::<f32>();
+    let (s, b) = (scale.as_slice::<f32>(), bias.as_slice::<f32>());
+    let (rm, rv) = (running_mean.as_slice::<f32>(), running_var.as_slice::<f32>());
+    let (mean, var) = if training { channel_stats(xs, n, c, plane) } else { (rm.to_vec(), rv.to_vec()) };
+    let y = outs[0].as_mut_slice::<f32>();
+    for i in 0..n {
+        for ch in 0..c {
+            let inv = 1.0 / (var[ch] + eps).sqrt();
+            let at = (i * c + ch) * plane;
+            for k in 0..plane {
+                y[at + k] = (xs[at + k] - mean[ch]) * inv * s[ch] + b[ch];
+            }
+        }
+    }
+    if training && outs.len() >= 3 {
+        let new_mean: Vec<f32> = (0..c).map(|ch| rm[ch] * momentum + mean[ch] * (1.0 - momentum)).collect();
+        let new_var: Vec<f32> = (0..c).map(|ch| rv[ch] * momentum + var[ch] * (1.0 - momentum)).collect();
+        outs[1].as_mut_slice::<f32>().copy_from_slice(&new_mean);
+        outs[2].as_mut_slice::<f32>().copy_from_slice(&new_var);
+    }
+    Ok(())
+}
+
+/// Training-mode backward: dY, X, scale → dX, dScale, dBias, with the batch statistics
+/// recomputed from X. dX = s·σ⁻¹ (dY − mean(dY) − x̂ mean(dY·x̂)).
+pub fn batch_norm_grad(eps: f32, dy: &TensorView, x: &TensorView, scale: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    let (n, c) = (x.shape[0], x.shape[1]);
+    let plane: usize = x.shape[2..].iter().product();
+    let (dys, xs, s) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), scale.as_slice::<f32>());
+    let (mean, var) = channel_stats(xs, n, c, plane);
+    let count = (n * plane) as f32;
+    let mut dscale = vec![0f32; c];
+    let mut dbias = vec![0f32; c];
+    for ch in 0..c {
+        let inv = 1.0 / (var[ch] + eps).sqrt();
+        for i in 0..n {
+            let at = (i * c + ch) * plane;
+            for k in 0..plane {
+                dbias[ch] += dys[at + k];
+                dscale[ch] += dys[at + k] * (xs[at + k] - mean[ch]) * inv;
+            }
+        }
+    }
+    let dx = outs[0].as_mut_slice::<f32>();
+    for ch in 0..c {
+        let inv = 1.0 / (var[ch] + eps).sqrt();
+        for i in 0..n {
+            let at = (i * c + ch) * plane;
+            for k in 0..plane {
+                let xh = (xs[at + k] - mean[ch]) * inv;
+                dx[at + k] = s[ch] * inv * (dys[at + k] - dbias[ch] / count - xh * dscale[ch] / count);
+            }
+        }
+    }
+    outs[1].as_mut_slice::<f32>().copy_from_slice(&dscale);
+    outs[2].as_mut_slice::<f32>().copy_from_slice(&dbias);
+    Ok(())
+}

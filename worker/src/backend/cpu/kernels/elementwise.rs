@@ -1,0 +1,404 @@
+//! Pointwise ops: unary activations and their gradients, broadcasting binary ops, Where.
+
+use super::{KResult, PAR_MIN};
+use crate::graph::op::{Binary, Unary};
+use crate::tensor::{strides, DType, Element, TensorView, TensorViewMut};
+use rayon::prelude::*;
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044715;
+
+/// erf with |error| < 1.2e-7 (Numerical Recipes' erfc Chebyshev fit), in f64 for accuracy.
+pub fn erf(x: f64) -> f64 {
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t
+        * (-z * z - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    if x >= 0.0 {
+        1.0 - r
+    } else {
+        r - 1.0
+    }
+}
+
+fn unary_f64(u: Unary, x: f64) -> f64 {
+    match u {
+        Unary::Neg => -x,
+        Unary::Exp => x.exp(),
+        Unary::Log => x.ln(),
+        Unary::Sqrt => x.sqrt(),
+        Unary::Tanh => x.tanh(),
+        Unary::Erf => erf(x),
+        Unary::Relu => x.max(0.0),
+        Unary::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Unary::Abs => x.abs(),
+        Unary::Reciprocal => 1.0 / x,
+        Unary::Floor => x.floor(),
+        Unary::Ceil => x.ceil(),
+        Unary::Not => (x == 0.0) as u8 as f64,
+        Unary::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
+        Unary::GeluTanh => {
+            let c = (2.0 / std::f64::consts::PI).sqrt();
+            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+        }
+    }
+}
+
+/// The f32 forms of the hot activations (the rest go through f64).
+#[inline]
+pub fn gelu_tanh(x: f32) -> f32 {
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+}
+
+#[inline]
+pub fn gelu_tanh_grad(x: f32) -> f32 {
+    let inner = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+    let t = inner.tanh();
+    let sech2 = 1.0 - t * t;
+    0.5 * (1.0 + t) + 0.5 * x * sech2 * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x)
+}
+
+fn unary_f32(u: Unary, x: f32) -> f32 {
+    match u {
+        Unary::Relu => x.max(0.0),
+        Unary::GeluTanh => gelu_tanh(x),
+        Unary::Neg => -x,
+        Unary::Exp => x.exp(),
+        Unary::Tanh => x.tanh(),
+        Unary::Sqrt => x.sqrt(),
+        Unary::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        _ => unary_f64(u, x as f64) as f32,
+    }
+}
+
+/// d/dx of each activation, given x.
+fn unary_grad_f64(u: Unary, x: f64) -> f64 {
+    match u {
+        Unary::Neg => -1.0,
+        Unary::Exp => x.exp(),
+        Unary::Log => 1.0 / x,
+        Unary::Sqrt => 0.5 / x.sqrt(),
+        Unary::Tanh => 1.0 - x.tanh().powi(2),
+        Unary::Erf => 2.0 / std::f64::consts::PI.sqrt() * (-x * x).exp(),
+        Unary::Relu => (x > 0.0) as u8 as f64,
+        Unary::Sigmoid => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 - s)
+        }
+        Unary::Abs => x.signum() * (x != 0.0) as u8 as f64,
+        Unary::Reciprocal => -1.0 / (x * x),
+        Unary::Floor | Unary::Ceil | Unary::Not => 0.0,
+        Unary::Gelu => {
+            let cdf = 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
+            let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+            cdf + x * pdf
+        }
+        Unary::GeluTanh => gelu_tanh_grad(x as f32) as f64,
+    }
+}
+
+fn map_par<T: Element, U: Element>(x: &[T], y: &mut [U], f: impl Fn(T) -> U + Sync) {
+    if y.len() >= PAR_MIN {
+        y.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(yc, xc)| {
+            for (o, &i) in yc.iter_mut().zip(xc) {
+                *o = f(i);
+            }
+        });
+    } else {
+        for (o, &i) in y.iter_mut().zip(x) {
+            *o = f(i);
+        }
+    }
+}
+
+pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    match (x.dtype, y.dtype) {
+        (DType::F32, DType::F32) => map_par(x.as_slice::<f32>(), y.as_mut_slice::<f32>(), |v| unary_f32(u, v)),
+        (DType::F64, DType::F64) => map_par(x.as_slice::<f64>(), y.as_mut_slice::<f64>(), |v| unary_f64(u, v)),
+        (DType::Bool, DType::Bool) if u == Unary::Not => {
+            map_par(x.as_slice::<u8>(), y.as_mut_slice::<u8>(), |v| (v == 0) as u8)
+        }
+        (DType::I64, DType::I64) => map_par(x.as_slice::<i64>(), y.as_mut_slice::<i64>(), |v| match u {
+            Unary::Neg => -v,
+            Unary::Abs => v.abs(),
+            Unary::Relu => v.max(0),
+            _ => unary_f64(u, v as f64) as i64,
+        }),
+        (DType::I32, DType::I32) => map_par(x.as_slice::<i32>(), y.as_mut_slice::<i32>(), |v| match u {
+            Unary::Neg => -v,
+            Unary::Abs => v.abs(),
+            Unary::Relu => v.max(0),
+            _ => unary_f64(u, v as f64) as i32,
+        }),
+        (d, _) => return Err(format!("{u:?} is not implemented for {d}")),
+    }
+    Ok(())
+}
+
+/// dX = dY · f'(X).
+pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    match x.dtype {
+        DType::F32 => {
+            let (dy, x) = (dy.as_slice::<f32>(), x.as_slice::<f32>());
+            let out = dx.as_mut_slice::<f32>();
+            let f = |i: usize| -> f32 {
+                let v = x[i];
+                let d = match u {
+                    Unary::Relu => (v > 0.0) as u8 as f32,
+                    Unary::GeluTanh => gelu_tanh_grad(v),
+                    Unary::Tanh => {
+                        let t = v.tanh();
+                        1.0 - t * t
+                    }
+                    _ => unary_grad_f64(u, v as f64) as f32,
+                };
+                dy[i] * d
+            };
+            if out.len() >= PAR_MIN {
+                out.par_iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
+            } else {
+                out.iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
+            }
+        }
+        DType::F64 => {
+            let (dy, x) = (dy.as_slice::<f64>(), x.as_slice::<f64>());
+            for (i, o) in dx.as_mut_slice::<f64>().iter_mut().enumerate() {
+                *o = dy[i] * unary_grad_f64(u, x[i]);
+            }
+        }
+        d => return Err(format!("the gradient of {u:?} is not implemented for {d}")),
+    }
+    Ok(())
+}
+
+/// For each output row (all dims but the last), the element offsets of each input, and the
+/// inner stride (0 when broadcast along the last dim). Broadcasting is resolved once per row.
+struct Broadcast {
+    out_rows: usize,
+    inner: usize,
+    row_offsets: Vec<Vec<usize>>,
+    inner_strides: Vec<usize>,
+}
+
+impl Broadcast {
+    fn new(out: &[usize], ins: &[&[usize]]) -> Broadcast {
+        let r = out.len();
+        let inner = if r == 0 { 1 } else { out[r - 1] };
+        let out_rows: usize = if r == 0 { 1 } else { out[..r - 1].iter().product() };
+        let mut row_offsets = Vec::new();
+        let mut inner_strides = Vec::new();
+        for shape in ins {
+            // Right-align the input's shape against the output's.
+            let mut padded = vec![1; r - shape.len()];
+            padded.extend_from_slice(shape);
+            let st = strides(&padded);
+            let eff: Vec<usize> = (0..r).map(|d| if padded[d] == 1 { 0 } else { st[d] }).collect();
+            inner_strides.push(if r == 0 { 0 } else { eff[r - 1] });
+            let mut offs = Vec::with_capacity(out_rows);
+            let outer = if r == 0 { &[][..] } else { &out[..r - 1] };
+            let mut idx = vec![0usize; outer.len()];
+            for _ in 0..out_rows {
+                offs.push(idx.iter().zip(&eff).map(|(i, s)| i * s).sum());
+                for d in (0..idx.len()).rev() {
+                    idx[d] += 1;
+                    if idx[d] < outer[d] {
+                        break;
+                    }
+                    idx[d] = 0;
+                }
+            }
+            row_offsets.push(offs);
+        }
+        Broadcast { out_rows, inner, row_offsets, inner_strides }
+    }
+}
+
+/// Applies `f` pointwise over broadcast inputs `a` and `b` into `out`.
+fn zip_broadcast<A: Element, B: Element, O: Element>(
+    a: &[A],
+    a_shape: &[usize],
+    b: &[B],
+    b_shape: &[usize],
+    out: &mut [O],
+    out_shape: &[usize],
+    f: impl Fn(A, B) -> O + Sync,
+) {
+    if a_shape == out_shape && b_shape == out_shape {
+        let body = |(o, (x, y)): (&mut O, (&A, &B))| *o = f(*x, *y);
+        if out.len() >= PAR_MIN {
+            out.par_iter_mut().zip(a.par_iter().zip(b.par_iter())).for_each(body);
+        } else {
+            out.iter_mut().zip(a.iter().zip(b.iter())).for_each(body);
+        }
+        return;
+    }
+    if b.len() == 1 && a_shape == out_shape {
+        let y = b[0];
+        map_par(a, out, |x| f(x, y));
+        return;
+    }
+    let bc = Broadcast::new(out_shape, &[a_shape, b_shape]);
+    let inner = bc.inner.max(1);
+    let row = |r: usize, orow: &mut [O]| {
+        let (oa, ob) = (bc.row_offsets[0][r], bc.row_offsets[1][r]);
+        let (sa, sb) = (bc.inner_strides[0], bc.inner_strides[1]);
+        for (j, o) in orow.iter_mut().enumerate() {
+            *o = f(a[oa + j * sa], b[ob + j * sb]);
+        }
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(inner).enumerate().for_each(|(r, orow)| row(r, orow));
+    } else {
+        out.chunks_mut(inner).enumerate().for_each(|(r, orow)| row(r, orow));
+    }
+    debug_assert_eq!(bc.out_rows * inner, out.len().max(bc.out_rows * inner));
+}
+
+fn arith<T: Element + num_traits::NumOps + PartialOrd>(b: Binary, x: T, y: T, pow: impl Fn(T, T) -> T) -> T {
+    match b {
+        Binary::Add => x + y,
+        Binary::Sub => x - y,
+        Binary::Mul => x * y,
+        Binary::Div => x / y,
+        Binary::Pow => pow(x, y),
+        Binary::Max => {
+            if x >= y {
+                x
+            } else {
+                y
+            }
+        }
+        Binary::Min => {
+            if x <= y {
+                x
+            } else {
+                y
+            }
+        }
+        _ => unreachable!("predicates are dispatched separately"),
+    }
+}
+
+fn compare<T: PartialOrd + PartialEq>(b: Binary, x: T, y: T) -> u8 {
+    (match b {
+        Binary::Equal => x == y,
+        Binary::Less => x < y,
+        Binary::Greater => x > y,
+        Binary::LessOrEqual => x <= y,
+        Binary::GreaterOrEqual => x >= y,
+        _ => unreachable!("logic ops are dispatched separately"),
+    }) as u8
+}
+
+pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
+    let (ash, bsh) = (a.shape, b.shape);
+    let osh: Vec<usize> = out.shape.to_vec();
+    macro_rules! arith_t {
+        ($t:ty, $pow:expr) => {
+            zip_broadcast(a.as_slice::<$t>(), ash, b.as_slice::<$t>(), bsh, out.as_mut_slice::<$t>(), &osh, |x, y| {
+                arith(op, x, y, $pow)
+            })
+        };
+    }
+    macro_rules! cmp_t {
+        ($t:ty) => {
+            zip_broadcast(a.as_slice::<$t>(), ash, b.as_slice::<$t>(), bsh, out.as_mut_slice::<u8>(), &osh, |x, y| {
+                compare(op, x, y)
+            })
+        };
+    }
+    if matches!(op, Binary::And | Binary::Or) {
+        let and = op == Binary::And;
+        zip_broadcast(a.as_slice::<u8>(), ash, b.as_slice::<u8>(), bsh, out.as_mut_slice::<u8>(), &osh, |x, y| {
+            if and {
+                (x != 0 && y != 0) as u8
+            } else {
+                (x != 0 || y != 0) as u8
+            }
+        });
+        return Ok(());
+    }
+    if op == Binary::Pow && a.dtype != b.dtype {
+        // Pow's exponent may have its own type: compute in f64.
+        let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+        let mut tmp = vec![0f64; out.numel()];
+        zip_broadcast(&x, ash, &y, bsh, &mut tmp, &osh, |x, y| x.powf(y));
+        match out.dtype {
+            DType::F32 => out.as_mut_slice::<f32>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as f32),
+            DType::F64 => out.as_mut_slice::<f64>().copy_from_slice(&tmp),
+            DType::I64 => out.as_mut_slice::<i64>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as i64),
+            DType::I32 => out.as_mut_slice::<i32>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as i32),
+            d => return Err(format!("Pow is not implemented for {d}")),
+        }
+        return Ok(());
+    }
+    if op.is_predicate() {
+        match a.dtype {
+            DType::F32 => cmp_t!(f32),
+            DType::F64 => cmp_t!(f64),
+            DType::I64 => cmp_t!(i64),
+            DType::I32 => cmp_t!(i32),
+            DType::U8 | DType::Bool => cmp_t!(u8),
+            DType::I8 => cmp_t!(i8),
+            DType::I16 => cmp_t!(i16),
+            DType::U16 => cmp_t!(u16),
+            DType::U32 => cmp_t!(u32),
+            DType::U64 => cmp_t!(u64),
+            d => return Err(format!("{op:?} is not implemented for {d}")),
+        }
+        return Ok(());
+    }
+    match a.dtype {
+        DType::F32 => arith_t!(f32, |x: f32, y: f32| if y == 2.0 { x * x } else { x.powf(y) }),
+        DType::F64 => arith_t!(f64, |x: f64, y: f64| x.powf(y)),
+        DType::I64 => arith_t!(i64, |x: i64, y: i64| (x as f64).powf(y as f64) as i64),
+        DType::I32 => arith_t!(i32, |x: i32, y: i32| (x as f64).powf(y as f64) as i32),
+        DType::U8 => arith_t!(u8, |x: u8, y: u8| (x as f64).powf(y as f64) as u8),
+        DType::I8 => arith_t!(i8, |x: i8, y: i8| (x as f64).powf(y as f64) as i8),
+        DType::I16 => arith_t!(i16, |x: i16, y: i16| (x as f64).powf(y as f64) as i16),
+        DType::U16 => arith_t!(u16, |x: u16, y: u16| (x as f64).powf(y as f64) as u16),
+        DType::U32 => arith_t!(u32, |x: u32, y: u32| (x as f64).powf(y as f64) as u32),
+        DType::U64 => arith_t!(u64, |x: u64, y: u64| (x as f64).powf(y as f64) as u64),
+        d => return Err(format!("{op:?} is not implemented for {d}")),
+    }
+    Ok(())
+}
+
+/// out = cond ? x : y, all three broadcast.
+pub fn where_(cond: &TensorView, x: &TensorView, y: &TensorView, out: &mut TensorViewMut) -> KResult {
+    let osh = out.shape.to_vec();
+    let bc = Broadcast::new(&osh, &[cond.shape, x.shape, y.shape]);
+    let c = cond.as_slice::<u8>();
+    let size = x.dtype.size();
+    let (xb, yb) = (x.bytes, y.bytes);
+    let inner = bc.inner.max(1);
+    // Byte-wise selection works for every element type.
+    for (r, orow) in out.bytes.chunks_mut(inner * size).enumerate() {
+        let (oc, ox, oy) = (bc.row_offsets[0][r], bc.row_offsets[1][r], bc.row_offsets[2][r]);
+        let (sc, sx, sy) = (bc.inner_strides[0], bc.inner_strides[1], bc.inner_strides[2]);
+        for j in 0..orow.len() / size {
+            let src = if c[oc + j * sc] != 0 { &xb[(ox + j * sx) * size..][..size] } else { &yb[(oy + j * sy) * size..][..size] };
+            orow[j * size..(j + 1) * size].copy_from_slice(src);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_known_values() {
+        for (x, want) in [(0.0, 0.0), (0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (-2.0, -0.995_322_265)] {
+            assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {} not {want}", erf(x));
+        }
+    }
+}

@@ -1,0 +1,122 @@
+//! SoftmaxCrossEntropyLoss, fused: one pass computes log-softmax, the loss and the saved
+//! log-probabilities; the gradient reads them back (softmax − one-hot, weighted, scaled).
+
+use super::{KResult, SharedSlice};
+use crate::graph::op::LossReduction;
+use crate::tensor::{DType, TensorView, TensorViewMut};
+use rayon::prelude::*;
+
+/// Scores [N, C, D...] → per-sample (n, d) positions; the class axis has stride D.
+fn layout(scores: &[usize]) -> (usize, usize, usize) {
+    (scores[0], scores[1], scores[2..].iter().product())
+}
+
+/// Labels as indices; `None` where ignored. Out-of-range labels are an error naming the label.
+fn labels_of(labels: &TensorView, classes: usize, ignore: Option<i64>) -> Result<Vec<Option<usize>>, String> {
+    let raw = labels.to_i64_vec().ok_or("labels must be integers")?;
+    raw.iter()
+        .map(|&l| {
+            if Some(l) == ignore {
+                Ok(None)
+            } else if (0..classes as i64).contains(&l) {
+                Ok(Some(l as usize))
+            } else {
+                Err(format!("label {l} is out of range for {classes} classes"))
+            }
+        })
+        .collect()
+}
+
+/// The divisor of a mean reduction: the summed weights of the positions that count.
+fn denominator(reduction: LossReduction, labels: &[Option<usize>], weights: Option<&[f32]>) -> f32 {
+    match reduction {
+        LossReduction::Mean => labels.iter().flatten().map(|&l| weights.map_or(1.0, |w| w[l])).sum(),
+        _ => 1.0,
+    }
+}
+
+pub fn softmax_cross_entropy(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    scores: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    if scores.dtype != DType::F32 {
+        return Err(format!("SoftmaxCrossEntropyLoss is not implemented for {}", scores.dtype));
+    }
+    let (n, c, d) = layout(scores.shape);
+    let x = scores.as_slice::<f32>();
+    let lab = labels_of(labels, c, ignore)?;
+    let w = weights.map(|w| w.as_slice::<f32>());
+    // Per position: log-softmax over classes into `logp`, and the weighted NLL.
+    let mut logp = vec![0f32; x.len()];
+    let nll: Vec<f32> = {
+        let positions = n * d;
+        let mut per = vec![0f32; positions];
+        let lp = SharedSlice::new(&mut logp);
+        per.par_iter_mut().enumerate().for_each(|(p, out)| {
+            let (i, k) = (p / d, p % d);
+            let at = |j: usize| i * c * d + j * d + k;
+            let max = (0..c).map(|j| x[at(j)]).fold(f32::NEG_INFINITY, f32::max);
+            let sum: f64 = (0..c).map(|j| ((x[at(j)] - max) as f64).exp()).sum();
+            let lse = max + sum.ln() as f32;
+            for j in 0..c {
+                // Each position writes its own class lane: disjoint across threads.
+                unsafe { lp.write(at(j), x[at(j)] - lse) };
+            }
+            *out = match lab[p] {
+                Some(l) => -(x[at(l)] - lse) * w.map_or(1.0, |w| w[l]),
+                None => 0.0,
+            };
+        });
+        per
+    };
+    let loss = &mut outs[0];
+    match reduction {
+        LossReduction::None => loss.as_mut_slice::<f32>().copy_from_slice(&nll),
+        _ => {
+            let total: f64 = nll.iter().map(|&v| v as f64).sum();
+            let den = denominator(reduction, &lab, w) as f64;
+            loss.as_mut_slice::<f32>()[0] = if den == 0.0 { 0.0 } else { (total / den) as f32 };
+        }
+    }
+    if let Some(lp) = outs.get_mut(1) {
+        lp.as_mut_slice::<f32>().copy_from_slice(&logp);
+    }
+    Ok(())
+}
+
+/// dLoss, log_prob, labels (, weights) → dScores = (softmax − onehot) · w[label] · dLoss / den.
+pub fn softmax_cross_entropy_grad(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    dloss: &TensorView,
+    log_prob: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    dx: &mut TensorViewMut,
+) -> KResult {
+    let (n, c, d) = layout(log_prob.shape);
+    let lp = log_prob.as_slice::<f32>();
+    let lab = labels_of(labels, c, ignore)?;
+    let w = weights.map(|w| w.as_slice::<f32>());
+    let g = dloss.as_slice::<f32>();
+    let den = denominator(reduction, &lab, w);
+    let out = SharedSlice::new(dx.as_mut_slice::<f32>());
+    (0..n * d).into_par_iter().for_each(|p| {
+        let (i, k) = (p / d, p % d);
+        let at = |j: usize| i * c * d + j * d + k;
+        let scale = match (lab[p], reduction) {
+            (None, _) => 0.0,
+            (Some(l), LossReduction::None) => g[p] * w.map_or(1.0, |w| w[l]),
+            (Some(l), _) => g[0] * w.map_or(1.0, |w| w[l]) / if den == 0.0 { 1.0 } else { den },
+        };
+        for j in 0..c {
+            let onehot = (lab[p] == Some(j)) as u8 as f32;
+            unsafe { out.write(at(j), (lp[at(j)].exp() - onehot) * scale) };
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,214 @@
+//! Matrix products on the `gemm` crate (blocked, SIMD, multithreaded): MatMul with numpy batch
+//! broadcasting, Gemm, and the fused MatMul + bias (+ GELU) the fusion pass emits.
+
+use super::elementwise::gelu_tanh;
+use super::KResult;
+use crate::graph::op::Unary;
+use crate::tensor::{strides, DType, TensorView, TensorViewMut};
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+/// A strided matrix operand: element offset, row stride, column stride.
+#[derive(Clone, Copy)]
+pub struct Mat {
+    pub offset: usize,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+/// dst[m×n] = (accumulate ? dst : 0) + scale · a[m×k] · b[k×n], in f32.
+///
+/// # Safety
+/// The operands must address valid memory for their shapes and strides, and `dst` must not
+/// overlap `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn sgemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    a: *const f32,
+    am: Mat,
+    b: *const f32,
+    bm: Mat,
+    accumulate: bool,
+    scale: f32,
+    par: Parallelism,
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs,
+        accumulate,
+        a.add(am.offset),
+        am.cs,
+        am.rs,
+        b.add(bm.offset),
+        bm.cs,
+        bm.rs,
+        1.0f32,
+        scale,
+        false,
+        false,
+        false,
+        par,
+    );
+}
+
+/// Threads for one GEMM of this size: small products run on one thread.
+pub fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
+    if m * n * k < 48 * 48 * 48 {
+        Parallelism::None
+    } else {
+        Parallelism::Rayon(rayon::current_num_threads())
+    }
+}
+
+fn as_2d(shape: &[usize], transposed: bool) -> (Vec<usize>, usize, usize, bool) {
+    // 1-D operands act as a row (A) or a column (B) vector; the caller passes which.
+    let r = shape.len();
+    let (rows, cols) = (shape[r - 2], shape[r - 1]);
+    let (m, k) = if transposed { (cols, rows) } else { (rows, cols) };
+    (shape[..r - 2].to_vec(), m, k, transposed)
+}
+
+/// out = act(A · B + bias) with numpy batch broadcasting; A and B may be transposed on their
+/// last two dims. `bias` broadcasts along the last output dim.
+pub fn matmul(
+    a: &TensorView,
+    b: &TensorView,
+    bias: Option<TensorView>,
+    trans_a: bool,
+    trans_b: bool,
+    act: Option<Unary>,
+    out: &mut TensorViewMut,
+) -> KResult {
+    match a.dtype {
+        DType::F32 => {}
+        DType::F64 => return matmul_f64(a, b, out),
+        d => return Err(format!("MatMul is not implemented for {d}")),
+    }
+    let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
+    let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
+    let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
+    let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
+    let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let nb: usize = batch.iter().product();
+    let offsets = |src_batch: &[usize], mat: usize| -> Vec<usize> {
+        // Element offset of each output batch's matrix in the source (0-stride when broadcast).
+        let mut padded = vec![1; batch.len() - src_batch.len()];
+        padded.extend_from_slice(src_batch);
+        let st = strides(&padded);
+        let mut v = Vec::with_capacity(nb);
+        let mut idx = vec![0usize; batch.len()];
+        for _ in 0..nb {
+            let o: usize = (0..batch.len()).map(|d| if padded[d] == 1 { 0 } else { idx[d] * st[d] }).sum();
+            v.push(o * mat);
+            for d in (0..idx.len()).rev() {
+                idx[d] += 1;
+                if idx[d] < batch[d] {
+                    break;
+                }
+                idx[d] = 0;
+            }
+        }
+        v
+    };
+    let a_off = offsets(&a_batch, m * k);
+    let b_off = offsets(&b_batch, k * n);
+    let (a_rows, a_cols) = (a_shape[a_shape.len() - 2], a_shape[a_shape.len() - 1]);
+    let (b_rows, b_cols) = (b_shape[b_shape.len() - 2], b_shape[b_shape.len() - 1]);
+    let _ = (a_rows, b_rows);
+    let am = |off| if trans_a { Mat { offset: off, rs: 1, cs: a_cols as isize } } else { Mat { offset: off, rs: a_cols as isize, cs: 1 } };
+    let bm = |off| if trans_b { Mat { offset: off, rs: 1, cs: b_cols as isize } } else { Mat { offset: off, rs: b_cols as isize, cs: 1 } };
+    let ap = a.as_slice::<f32>().as_ptr() as usize;
+    let bp = b.as_slice::<f32>().as_ptr() as usize;
+    let o = out.as_mut_slice::<f32>();
+    let has_bias = if let Some(bias) = bias {
+        let bv = bias.as_slice::<f32>();
+        if bv.len() != n {
+            return Err(format!("bias of {} elements does not match {n} columns", bv.len()));
+        }
+        for row in o.chunks_mut(n) {
+            row.copy_from_slice(bv);
+        }
+        true
+    } else {
+        false
+    };
+    let run = |i: usize, dst: &mut [f32], par: Parallelism| unsafe {
+        sgemm(m, n, k, dst.as_mut_ptr(), n as isize, ap as *const f32, am(a_off[i]), bp as *const f32, bm(b_off[i]), has_bias, 1.0, par)
+    };
+    if nb > 1 && m * n * k < 128 * 128 * 128 {
+        // Many small products (attention heads): one thread per product.
+        o.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| run(i, dst, Parallelism::None));
+    } else {
+        for (i, dst) in o.chunks_mut(m * n).enumerate() {
+            run(i, dst, parallelism(m, n, k));
+        }
+    }
+    if let Some(u) = act {
+        if u != Unary::GeluTanh {
+            return Err(format!("fused activation {u:?} is not implemented"));
+        }
+        o.par_chunks_mut(4096).for_each(|c| c.iter_mut().for_each(|v| *v = gelu_tanh(*v)));
+    }
+    Ok(())
+}
+
+/// Reference-speed f64 MatMul (ONNX node tests and gradient checks use doubles sometimes).
+fn matmul_f64(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
+    let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
+    let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
+    if a_shape.len() != 2 || b_shape.len() != 2 {
+        return Err("batched float64 MatMul is not implemented".into());
+    }
+    let (m, k, n) = (a_shape[0], a_shape[1], b_shape[1]);
+    let (x, y) = (a.as_slice::<f64>(), b.as_slice::<f64>());
+    let o = out.as_mut_slice::<f64>();
+    for i in 0..m {
+        for j in 0..n {
+            o[i * n + j] = (0..k).map(|p| x[i * k + p] * y[p * n + j]).sum();
+        }
+    }
+    Ok(())
+}
+
+/// ONNX Gemm: Y = alpha · A' · B' + beta · C.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(alpha: f32, beta: f32, trans_a: bool, trans_b: bool, a: &TensorView, b: &TensorView, c: Option<TensorView>, out: &mut TensorViewMut) -> KResult {
+    if a.dtype != DType::F32 {
+        return Err(format!("Gemm is not implemented for {}", a.dtype));
+    }
+    let (m, n) = (out.shape[0], out.shape[1]);
+    let k = if trans_a { a.shape[0] } else { a.shape[1] };
+    let o = out.as_mut_slice::<f32>();
+    let accumulate = match c {
+        Some(c) if beta != 0.0 => {
+            let cv = c.as_slice::<f32>();
+            let (cr, cc) = match c.shape.len() {
+                0 => (1, 1),
+                1 => (1, c.shape[0]),
+                _ => (c.shape[0], c.shape[1]),
+            };
+            for i in 0..m {
+                for j in 0..n {
+                    o[i * n + j] = beta * cv[(i % cr) * cc + (j % cc)];
+                }
+            }
+            true
+        }
+        _ => false,
+    };
+    let (ac, bc) = (a.shape[1] as isize, b.shape[1] as isize);
+    let am = if trans_a { Mat { offset: 0, rs: 1, cs: ac } } else { Mat { offset: 0, rs: ac, cs: 1 } };
+    let bm = if trans_b { Mat { offset: 0, rs: 1, cs: bc } } else { Mat { offset: 0, rs: bc, cs: 1 } };
+    unsafe {
+        sgemm(m, n, k, o.as_mut_ptr(), n as isize, a.as_slice::<f32>().as_ptr(), am, b.as_slice::<f32>().as_ptr(), bm, accumulate, alpha, parallelism(m, n, k));
+    }
+    Ok(())
+}

@@ -1,0 +1,143 @@
+//! CPU kernels, one file per family. [`run`] dispatches a static [`Op`] to them.
+//!
+//! Kernels take views over tensors whose shapes were fixed at plan time, so they check nothing a
+//! planner already checked; what they return as `Err` are data-dependent faults (an index out of
+//! range, say), phrased for the node that ran them.
+
+pub mod cast;
+pub mod conv;
+pub mod elementwise;
+pub mod loss;
+pub mod matmul;
+pub mod norm;
+pub mod random;
+pub mod shape;
+
+use crate::graph::op::Op;
+use crate::tensor::{Tensor, TensorView, TensorViewMut};
+
+/// Elements below which a kernel stays on one thread (rayon's fork/join costs more).
+pub const PAR_MIN: usize = 1 << 14;
+
+pub type KResult = Result<(), String>;
+
+/// A mutable slice that parallel workers write through at disjoint indices (lanes of a
+/// softmax, say) where the disjointness is not a contiguous split `par_chunks_mut` could show.
+#[derive(Clone, Copy)]
+pub struct SharedSlice<T> {
+    ptr: *mut T,
+    len: usize,
+}
+unsafe impl<T: Send> Send for SharedSlice<T> {}
+unsafe impl<T: Send> Sync for SharedSlice<T> {}
+impl<T> SharedSlice<T> {
+    pub fn new(s: &mut [T]) -> SharedSlice<T> {
+        SharedSlice { ptr: s.as_mut_ptr(), len: s.len() }
+    }
+    /// # Safety
+    /// No other worker writes or reads index `i` while this runs, and the slice outlives it.
+    pub unsafe fn write(self, i: usize, v: T) {
+        assert!(i < self.len, "SharedSlice index out of bounds");
+        *self.ptr.add(i) = v;
+    }
+}
+
+/// Runs `op` on `inputs` (omitted optional inputs are `None`) into `outputs`, whose shapes and
+/// types are the ones inference gave.
+pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]) -> KResult {
+    let x = |i: usize| inputs.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
+    match op {
+        Op::Unary(u) => elementwise::unary(*u, &x(0)?, &mut outputs[0]),
+        Op::UnaryGrad(u) => elementwise::unary_grad(*u, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::Binary(b) => elementwise::binary(*b, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::Where => elementwise::where_(&x(0)?, &x(1)?, &x(2)?, &mut outputs[0]),
+        Op::Cast { .. } => {
+            cast::cast_into(&x(0)?, &mut outputs[0]);
+            Ok(())
+        }
+        Op::Identity | Op::Reshape => {
+            outputs[0].bytes.copy_from_slice(x(0)?.bytes);
+            Ok(())
+        }
+        Op::Dropout { ratio, training, seed } => random::dropout(*ratio, *training, *seed, &x(0)?, outputs),
+        Op::DropoutGrad { ratio } => random::dropout_grad(*ratio, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::MatMul => matmul::matmul(&x(0)?, &x(1)?, None, false, false, None, &mut outputs[0]),
+        Op::FusedMatMul { trans_a, trans_b, activation } => {
+            matmul::matmul(&x(0)?, &x(1)?, inputs.get(2).copied().flatten(), *trans_a, *trans_b, *activation, &mut outputs[0])
+        }
+        Op::Gemm { alpha, beta, trans_a, trans_b } => {
+            matmul::gemm(*alpha, *beta, *trans_a, *trans_b, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
+        }
+        Op::Softmax { axis } => norm::softmax(*axis, false, &x(0)?, &mut outputs[0]),
+        Op::LogSoftmax { axis } => norm::softmax(*axis, true, &x(0)?, &mut outputs[0]),
+        Op::SoftmaxGrad { axis } => norm::softmax_grad(*axis, false, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::LogSoftmaxGrad { axis } => norm::softmax_grad(*axis, true, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::LayerNorm { axis, epsilon } => {
+            norm::layer_norm(*axis, *epsilon, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
+        }
+        Op::LayerNormGrad { axis } => norm::layer_norm_grad(*axis, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs),
+        Op::Transpose { perm } => shape::transpose(perm.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0]),
+        Op::Concat { axis } => {
+            let ins: Vec<TensorView> = inputs.iter().flatten().copied().collect();
+            shape::concat(*axis as usize, &ins, &mut outputs[0])
+        }
+        Op::Split { axis, .. } => shape::split(*axis as usize, &x(0)?, outputs),
+        Op::Slice { starts, ends, axes, steps } => shape::slice(starts, ends, axes, steps, &x(0)?, &mut outputs[0]),
+        Op::SliceGrad { starts, ends, axes, steps, .. } => shape::slice_grad(starts, ends, axes, steps, &x(0)?, &mut outputs[0]),
+        Op::Gather { axis } => shape::gather(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::GatherGrad { axis, .. } => shape::gather_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::Expand => shape::expand(&x(0)?, &mut outputs[0]),
+        Op::Trilu { upper, k } => shape::trilu(*upper, *k, &x(0)?, &mut outputs[0]),
+        Op::ReduceOp { kind, axes, .. } => shape::reduce(*kind, axes.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0]),
+        Op::ReduceSumTo { .. } => shape::reduce_sum_to(&x(0)?, &mut outputs[0]),
+        Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
+            loss::softmax_cross_entropy(*reduction, *ignore_index, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
+        }
+        Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => {
+            loss::softmax_cross_entropy_grad(*reduction, *ignore_index, &x(0)?, &x(1)?, &x(2)?, inputs.get(3).copied().flatten(), &mut outputs[0])
+        }
+        Op::Conv { window, group } => conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0]),
+        Op::ConvGrad { window, group } => conv::conv_grad(window, *group, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::Pool { kind, window } => conv::pool(*kind, window, &x(0)?, &mut outputs[0]),
+        Op::PoolGrad { kind, window } => conv::pool_grad(*kind, window, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::GlobalAveragePool => conv::global_average_pool(&x(0)?, &mut outputs[0]),
+        Op::BatchNorm { epsilon, momentum, training } => {
+            conv::batch_norm(*epsilon, *momentum, *training, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)
+        }
+        Op::BatchNormGrad { epsilon } => conv::batch_norm_grad(*epsilon, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::Constant { .. }
+        | Op::Shape { .. }
+        | Op::ConstantOfShape { .. }
+        | Op::Range
+        | Op::Squeeze { .. }
+        | Op::Unsqueeze { .. }
+        | Op::Flatten { .. } => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
+    }
+}
+
+/// `run` over owned tensors (constant folding and tests).
+pub fn run_on_tensors(op: &Op, inputs: &[Option<&Tensor>], outputs: &mut [Tensor]) -> KResult {
+    let views: Vec<Option<TensorView>> = inputs.iter().map(|t| t.map(|t| t.view())).collect();
+    let mut outs: Vec<TensorViewMut> = outputs.iter_mut().map(|t| t.view_mut()).collect();
+    run(op, &views, &mut outs)
+}
+
+/// Fills `out` with a one-element tensor's value.
+pub fn broadcast_fill(value: &Tensor, out: &mut Tensor) {
+    let b = value.bytes().to_vec();
+    for chunk in out.bytes_mut().chunks_mut(b.len().max(1)) {
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// ONNX Range over scalar start, limit, delta of one type.
+pub fn range(start: &Tensor, limit: &Tensor, delta: &Tensor) -> Result<Tensor, String> {
+    let (s, l, d) = (start.to_f64_vec()[0], limit.to_f64_vec()[0], delta.to_f64_vec()[0]);
+    if d == 0.0 {
+        return Err("Range delta is 0".into());
+    }
+    let n = ((l - s) / d).ceil().max(0.0) as usize;
+    let vals: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
+    let t = Tensor::from_vec(&[n], vals);
+    Ok(t.cast(start.dtype()))
+}

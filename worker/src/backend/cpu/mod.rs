@@ -1,0 +1,104 @@
+//! The CPU backend: host memory buffers, kernels on rayon's thread pool, GEMM from the `gemm`
+//! crate. Work runs when it is launched, so `synchronize` has nothing to wait for.
+
+pub mod kernels;
+
+use super::{Arg, Backend, StepHyper};
+use crate::graph::op::Op;
+use crate::optim::Update;
+use crate::tensor::{Tensor, TensorView, TensorViewMut};
+use rayon::prelude::*;
+use std::cell::UnsafeCell;
+
+/// Host memory, 8-byte aligned. Written through shared references: the executor's plan
+/// guarantees that no two live values overlap, which is what makes the views below sound.
+pub struct CpuBuffer {
+    words: UnsafeCell<Vec<u64>>,
+    len: usize,
+}
+
+unsafe impl Send for CpuBuffer {}
+unsafe impl Sync for CpuBuffer {}
+
+impl CpuBuffer {
+    fn bytes_at(&self, offset: usize, len: usize) -> *mut u8 {
+        assert!(offset + len <= self.len, "a value runs past its buffer ({offset}+{len} > {})", self.len);
+        unsafe { ((*self.words.get()).as_mut_ptr() as *mut u8).add(offset) }
+    }
+}
+
+fn view<'a>(a: &Arg<'a, CpuBuffer>) -> TensorView<'a> {
+    let len = a.meta.bytes();
+    let p = a.buf.bytes_at(a.offset, len);
+    TensorView { dtype: a.meta.dtype, shape: &a.meta.shape, bytes: unsafe { std::slice::from_raw_parts(p, len) } }
+}
+
+fn view_mut<'a>(a: &Arg<'a, CpuBuffer>) -> TensorViewMut<'a> {
+    let len = a.meta.bytes();
+    let p = a.buf.bytes_at(a.offset, len);
+    TensorViewMut { dtype: a.meta.dtype, shape: &a.meta.shape, bytes: unsafe { std::slice::from_raw_parts_mut(p, len) } }
+}
+
+#[derive(Default)]
+pub struct CpuBackend;
+
+impl CpuBackend {
+    pub fn new() -> CpuBackend {
+        CpuBackend
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer, String> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(bytes.div_ceil(8)).map_err(|_| format!("cannot allocate {bytes} bytes of host memory"))?;
+        v.resize(bytes.div_ceil(8), 0);
+        Ok(CpuBuffer { words: UnsafeCell::new(v), len: bytes })
+    }
+
+    fn upload(&self, src: &Tensor, dst: Arg<CpuBuffer>) -> Result<(), String> {
+        if src.byte_len() != dst.meta.bytes() {
+            return Err(format!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes()));
+        }
+        view_mut(&dst).bytes.copy_from_slice(src.bytes());
+        Ok(())
+    }
+
+    fn download(&self, src: Arg<CpuBuffer>) -> Result<Tensor, String> {
+        Ok(view(&src).to_tensor())
+    }
+
+    fn launch(&self, op: &Op, inputs: &[Option<Arg<CpuBuffer>>], outputs: &[Arg<CpuBuffer>]) -> Result<(), String> {
+        let ins: Vec<Option<TensorView>> = inputs.iter().map(|a| a.as_ref().map(view)).collect();
+        let mut outs: Vec<TensorViewMut> = outputs.iter().map(view_mut).collect();
+        kernels::run(op, &ins, &mut outs)
+    }
+
+    fn accumulate(&self, dst: Arg<CpuBuffer>, keep: f32, src: Arg<CpuBuffer>, scale: f32) -> Result<(), String> {
+        let s = view(&src).as_slice::<f32>();
+        let mut d = view_mut(&dst);
+        d.as_mut_slice::<f32>().par_iter_mut().zip(s.par_iter()).for_each(|(d, s)| *d = *d * keep + s * scale);
+        Ok(())
+    }
+
+    fn sum_squares(&self, x: Arg<CpuBuffer>) -> Result<f64, String> {
+        Ok(view(&x).as_slice::<f32>().par_chunks(4096).map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>()).sum())
+    }
+
+    fn optimizer_step(&self, update: &Update, h: StepHyper, param: Arg<CpuBuffer>, grad: Arg<CpuBuffer>, state: &[Arg<CpuBuffer>]) -> Result<(), String> {
+        let mut p = view_mut(&param);
+        let g = view(&grad).as_slice::<f32>();
+        let mut st: Vec<TensorViewMut> = state.iter().map(view_mut).collect();
+        crate::optim::cpu_step(update, h, p.as_mut_slice::<f32>(), g, &mut st)
+    }
+
+    fn synchronize(&self) -> Result<(), String> {
+        Ok(())
+    }
+}

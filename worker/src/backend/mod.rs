@@ -1,0 +1,69 @@
+//! The device abstraction. A backend owns device memory and runs ops on it; the executor plans
+//! which bytes of which buffer every value lives in and asks the backend to run each step.
+//!
+//! The trait is shaped for asynchronous devices: `upload`, `launch` and the optimizer calls
+//! are enqueued work (the CPU backend simply does them at once), and only `download`,
+//! `sum_squares` and `synchronize` wait. A CUDA backend implements the same calls with a
+//! stream, device allocations and kernel launches.
+
+pub mod cpu;
+
+use crate::graph::ir::Meta;
+use crate::graph::op::Op;
+use crate::optim::Update;
+use crate::tensor::Tensor;
+
+/// A value's place on the device: a buffer, a byte offset into it, and its type and shape.
+pub struct Arg<'a, B> {
+    pub buf: &'a B,
+    pub offset: usize,
+    pub meta: &'a Meta,
+}
+
+impl<B> Clone for Arg<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B> Copy for Arg<'_, B> {}
+
+/// The per-step numbers of an optimizer update.
+#[derive(Clone, Copy, Debug)]
+pub struct StepHyper {
+    pub lr: f32,
+    /// 1 for the first update (Adam's bias correction counts from 1).
+    pub step: u64,
+    /// Multiplies the gradient before use (clipping, loss-scale removal).
+    pub grad_scale: f32,
+}
+
+pub trait Backend: Send + Sync {
+    type Buffer: Send + Sync;
+
+    fn name(&self) -> String;
+
+    /// `bytes` of zeroed device memory.
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer, String>;
+
+    /// Copies a host tensor to `dst` (its bytes must fit at `dst.offset`).
+    fn upload(&self, src: &Tensor, dst: Arg<Self::Buffer>) -> Result<(), String>;
+
+    /// Copies a device value to a host tensor of the same meta; waits for pending work.
+    fn download(&self, src: Arg<Self::Buffer>) -> Result<Tensor, String>;
+
+    /// Runs one static op. `outputs` never overlap live `inputs` (the planner sees to it).
+    fn launch(&self, op: &Op, inputs: &[Option<Arg<Self::Buffer>>], outputs: &[Arg<Self::Buffer>]) -> Result<(), String>;
+
+    /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation).
+    fn accumulate(&self, dst: Arg<Self::Buffer>, keep: f32, src: Arg<Self::Buffer>, scale: f32) -> Result<(), String>;
+
+    /// Σ x² over an f32 value, for global gradient norms; waits for pending work.
+    fn sum_squares(&self, x: Arg<Self::Buffer>) -> Result<f64, String>;
+
+    /// One optimizer update of `param` from `grad`, with per-parameter `state` buffers
+    /// (momentum; or Adam's first and second moments), all f32 of the param's meta.
+    fn optimizer_step(&self, update: &Update, hyper: StepHyper, param: Arg<Self::Buffer>, grad: Arg<Self::Buffer>, state: &[Arg<Self::Buffer>]) -> Result<(), String>;
+
+    /// Waits until all enqueued work is done.
+    fn synchronize(&self) -> Result<(), String>;
+}

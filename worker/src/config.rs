@@ -1,0 +1,652 @@
+//! The training configuration: the file `tensorfleet-worker train --config` reads and the
+//! `spec.training` of a `TrainingJob` (the operator embeds this very type). Keys are camelCase;
+//! unknown keys are errors that name the key.
+
+use crate::error::{Error, Result};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TrainingConfig {
+    /// The model: one builtin builder or an ONNX file.
+    pub model: ModelSpec,
+    /// Training and evaluation data.
+    pub data: DataConfig,
+    /// Seed of weight initialization, data order and dropout.
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    /// Samples per data-parallel rank per micro-batch.
+    pub batch_size: usize,
+    /// Micro-batches per weight update.
+    #[serde(default = "d_one")]
+    pub gradient_accumulation_steps: usize,
+    /// Weight updates to run.
+    pub steps: u64,
+    #[serde(default)]
+    pub optimizer: OptimizerConfig,
+    #[serde(default)]
+    pub lr_schedule: LrSchedule,
+    /// Global gradient-norm clipping threshold; 0 switches clipping off.
+    #[serde(default)]
+    pub grad_clip_norm: f64,
+    #[serde(default)]
+    pub precision: Precision,
+    #[serde(default)]
+    pub device: DeviceKind,
+    #[serde(default)]
+    pub parallelism: Parallelism,
+    #[serde(default)]
+    pub evaluation: EvaluationConfig,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub logging: LoggingConfig,
+    #[serde(default)]
+    pub output: OutputConfig,
+}
+
+fn d_seed() -> u64 {
+    42
+}
+fn d_one() -> usize {
+    1
+}
+
+/// The model: exactly one of a builtin builder or an ONNX file. (A struct of options rather
+/// than an enum, so YAML reads `model: {gpt2: {...}}` and the CRD schema stays structural.)
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ModelSpec {
+    /// A GPT-2 built in the worker: tied embeddings, tanh GELU, causal attention.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpt2: Option<Gpt2Config>,
+    /// SqueezeNet 1.1 built in the worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub squeezenet: Option<SqueezeNetConfig>,
+    /// A multilayer perceptron built in the worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp: Option<MlpConfig>,
+    /// An ONNX model file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub onnx: Option<OnnxModelConfig>,
+}
+
+/// The chosen model, once `ModelSpec` is checked to name exactly one.
+#[derive(Clone, Copy, Debug)]
+pub enum ModelConfig<'a> {
+    Gpt2(&'a Gpt2Config),
+    Squeezenet(&'a SqueezeNetConfig),
+    Mlp(&'a MlpConfig),
+    Onnx(&'a OnnxModelConfig),
+}
+
+impl ModelSpec {
+    /// The one model this spec names (validation guarantees there is exactly one).
+    pub fn kind(&self) -> Result<ModelConfig<'_>> {
+        let mut found = Vec::new();
+        if let Some(c) = &self.gpt2 {
+            found.push(ModelConfig::Gpt2(c));
+        }
+        if let Some(c) = &self.squeezenet {
+            found.push(ModelConfig::Squeezenet(c));
+        }
+        if let Some(c) = &self.mlp {
+            found.push(ModelConfig::Mlp(c));
+        }
+        if let Some(c) = &self.onnx {
+            found.push(ModelConfig::Onnx(c));
+        }
+        match found.len() {
+            1 => Ok(found[0]),
+            0 => Err(Error::Config("key 'model': name one of gpt2, squeezenet, mlp or onnx".into())),
+            _ => Err(Error::Config("key 'model': name only one of gpt2, squeezenet, mlp or onnx".into())),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Gpt2Config {
+    pub layers: usize,
+    pub heads: usize,
+    /// Embedding width; a multiple of `heads`.
+    pub embed: usize,
+    /// Sequence length (and number of learned positions).
+    pub seq_len: usize,
+    #[serde(default = "d_vocab")]
+    pub vocab: usize,
+    /// Dropout probability on embeddings, attention output and MLP output (0 = none).
+    #[serde(default)]
+    pub dropout: f32,
+}
+
+fn d_vocab() -> usize {
+    50257
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SqueezeNetConfig {
+    #[serde(default = "d_classes")]
+    pub classes: usize,
+    /// Height and width of the (square, 3-channel) input image.
+    #[serde(default = "d_image")]
+    pub image_size: usize,
+}
+
+fn d_classes() -> usize {
+    1000
+}
+fn d_image() -> usize {
+    224
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MlpConfig {
+    pub inputs: usize,
+    /// Widths of the hidden layers (ReLU after each).
+    pub hidden: Vec<usize>,
+    pub classes: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OnnxModelConfig {
+    /// The model file (relative paths are relative to the configuration file).
+    pub path: PathBuf,
+    /// The loss: attached by `type`, or already in the model (`output` only).
+    pub loss: LossConfig,
+    /// Sizes of symbolic dimensions of the inputs (e.g. `batch: 8`); the batch dimension is
+    /// bound from `batchSize` when not given.
+    #[serde(default)]
+    pub dims: BTreeMap<String, usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LossConfig {
+    /// `softmaxCrossEntropy` or `mse` to attach a loss; absent when the model computes it.
+    #[serde(default, rename = "type")]
+    pub kind: Option<LossKind>,
+    /// The graph output the loss reads (or, without `type`, the loss itself).
+    pub output: String,
+    /// The name of the label input the attached loss adds.
+    #[serde(default = "d_label")]
+    pub label: String,
+    /// Label value that does not count (softmaxCrossEntropy).
+    #[serde(default)]
+    pub ignore_index: Option<i64>,
+}
+
+fn d_label() -> String {
+    "labels".into()
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum LossKind {
+    SoftmaxCrossEntropy,
+    Mse,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DataConfig {
+    pub train: DataSource,
+    #[serde(default)]
+    pub eval: Option<DataSource>,
+    /// Shuffle the order of samples (token windows or sample records) with the seed.
+    #[serde(default = "d_true")]
+    pub shuffle: bool,
+}
+
+fn d_true() -> bool {
+    true
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DataSource {
+    /// A directory of shards, or one shard file.
+    pub path: PathBuf,
+    pub format: DataFormat,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum DataFormat {
+    /// llm.c token shards (`*.bin`).
+    Tokens,
+    /// ONNX Runtime sample shards (`*.pb`).
+    OnnxSamples,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OptimizerConfig {
+    #[serde(default)]
+    pub name: OptimizerName,
+    #[serde(default = "d_lr")]
+    pub lr: f64,
+    #[serde(default = "d_beta1")]
+    pub beta1: f64,
+    #[serde(default = "d_beta2")]
+    pub beta2: f64,
+    #[serde(default = "d_eps")]
+    pub epsilon: f64,
+    #[serde(default)]
+    pub weight_decay: f64,
+    /// SGD momentum.
+    #[serde(default)]
+    pub momentum: f64,
+    #[serde(default)]
+    pub nesterov: bool,
+}
+
+fn d_lr() -> f64 {
+    1e-3
+}
+fn d_beta1() -> f64 {
+    0.9
+}
+fn d_beta2() -> f64 {
+    0.999
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            name: OptimizerName::Adamw,
+            lr: d_lr(),
+            beta1: d_beta1(),
+            beta2: d_beta2(),
+            epsilon: d_eps(),
+            weight_decay: 0.0,
+            momentum: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum OptimizerName {
+    Sgd,
+    Adam,
+    #[default]
+    Adamw,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LrSchedule {
+    #[serde(default)]
+    pub name: ScheduleName,
+    /// Updates of linear warmup from lr/warmupSteps to lr.
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// The rate decaying schedules end at (0 when absent).
+    #[serde(default)]
+    pub min_lr: Option<f64>,
+    /// Exponent of the polynomial schedule.
+    #[serde(default = "d_power")]
+    pub power: f64,
+    /// Share of the post-warmup steps that warmup-stable-decay spends decaying.
+    #[serde(default = "d_decay_fraction")]
+    pub decay_fraction: f64,
+}
+
+fn d_power() -> f64 {
+    1.0
+}
+fn d_decay_fraction() -> f64 {
+    0.2
+}
+
+impl Default for LrSchedule {
+    fn default() -> Self {
+        LrSchedule { name: ScheduleName::Constant, warmup_steps: 0, min_lr: None, power: d_power(), decay_fraction: d_decay_fraction() }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum ScheduleName {
+    #[default]
+    Constant,
+    Linear,
+    Polynomial,
+    Cosine,
+    WarmupStableDecay,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum Precision {
+    #[default]
+    Fp32,
+    Fp16,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum DeviceKind {
+    /// CUDA when a GPU is present, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Parallelism {
+    #[serde(default = "d_one")]
+    pub data: usize,
+    #[serde(default = "d_one")]
+    pub tensor: usize,
+    #[serde(default = "d_one")]
+    pub pipeline: usize,
+    /// ZeRO stage: 0 off, 1 optimizer state sharded, 2 gradients too.
+    #[serde(default)]
+    pub zero: u8,
+}
+
+impl Default for Parallelism {
+    fn default() -> Self {
+        Parallelism { data: 1, tensor: 1, pipeline: 1, zero: 0 }
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EvaluationConfig {
+    /// Evaluate every this many updates (0 = never).
+    #[serde(default)]
+    pub every: u64,
+    /// Batches per evaluation.
+    #[serde(default = "d_eval_batches")]
+    pub batches: usize,
+}
+
+fn d_eval_batches() -> usize {
+    4
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many updates (0 = never).
+    #[serde(default)]
+    pub every: u64,
+    /// How many checkpoints to keep (the newest).
+    #[serde(default = "d_keep")]
+    pub keep: usize,
+}
+
+fn d_keep() -> usize {
+    3
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        CheckpointConfig { every: 0, keep: d_keep() }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// Log every this many updates.
+    #[serde(default = "d_log_every")]
+    pub every: u64,
+}
+
+fn d_log_every() -> u64 {
+    1
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        LoggingConfig { every: 1 }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OutputConfig {
+    /// Where metrics.jsonl, checkpoints/ and model.onnx go (relative to the configuration file).
+    #[serde(default = "d_out")]
+    pub dir: PathBuf,
+}
+
+fn d_out() -> PathBuf {
+    PathBuf::from("out")
+}
+
+impl Default for OutputConfig {
+    fn default() -> Self {
+        OutputConfig { dir: d_out() }
+    }
+}
+
+/// Sets `a.b.c = value` in a YAML document; `value` is parsed as YAML (so `3`, `true`,
+/// `[1,2]` and `{x: 1}` keep their types).
+pub fn apply_override(doc: &mut serde_yaml::Value, assignment: &str) -> Result<()> {
+    let (path, raw) = assignment
+        .split_once('=')
+        .ok_or_else(|| Error::Config(format!("--set '{assignment}': expected key.path=value")))?;
+    let value: serde_yaml::Value =
+        serde_yaml::from_str(raw).map_err(|e| Error::Config(format!("--set {path}: the value '{raw}' is not valid YAML: {e}")))?;
+    let mut node = doc;
+    let keys: Vec<&str> = path.split('.').collect();
+    for (i, key) in keys.iter().enumerate() {
+        if key.is_empty() {
+            return Err(Error::Config(format!("--set '{assignment}': empty key in '{path}'")));
+        }
+        if !node.is_mapping() {
+            return Err(Error::Config(format!("--set {path}: '{}' is not a mapping", keys[..i].join("."))));
+        }
+        let map = node.as_mapping_mut().expect("checked above");
+        let k = serde_yaml::Value::String(key.to_string());
+        if i + 1 == keys.len() {
+            map.insert(k, value);
+            return Ok(());
+        }
+        if !map.contains_key(&k) {
+            map.insert(k.clone(), serde_yaml::Value::Mapping(Default::default()));
+        }
+        node = map.get_mut(&k).expect("inserted above");
+    }
+    Ok(())
+}
+
+impl TrainingConfig {
+    /// Parses YAML (or JSON) text; `origin` names the file in messages. Errors name the key.
+    pub fn parse(text: &str, origin: &str, overrides: &[String]) -> Result<TrainingConfig> {
+        let mut doc: serde_yaml::Value =
+            serde_yaml::from_str(text).map_err(|e| Error::Config(format!("{origin}: not valid YAML: {e}")))?;
+        for o in overrides {
+            apply_override(&mut doc, o)?;
+        }
+        let cfg: TrainingConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            Error::Config(format!("{origin}: key '{path}': {inner}"))
+        })?;
+        cfg.validate(origin)?;
+        Ok(cfg)
+    }
+
+    /// Reads a configuration file; relative paths inside it become relative to its directory.
+    pub fn load(path: &Path, overrides: &[String]) -> Result<TrainingConfig> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("configuration file {}: {e}", path.display())))?;
+        let mut cfg = TrainingConfig::parse(&text, &path.display().to_string(), overrides)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        cfg.resolve_paths(base);
+        Ok(cfg)
+    }
+
+    fn resolve_paths(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        if let Some(o) = &mut self.model.onnx {
+            fix(&mut o.path);
+        }
+        fix(&mut self.data.train.path);
+        if let Some(e) = &mut self.data.eval {
+            fix(&mut e.path);
+        }
+        fix(&mut self.output.dir);
+    }
+
+    /// Checks what the types cannot: ranges and combinations. Messages name the key.
+    pub fn validate(&self, origin: &str) -> Result<()> {
+        let bad = |key: &str, why: String| Err(Error::Config(format!("{origin}: key '{key}': {why}")));
+        if self.batch_size == 0 {
+            return bad("batchSize", "must be at least 1".into());
+        }
+        if self.gradient_accumulation_steps == 0 {
+            return bad("gradientAccumulationSteps", "must be at least 1".into());
+        }
+        if self.steps == 0 {
+            return bad("steps", "must be at least 1".into());
+        }
+        if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
+            return bad("optimizer.lr", format!("must be a positive number, not {}", self.optimizer.lr));
+        }
+        for (k, v) in [("optimizer.beta1", self.optimizer.beta1), ("optimizer.beta2", self.optimizer.beta2), ("optimizer.momentum", self.optimizer.momentum)] {
+            if !(0.0..1.0).contains(&v) {
+                return bad(k, format!("must be in [0, 1), not {v}"));
+            }
+        }
+        if self.optimizer.epsilon <= 0.0 {
+            return bad("optimizer.epsilon", "must be positive".into());
+        }
+        if self.optimizer.weight_decay < 0.0 {
+            return bad("optimizer.weightDecay", "must not be negative".into());
+        }
+        if self.optimizer.nesterov && (self.optimizer.name != OptimizerName::Sgd || self.optimizer.momentum == 0.0) {
+            return bad("optimizer.nesterov", "needs optimizer.name sgd with a momentum".into());
+        }
+        if self.grad_clip_norm < 0.0 {
+            return bad("gradClipNorm", "must not be negative (0 switches clipping off)".into());
+        }
+        if let Some(m) = self.lr_schedule.min_lr {
+            if m < 0.0 || m > self.optimizer.lr {
+                return bad("lrSchedule.minLr", format!("must be in [0, optimizer.lr], not {m}"));
+            }
+        }
+        if !(0.0..=1.0).contains(&self.lr_schedule.decay_fraction) {
+            return bad("lrSchedule.decayFraction", "must be in [0, 1]".into());
+        }
+        if self.lr_schedule.warmup_steps > self.steps {
+            return bad("lrSchedule.warmupSteps", format!("{} exceeds steps ({})", self.lr_schedule.warmup_steps, self.steps));
+        }
+        let p = &self.parallelism;
+        if p.data == 0 || p.tensor == 0 || p.pipeline == 0 {
+            return bad("parallelism", "sizes must be at least 1".into());
+        }
+        if p.zero > 2 {
+            return bad("parallelism.zero", format!("stage {} does not exist (0, 1 or 2)", p.zero));
+        }
+        if self.evaluation.every > 0 && self.data.eval.is_none() {
+            return bad("evaluation.every", "needs data.eval".into());
+        }
+        if self.evaluation.every > 0 && self.evaluation.batches == 0 {
+            return bad("evaluation.batches", "must be at least 1".into());
+        }
+        if self.checkpoint.keep == 0 {
+            return bad("checkpoint.keep", "must be at least 1".into());
+        }
+        if self.logging.every == 0 {
+            return bad("logging.every", "must be at least 1".into());
+        }
+        let kind = self.model.kind().map_err(|e| Error::Config(format!("{origin}: {e}")))?;
+        match kind {
+            ModelConfig::Gpt2(g) => {
+                if g.layers == 0 || g.heads == 0 || g.embed == 0 || g.seq_len == 0 || g.vocab == 0 {
+                    return bad("model.gpt2", "layers, heads, embed, seqLen and vocab must be at least 1".into());
+                }
+                if g.embed % g.heads != 0 {
+                    return bad("model.gpt2.embed", format!("{} is not a multiple of heads ({})", g.embed, g.heads));
+                }
+                if !(0.0..1.0).contains(&g.dropout) {
+                    return bad("model.gpt2.dropout", "must be in [0, 1)".into());
+                }
+                if self.data.train.format != DataFormat::Tokens {
+                    return bad("data.train.format", "GPT-2 trains on token shards (format: tokens)".into());
+                }
+            }
+            ModelConfig::Squeezenet(s) => {
+                if s.image_size < 32 || s.classes == 0 {
+                    return bad("model.squeezenet", "imageSize must be at least 32 and classes at least 1".into());
+                }
+            }
+            ModelConfig::Mlp(m) => {
+                if m.inputs == 0 || m.classes == 0 || m.hidden.contains(&0) {
+                    return bad("model.mlp", "inputs, classes and hidden widths must be at least 1".into());
+                }
+            }
+            ModelConfig::Onnx(_) => {}
+        }
+        Ok(())
+    }
+
+    /// The JSON schema of the configuration (the operator embeds it as `spec.training`).
+    pub fn schema() -> schemars::Schema {
+        schemars::schema_for!(TrainingConfig)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "model: {gpt2: {layers: 2, heads: 2, embed: 64, seqLen: 64}}\n\
+                        data: {train: {path: data/train, format: tokens}}\nbatchSize: 8\nsteps: 10\n";
+
+    #[test]
+    fn parses_defaults_and_overrides() {
+        let c = TrainingConfig::parse(BASE, "t.yaml", &["optimizer.lr=0.01".into(), "seed=7".into()]).unwrap();
+        assert_eq!(c.seed, 7);
+        assert_eq!(c.optimizer.lr, 0.01);
+        assert_eq!(c.optimizer.name, OptimizerName::Adamw);
+        assert!(matches!(c.model.kind().unwrap(), ModelConfig::Gpt2(Gpt2Config { vocab: 50257, .. })));
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = TrainingConfig::parse(&format!("{BASE}optimizer: {{lr: 1, betta1: 0.9}}\n"), "t.yaml", &[]).unwrap_err();
+        assert!(e.to_string().contains("optimizer"), "{e}");
+        assert!(e.to_string().contains("betta1"), "{e}");
+        assert_eq!(e.exit_code(), 2);
+        let e = TrainingConfig::parse(BASE, "t.yaml", &["batchSize=0".into()]).unwrap_err();
+        assert!(e.to_string().contains("batchSize"), "{e}");
+        let e = TrainingConfig::parse(BASE, "t.yaml", &["optimizer.lr=fast".into()]).unwrap_err();
+        assert!(e.to_string().contains("optimizer.lr"), "{e}");
+        let e = TrainingConfig::parse(BASE, "t.yaml", &["model.gpt2.embed=65".into()]).unwrap_err();
+        assert!(e.to_string().contains("model.gpt2.embed"), "{e}");
+    }
+
+    #[test]
+    fn json_is_yaml_and_schema_builds() {
+        let json = r#"{"model": {"mlp": {"inputs": 4, "hidden": [8], "classes": 3}},
+                      "data": {"train": {"path": "d", "format": "onnxSamples"}}, "batchSize": 2, "steps": 1}"#;
+        TrainingConfig::parse(json, "t.json", &[]).unwrap();
+        let s = serde_json::to_string(&TrainingConfig::schema()).unwrap();
+        assert!(s.contains("batchSize"));
+    }
+}

@@ -1,0 +1,143 @@
+//! ONNX Runtime sample shards (`*.pb`): each sample is a u32 LE byte count of the rest, then
+//! per tensor a u32 LE length and a serialized `TensorProto` named after the graph input it
+//! feeds. Tensors hold one sample; batches stack them on a new leading axis.
+
+use super::{shard_files, Batch, Loader, Position};
+use crate::error::{Error, Result};
+use crate::onnx::proto::TensorProto;
+use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
+use crate::rng::Rng;
+use crate::tensor::Tensor;
+use prost::Message;
+use std::path::Path;
+
+type Sample = Vec<(String, Tensor)>;
+
+fn u32_at(b: &[u8], at: usize) -> Option<u32> {
+    b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+}
+
+/// Parses every sample of one shard; errors name the file and byte offset.
+pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("sample shard {}: {e}", path.display())))?;
+    let corrupt = |at: usize, what: String| Error::Corrupt(format!("sample shard {} at offset {at}: {what}", path.display()));
+    let mut samples = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let size = u32_at(&bytes, at).ok_or_else(|| corrupt(at, "truncated sample size".into()))? as usize;
+        let end = at + 4 + size;
+        if end > bytes.len() {
+            return Err(corrupt(at, format!("a sample of {size} bytes runs past the end of the file ({} bytes)", bytes.len())));
+        }
+        let mut p = at + 4;
+        let mut sample = Vec::new();
+        while p < end {
+            let len = u32_at(&bytes, p).filter(|_| p + 4 <= end).ok_or_else(|| corrupt(p, "truncated tensor length".into()))? as usize;
+            if p + 4 + len > end {
+                return Err(corrupt(p, format!("a tensor of {len} bytes runs past its sample")));
+            }
+            let proto = TensorProto::decode(&bytes[p + 4..p + 4 + len]).map_err(|e| corrupt(p + 4, format!("not a TensorProto: {e}")))?;
+            let name = proto.name().to_string();
+            let t = tensor_from_proto(&proto, &format!("sample shard {} at offset {}", path.display(), p + 4))?;
+            sample.push((name, t));
+            p += 4 + len;
+        }
+        samples.push(sample);
+        at = end;
+    }
+    Ok(samples)
+}
+
+/// Writes samples in the same format (test data, conversions).
+pub fn write_shard(path: &Path, samples: &[Sample]) -> Result<()> {
+    let mut out = Vec::new();
+    for s in samples {
+        let mut body = Vec::new();
+        for (name, t) in s {
+            let enc = tensor_to_proto(name, t).encode_to_vec();
+            body.extend_from_slice(&(enc.len() as u32).to_le_bytes());
+            body.extend_from_slice(&enc);
+        }
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+    }
+    std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
+}
+
+pub struct SampleLoader {
+    samples: Vec<Sample>,
+    order: Vec<usize>,
+    batch: usize,
+    shuffle: bool,
+    seed: u64,
+    pos: Position,
+}
+
+impl SampleLoader {
+    pub fn open(path: &Path, key: &str, batch: usize, shuffle: bool, seed: u64) -> Result<SampleLoader> {
+        let mut samples = Vec::new();
+        for f in shard_files(path, "pb", key)? {
+            samples.extend(read_shard(&f)?);
+        }
+        if samples.len() < batch {
+            return Err(Error::Config(format!("{key}: {} holds {} samples, fewer than one batch of {batch}", path.display(), samples.len())));
+        }
+        let first: Vec<(&str, &[usize])> = samples[0].iter().map(|(n, t)| (n.as_str(), t.shape())).collect();
+        for (i, s) in samples.iter().enumerate() {
+            let these: Vec<(&str, &[usize])> = s.iter().map(|(n, t)| (n.as_str(), t.shape())).collect();
+            if these != first {
+                return Err(Error::Corrupt(format!("{key}: sample {i} has tensors {these:?}, sample 0 has {first:?}")));
+            }
+        }
+        let mut l = SampleLoader { samples, order: vec![], batch, shuffle, seed, pos: Position::default() };
+        l.order = l.epoch_order(0);
+        Ok(l)
+    }
+
+    fn epoch_order(&self, epoch: u64) -> Vec<usize> {
+        let mut o: Vec<usize> = (0..self.samples.len()).collect();
+        if self.shuffle {
+            Rng::new(crate::rng::mix(self.seed ^ 0x5A3) ^ epoch).shuffle(&mut o);
+        }
+        o
+    }
+}
+
+impl Loader for SampleLoader {
+    fn next_batch(&mut self) -> Result<Batch> {
+        let per_epoch = self.samples.len() / self.batch;
+        if self.pos.batch as usize >= per_epoch {
+            self.pos = Position { epoch: self.pos.epoch + 1, batch: 0 };
+            self.order = self.epoch_order(self.pos.epoch);
+        }
+        let start = self.pos.batch as usize * self.batch;
+        let picked: Vec<&Sample> = self.order[start..start + self.batch].iter().map(|&i| &self.samples[i]).collect();
+        let mut batch = Batch::new();
+        for (k, (name, t0)) in picked[0].iter().enumerate() {
+            let mut shape = vec![self.batch];
+            shape.extend_from_slice(t0.shape());
+            let mut bytes = Vec::with_capacity(t0.byte_len() * self.batch);
+            for s in &picked {
+                bytes.extend_from_slice(s[k].1.bytes());
+            }
+            let t = Tensor::from_bytes(t0.dtype(), &shape, &bytes).expect("samples share shapes (checked on open)");
+            batch.insert(name.clone(), t);
+        }
+        self.pos.batch += 1;
+        Ok(batch)
+    }
+
+    fn position(&self) -> Position {
+        self.pos.clone()
+    }
+
+    fn seek(&mut self, p: &Position) -> Result<()> {
+        self.order = self.epoch_order(p.epoch);
+        self.pos = p.clone();
+        Ok(())
+    }
+
+    fn items_per_batch(&self) -> usize {
+        self.batch
+    }
+}

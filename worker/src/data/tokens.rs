@@ -1,0 +1,181 @@
+//! llm.c token shards (`*.bin`): a header of 256 little-endian i32 (magic 20240520, version 1,
+//! token count), then u16 tokens; or magic 20240801, version 7, with u32 tokens.
+//!
+//! A batch of B sequences of length T takes a window of B·T+1 consecutive tokens of one
+//! shard: input ids are its first B·T tokens, labels the same window shifted by one. Windows
+//! start every B·T tokens; an epoch visits every window of every shard once, in order or in a
+//! seeded permutation.
+
+use super::{shard_files, Batch, Feeds, Loader, Position};
+use crate::error::{Error, Result};
+use crate::rng::Rng;
+use crate::tensor::Tensor;
+use std::path::{Path, PathBuf};
+
+pub const MAGIC_U16: i32 = 20240520;
+pub const MAGIC_U32: i32 = 20240801;
+pub const HEADER_BYTES: usize = 256 * 4;
+
+/// A shard's header, checked against the file's length.
+#[derive(Clone, Debug)]
+pub struct ShardInfo {
+    pub path: PathBuf,
+    pub tokens: usize,
+    pub token_bytes: usize,
+}
+
+pub fn read_header(path: &Path) -> Result<ShardInfo> {
+    use std::io::Read;
+    let corrupt = |what: String| Error::Corrupt(format!("token shard {}: {what}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(|e| Error::Config(format!("token shard {}: {e}", path.display())))?;
+    let len = f.metadata().map_err(|e| corrupt(e.to_string()))?.len() as usize;
+    let mut h = [0u8; HEADER_BYTES];
+    f.read_exact(&mut h).map_err(|_| corrupt(format!("{len} bytes is shorter than the {HEADER_BYTES}-byte header (offset 0)")))?;
+    let word = |i: usize| i32::from_le_bytes([h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]]);
+    let token_bytes = match (word(0), word(1)) {
+        (MAGIC_U16, 1) => 2,
+        (MAGIC_U32, 7) => 4,
+        (m, v) => return Err(corrupt(format!("header at offset 0: magic {m} version {v} is not llm.c's ({MAGIC_U16} v1 or {MAGIC_U32} v7)"))),
+    };
+    let tokens = usize::try_from(word(2)).map_err(|_| corrupt(format!("header at offset 8: negative token count {}", word(2))))?;
+    let want = HEADER_BYTES + tokens * token_bytes;
+    if len != want {
+        return Err(corrupt(format!("the header (offset 8) promises {tokens} tokens = {want} bytes, the file has {len}")));
+    }
+    Ok(ShardInfo { path: path.to_path_buf(), tokens, token_bytes })
+}
+
+/// Reads all tokens of a shard as u32.
+pub fn read_tokens(info: &ShardInfo) -> Result<Vec<u32>> {
+    let bytes = std::fs::read(&info.path).map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
+    let body = &bytes[HEADER_BYTES..];
+    Ok(match info.token_bytes {
+        2 => body.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
+        _ => body.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+    })
+}
+
+/// Writes a u16 shard (the format `prepare-data` produces).
+pub fn write_shard(path: &Path, tokens: &[u16]) -> Result<()> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + 2 * tokens.len());
+    let mut header = [0i32; 256];
+    header[0] = MAGIC_U16;
+    header[1] = 1;
+    header[2] = i32::try_from(tokens.len()).map_err(|_| Error::Config(format!("{}: too many tokens for one shard", path.display())))?;
+    for w in header {
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    for t in tokens {
+        out.extend_from_slice(&t.to_le_bytes());
+    }
+    std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
+}
+
+pub struct TokenLoader {
+    shards: Vec<ShardInfo>,
+    /// (shard, window) pairs of one epoch, in visiting order.
+    order: Vec<(usize, usize)>,
+    batch: usize,
+    seq_len: usize,
+    shuffle: bool,
+    seed: u64,
+    pos: Position,
+    /// The shard whose tokens are in memory.
+    loaded: Option<(usize, Vec<u32>)>,
+    feeds: Feeds,
+}
+
+impl TokenLoader {
+    pub fn open(path: &Path, key: &str, batch: usize, seq_len: usize, feeds: &Feeds, shuffle: bool, seed: u64) -> Result<TokenLoader> {
+        let shards: Vec<ShardInfo> = shard_files(path, "bin", key)?.iter().map(|p| read_header(p)).collect::<Result<_>>()?;
+        let span = batch * seq_len;
+        if shards.iter().all(|s| s.tokens < span + 1) {
+            return Err(Error::Config(format!(
+                "{key}: no shard in {} holds a batch of {batch}×{seq_len}+1 tokens; use smaller batches or more data",
+                path.display()
+            )));
+        }
+        let mut l = TokenLoader { shards, order: vec![], batch, seq_len, shuffle, seed, pos: Position::default(), loaded: None, feeds: feeds.clone() };
+        l.order = l.epoch_order(0);
+        Ok(l)
+    }
+
+    fn epoch_order(&self, epoch: u64) -> Vec<(usize, usize)> {
+        let span = self.batch * self.seq_len;
+        let mut order: Vec<(usize, usize)> =
+            self.shards.iter().enumerate().flat_map(|(s, info)| (0..info.tokens.saturating_sub(1) / span).map(move |w| (s, w))).collect();
+        if self.shuffle {
+            Rng::new(crate::rng::mix(self.seed ^ 0xDA7A) ^ epoch).shuffle(&mut order);
+        }
+        order
+    }
+}
+
+impl Loader for TokenLoader {
+    fn next_batch(&mut self) -> Result<Batch> {
+        if self.pos.batch as usize >= self.order.len() {
+            self.pos = Position { epoch: self.pos.epoch + 1, batch: 0 };
+            self.order = self.epoch_order(self.pos.epoch);
+        }
+        let (shard, window) = self.order[self.pos.batch as usize];
+        if self.loaded.as_ref().is_none_or(|(s, _)| *s != shard) {
+            self.loaded = Some((shard, read_tokens(&self.shards[shard])?));
+        }
+        let tokens = &self.loaded.as_ref().expect("loaded above").1;
+        let span = self.batch * self.seq_len;
+        let w = &tokens[window * span..window * span + span + 1];
+        let shape = [self.batch, self.seq_len];
+        let ids = Tensor::from_vec(&shape, w[..span].iter().map(|&t| t as i64).collect());
+        let labels = Tensor::from_vec(&shape, w[1..].iter().map(|&t| t as i64).collect());
+        self.pos.batch += 1;
+        Ok([(self.feeds.token_input.clone(), ids), (self.feeds.token_label.clone(), labels)].into_iter().collect())
+    }
+
+    fn position(&self) -> Position {
+        self.pos.clone()
+    }
+
+    fn seek(&mut self, p: &Position) -> Result<()> {
+        self.order = self.epoch_order(p.epoch);
+        self.pos = p.clone();
+        Ok(())
+    }
+
+    fn items_per_batch(&self) -> usize {
+        self.batch * self.seq_len
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_follow_llm_c_and_damage_names_the_file() {
+        let dir = std::env::temp_dir().join(format!("tf-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let toks: Vec<u16> = (0..50).collect();
+        write_shard(&dir.join("a.bin"), &toks).unwrap();
+        let feeds = Feeds { token_input: "input_ids".into(), token_label: "labels".into() };
+        let mut l = TokenLoader::open(&dir, "data.train", 2, 4, &feeds, false, 0).unwrap();
+        let b = l.next_batch().unwrap();
+        assert_eq!(b["input_ids"].as_slice::<i64>(), &[0, 1, 2, 3, 4, 5, 6, 7]);
+        assert_eq!(b["labels"].as_slice::<i64>(), &[1, 2, 3, 4, 5, 6, 7, 8]);
+        let b = l.next_batch().unwrap();
+        assert_eq!(b["input_ids"].as_slice::<i64>()[0], 8);
+        // 49 / 8 = 6 windows per epoch, then the second epoch starts over.
+        for _ in 0..4 {
+            l.next_batch().unwrap();
+        }
+        assert_eq!(l.next_batch().unwrap()["input_ids"].as_slice::<i64>()[0], 0);
+        assert_eq!(l.position(), Position { epoch: 1, batch: 1 });
+
+        let mut bytes = std::fs::read(dir.join("a.bin")).unwrap();
+        bytes.truncate(bytes.len() - 3);
+        std::fs::write(dir.join("a.bin"), &bytes).unwrap();
+        let e = TokenLoader::open(&dir, "data.train", 2, 4, &feeds, false, 0).err().unwrap();
+        assert_eq!(e.exit_code(), 3);
+        assert!(e.to_string().contains("a.bin"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}

@@ -1,0 +1,40 @@
+//! The worker's one error type. Its variants map to the exit codes of the command-line contract
+//! (DESIGN.md): 2 bad configuration or input, 3 unreadable or corrupt data/model/checkpoint,
+//! 1 anything else. Every message names the file, field, node or rank it is about.
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A configuration key or value, a command-line argument, or a missing input file.
+    #[error("{0}")]
+    Config(String),
+    /// A model, data shard or checkpoint that cannot be read, or uses what we do not support.
+    #[error("{0}")]
+    Corrupt(String),
+    /// Anything else: I/O failures, resource exhaustion. Worth retrying.
+    #[error("{0}")]
+    Runtime(String),
+}
+
+impl Error {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            Error::Config(_) => 2,
+            Error::Corrupt(_) => 3,
+            Error::Runtime(_) => 1,
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// `Error::Config` from a format string.
+#[macro_export]
+macro_rules! config_err {
+    ($($arg:tt)*) => { $crate::error::Error::Config(format!($($arg)*)) };
+}
+
+/// `Error::Corrupt` from a format string.
+#[macro_export]
+macro_rules! corrupt_err {
+    ($($arg:tt)*) => { $crate::error::Error::Corrupt(format!($($arg)*)) };
+}

@@ -1,0 +1,113 @@
+//! Running a bound graph on a backend: the plan ([`plan`]) and the executor that owns the
+//! device memory it describes.
+
+pub mod plan;
+
+use crate::backend::{Arg, Backend};
+use crate::error::{Error, Result};
+use crate::graph::ir::{Graph, ValueId};
+use crate::graph::op::Op;
+use crate::tensor::Tensor;
+use plan::{Place, Plan};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub struct Executor<B: Backend> {
+    pub backend: Arc<B>,
+    pub graph: Graph,
+    pub plan: Plan,
+    arena: B::Buffer,
+    persistent: HashMap<ValueId, B::Buffer>,
+    /// Per-step wall time of the last run, when profiling.
+    pub profile: Option<Vec<Duration>>,
+}
+
+impl<B: Backend> Executor<B> {
+    /// Allocates the plan's memory and uploads the initializers. `keep` as in [`plan::plan`].
+    pub fn new(backend: Arc<B>, graph: Graph, keep: &[ValueId]) -> Result<Executor<B>> {
+        let plan = plan::plan(&graph, keep);
+        let arena = backend.alloc(plan.arena_bytes).map_err(Error::Runtime)?;
+        let mut persistent = HashMap::new();
+        for (v, place) in plan.places.iter().enumerate() {
+            if *place == Place::Persistent && plan.root[v] == v {
+                let bytes = graph.meta(v).map_or(0, |m| m.bytes());
+                persistent.insert(v, backend.alloc(bytes).map_err(Error::Runtime)?);
+            }
+        }
+        let ex = Executor { backend, graph, plan, arena, persistent, profile: None };
+        for (v, t) in &ex.graph.initializers {
+            ex.backend.upload(t, ex.arg(*v)).map_err(Error::Runtime)?;
+        }
+        Ok(ex)
+    }
+
+    /// Where value `v` lives on the device.
+    pub fn arg(&self, v: ValueId) -> Arg<'_, B::Buffer> {
+        let meta = self.graph.values[v].meta.as_ref().expect("bound graphs give every value a meta");
+        let root = self.plan.root[v];
+        match self.plan.places[v] {
+            Place::Persistent => Arg { buf: &self.persistent[&root], offset: 0, meta },
+            Place::Arena(offset) => Arg { buf: &self.arena, offset, meta },
+            Place::Nowhere => panic!("value '{}' has no place in the plan", self.graph.name_of(v)),
+        }
+    }
+
+    /// Copies a host tensor into graph input (or initializer) `v`.
+    pub fn feed(&self, v: ValueId, t: &Tensor) -> Result<()> {
+        let meta = self.graph.meta(v).ok_or_else(|| Error::Runtime(format!("value '{}' has no meta", self.graph.name_of(v))))?;
+        if meta.dtype != t.dtype() || meta.shape != t.shape() {
+            return Err(Error::Config(format!(
+                "input '{}' expects {}{:?} but was given {}{:?}",
+                self.graph.name_of(v),
+                meta.dtype,
+                meta.shape,
+                t.dtype(),
+                t.shape()
+            )));
+        }
+        self.backend.upload(t, self.arg(v)).map_err(Error::Runtime)
+    }
+
+    pub fn fetch(&self, v: ValueId) -> Result<Tensor> {
+        self.backend.download(self.arg(v)).map_err(Error::Runtime)
+    }
+
+    /// Runs every step once. `seed` varies random ops (dropout) from run to run.
+    pub fn run(&mut self, seed: u64) -> Result<()> {
+        let profiling = self.profile.is_some();
+        let mut times = Vec::new();
+        for &i in &self.plan.steps {
+            let node = &self.graph.nodes[i];
+            let seeded;
+            let op = match &node.op {
+                Op::Dropout { ratio, training, seed: s } if *training => {
+                    seeded = Op::Dropout { ratio: *ratio, training: true, seed: crate::rng::mix(seed ^ crate::rng::mix(*s ^ i as u64)) };
+                    &seeded
+                }
+                op => op,
+            };
+            let inputs: Vec<Option<Arg<B::Buffer>>> = node.inputs.iter().map(|x| x.map(|v| self.arg(v))).collect();
+            let outputs: Vec<Arg<B::Buffer>> = node
+                .outputs
+                .iter()
+                .map(|o| match o {
+                    Some(v) if self.plan.places[*v] != Place::Nowhere => Ok(self.arg(*v)),
+                    _ => Err(Error::Runtime(format!("{}: an output has no place in the plan", node.describe()))),
+                })
+                .collect::<Result<_>>()?;
+            let t0 = profiling.then(Instant::now);
+            self.backend
+                .launch(op, &inputs, &outputs)
+                .map_err(|e| Error::Corrupt(format!("{}: {e}", node.describe())))?;
+            if let Some(t0) = t0 {
+                self.backend.synchronize().map_err(Error::Runtime)?;
+                times.push(t0.elapsed());
+            }
+        }
+        if profiling {
+            self.profile = Some(times);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,87 @@
+//! Fusion passes, named so they can be listed and switched off. They run on bound graphs,
+//! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
+
+use super::ir::Graph;
+use super::op::{Binary, Op, Unary};
+
+/// The passes, in the order they run.
+pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu"];
+
+/// Runs every pass not listed in `disabled`; returns how many nodes each rewrote.
+pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
+    let mut report = Vec::new();
+    for &p in PASSES {
+        if disabled.iter().any(|d| d == p) {
+            continue;
+        }
+        let n = match p {
+            "matmul_bias" => matmul_bias(g),
+            "matmul_bias_gelu" => matmul_bias_gelu(g),
+            _ => 0,
+        };
+        report.push((p, n));
+    }
+    g.prune();
+    report
+}
+
+/// MatMul(A, W) → Add(·, bias[N])  ⇒  FusedMatMul(A, W, bias): the bias is added in the GEMM's
+/// output pass instead of a second sweep over the activations.
+fn matmul_bias(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        if g.nodes[i].op != Op::Binary(Binary::Add) {
+            continue;
+        }
+        let (Some(l), Some(r)) = (g.nodes[i].input(0), g.nodes[i].input(1)) else { continue };
+        for (mm_out, bias) in [(l, r), (r, l)] {
+            let Some(p) = producers[mm_out] else { continue };
+            let n_cols = match g.meta(mm_out) {
+                Some(m) if !m.shape.is_empty() => m.shape[m.shape.len() - 1],
+                _ => continue,
+            };
+            let bias_ok = g.meta(bias).is_some_and(|m| m.shape == [n_cols]);
+            let out_same = g.meta(mm_out) == g.nodes[i].output(0).and_then(|o| g.meta(o));
+            if g.nodes[p].op != Op::MatMul || uses[mm_out] != 1 || !bias_ok || !out_same {
+                continue;
+            }
+            let (a, w) = (g.nodes[p].inputs[0], g.nodes[p].inputs[1]);
+            let out = g.nodes[i].outputs[0];
+            let fused_node = &mut g.nodes[i];
+            fused_node.op = Op::FusedMatMul { trans_a: false, trans_b: false, activation: None };
+            fused_node.inputs = vec![a, w, Some(bias)];
+            fused_node.outputs = vec![out];
+            // The MatMul's output is now unread; prune removes it.
+            fused += 1;
+            break;
+        }
+    }
+    fused
+}
+
+/// FusedMatMul(…) → Gelu(tanh)  ⇒  FusedMatMul(…, gelu), when the pre-activation is not read
+/// by anything else (in training the GELU gradient reads it, so this fuses in inference).
+fn matmul_bias_gelu(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        if g.nodes[i].op != Op::Unary(Unary::GeluTanh) {
+            continue;
+        }
+        let Some(x) = g.nodes[i].input(0) else { continue };
+        let Some(p) = producers[x] else { continue };
+        let Op::FusedMatMul { trans_a, trans_b, activation: None } = g.nodes[p].op else { continue };
+        if uses[x] != 1 || g.outputs.contains(&x) {
+            continue;
+        }
+        let inputs = g.nodes[p].inputs.clone();
+        let node = &mut g.nodes[i];
+        node.op = Op::FusedMatMul { trans_a, trans_b, activation: Some(Unary::GeluTanh) };
+        node.inputs = inputs;
+        fused += 1;
+    }
+    fused
+}

@@ -1,0 +1,753 @@
+//! Binding a graph to static shapes: type and shape inference, constant folding, and the
+//! resolution of shape operands (Reshape's `shape`, Slice's `starts`, ...) into attributes.
+//!
+//! After [`bind`] every value has a [`Meta`], shape-computing subgraphs (Shape → Gather →
+//! Concat → Reshape, as exporters emit them) are gone, and every remaining node's op is fully
+//! static, so backends never read shape operands at run time.
+
+use super::ir::{Dim, Graph, Meta, Node, ValueId};
+use super::op::{LossReduction, Op, PoolKind, Window};
+use crate::backend::cpu::kernels;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use std::collections::{HashMap, HashSet};
+
+/// What the caller knows about the graph's inputs.
+#[derive(Default, Clone)]
+pub struct Bindings {
+    /// Symbolic dimension name → size (e.g. "batch" → 8).
+    pub dims: HashMap<String, usize>,
+    /// Exact shapes of inputs (the batch's), taking precedence over their declared dims.
+    pub shapes: HashMap<ValueId, Vec<usize>>,
+    /// Inputs fed by value at plan time (their consumers may fold).
+    pub constants: HashMap<ValueId, Tensor>,
+    /// Initializers that must stay variable (trainable weights): never folded into consumers.
+    pub variables: HashSet<ValueId>,
+}
+
+fn err(node: &Node, msg: impl std::fmt::Display) -> Error {
+    Error::Corrupt(format!("{}: {msg}", node.describe()))
+}
+
+/// Numpy-style broadcast of two shapes.
+pub fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let n = a.len().max(b.len());
+    let mut out = vec![0; n];
+    for i in 0..n {
+        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
+        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        out[i] = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(out)
+}
+
+/// An axis in `-rank..rank` as an index.
+pub fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
+    let r = rank as i64;
+    let a = if axis < 0 { axis + r } else { axis };
+    (0..r.max(1)).contains(&a).then_some(a as usize)
+}
+
+/// Resolves auto_pad against input spatial dims; returns the window with explicit pads.
+pub fn resolve_window(w: &Window, spatial: &[usize]) -> Window {
+    let mut w = w.clone();
+    let n = spatial.len();
+    if w.kernel.is_empty() {
+        return w;
+    }
+    if w.auto_pad == "SAME_UPPER" || w.auto_pad == "SAME_LOWER" {
+        let mut pads = vec![0; 2 * n];
+        for i in 0..n {
+            let out = spatial[i].div_ceil(w.strides[i]);
+            let eff = (w.kernel[i] - 1) * w.dilations[i] + 1;
+            let total = ((out - 1) * w.strides[i] + eff).saturating_sub(spatial[i]);
+            let (small, big) = (total / 2, total - total / 2);
+            if w.auto_pad == "SAME_UPPER" {
+                pads[i] = small;
+                pads[i + n] = big;
+            } else {
+                pads[i] = big;
+                pads[i + n] = small;
+            }
+        }
+        w.pads = pads;
+    } else if w.auto_pad == "VALID" {
+        w.pads = vec![0; 2 * n];
+    }
+    w.auto_pad = "NOTSET".into();
+    w
+}
+
+/// Output spatial size of a window over `spatial`.
+pub fn window_output(w: &Window, spatial: &[usize]) -> Option<Vec<usize>> {
+    let n = spatial.len();
+    (0..n)
+        .map(|i| {
+            let eff = (w.kernel[i] - 1) * w.dilations[i] + 1;
+            let padded = spatial[i] + w.pads[i] + w.pads[i + n];
+            if padded < eff {
+                return None;
+            }
+            let span = padded - eff;
+            let mut out = if w.ceil_mode { span.div_ceil(w.strides[i]) + 1 } else { span / w.strides[i] + 1 };
+            // With ceil_mode the last window must start inside the input or left padding.
+            if w.ceil_mode && (out - 1) * w.strides[i] >= spatial[i] + w.pads[i] {
+                out -= 1;
+            }
+            Some(out)
+        })
+        .collect()
+}
+
+fn matmul_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    if a.is_empty() || b.is_empty() {
+        return None;
+    }
+    let a2: Vec<usize> = if a.len() == 1 { vec![1, a[0]] } else { a.to_vec() };
+    let b2: Vec<usize> = if b.len() == 1 { vec![b[0], 1] } else { b.to_vec() };
+    let (m, k) = (a2[a2.len() - 2], a2[a2.len() - 1]);
+    let (k2, n) = (b2[b2.len() - 2], b2[b2.len() - 1]);
+    if k != k2 {
+        return None;
+    }
+    let mut out = broadcast(&a2[..a2.len() - 2], &b2[..b2.len() - 2])?;
+    if a.len() > 1 {
+        out.push(m);
+    }
+    if b.len() > 1 {
+        out.push(n);
+    }
+    Some(out)
+}
+
+/// Slice parameters clamped to a dimension: (start, step, count).
+pub fn slice_range(start: i64, end: i64, step: i64, dim: usize) -> (i64, i64, usize) {
+    let d = dim as i64;
+    let clamp = |v: i64, lo: i64, hi: i64| v.max(lo).min(hi);
+    let (s, e) = if step > 0 {
+        let s = if start < 0 { start + d } else { start };
+        let e = if end < 0 { end + d } else { end };
+        (clamp(s, 0, d), clamp(e, 0, d))
+    } else {
+        let s = if start < 0 { start + d } else { start };
+        let e = if end < 0 { end + d } else { end };
+        (clamp(s, -1, d - 1), clamp(e, -1, d - 1))
+    };
+    let count = if step > 0 {
+        if e > s { (e - s + step - 1) / step } else { 0 }
+    } else if s > e {
+        (s - e - step - 1) / -step
+    } else {
+        0
+    };
+    (s, step, count as usize)
+}
+
+/// Infers one node: returns the node's op with shape operands resolved, and output metas.
+/// `metas[i]`/`consts[i]` describe input i (`None` for an omitted optional input).
+pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>], training: bool) -> Result<(Op, Vec<Meta>)> {
+    let m = |i: usize| -> Result<&Meta> {
+        metas.get(i).and_then(|x| x.as_ref()).ok_or_else(|| err(node, format!("input {i} is missing")))
+    };
+    let c = |i: usize| -> Option<&Tensor> { consts.get(i).copied().flatten() };
+    let ints = |i: usize, what: &str| -> Result<Option<Vec<i64>>> {
+        match (metas.get(i).and_then(|x| x.as_ref()), c(i)) {
+            (None, _) => Ok(None),
+            (Some(_), Some(t)) => t.to_i64_vec().map(Some).ok_or_else(|| err(node, format!("{what} must be integers"))),
+            (Some(_), None) => Err(err(
+                node,
+                format!("{what} (input {i}) must be known when the graph is planned; shapes are static per run"),
+            )),
+        }
+    };
+    let same = |i: usize| -> Result<Vec<Meta>> { Ok(vec![m(i)?.clone()]) };
+    let op = node.op.clone();
+    let out: (Op, Vec<Meta>) = match &node.op {
+        Op::Unary(u) => {
+            let x = m(0)?;
+            let dtype = if matches!(u, super::op::Unary::Not) { DType::Bool } else { x.dtype };
+            (op, vec![Meta::new(dtype, &x.shape)])
+        }
+        Op::Binary(b) => {
+            let (x, y) = (m(0)?, m(1)?);
+            let shape = broadcast(&x.shape, &y.shape)
+                .ok_or_else(|| err(node, format!("shapes {:?} and {:?} do not broadcast", x.shape, y.shape)))?;
+            if x.dtype != y.dtype && !matches!(b, super::op::Binary::Pow) {
+                return Err(err(node, format!("element types differ: {} and {}", x.dtype, y.dtype)));
+            }
+            let dtype = if b.is_predicate() { DType::Bool } else { x.dtype };
+            (op, vec![Meta::new(dtype, &shape)])
+        }
+        Op::Where => {
+            let (cnd, x, y) = (m(0)?, m(1)?, m(2)?);
+            let shape = broadcast(&cnd.shape, &x.shape)
+                .and_then(|s| broadcast(&s, &y.shape))
+                .ok_or_else(|| err(node, "condition, X and Y do not broadcast"))?;
+            (op, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Cast { to } => (op.clone(), vec![Meta::new(*to, &m(0)?.shape)]),
+        Op::Identity => (op, same(0)?),
+        Op::Dropout { ratio, seed, .. } => {
+            let ratio = match c(1) {
+                Some(t) => t.to_f64_vec().first().copied().unwrap_or(*ratio as f64) as f32,
+                None => *ratio,
+            };
+            let training_mode = match c(2) {
+                Some(t) => t.to_f64_vec().first().copied().unwrap_or(0.0) != 0.0,
+                None => training,
+            };
+            let x = m(0)?;
+            (
+                Op::Dropout { ratio, training: training_mode, seed: *seed },
+                vec![x.clone(), Meta::new(DType::Bool, &x.shape)],
+            )
+        }
+        Op::MatMul => {
+            let (a, b) = (m(0)?, m(1)?);
+            let shape = matmul_shape(&a.shape, &b.shape)
+                .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
+            (op, vec![Meta::new(a.dtype, &shape)])
+        }
+        Op::FusedMatMul { trans_a, trans_b, .. } => {
+            let (a, b) = (m(0)?, m(1)?);
+            let t = |s: &[usize], tr: bool| {
+                let mut s = s.to_vec();
+                let n = s.len();
+                if tr && n >= 2 {
+                    s.swap(n - 1, n - 2);
+                }
+                s
+            };
+            let shape = matmul_shape(&t(&a.shape, *trans_a), &t(&b.shape, *trans_b))
+                .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
+            (op, vec![Meta::new(a.dtype, &shape)])
+        }
+        Op::Gemm { trans_a, trans_b, .. } => {
+            let (a, b) = (m(0)?, m(1)?);
+            if a.shape.len() != 2 || b.shape.len() != 2 {
+                return Err(err(node, "Gemm needs 2-D A and B"));
+            }
+            let (mm, k) = if *trans_a { (a.shape[1], a.shape[0]) } else { (a.shape[0], a.shape[1]) };
+            let (k2, n) = if *trans_b { (b.shape[1], b.shape[0]) } else { (b.shape[0], b.shape[1]) };
+            if k != k2 {
+                return Err(err(node, format!("inner dimensions differ: {k} and {k2}")));
+            }
+            if let Ok(cm) = m(2) {
+                if broadcast(&cm.shape, &[mm, n]).as_deref() != Some(&[mm, n][..]) {
+                    return Err(err(node, format!("C of shape {:?} does not broadcast to [{mm}, {n}]", cm.shape)));
+                }
+            }
+            (op, vec![Meta::new(a.dtype, &[mm, n])])
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let x = m(0)?;
+            norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
+            (op.clone(), same(0)?)
+        }
+        Op::LayerNorm { axis, .. } => {
+            let x = m(0)?;
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
+            let mut stat = x.shape.clone();
+            for d in stat.iter_mut().skip(a) {
+                *d = 1;
+            }
+            (op.clone(), vec![x.clone(), Meta::new(DType::F32, &stat), Meta::new(DType::F32, &stat)])
+        }
+        Op::Reshape => {
+            let x = m(0)?;
+            let target = match ints(1, "shape")? {
+                Some(t) => t,
+                // Already resolved: the output keeps the meta it was given.
+                None => return Ok((op, vec![metas.get(1).cloned().flatten().unwrap_or_else(|| x.clone())])),
+            };
+            let shape = reshape_target(&x.shape, &target).ok_or_else(|| {
+                err(node, format!("cannot reshape {:?} ({} elements) to {:?}", x.shape, x.numel(), target))
+            })?;
+            (Op::Reshape, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Flatten { axis } => {
+            let x = m(0)?;
+            let a = norm_axis(*axis, x.shape.len() + 1).ok_or_else(|| err(node, "axis out of range"))?;
+            let outer: usize = x.shape[..a].iter().product();
+            (Op::Reshape, vec![Meta::new(x.dtype, &[outer, x.numel() / outer.max(1)])])
+        }
+        Op::Squeeze { axes } => {
+            let x = m(0)?;
+            let axes = match ints(1, "axes")? {
+                Some(a) => Some(a),
+                None => axes.clone(),
+            };
+            let shape: Vec<usize> = match axes {
+                None => x.shape.iter().copied().filter(|&d| d != 1).collect(),
+                Some(axes) => {
+                    let mut drop = vec![false; x.shape.len()];
+                    for a in axes {
+                        let a = norm_axis(a, x.shape.len()).ok_or_else(|| err(node, format!("axis {a} out of range")))?;
+                        if x.shape[a] != 1 {
+                            return Err(err(node, format!("cannot squeeze axis {a} of size {}", x.shape[a])));
+                        }
+                        drop[a] = true;
+                    }
+                    x.shape.iter().zip(drop).filter(|(_, d)| !d).map(|(s, _)| *s).collect()
+                }
+            };
+            (Op::Reshape, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Unsqueeze { axes } => {
+            let x = m(0)?;
+            let axes = match ints(1, "axes")? {
+                Some(a) => a,
+                None => axes.clone().ok_or_else(|| err(node, "axes are required"))?,
+            };
+            let r = x.shape.len() + axes.len();
+            let mut ins = vec![false; r];
+            for a in axes {
+                let a = norm_axis(a, r).ok_or_else(|| err(node, format!("axis {a} out of range")))?;
+                ins[a] = true;
+            }
+            let mut it = x.shape.iter();
+            let shape: Vec<usize> = ins.iter().map(|&i| if i { 1 } else { *it.next().unwrap_or(&1) }).collect();
+            (Op::Reshape, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Transpose { perm } => {
+            let x = m(0)?;
+            let r = x.shape.len();
+            let perm: Vec<i64> = perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
+            let mut seen = vec![false; r];
+            let mut shape = Vec::with_capacity(r);
+            for &p in &perm {
+                let p = norm_axis(p, r).ok_or_else(|| err(node, format!("perm {perm:?} is not a permutation")))?;
+                if std::mem::replace(&mut seen[p], true) {
+                    return Err(err(node, format!("perm {perm:?} is not a permutation")));
+                }
+                shape.push(x.shape[p]);
+            }
+            if perm.len() != r {
+                return Err(err(node, format!("perm {perm:?} does not match rank {r}")));
+            }
+            (Op::Transpose { perm: Some(perm) }, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Concat { axis } => {
+            let first = m(0)?;
+            let a = norm_axis(*axis, first.shape.len()).ok_or_else(|| err(node, "axis out of range"))?;
+            let mut shape = first.shape.clone();
+            shape[a] = 0;
+            for i in 0..node.inputs.len() {
+                let x = m(i)?;
+                if x.shape.len() != shape.len()
+                    || x.shape.iter().zip(&first.shape).enumerate().any(|(d, (p, q))| d != a && p != q)
+                {
+                    return Err(err(node, format!("input {i} of shape {:?} does not match {:?}", x.shape, first.shape)));
+                }
+                shape[a] += x.shape[a];
+            }
+            (Op::Concat { axis: a as i64 }, vec![Meta::new(first.dtype, &shape)])
+        }
+        Op::Split { axis, sizes, num_outputs } => {
+            let x = m(0)?;
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, "axis out of range"))?;
+            let n = node.outputs.len();
+            let sizes: Vec<i64> = match ints(1, "split")? {
+                Some(s) => s,
+                None if !sizes.is_empty() => sizes.clone(),
+                None => {
+                    let parts = num_outputs.unwrap_or(n).max(1);
+                    let chunk = x.shape[a].div_ceil(parts);
+                    (0..parts).map(|i| chunk.min(x.shape[a].saturating_sub(i * chunk)) as i64).collect()
+                }
+            };
+            if sizes.len() != n || sizes.iter().sum::<i64>() != x.shape[a] as i64 {
+                return Err(err(node, format!("split sizes {sizes:?} do not cover axis {a} of {:?}", x.shape)));
+            }
+            let metas = sizes
+                .iter()
+                .map(|&s| {
+                    let mut sh = x.shape.clone();
+                    sh[a] = s as usize;
+                    Meta::new(x.dtype, &sh)
+                })
+                .collect();
+            (Op::Split { axis: a as i64, sizes, num_outputs: None }, metas)
+        }
+        Op::Slice { starts, ends, axes, steps } => {
+            let x = m(0)?;
+            let r = x.shape.len();
+            let (starts, ends, axes, steps) = if node.inputs.len() > 1 {
+                let s = ints(1, "starts")?.unwrap_or_default();
+                let e = ints(2, "ends")?.unwrap_or_default();
+                let a = ints(3, "axes")?.unwrap_or_else(|| (0..s.len() as i64).collect());
+                let st = ints(4, "steps")?.unwrap_or_else(|| vec![1; s.len()]);
+                (s, e, a, st)
+            } else {
+                (starts.clone(), ends.clone(), axes.clone(), steps.clone())
+            };
+            if starts.len() != ends.len() || axes.len() != starts.len() || steps.len() != starts.len() {
+                return Err(err(node, "starts, ends, axes and steps differ in length"));
+            }
+            let mut shape = x.shape.clone();
+            let mut norm_axes = Vec::new();
+            for i in 0..starts.len() {
+                let a = norm_axis(axes[i], r).ok_or_else(|| err(node, format!("axis {} out of range", axes[i])))?;
+                if steps[i] == 0 {
+                    return Err(err(node, "a step of 0"));
+                }
+                shape[a] = slice_range(starts[i], ends[i], steps[i], x.shape[a]).2;
+                norm_axes.push(a as i64);
+            }
+            (Op::Slice { starts, ends, axes: norm_axes, steps }, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Gather { axis } => {
+            let (x, idx) = (m(0)?, m(1)?);
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, "axis out of range"))?;
+            let mut shape = x.shape[..a].to_vec();
+            shape.extend_from_slice(&idx.shape);
+            shape.extend_from_slice(&x.shape[a + 1..]);
+            (Op::Gather { axis: a as i64 }, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Expand => {
+            let x = m(0)?;
+            let target = match ints(1, "shape")? {
+                Some(t) => t,
+                None => return Ok((op, vec![metas.get(1).cloned().flatten().unwrap_or_else(|| x.clone())])),
+            };
+            let t: Vec<usize> = target.iter().map(|&d| d.max(0) as usize).collect();
+            let shape = broadcast(&x.shape, &t)
+                .ok_or_else(|| err(node, format!("cannot expand {:?} to {:?}", x.shape, target)))?;
+            (Op::Expand, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Trilu { upper, k } => {
+            let x = m(0)?;
+            if x.shape.len() < 2 {
+                return Err(err(node, "Trilu needs rank 2 or more"));
+            }
+            let k = ints(1, "k")?.and_then(|v| v.first().copied()).unwrap_or(*k);
+            (Op::Trilu { upper: *upper, k }, same(0)?)
+        }
+        Op::ReduceOp { kind, axes, keepdims, noop_with_empty_axes } => {
+            let x = m(0)?;
+            let axes_in = match ints(1, "axes")? {
+                Some(a) => Some(a),
+                None => axes.clone(),
+            };
+            let r = x.shape.len();
+            let resolved: Vec<i64> = match axes_in {
+                Some(a) if !a.is_empty() => {
+                    let mut v = Vec::new();
+                    for ax in a {
+                        v.push(norm_axis(ax, r).ok_or_else(|| err(node, format!("axis {ax} out of range")))? as i64);
+                    }
+                    v
+                }
+                _ if *noop_with_empty_axes => vec![],
+                _ => (0..r as i64).collect(),
+            };
+            let mut shape = Vec::new();
+            for (d, &s) in x.shape.iter().enumerate() {
+                if resolved.contains(&(d as i64)) {
+                    if *keepdims {
+                        shape.push(1);
+                    }
+                } else {
+                    shape.push(s);
+                }
+            }
+            (
+                Op::ReduceOp { kind: *kind, axes: Some(resolved), keepdims: *keepdims, noop_with_empty_axes: false },
+                vec![Meta::new(x.dtype, &shape)],
+            )
+        }
+        Op::Conv { window, group } => {
+            let (x, w) = (m(0)?, m(1)?);
+            if x.shape.len() < 3 || w.shape.len() != x.shape.len() {
+                return Err(err(node, format!("X {:?} and W {:?} need the same rank, 3 or more", x.shape, w.shape)));
+            }
+            let mut win = window.clone();
+            if win.kernel.is_empty() {
+                win.kernel = w.shape[2..].to_vec();
+                let n = win.kernel.len();
+                if win.strides.is_empty() {
+                    win.strides = vec![1; n];
+                }
+                if win.dilations.is_empty() {
+                    win.dilations = vec![1; n];
+                }
+                if win.pads.is_empty() {
+                    win.pads = vec![0; 2 * n];
+                }
+            }
+            let win = resolve_window(&win, &x.shape[2..]);
+            if x.shape[1] != w.shape[1] * group || w.shape[0] % group != 0 {
+                return Err(err(node, format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape)));
+            }
+            let spatial = window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
+            let mut shape = vec![x.shape[0], w.shape[0]];
+            shape.extend(spatial);
+            (Op::Conv { window: win, group: *group }, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::Pool { kind, window } => {
+            let x = m(0)?;
+            if x.shape.len() < 3 || window.kernel.len() != x.shape.len() - 2 {
+                return Err(err(node, format!("kernel_shape {:?} does not fit input {:?}", window.kernel, x.shape)));
+            }
+            let win = resolve_window(window, &x.shape[2..]);
+            let spatial = window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
+            let mut shape = x.shape[..2].to_vec();
+            shape.extend(spatial);
+            let mut outs = vec![Meta::new(x.dtype, &shape)];
+            if node.outputs.len() > 1 && node.output(1).is_some() {
+                return Err(err(node, "MaxPool's Indices output is not supported"));
+            }
+            if matches!(kind, PoolKind::Max) {
+                outs.truncate(1);
+            }
+            (Op::Pool { kind: *kind, window: win }, outs)
+        }
+        Op::GlobalAveragePool => {
+            let x = m(0)?;
+            let mut shape = x.shape.clone();
+            for d in shape.iter_mut().skip(2) {
+                *d = 1;
+            }
+            (op, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::BatchNorm { epsilon, momentum, training: t } => {
+            let x = m(0)?;
+            let c = m(1)?;
+            let training = *t || (training && node.outputs.len() > 1);
+            let mut outs = vec![x.clone()];
+            if training {
+                outs.push(c.clone());
+                outs.push(c.clone());
+            }
+            (Op::BatchNorm { epsilon: *epsilon, momentum: *momentum, training }, outs)
+        }
+        Op::SoftmaxCrossEntropyLoss { reduction, .. } => {
+            let (s, l) = (m(0)?, m(1)?);
+            if s.shape.len() < 2 || l.shape.len() != s.shape.len() - 1 || l.shape[0] != s.shape[0] || l.shape[1..] != s.shape[2..] {
+                return Err(err(node, format!("scores {:?} and labels {:?} do not match ([N,C,...] and [N,...])", s.shape, l.shape)));
+            }
+            let loss = match reduction {
+                LossReduction::None => Meta::new(s.dtype, &l.shape),
+                _ => Meta::new(s.dtype, &[]),
+            };
+            (op, vec![loss, s.clone()])
+        }
+        Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
+        Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range => {
+            return Err(err(node, "shape computations must be computable when the graph is planned"));
+        }
+        Op::ReduceSumTo { shape } => (op.clone(), vec![Meta::new(m(0)?.dtype, shape)]),
+        Op::UnaryGrad(_) | Op::DropoutGrad { .. } => (op, same(1.min(node.inputs.len() - 1))?),
+        Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => (op, same(0)?),
+        Op::LayerNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
+        Op::SoftmaxCrossEntropyLossGrad { .. } => (op, vec![m(1)?.clone()]),
+        Op::GatherGrad { data_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)]),
+        Op::SliceGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
+        Op::ConvGrad { .. } => {
+            let (x, w) = (m(1)?, m(2)?);
+            (op, vec![x.clone(), w.clone(), Meta::new(w.dtype, &w.shape[..1])])
+        }
+        Op::PoolGrad { .. } => (op, vec![m(1)?.clone()]),
+        Op::BatchNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
+    };
+    Ok(out)
+}
+
+/// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
+pub fn reshape_target(input: &[usize], target: &[i64]) -> Option<Vec<usize>> {
+    let total: usize = input.iter().product();
+    let mut shape = Vec::with_capacity(target.len());
+    let mut infer_at = None;
+    for (i, &t) in target.iter().enumerate() {
+        match t {
+            -1 if infer_at.is_none() => {
+                infer_at = Some(i);
+                shape.push(1);
+            }
+            0 => shape.push(*input.get(i)?),
+            t if t > 0 => shape.push(t as usize),
+            _ => return None,
+        }
+    }
+    let known: usize = shape.iter().product();
+    if let Some(i) = infer_at {
+        if known == 0 || total % known != 0 {
+            return None;
+        }
+        shape[i] = total / known;
+    }
+    (shape.iter().product::<usize>() == total).then_some(shape)
+}
+
+/// Evaluates ops that only exist to compute shapes, or any node whose inputs are all constant.
+fn fold(node: &Node, op: &Op, metas: &[Option<Meta>], consts: &[Option<&Tensor>], outs: &[Meta]) -> Result<Option<Vec<Tensor>>> {
+    let all_const = node.inputs.iter().zip(consts).all(|(i, c)| i.is_none() || c.is_some());
+    match op {
+        Op::Shape { start, end } => {
+            let x = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+            let r = x.shape.len() as i64;
+            let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
+            let (s, e) = (clamp(*start), clamp(end.unwrap_or(r)));
+            let dims: Vec<i64> = x.shape[s..e.max(s)].iter().map(|&d| d as i64).collect();
+            return Ok(Some(vec![Tensor::from_vec(&[dims.len()], dims)]));
+        }
+        Op::Constant { value } => return Ok(Some(vec![value.clone()])),
+        Op::ConstantOfShape { value } => {
+            let dims = consts[0]
+                .and_then(|t| t.to_i64_vec())
+                .ok_or_else(|| err(node, "the shape input must be known when the graph is planned"))?;
+            let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
+            let v = value.reshaped_scalar();
+            let mut out = Tensor::zeros(v.dtype(), &shape);
+            kernels::broadcast_fill(&v, &mut out);
+            return Ok(Some(vec![out]));
+        }
+        Op::Range => {
+            let get = |i: usize| consts.get(i).copied().flatten().ok_or_else(|| err(node, "Range inputs must be known when the graph is planned"));
+            let (s, l, d) = (get(0)?, get(1)?, get(2)?);
+            return Ok(Some(vec![kernels::range(s, l, d).map_err(|e| err(node, e))?]));
+        }
+        _ => {}
+    }
+    if !all_const || op.is_random() || node.inputs.is_empty() {
+        return Ok(None);
+    }
+    let inputs: Vec<Option<&Tensor>> = consts.to_vec();
+    let mut outputs: Vec<Tensor> = outs.iter().map(|m| Tensor::zeros(m.dtype, &m.shape)).collect();
+    kernels::run_on_tensors(op, &inputs, &mut outputs).map_err(|e| err(node, e))?;
+    Ok(Some(outputs))
+}
+
+impl Tensor {
+    /// A one-element tensor as a scalar (ConstantOfShape's `value` is shaped [1]).
+    fn reshaped_scalar(&self) -> Tensor {
+        self.clone().reshaped(&[])
+    }
+}
+
+/// Binds `graph` to static shapes. `training` switches Dropout and BatchNormalization to their
+/// training behaviour. Returns a new graph in which every value has a meta and every node is
+/// static; folded values become initializers.
+pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph> {
+    let mut g = graph.clone();
+    let mut consts: HashMap<ValueId, Tensor> = HashMap::new();
+    for (&v, t) in &graph.initializers {
+        if !bindings.variables.contains(&v) {
+            consts.insert(v, t.clone());
+        }
+    }
+    for decl in &graph.inputs {
+        if graph.initializers.contains_key(&decl.value) {
+            continue; // an initializer that is also declared as input: its value is the default
+        }
+        if let Some(t) = bindings.constants.get(&decl.value) {
+            g.values[decl.value].meta = Some(Meta::new(t.dtype(), t.shape()));
+            consts.insert(decl.value, t.clone());
+            continue;
+        }
+        if let Some(shape) = bindings.shapes.get(&decl.value) {
+            g.values[decl.value].meta = Some(Meta::new(decl.dtype, shape));
+            continue;
+        }
+        let mut shape = Vec::new();
+        for (i, d) in decl.dims.iter().enumerate() {
+            shape.push(match d {
+                Dim::Fixed(n) => *n,
+                Dim::Named(name) => *bindings.dims.get(name).ok_or_else(|| {
+                    Error::Config(format!(
+                        "graph input '{}': dimension {i} is named '{name}'; give its size in the configuration",
+                        graph.name_of(decl.value)
+                    ))
+                })?,
+                Dim::Unknown => {
+                    return Err(Error::Config(format!(
+                        "graph input '{}': dimension {i} has no size or name; give the input's shape in the configuration",
+                        graph.name_of(decl.value)
+                    )))
+                }
+            });
+        }
+        g.values[decl.value].meta = Some(Meta::new(decl.dtype, &shape));
+    }
+
+    let mut kept = Vec::with_capacity(g.nodes.len());
+    let nodes = std::mem::take(&mut g.nodes);
+    for mut node in nodes {
+        let metas: Vec<Option<Meta>> = node.inputs.iter().map(|i| i.and_then(|v| g.values[v].meta.clone())).collect();
+        for (k, i) in node.inputs.iter().enumerate() {
+            if let Some(v) = i {
+                if metas[k].is_none() {
+                    return Err(err(&node, format!("input '{}' is not produced by any node, input or initializer", g.name_of(*v))));
+                }
+            }
+        }
+        let cvals: Vec<Option<&Tensor>> = node.inputs.iter().map(|i| i.and_then(|v| consts.get(&v))).collect();
+        // Shape-only ops have no inference of their own: they fold or fail.
+        let folded_early = matches!(node.op, Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range);
+        let (op, out_metas) = if folded_early {
+            (node.op.clone(), vec![])
+        } else {
+            infer_node(&node, &metas, &cvals, training)?
+        };
+        if let Some(values) = fold(&node, &op, &metas, &cvals, &out_metas)? {
+            for (o, t) in node.outputs.iter().zip(values) {
+                if let Some(o) = o {
+                    g.values[*o].meta = Some(Meta::new(t.dtype(), t.shape()));
+                    consts.insert(*o, t);
+                }
+            }
+            continue;
+        }
+        // Kernels address outputs by position: an omitted output before a used one still
+        // needs a place, trailing omitted ones are dropped.
+        while node.outputs.last().is_some_and(|o| o.is_none()) {
+            node.outputs.pop();
+        }
+        node.outputs.truncate(out_metas.len());
+        for k in 0..node.outputs.len() {
+            if node.outputs[k].is_none() {
+                node.outputs[k] = Some(g.fresh(&format!("{}:unused{k}", node.name)));
+            }
+        }
+        for (o, meta) in node.outputs.iter().zip(&out_metas) {
+            if let Some(o) = o {
+                g.values[*o].meta = Some(meta.clone());
+            }
+        }
+        // Shape operands are now attributes or output metas: drop them from the inputs.
+        let operands = node.op.static_operand_inputs();
+        if !operands.is_empty() {
+            node.inputs = node.inputs.iter().enumerate().filter(|(k, _)| !operands.contains(k)).map(|(_, v)| *v).collect();
+        }
+        node.op = op;
+        kept.push(node);
+    }
+    g.nodes = kept;
+    // Folded values that survive as inputs of kept nodes or as graph outputs become initializers.
+    let uses = g.use_counts();
+    for (v, t) in consts {
+        if uses[v] > 0 && !g.initializers.contains_key(&v) && !bindings.constants.contains_key(&v) {
+            g.initializers.insert(v, t);
+        }
+    }
+    for (v, t) in &bindings.constants {
+        if uses[*v] > 0 {
+            g.initializers.insert(*v, t.clone());
+        }
+    }
+    g.inputs.retain(|d| !bindings.constants.contains_key(&d.value) && !graph.initializers.contains_key(&d.value));
+    g.prune();
+    Ok(g)
+}
+
+/// The reduction a `ReduceSumTo` needs: which axes of `from` sum into `to`.
+pub fn reduced_axes(from: &[usize], to: &[usize]) -> Vec<usize> {
+    let off = from.len() - to.len();
+    (0..from.len()).filter(|&i| i < off || (to[i - off] == 1 && from[i] != 1)).collect()
+}
+

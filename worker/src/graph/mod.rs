@@ -1,0 +1,8 @@
+//! The graph engine: IR, the operator vocabulary, ONNX conversion, static binding (shape
+//! inference and folding) and fusion passes.
+
+pub mod fuse;
+pub mod infer;
+pub mod ir;
+pub mod onnx_io;
+pub mod op;

@@ -1,0 +1,630 @@
+//! The engine's operator vocabulary: every ONNX op we run, with its attributes parsed and
+//! checked once at load time, plus the internal ops the gradient rules and fusion passes emit
+//! (the `tensorfleet` domain, like ONNX Runtime's `com.microsoft` training ops).
+//!
+//! Backends, shape inference and autodiff all `match` on [`Op`]; there is no string dispatch
+//! after loading.
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// Internal ops live in this domain when a graph is saved.
+pub const TF_DOMAIN: &str = "dev.tensorfleet";
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum AttrValue {
+    Float(f32),
+    Int(i64),
+    Str(String),
+    Tensor(Tensor),
+    Floats(Vec<f32>),
+    Ints(Vec<i64>),
+    Strings(Vec<String>),
+}
+
+/// A node's attributes by name, with typed getters that name the node and attribute on error.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Attrs {
+    pub map: BTreeMap<String, AttrValue>,
+    /// "node 'name' (OpType)" for messages.
+    pub origin: String,
+}
+
+impl Attrs {
+    fn bad(&self, name: &str, want: &str) -> Error {
+        Error::Corrupt(format!("{}: attribute '{name}' must be {want}", self.origin))
+    }
+    pub fn int(&self, name: &str, default: i64) -> Result<i64> {
+        match self.map.get(name) {
+            None => Ok(default),
+            Some(AttrValue::Int(v)) => Ok(*v),
+            Some(_) => Err(self.bad(name, "an integer")),
+        }
+    }
+    pub fn opt_int(&self, name: &str) -> Result<Option<i64>> {
+        match self.map.get(name) {
+            None => Ok(None),
+            Some(AttrValue::Int(v)) => Ok(Some(*v)),
+            Some(_) => Err(self.bad(name, "an integer")),
+        }
+    }
+    pub fn float(&self, name: &str, default: f32) -> Result<f32> {
+        match self.map.get(name) {
+            None => Ok(default),
+            Some(AttrValue::Float(v)) => Ok(*v),
+            Some(AttrValue::Int(v)) => Ok(*v as f32),
+            Some(_) => Err(self.bad(name, "a float")),
+        }
+    }
+    pub fn ints(&self, name: &str) -> Result<Option<Vec<i64>>> {
+        match self.map.get(name) {
+            None => Ok(None),
+            Some(AttrValue::Ints(v)) => Ok(Some(v.clone())),
+            Some(AttrValue::Int(v)) => Ok(Some(vec![*v])),
+            Some(_) => Err(self.bad(name, "a list of integers")),
+        }
+    }
+    pub fn string(&self, name: &str, default: &str) -> Result<String> {
+        match self.map.get(name) {
+            None => Ok(default.to_string()),
+            Some(AttrValue::Str(v)) => Ok(v.clone()),
+            Some(_) => Err(self.bad(name, "a string")),
+        }
+    }
+    pub fn tensor(&self, name: &str) -> Result<Option<Tensor>> {
+        match self.map.get(name) {
+            None => Ok(None),
+            Some(AttrValue::Tensor(t)) => Ok(Some(t.clone())),
+            Some(_) => Err(self.bad(name, "a tensor")),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unary {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Tanh,
+    Erf,
+    Relu,
+    Sigmoid,
+    Abs,
+    Reciprocal,
+    Floor,
+    Ceil,
+    Not,
+    /// Gelu with the exact erf form.
+    Gelu,
+    /// Gelu with the tanh approximation (GPT-2's).
+    GeluTanh,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Max,
+    Min,
+    Equal,
+    Less,
+    Greater,
+    LessOrEqual,
+    GreaterOrEqual,
+    And,
+    Or,
+}
+
+impl Binary {
+    /// Comparisons and logic produce bool whatever their inputs are.
+    pub fn is_predicate(self) -> bool {
+        use Binary::*;
+        matches!(self, Equal | Less | Greater | LessOrEqual | GreaterOrEqual | And | Or)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    Mean,
+    Max,
+    Min,
+    SumSquare,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolKind {
+    Max,
+    Average { count_include_pad: bool },
+}
+
+/// Spatial window parameters shared by Conv and pooling, with pads resolved to explicit values.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: Vec<usize>,
+    pub strides: Vec<usize>,
+    pub dilations: Vec<usize>,
+    /// begin pads then end pads, as ONNX lists them.
+    pub pads: Vec<usize>,
+    /// `auto_pad` still to resolve against the input shape ("NOTSET" once resolved).
+    pub auto_pad: String,
+    pub ceil_mode: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReduction {
+    Mean,
+    Sum,
+    None,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    // ---- ONNX ops ----
+    Unary(Unary),
+    Binary(Binary),
+    Where,
+    Cast { to: DType },
+    Identity,
+    /// `ratio`; the mask output is optional. Inference graphs run it as Identity.
+    Dropout { ratio: f32, training: bool, seed: u64 },
+    MatMul,
+    Gemm { alpha: f32, beta: f32, trans_a: bool, trans_b: bool },
+    Softmax { axis: i64 },
+    LogSoftmax { axis: i64 },
+    /// Outputs: Y, and optionally mean and inverse std-dev (saved for the backward pass).
+    LayerNorm { axis: i64, epsilon: f32 },
+    /// Reshape, Flatten, Squeeze and Unsqueeze all become this once shapes are known.
+    Reshape,
+    Transpose { perm: Option<Vec<i64>> },
+    Concat { axis: i64 },
+    /// `sizes` empty: equal parts (or from the `split` input until resolved).
+    Split { axis: i64, sizes: Vec<i64>, num_outputs: Option<usize> },
+    /// Static slice; `Slice`'s operand inputs are folded into it.
+    Slice { starts: Vec<i64>, ends: Vec<i64>, axes: Vec<i64>, steps: Vec<i64> },
+    Gather { axis: i64 },
+    Expand,
+    /// `k`: the diagonal offset (Trilu's optional second input, folded).
+    Trilu { upper: bool, k: i64 },
+    ReduceOp { kind: Reduce, axes: Option<Vec<i64>>, keepdims: bool, noop_with_empty_axes: bool },
+    Conv { window: Window, group: usize },
+    Pool { kind: PoolKind, window: Window },
+    GlobalAveragePool,
+    BatchNorm { epsilon: f32, momentum: f32, training: bool },
+    SoftmaxCrossEntropyLoss { reduction: LossReduction, ignore_index: Option<i64> },
+    /// Shape-producing ops; fully folded into constants at plan time.
+    Constant { value: Tensor },
+    Shape { start: i64, end: Option<i64> },
+    ConstantOfShape { value: Tensor },
+    Range,
+    Squeeze { axes: Option<Vec<i64>> },
+    Unsqueeze { axes: Option<Vec<i64>> },
+    Flatten { axis: i64 },
+
+    // ---- internal ops (gradients and fusions) ----
+    /// Sums a broadcast gradient back down to `shape` (the inverse of broadcasting).
+    ReduceSumTo { shape: Vec<usize> },
+    /// dY, X -> dX for pointwise activations.
+    UnaryGrad(Unary),
+    /// dY, Y -> dX.
+    SoftmaxGrad { axis: i64 },
+    LogSoftmaxGrad { axis: i64 },
+    /// dY, X, scale, mean, inv_std -> dX, dScale, dBias.
+    LayerNormGrad { axis: i64 },
+    /// dLoss, log_prob, labels -> dLogits.
+    SoftmaxCrossEntropyLossGrad { reduction: LossReduction, ignore_index: Option<i64> },
+    /// dY, indices -> dData (scatter-add into zeros of `data_shape`).
+    GatherGrad { axis: i64, data_shape: Vec<usize> },
+    /// dY -> dX: dY written into zeros of `input_shape` at the slice.
+    SliceGrad { input_shape: Vec<usize>, starts: Vec<i64>, ends: Vec<i64>, axes: Vec<i64>, steps: Vec<i64> },
+    /// dY, mask -> dX for Dropout.
+    DropoutGrad { ratio: f32 },
+    /// dY, X, W -> dX, dW, dB.
+    ConvGrad { window: Window, group: usize },
+    /// dY, X -> dX.
+    PoolGrad { kind: PoolKind, window: Window },
+    /// dY, X, scale -> dX, dScale, dBias (batch statistics are recomputed from X).
+    BatchNormGrad { epsilon: f32 },
+    /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass.
+    FusedMatMul { trans_a: bool, trans_b: bool, activation: Option<Unary> },
+}
+
+/// The ONNX op types `Op::from_onnx` accepts, for error messages and reports.
+pub const SUPPORTED_ONNX_OPS: &[&str] = &[
+    "Abs", "Add", "And", "AveragePool", "BatchNormalization", "Cast", "Ceil", "Concat", "Constant",
+    "ConstantOfShape", "Conv", "Div", "Dropout", "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor",
+    "Gather", "Gelu", "Gemm", "GlobalAveragePool", "Greater", "GreaterOrEqual", "Identity",
+    "LayerNormalization", "Less", "LessOrEqual", "Log", "LogSoftmax", "MatMul", "Max", "MaxPool",
+    "Min", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean",
+    "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu", "Reshape", "Shape", "Sigmoid", "Slice",
+    "Softmax", "SoftmaxCrossEntropyLoss", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose",
+    "Trilu", "Unsqueeze", "Where",
+];
+
+fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
+    let kernel = a.ints("kernel_shape")?.unwrap_or_default();
+    if spatial_from_kernel && kernel.is_empty() {
+        return Err(Error::Corrupt(format!("{}: attribute 'kernel_shape' is required", a.origin)));
+    }
+    let n = kernel.len();
+    let to_usize = |v: Vec<i64>, what: &str| -> Result<Vec<usize>> {
+        v.into_iter()
+            .map(|x| usize::try_from(x).map_err(|_| a.bad(what, "non-negative integers")))
+            .collect()
+    };
+    let strides = a.ints("strides")?.map(|v| to_usize(v, "strides")).transpose()?;
+    let dilations = a.ints("dilations")?.map(|v| to_usize(v, "dilations")).transpose()?;
+    let pads = a.ints("pads")?.map(|v| to_usize(v, "pads")).transpose()?;
+    Ok(Window {
+        kernel: to_usize(kernel, "kernel_shape")?,
+        strides: strides.unwrap_or_else(|| vec![1; n]),
+        dilations: dilations.unwrap_or_else(|| vec![1; n]),
+        pads: pads.unwrap_or_else(|| vec![0; 2 * n]),
+        auto_pad: a.string("auto_pad", "NOTSET")?,
+        ceil_mode: a.int("ceil_mode", 0)? != 0,
+    })
+}
+
+fn reduction(a: &Attrs) -> Result<LossReduction> {
+    match a.string("reduction", "mean")?.as_str() {
+        "mean" => Ok(LossReduction::Mean),
+        "sum" => Ok(LossReduction::Sum),
+        "none" => Ok(LossReduction::None),
+        other => Err(Error::Corrupt(format!("{}: reduction '{other}' is not mean, sum or none", a.origin))),
+    }
+}
+
+impl Op {
+    /// Parses an ONNX node of the default domain. `opset` is the model's default-domain opset,
+    /// which decides attribute defaults that changed between versions.
+    pub fn from_onnx(op_type: &str, domain: &str, a: &Attrs, opset: i64) -> Result<Op> {
+        if !(domain.is_empty() || domain == "ai.onnx" || domain == TF_DOMAIN) {
+            return Err(Error::Corrupt(format!("{}: operator domain '{domain}' is not supported", a.origin)));
+        }
+        use Binary as B;
+        use Unary as U;
+        Ok(match op_type {
+            "Neg" => Op::Unary(U::Neg),
+            "Exp" => Op::Unary(U::Exp),
+            "Log" => Op::Unary(U::Log),
+            "Sqrt" => Op::Unary(U::Sqrt),
+            "Tanh" => Op::Unary(U::Tanh),
+            "Erf" => Op::Unary(U::Erf),
+            "Relu" => Op::Unary(U::Relu),
+            "Sigmoid" => Op::Unary(U::Sigmoid),
+            "Abs" => Op::Unary(U::Abs),
+            "Reciprocal" => Op::Unary(U::Reciprocal),
+            "Floor" => Op::Unary(U::Floor),
+            "Ceil" => Op::Unary(U::Ceil),
+            "Not" => Op::Unary(U::Not),
+            "Gelu" => match a.string("approximate", "none")?.as_str() {
+                "none" => Op::Unary(U::Gelu),
+                "tanh" => Op::Unary(U::GeluTanh),
+                other => return Err(Error::Corrupt(format!("{}: approximate '{other}' is not none or tanh", a.origin))),
+            },
+            "Add" => Op::Binary(B::Add),
+            "Sub" => Op::Binary(B::Sub),
+            "Mul" => Op::Binary(B::Mul),
+            "Div" => Op::Binary(B::Div),
+            "Pow" => Op::Binary(B::Pow),
+            "Max" => Op::Binary(B::Max),
+            "Min" => Op::Binary(B::Min),
+            "Equal" => Op::Binary(B::Equal),
+            "Less" => Op::Binary(B::Less),
+            "Greater" => Op::Binary(B::Greater),
+            "LessOrEqual" => Op::Binary(B::LessOrEqual),
+            "GreaterOrEqual" => Op::Binary(B::GreaterOrEqual),
+            "And" => Op::Binary(B::And),
+            "Or" => Op::Binary(B::Or),
+            "Where" => Op::Where,
+            "Cast" => {
+                let code = a.int("to", 0)?;
+                let to = DType::from_onnx(code as i32)
+                    .ok_or_else(|| Error::Corrupt(format!("{}: Cast to element type {code} is not supported", a.origin)))?;
+                Op::Cast { to }
+            }
+            "Identity" => Op::Identity,
+            "Dropout" => Op::Dropout {
+                ratio: a.float("ratio", 0.5)?,
+                training: false,
+                seed: a.int("seed", 0)? as u64,
+            },
+            "MatMul" => Op::MatMul,
+            "Gemm" => Op::Gemm {
+                alpha: a.float("alpha", 1.0)?,
+                beta: a.float("beta", 1.0)?,
+                trans_a: a.int("transA", 0)? != 0,
+                trans_b: a.int("transB", 0)? != 0,
+            },
+            "Softmax" => Op::Softmax { axis: a.int("axis", if opset >= 13 { -1 } else { 1 })? },
+            "LogSoftmax" => Op::LogSoftmax { axis: a.int("axis", if opset >= 13 { -1 } else { 1 })? },
+            "LayerNormalization" => {
+                if a.int("stash_type", 1)? != 1 {
+                    return Err(Error::Corrupt(format!("{}: only stash_type 1 (float32) is supported", a.origin)));
+                }
+                Op::LayerNorm { axis: a.int("axis", -1)?, epsilon: a.float("epsilon", 1e-5)? }
+            }
+            "Reshape" => {
+                if a.int("allowzero", 0)? != 0 {
+                    return Err(Error::Corrupt(format!("{}: Reshape with allowzero=1 is not supported", a.origin)));
+                }
+                Op::Reshape
+            }
+            "Flatten" => Op::Flatten { axis: a.int("axis", 1)? },
+            "Squeeze" => Op::Squeeze { axes: a.ints("axes")? },
+            "Unsqueeze" => Op::Unsqueeze { axes: a.ints("axes")? },
+            "Transpose" => Op::Transpose { perm: a.ints("perm")? },
+            "Concat" => Op::Concat { axis: a.opt_int("axis")?.ok_or_else(|| a.bad("axis", "given"))? },
+            "Split" => Op::Split {
+                axis: a.int("axis", 0)?,
+                sizes: a.ints("split")?.unwrap_or_default(),
+                num_outputs: a.opt_int("num_outputs")?.map(|n| n as usize),
+            },
+            "Slice" => Op::Slice { starts: vec![], ends: vec![], axes: vec![], steps: vec![] },
+            "Gather" => Op::Gather { axis: a.int("axis", 0)? },
+            "Expand" => Op::Expand,
+            "Trilu" => Op::Trilu { upper: a.int("upper", 1)? != 0, k: 0 },
+            "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" => Op::ReduceOp {
+                kind: match op_type {
+                    "ReduceSum" => Reduce::Sum,
+                    "ReduceMean" => Reduce::Mean,
+                    "ReduceMax" => Reduce::Max,
+                    "ReduceMin" => Reduce::Min,
+                    _ => Reduce::SumSquare,
+                },
+                axes: a.ints("axes")?,
+                keepdims: a.int("keepdims", 1)? != 0,
+                noop_with_empty_axes: a.int("noop_with_empty_axes", 0)? != 0,
+            },
+            "Conv" => Op::Conv { window: window(a, false)?, group: a.int("group", 1)?.max(1) as usize },
+            "MaxPool" => {
+                if a.int("storage_order", 0)? != 0 {
+                    return Err(Error::Corrupt(format!("{}: MaxPool storage_order=1 is not supported", a.origin)));
+                }
+                Op::Pool { kind: PoolKind::Max, window: window(a, true)? }
+            }
+            "AveragePool" => Op::Pool {
+                kind: PoolKind::Average { count_include_pad: a.int("count_include_pad", 0)? != 0 },
+                window: window(a, true)?,
+            },
+            "GlobalAveragePool" => Op::GlobalAveragePool,
+            "BatchNormalization" => Op::BatchNorm {
+                epsilon: a.float("epsilon", 1e-5)?,
+                momentum: a.float("momentum", 0.9)?,
+                training: a.int("training_mode", 0)? != 0,
+            },
+            "SoftmaxCrossEntropyLoss" => Op::SoftmaxCrossEntropyLoss {
+                reduction: reduction(a)?,
+                ignore_index: a.opt_int("ignore_index")?,
+            },
+            "Constant" => Op::Constant { value: constant_value(a)? },
+            "Shape" => Op::Shape { start: a.int("start", 0)?, end: a.opt_int("end")? },
+            "ConstantOfShape" => Op::ConstantOfShape {
+                value: a.tensor("value")?.unwrap_or_else(|| Tensor::from_vec(&[1], vec![0.0f32])),
+            },
+            "Range" => Op::Range,
+            other => {
+                return Err(Error::Corrupt(format!(
+                    "{}: operator '{other}' is not supported (supported: {})",
+                    a.origin,
+                    SUPPORTED_ONNX_OPS.join(", ")
+                )))
+            }
+        })
+    }
+
+    /// The name this op is saved under, and its domain.
+    pub fn onnx_name(&self) -> (&'static str, &'static str) {
+        let onnx = |n| (n, "");
+        let internal = |n| (n, TF_DOMAIN);
+        match self {
+            Op::Unary(u) => onnx(match u {
+                Unary::Neg => "Neg",
+                Unary::Exp => "Exp",
+                Unary::Log => "Log",
+                Unary::Sqrt => "Sqrt",
+                Unary::Tanh => "Tanh",
+                Unary::Erf => "Erf",
+                Unary::Relu => "Relu",
+                Unary::Sigmoid => "Sigmoid",
+                Unary::Abs => "Abs",
+                Unary::Reciprocal => "Reciprocal",
+                Unary::Floor => "Floor",
+                Unary::Ceil => "Ceil",
+                Unary::Not => "Not",
+                Unary::Gelu | Unary::GeluTanh => "Gelu",
+            }),
+            Op::Binary(b) => onnx(match b {
+                Binary::Add => "Add",
+                Binary::Sub => "Sub",
+                Binary::Mul => "Mul",
+                Binary::Div => "Div",
+                Binary::Pow => "Pow",
+                Binary::Max => "Max",
+                Binary::Min => "Min",
+                Binary::Equal => "Equal",
+                Binary::Less => "Less",
+                Binary::Greater => "Greater",
+                Binary::LessOrEqual => "LessOrEqual",
+                Binary::GreaterOrEqual => "GreaterOrEqual",
+                Binary::And => "And",
+                Binary::Or => "Or",
+            }),
+            Op::Where => onnx("Where"),
+            Op::Cast { .. } => onnx("Cast"),
+            Op::Identity => onnx("Identity"),
+            Op::Dropout { .. } => onnx("Dropout"),
+            Op::MatMul => onnx("MatMul"),
+            Op::Gemm { .. } => onnx("Gemm"),
+            Op::Softmax { .. } => onnx("Softmax"),
+            Op::LogSoftmax { .. } => onnx("LogSoftmax"),
+            Op::LayerNorm { .. } => onnx("LayerNormalization"),
+            Op::Reshape => onnx("Reshape"),
+            Op::Transpose { .. } => onnx("Transpose"),
+            Op::Concat { .. } => onnx("Concat"),
+            Op::Split { .. } => onnx("Split"),
+            Op::Slice { .. } => onnx("Slice"),
+            Op::Gather { .. } => onnx("Gather"),
+            Op::Expand => onnx("Expand"),
+            Op::Trilu { .. } => onnx("Trilu"),
+            Op::ReduceOp { kind, .. } => onnx(match kind {
+                Reduce::Sum => "ReduceSum",
+                Reduce::Mean => "ReduceMean",
+                Reduce::Max => "ReduceMax",
+                Reduce::Min => "ReduceMin",
+                Reduce::SumSquare => "ReduceSumSquare",
+            }),
+            Op::Conv { .. } => onnx("Conv"),
+            Op::Pool { kind: PoolKind::Max, .. } => onnx("MaxPool"),
+            Op::Pool { .. } => onnx("AveragePool"),
+            Op::GlobalAveragePool => onnx("GlobalAveragePool"),
+            Op::BatchNorm { .. } => onnx("BatchNormalization"),
+            Op::SoftmaxCrossEntropyLoss { .. } => onnx("SoftmaxCrossEntropyLoss"),
+            Op::Constant { .. } => onnx("Constant"),
+            Op::Shape { .. } => onnx("Shape"),
+            Op::ConstantOfShape { .. } => onnx("ConstantOfShape"),
+            Op::Range => onnx("Range"),
+            Op::Squeeze { .. } => onnx("Squeeze"),
+            Op::Unsqueeze { .. } => onnx("Unsqueeze"),
+            Op::Flatten { .. } => onnx("Flatten"),
+            Op::ReduceSumTo { .. } => internal("ReduceSumTo"),
+            Op::UnaryGrad(_) => internal("UnaryGrad"),
+            Op::SoftmaxGrad { .. } => internal("SoftmaxGrad"),
+            Op::LogSoftmaxGrad { .. } => internal("LogSoftmaxGrad"),
+            Op::LayerNormGrad { .. } => internal("LayerNormalizationGrad"),
+            Op::SoftmaxCrossEntropyLossGrad { .. } => internal("SoftmaxCrossEntropyLossGrad"),
+            Op::GatherGrad { .. } => internal("GatherGrad"),
+            Op::SliceGrad { .. } => internal("SliceGrad"),
+            Op::DropoutGrad { .. } => internal("DropoutGrad"),
+            Op::ConvGrad { .. } => internal("ConvGrad"),
+            Op::PoolGrad { .. } => internal("PoolGrad"),
+            Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
+            Op::FusedMatMul { .. } => internal("FusedMatMul"),
+        }
+    }
+
+    /// The attributes this op is saved with (the inverse of `from_onnx` for ONNX ops; internal
+    /// ops save what they need to be read back by our own loader).
+    pub fn onnx_attrs(&self) -> Vec<(String, AttrValue)> {
+        let i = |k: &str, v: i64| (k.to_string(), AttrValue::Int(v));
+        let f = |k: &str, v: f32| (k.to_string(), AttrValue::Float(v));
+        let is = |k: &str, v: &[i64]| (k.to_string(), AttrValue::Ints(v.to_vec()));
+        let us = |k: &str, v: &[usize]| (k.to_string(), AttrValue::Ints(v.iter().map(|&x| x as i64).collect()));
+        let win = |w: &Window| {
+            vec![
+                us("kernel_shape", &w.kernel),
+                us("strides", &w.strides),
+                us("dilations", &w.dilations),
+                us("pads", &w.pads),
+                i("ceil_mode", w.ceil_mode as i64),
+            ]
+        };
+        match self {
+            Op::Unary(Unary::GeluTanh) => vec![("approximate".into(), AttrValue::Str("tanh".into()))],
+            Op::Cast { to } => vec![i("to", to.onnx_code() as i64)],
+            Op::Dropout { ratio, seed, .. } => vec![f("ratio", *ratio), i("seed", *seed as i64)],
+            Op::Gemm { alpha, beta, trans_a, trans_b } => vec![
+                f("alpha", *alpha),
+                f("beta", *beta),
+                i("transA", *trans_a as i64),
+                i("transB", *trans_b as i64),
+            ],
+            Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } | Op::Gather { axis } => {
+                vec![i("axis", *axis)]
+            }
+            Op::Flatten { axis } => vec![i("axis", *axis)],
+            Op::LayerNorm { axis, epsilon } => vec![i("axis", *axis), f("epsilon", *epsilon)],
+            Op::Transpose { perm: Some(p) } => vec![is("perm", p)],
+            Op::Split { axis, sizes, .. } => {
+                let mut v = vec![i("axis", *axis)];
+                if !sizes.is_empty() {
+                    v.push(is("split", sizes));
+                }
+                v
+            }
+            Op::Trilu { upper, .. } => vec![i("upper", *upper as i64)],
+            Op::ReduceOp { keepdims, noop_with_empty_axes, .. } => {
+                vec![i("keepdims", *keepdims as i64), i("noop_with_empty_axes", *noop_with_empty_axes as i64)]
+            }
+            Op::Conv { window, group } => {
+                let mut v = win(window);
+                v.push(i("group", *group as i64));
+                v
+            }
+            Op::Pool { kind, window } => {
+                let mut v = win(window);
+                if let PoolKind::Average { count_include_pad } = kind {
+                    v.push(i("count_include_pad", *count_include_pad as i64));
+                }
+                v
+            }
+            Op::BatchNorm { epsilon, momentum, training } => {
+                vec![f("epsilon", *epsilon), f("momentum", *momentum), i("training_mode", *training as i64)]
+            }
+            Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
+                let r = match reduction {
+                    LossReduction::Mean => "mean",
+                    LossReduction::Sum => "sum",
+                    LossReduction::None => "none",
+                };
+                let mut v = vec![("reduction".to_string(), AttrValue::Str(r.into()))];
+                if let Some(ii) = ignore_index {
+                    v.push(i("ignore_index", *ii));
+                }
+                v
+            }
+            Op::Constant { value } => vec![("value".into(), AttrValue::Tensor(value.clone()))],
+            Op::ConstantOfShape { value } => vec![("value".into(), AttrValue::Tensor(value.clone()))],
+            Op::Shape { start, end } => {
+                let mut v = vec![i("start", *start)];
+                if let Some(e) = end {
+                    v.push(i("end", *e));
+                }
+                v
+            }
+            Op::FusedMatMul { trans_a, trans_b, activation } => vec![
+                i("transA", *trans_a as i64),
+                i("transB", *trans_b as i64),
+                i("gelu", matches!(activation, Some(Unary::GeluTanh)) as i64),
+            ],
+            _ => vec![],
+        }
+    }
+
+    /// Ops whose inputs beyond the first are shape operands, folded away at plan time.
+    pub fn static_operand_inputs(&self) -> std::ops::Range<usize> {
+        match self {
+            Op::Reshape | Op::Expand => 1..2,
+            Op::Squeeze { .. } | Op::Unsqueeze { .. } | Op::Split { .. } | Op::ReduceOp { .. } => 1..2,
+            Op::Slice { .. } => 1..5,
+            Op::ConstantOfShape { .. } => 0..1,
+            Op::Range => 0..3,
+            Op::Trilu { .. } => 1..2,
+            Op::Dropout { .. } => 1..3,
+            _ => 0..0,
+        }
+    }
+
+    /// Ops that draw random numbers in training (their results are not folded).
+    pub fn is_random(&self) -> bool {
+        matches!(self, Op::Dropout { training: true, ratio, .. } if *ratio > 0.0)
+    }
+}
+
+fn constant_value(a: &Attrs) -> Result<Tensor> {
+    if let Some(t) = a.tensor("value")? {
+        return Ok(t);
+    }
+    match (a.map.get("value_float"), a.map.get("value_int"), a.map.get("value_floats"), a.map.get("value_ints")) {
+        (Some(AttrValue::Float(v)), ..) => Ok(Tensor::scalar(*v)),
+        (_, Some(AttrValue::Int(v)), ..) => Ok(Tensor::scalar(*v)),
+        (_, _, Some(AttrValue::Floats(v)), _) => Ok(Tensor::from_vec(&[v.len()], v.clone())),
+        (_, _, _, Some(AttrValue::Ints(v))) => Ok(Tensor::from_vec(&[v.len()], v.clone())),
+        _ => Err(Error::Corrupt(format!("{}: Constant needs a 'value' attribute of a supported kind", a.origin))),
+    }
+}

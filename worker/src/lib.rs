@@ -1,0 +1,41 @@
+//! tensorfleet-worker: the training engine.
+//!
+//! `config` and `error` build everywhere (the operator embeds the configuration type); the
+//! engine needs the `engine` feature.
+pub mod config;
+#[cfg(feature = "engine")]
+pub mod data;
+pub mod error;
+
+#[cfg(feature = "engine")]
+pub mod autodiff;
+#[cfg(feature = "engine")]
+pub mod backend;
+#[cfg(feature = "engine")]
+pub mod checkpoint;
+#[cfg(feature = "engine")]
+pub mod exec;
+#[cfg(feature = "engine")]
+pub mod export;
+#[cfg(feature = "engine")]
+pub mod graph;
+#[cfg(feature = "engine")]
+pub mod models;
+#[cfg(feature = "engine")]
+pub mod inspect;
+#[cfg(feature = "engine")]
+pub mod monitor;
+#[cfg(feature = "engine")]
+pub mod onnx;
+#[cfg(feature = "engine")]
+pub mod optim;
+#[cfg(feature = "cli")]
+pub mod prepare;
+#[cfg(feature = "engine")]
+pub mod rng;
+#[cfg(feature = "engine")]
+pub mod runner;
+#[cfg(feature = "engine")]
+pub mod session;
+#[cfg(feature = "engine")]
+pub mod tensor;

@@ -1,0 +1,115 @@
+//! Builtin models, emitted as ONNX-op graphs (so the engine trains them like any imported
+//! model and the exporter writes them like any other), and the loss attached to a model.
+
+pub mod gpt2;
+pub mod mlp;
+pub mod squeezenet;
+
+use crate::config::{LossConfig, LossKind, ModelConfig, ModelSpec};
+use crate::error::{Error, Result};
+use crate::graph::ir::{Dim, Graph, ValueId};
+use crate::graph::op::{Binary, LossReduction, Op, Reduce};
+use crate::rng::Rng;
+use crate::tensor::{DType, Tensor};
+
+/// A model ready to train: its graph (forward + loss), the loss value, and the forward
+/// outputs an inference export keeps.
+pub struct Model {
+    pub graph: Graph,
+    pub loss: ValueId,
+    /// The forward graph's own outputs (the exported model's outputs).
+    pub outputs: Vec<ValueId>,
+    /// Graph inputs that are fed labels (removed on export).
+    pub label_inputs: Vec<ValueId>,
+}
+
+/// Builds or loads the configured model and attaches its loss.
+pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
+    let (graph, loss_cfg) = match cfg.kind()? {
+        ModelConfig::Gpt2(c) => (gpt2::build(c, seed)?, builtin_loss()),
+        ModelConfig::Squeezenet(c) => (squeezenet::build(c, seed)?, builtin_loss()),
+        ModelConfig::Mlp(c) => (mlp::build(c, seed)?, builtin_loss()),
+        ModelConfig::Onnx(c) => {
+            let origin = c.path.display().to_string();
+            let proto = crate::onnx::load_model(&c.path)?;
+            (crate::graph::onnx_io::from_model(&proto, &origin)?, c.loss.clone())
+        }
+    };
+    with_loss(graph, &loss_cfg)
+}
+
+fn builtin_loss() -> LossConfig {
+    LossConfig { kind: Some(LossKind::SoftmaxCrossEntropy), output: "logits".into(), label: "labels".into(), ignore_index: Some(-100) }
+}
+
+/// Attaches the configured loss to `g` (or finds the loss the model computes itself).
+pub fn with_loss(mut g: Graph, cfg: &LossConfig) -> Result<Model> {
+    let out = g.find(&cfg.output).filter(|v| g.outputs.contains(v)).ok_or_else(|| {
+        let names: Vec<&str> = g.outputs.iter().map(|&v| g.name_of(v)).collect();
+        Error::Config(format!("model.onnx.loss.output: '{}' is not an output of the model (outputs: {})", cfg.output, names.join(", ")))
+    })?;
+    let forward_outputs = g.outputs.clone();
+    let Some(kind) = cfg.kind else {
+        // The model computes its loss: every non-float input is data, and labels are whatever
+        // the data provides beyond the model's inputs.
+        return Ok(Model { loss: out, outputs: forward_outputs.into_iter().filter(|&v| v != out).collect(), label_inputs: vec![], graph: g });
+    };
+    if g.find(&cfg.label).is_some_and(|v| g.inputs.iter().any(|d| d.value == v)) {
+        return Err(Error::Config(format!("model.onnx.loss.label: the model already has an input named '{}'", cfg.label)));
+    }
+    let loss = match kind {
+        LossKind::SoftmaxCrossEntropy => {
+            // Class scores on the last axis, as language models and classifiers emit them:
+            // flatten to [N, C] and labels to [N].
+            let labels = g.add_input(&cfg.label, DType::I64, vec![Dim::Named(format!("{}.shape", cfg.label))]);
+            let shape = g.op1("loss.scores_shape", Op::Shape { start: -1, end: None }, &[out]);
+            let minus_one = ints(&mut g, "loss.minus_one", &[-1]);
+            let target = g.op1("loss.target_shape", Op::Concat { axis: 0 }, &[minus_one, shape]);
+            let scores = g.op1("loss.scores", Op::Reshape, &[out, target]);
+            let labels_flat = g.op1("loss.labels", Op::Reshape, &[labels, minus_one]);
+            g.op1("loss", Op::SoftmaxCrossEntropyLoss { reduction: LossReduction::Mean, ignore_index: cfg.ignore_index }, &[scores, labels_flat])
+        }
+        LossKind::Mse => {
+            let target = g.add_input(&cfg.label, DType::F32, vec![Dim::Named(format!("{}.shape", cfg.label))]);
+            let diff = g.op1("loss.diff", Op::Binary(Binary::Sub), &[out, target]);
+            let sq = g.op1("loss.sq", Op::Binary(Binary::Mul), &[diff, diff]);
+            g.op1("loss", Op::ReduceOp { kind: Reduce::Mean, axes: None, keepdims: false, noop_with_empty_axes: false }, &[sq])
+        }
+    };
+    let label = g.find(&cfg.label).expect("added above");
+    g.outputs.push(loss);
+    Ok(Model { graph: g, loss, outputs: forward_outputs, label_inputs: vec![label] })
+}
+
+/// Weight initialization shared by the builders.
+pub struct Init {
+    pub rng: Rng,
+}
+
+impl Init {
+    pub fn new(seed: u64) -> Init {
+        Init { rng: Rng::new(seed) }
+    }
+    pub fn normal(&mut self, shape: &[usize], std: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        Tensor::from_vec(shape, (0..n).map(|_| (self.rng.normal() * std) as f32).collect())
+    }
+    pub fn uniform(&mut self, shape: &[usize], bound: f64) -> Tensor {
+        let n: usize = shape.iter().product();
+        Tensor::from_vec(shape, (0..n).map(|_| ((self.rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect())
+    }
+    pub fn constant(shape: &[usize], v: f32) -> Tensor {
+        Tensor::from_vec(shape, vec![v; shape.iter().product()])
+    }
+}
+
+/// A constant the model needs but never trains (masks, scales, shapes): a Constant node, so
+/// it is folded when the graph is bound and never mistaken for a weight.
+pub fn constant(g: &mut Graph, name: &str, value: Tensor) -> ValueId {
+    g.op1(name, Op::Constant { value }, &[])
+}
+
+/// An int64 vector constant (shapes, axes).
+pub fn ints(g: &mut Graph, name: &str, v: &[i64]) -> ValueId {
+    constant(g, name, Tensor::from_vec(&[v.len()], v.to_vec()))
+}

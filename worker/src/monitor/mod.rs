@@ -1,0 +1,34 @@
+//! Training telemetry: `metrics.jsonl` (one JSON object per logged step or evaluation).
+
+use crate::error::{Error, Result};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+pub struct Metrics {
+    path: PathBuf,
+    file: std::fs::File,
+}
+
+impl Metrics {
+    /// Starts a fresh metrics file.
+    pub fn create(path: &Path) -> Result<Metrics> {
+        let file = std::fs::File::create(path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
+        Ok(Metrics { path: path.to_path_buf(), file })
+    }
+
+    fn line(&mut self, v: serde_json::Value) -> Result<()> {
+        writeln!(self.file, "{v}").map_err(|e| Error::Runtime(format!("{}: {e}", self.path.display())))
+    }
+
+    /// `step` counts weight updates from 1; `loss` is that update's forward loss.
+    pub fn step(&mut self, step: u64, loss: f64, lr: f64, grad_norm: f64, items_per_sec: f64, elapsed_sec: f64) -> Result<()> {
+        self.line(serde_json::json!({
+            "step": step, "loss": loss, "lr": lr, "gradNorm": grad_norm,
+            "itemsPerSec": items_per_sec, "elapsedSec": elapsed_sec,
+        }))
+    }
+
+    pub fn eval(&mut self, step: u64, eval_loss: f64) -> Result<()> {
+        self.line(serde_json::json!({"step": step, "evalLoss": eval_loss}))
+    }
+}

@@ -1,0 +1,177 @@
+//! The training runner, after ONNX Runtime's TrainingRunner: configure → initialize the device
+//! → load the model and data → train loop (update, log, evaluate, checkpoint) → export.
+
+use crate::backend::cpu::CpuBackend;
+use crate::checkpoint;
+use crate::config::{DeviceKind, ModelConfig, OptimizerName, Precision, TrainingConfig};
+use crate::data::{self, Batch, Feeds};
+use crate::error::{Error, Result};
+use crate::graph::ir::Dim;
+use crate::models::{self, Model};
+use crate::monitor::Metrics;
+use crate::optim::{schedule::learning_rate, Update};
+use crate::session::{Session, SessionOptions};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where a run's outputs went.
+#[derive(Debug)]
+pub struct Summary {
+    pub steps: u64,
+    pub first_loss: f64,
+    pub final_loss: f64,
+    pub metrics: PathBuf,
+    pub checkpoints: Option<PathBuf>,
+    pub model: PathBuf,
+}
+
+pub fn update_of(cfg: &TrainingConfig) -> Update {
+    let o = &cfg.optimizer;
+    match o.name {
+        OptimizerName::Sgd => Update::Sgd { momentum: o.momentum as f32, nesterov: o.nesterov, weight_decay: o.weight_decay as f32 },
+        OptimizerName::Adam | OptimizerName::Adamw => Update::Adam {
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            epsilon: o.epsilon as f32,
+            weight_decay: o.weight_decay as f32,
+            decoupled: o.name == OptimizerName::Adamw,
+        },
+    }
+}
+
+/// What feeds token data into this model, and the sequence length of its windows.
+fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
+    let g = &model.graph;
+    let kind = cfg.model.kind()?;
+    let label = match kind {
+        ModelConfig::Onnx(o) => o.loss.label.clone(),
+        _ => "labels".into(),
+    };
+    let input = g
+        .inputs
+        .iter()
+        .find(|d| d.dtype == crate::tensor::DType::I64 && g.name_of(d.value) != label)
+        .ok_or_else(|| Error::Config("data.train.format: token data needs an int64 input (token ids) in the model".into()))?;
+    let seq = match (kind, input.dims.get(1)) {
+        (ModelConfig::Gpt2(c), _) => c.seq_len,
+        (_, Some(Dim::Fixed(t))) => *t,
+        (ModelConfig::Onnx(o), Some(Dim::Named(n))) => *o.dims.get(n).ok_or_else(|| {
+            Error::Config(format!("model.onnx.dims: give the size of '{n}' (the sequence length of input '{}')", g.name_of(input.value)))
+        })?,
+        _ => return Err(Error::Config(format!("input '{}' must be [batch, sequence] for token data", g.name_of(input.value)))),
+    };
+    Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label }, seq))
+}
+
+fn check_world(cfg: &TrainingConfig) -> Result<()> {
+    let p = &cfg.parallelism;
+    let world = p.data * p.tensor * p.pipeline;
+    if world != 1 {
+        return Err(Error::Config(format!(
+            "parallelism: data×tensor×pipeline = {world}, but this process runs alone (world size 1); multi-rank training needs mpirun with {world} ranks and the MPI build"
+        )));
+    }
+    if p.zero > 0 {
+        return Err(Error::Config("parallelism.zero: ZeRO shards over data-parallel ranks; it needs parallelism.data > 1".into()));
+    }
+    match cfg.device {
+        DeviceKind::Cuda => return Err(Error::Config("device: cuda was asked for, but this worker has no CUDA backend; use device: cpu or auto".into())),
+        DeviceKind::Auto | DeviceKind::Cpu => {}
+    }
+    if cfg.precision != Precision::Fp32 {
+        return Err(Error::Config(format!("precision: {:?} needs the CUDA backend; the CPU trains in fp32", cfg.precision).to_lowercase()));
+    }
+    Ok(())
+}
+
+/// Runs the whole training described by `cfg`. `quiet` silences the per-step console lines.
+pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
+    check_world(cfg)?;
+    let backend = Arc::new(CpuBackend::new());
+    let model = models::load(&cfg.model, cfg.seed)?;
+    let (feeds, seq_len) = match cfg.data.train.format {
+        crate::config::DataFormat::Tokens => token_feeds(cfg, &model)?,
+        crate::config::DataFormat::OnnxSamples => (Feeds { token_input: String::new(), token_label: String::new() }, 0),
+    };
+    let mut train_data = data::open(&cfg.data.train, "data.train", cfg.batch_size, seq_len, &feeds, cfg.data.shuffle, cfg.seed)?;
+    let mut eval_data = match &cfg.data.eval {
+        Some(src) if cfg.evaluation.every > 0 => Some(data::open(src, "data.eval", cfg.batch_size, seq_len, &feeds, false, cfg.seed)?),
+        _ => None,
+    };
+    let first: Batch = train_data.next_batch()?;
+    let opts = SessionOptions { update: update_of(cfg), disabled_passes: vec![], frozen: vec![] };
+    let t_build = Instant::now();
+    let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
+    let (arena, persistent) = session.memory();
+    tracing::info!(
+        backend = %crate::backend::Backend::name(&*backend),
+        arena_mib = arena as f64 / (1 << 20) as f64,
+        weights_mib = persistent as f64 / (1 << 20) as f64,
+        nodes = session.train.plan.steps.len(),
+        build_ms = t_build.elapsed().as_millis() as u64,
+        "training graph planned"
+    );
+
+    std::fs::create_dir_all(&cfg.output.dir).map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
+    let mut metrics = Metrics::create(&cfg.output.dir.join("metrics.jsonl"))?;
+    let ckpt_dir = cfg.output.dir.join("checkpoints");
+    let mut pending = Some(first);
+    let mut first_loss = f64::NAN;
+    let mut last_loss = f64::NAN;
+    let start = Instant::now();
+    let items = train_data.items_per_batch() * cfg.gradient_accumulation_steps;
+    for step in 0..cfg.steps {
+        let t0 = Instant::now();
+        let mut batches = Vec::with_capacity(cfg.gradient_accumulation_steps);
+        for _ in 0..cfg.gradient_accumulation_steps {
+            batches.push(match pending.take() {
+                Some(b) => b,
+                None => train_data.next_batch()?,
+            });
+        }
+        let lr = learning_rate(&cfg.lr_schedule, cfg.optimizer.lr, step, cfg.steps);
+        let r = session.step(&batches, lr, cfg.grad_clip_norm, crate::rng::mix(cfg.seed ^ (step + 1)))?;
+        if !r.loss.is_finite() {
+            return Err(Error::Runtime(format!("step {}: the loss is {} (diverged); lower optimizer.lr or set gradClipNorm", step + 1, r.loss)));
+        }
+        let n = step + 1;
+        if step == 0 {
+            first_loss = r.loss;
+        }
+        last_loss = r.loss;
+        let dt = t0.elapsed().as_secs_f64();
+        if n % cfg.logging.every == 0 || n == cfg.steps {
+            let rate = items as f64 / dt.max(1e-9);
+            metrics.step(n, r.loss, lr, r.grad_norm, rate, start.elapsed().as_secs_f64())?;
+            if !quiet {
+                eprintln!("step {n:>5}/{} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {:.0} {}/s", cfg.steps, r.loss, r.grad_norm, rate, if seq_len > 0 { "tok" } else { "samples" });
+            }
+        }
+        if let Some(ev) = eval_data.as_mut() {
+            if n % cfg.evaluation.every == 0 || n == cfg.steps {
+                ev.seek(&Default::default())?;
+                let batches: Vec<Batch> = (0..cfg.evaluation.batches).map(|_| ev.next_batch()).collect::<Result<_>>()?;
+                let loss = session.evaluate(&batches)?;
+                metrics.eval(n, loss)?;
+                if !quiet {
+                    eprintln!("step {n:>5}/{} | eval loss {loss:.4}", cfg.steps);
+                }
+            }
+        }
+        if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
+            let path = checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.weights()?, cfg.checkpoint.keep)?;
+            tracing::info!(path = %path.display(), "checkpoint written");
+        }
+    }
+    let model_path = cfg.output.dir.join("model.onnx");
+    crate::export::write(&model, &session.weights()?, &model_path)?;
+    Ok(Summary {
+        steps: cfg.steps,
+        first_loss,
+        final_loss: last_loss,
+        metrics: cfg.output.dir.join("metrics.jsonl"),
+        checkpoints: (cfg.checkpoint.every > 0).then_some(ckpt_dir),
+        model: model_path,
+    })
+}
