@@ -76,9 +76,6 @@ mod tests {
 
     #[test]
     fn an_unknown_argument_is_named() {
-        assert_eq!(
-            parse(args(&["--help", "--kubeconfig"])),
-            Err("--kubeconfig".to_string())
-        );
+        assert_eq!(parse(args(&["--help", "--kubeconfig"])), Err("--kubeconfig".to_string()));
     }
 }

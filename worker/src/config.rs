@@ -312,7 +312,13 @@ fn d_decay_fraction() -> f64 {
 
 impl Default for LrSchedule {
     fn default() -> Self {
-        LrSchedule { name: ScheduleName::Constant, warmup_steps: 0, min_lr: None, power: d_power(), decay_fraction: d_decay_fraction() }
+        LrSchedule {
+            name: ScheduleName::Constant,
+            warmup_steps: 0,
+            min_lr: None,
+            power: d_power(),
+            decay_fraction: d_decay_fraction(),
+        }
     }
 }
 
@@ -444,8 +450,8 @@ pub fn apply_override(doc: &mut serde_yaml::Value, assignment: &str) -> Result<(
     let (path, raw) = assignment
         .split_once('=')
         .ok_or_else(|| Error::Config(format!("--set '{assignment}': expected key.path=value")))?;
-    let value: serde_yaml::Value =
-        serde_yaml::from_str(raw).map_err(|e| Error::Config(format!("--set {path}: the value '{raw}' is not valid YAML: {e}")))?;
+    let value: serde_yaml::Value = serde_yaml::from_str(raw)
+        .map_err(|e| Error::Config(format!("--set {path}: the value '{raw}' is not valid YAML: {e}")))?;
     let mut node = doc;
     let keys: Vec<&str> = path.split('.').collect();
     for (i, key) in keys.iter().enumerate() {
@@ -527,7 +533,11 @@ impl TrainingConfig {
         if !(self.optimizer.lr > 0.0 && self.optimizer.lr.is_finite()) {
             return bad("optimizer.lr", format!("must be a positive number, not {}", self.optimizer.lr));
         }
-        for (k, v) in [("optimizer.beta1", self.optimizer.beta1), ("optimizer.beta2", self.optimizer.beta2), ("optimizer.momentum", self.optimizer.momentum)] {
+        for (k, v) in [
+            ("optimizer.beta1", self.optimizer.beta1),
+            ("optimizer.beta2", self.optimizer.beta2),
+            ("optimizer.momentum", self.optimizer.momentum),
+        ] {
             if !(0.0..1.0).contains(&v) {
                 return bad(k, format!("must be in [0, 1), not {v}"));
             }
@@ -553,7 +563,10 @@ impl TrainingConfig {
             return bad("lrSchedule.decayFraction", "must be in [0, 1]".into());
         }
         if self.lr_schedule.warmup_steps > self.steps {
-            return bad("lrSchedule.warmupSteps", format!("{} exceeds steps ({})", self.lr_schedule.warmup_steps, self.steps));
+            return bad(
+                "lrSchedule.warmupSteps",
+                format!("{} exceeds steps ({})", self.lr_schedule.warmup_steps, self.steps),
+            );
         }
         let p = &self.parallelism;
         if p.data == 0 || p.tensor == 0 || p.pipeline == 0 {
@@ -629,7 +642,8 @@ mod tests {
 
     #[test]
     fn errors_name_the_key() {
-        let e = TrainingConfig::parse(&format!("{BASE}optimizer: {{lr: 1, betta1: 0.9}}\n"), "t.yaml", &[]).unwrap_err();
+        let e =
+            TrainingConfig::parse(&format!("{BASE}optimizer: {{lr: 1, betta1: 0.9}}\n"), "t.yaml", &[]).unwrap_err();
         assert!(e.to_string().contains("optimizer"), "{e}");
         assert!(e.to_string().contains("betta1"), "{e}");
         assert_eq!(e.exit_code(), 2);

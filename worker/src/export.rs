@@ -13,11 +13,16 @@ use std::path::Path;
 pub fn inference_graph(model: &Model, weights: &BTreeMap<String, Tensor>) -> Result<Graph> {
     let mut g = model.graph.clone();
     for (name, t) in weights {
-        let v = g.find(name).filter(|v| g.initializers.contains_key(v)).ok_or_else(|| {
-            Error::Corrupt(format!("weight '{name}' is not an initializer of the model"))
-        })?;
+        let v = g
+            .find(name)
+            .filter(|v| g.initializers.contains_key(v))
+            .ok_or_else(|| Error::Corrupt(format!("weight '{name}' is not an initializer of the model")))?;
         if g.initializers[&v].shape() != t.shape() {
-            return Err(Error::Corrupt(format!("weight '{name}' has shape {:?}; the model's is {:?}", t.shape(), g.initializers[&v].shape())));
+            return Err(Error::Corrupt(format!(
+                "weight '{name}' has shape {:?}; the model's is {:?}",
+                t.shape(),
+                g.initializers[&v].shape()
+            )));
         }
         g.initializers.insert(v, t.clone());
     }

@@ -71,7 +71,11 @@ fn inspect_model(path: &Path, dims: &[String]) -> Result<()> {
     match bind(&g, &b, false) {
         Ok(bound) => {
             let p = plan(&bound, &[]);
-            println!("  planned peak memory (forward): {} transient + {} weights", mib(p.arena_bytes), mib(p.persistent_bytes));
+            println!(
+                "  planned peak memory (forward): {} transient + {} weights",
+                mib(p.arena_bytes),
+                mib(p.persistent_bytes)
+            );
         }
         Err(e) => println!("  no memory plan: {e} (give --dim NAME=SIZE)"),
     }

@@ -20,9 +20,9 @@ pub mod export;
 #[cfg(feature = "engine")]
 pub mod graph;
 #[cfg(feature = "engine")]
-pub mod models;
-#[cfg(feature = "engine")]
 pub mod inspect;
+#[cfg(feature = "engine")]
+pub mod models;
 #[cfg(feature = "engine")]
 pub mod monitor;
 #[cfg(feature = "engine")]

@@ -8,7 +8,11 @@ use tensorfleet_worker::error::{Error, Result};
 use tensorfleet_worker::{checkpoint, export, inspect, models, prepare, runner};
 
 #[derive(Parser)]
-#[command(name = "tensorfleet-worker", version, about = "Trains ONNX graphs: the rank program of a tensorfleet TrainingJob")]
+#[command(
+    name = "tensorfleet-worker",
+    version,
+    about = "Trains ONNX graphs: the rank program of a tensorfleet TrainingJob"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -86,7 +90,9 @@ fn run(cli: Cli) -> Result<()> {
 
 fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_env("TENSORFLEET_LOG").unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TENSORFLEET_LOG").unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Cli::parse()) {

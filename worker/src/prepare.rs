@@ -26,11 +26,19 @@ pub fn prepare(inputs: &[PathBuf], output: &Path, val_fraction: f64) -> Result<(
     let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Runtime(format!("loading the GPT-2 BPE: {e}")))?;
     let mut tokens: Vec<u16> = Vec::new();
     for (i, path) in inputs.iter().enumerate() {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
         tokens.push(END_OF_TEXT);
         // GPT-2's vocabulary (50257) fits in u16, as llm.c's shards assume.
         tokens.extend(bpe.encode_ordinary(&text).into_iter().map(|t| t as u16));
-        eprintln!("[{}/{}] {}: {} bytes, {} tokens so far", i + 1, inputs.len(), path.display(), text.len(), tokens.len());
+        eprintln!(
+            "[{}/{}] {}: {} bytes, {} tokens so far",
+            i + 1,
+            inputs.len(),
+            path.display(),
+            text.len(),
+            tokens.len()
+        );
     }
     let n_val = ((tokens.len() as f64) * val_fraction).round() as usize;
     let (val, train) = tokens.split_at(n_val);

@@ -29,7 +29,9 @@ pub struct Summary {
 pub fn update_of(cfg: &TrainingConfig) -> Update {
     let o = &cfg.optimizer;
     match o.name {
-        OptimizerName::Sgd => Update::Sgd { momentum: o.momentum as f32, nesterov: o.nesterov, weight_decay: o.weight_decay as f32 },
+        OptimizerName::Sgd => {
+            Update::Sgd { momentum: o.momentum as f32, nesterov: o.nesterov, weight_decay: o.weight_decay as f32 }
+        }
         OptimizerName::Adam | OptimizerName::Adamw => Update::Adam {
             beta1: o.beta1 as f32,
             beta2: o.beta2 as f32,
@@ -48,18 +50,25 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
         ModelConfig::Onnx(o) => o.loss.label.clone(),
         _ => "labels".into(),
     };
-    let input = g
-        .inputs
-        .iter()
-        .find(|d| d.dtype == crate::tensor::DType::I64 && g.name_of(d.value) != label)
-        .ok_or_else(|| Error::Config("data.train.format: token data needs an int64 input (token ids) in the model".into()))?;
+    let input =
+        g.inputs.iter().find(|d| d.dtype == crate::tensor::DType::I64 && g.name_of(d.value) != label).ok_or_else(
+            || Error::Config("data.train.format: token data needs an int64 input (token ids) in the model".into()),
+        )?;
     let seq = match (kind, input.dims.get(1)) {
         (ModelConfig::Gpt2(c), _) => c.seq_len,
         (_, Some(Dim::Fixed(t))) => *t,
         (ModelConfig::Onnx(o), Some(Dim::Named(n))) => *o.dims.get(n).ok_or_else(|| {
-            Error::Config(format!("model.onnx.dims: give the size of '{n}' (the sequence length of input '{}')", g.name_of(input.value)))
+            Error::Config(format!(
+                "model.onnx.dims: give the size of '{n}' (the sequence length of input '{}')",
+                g.name_of(input.value)
+            ))
         })?,
-        _ => return Err(Error::Config(format!("input '{}' must be [batch, sequence] for token data", g.name_of(input.value)))),
+        _ => {
+            return Err(Error::Config(format!(
+                "input '{}' must be [batch, sequence] for token data",
+                g.name_of(input.value)
+            )))
+        }
     };
     Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label }, seq))
 }
@@ -73,14 +82,22 @@ fn check_world(cfg: &TrainingConfig) -> Result<()> {
         )));
     }
     if p.zero > 0 {
-        return Err(Error::Config("parallelism.zero: ZeRO shards over data-parallel ranks; it needs parallelism.data > 1".into()));
+        return Err(Error::Config(
+            "parallelism.zero: ZeRO shards over data-parallel ranks; it needs parallelism.data > 1".into(),
+        ));
     }
     match cfg.device {
-        DeviceKind::Cuda => return Err(Error::Config("device: cuda was asked for, but this worker has no CUDA backend; use device: cpu or auto".into())),
+        DeviceKind::Cuda => {
+            return Err(Error::Config(
+                "device: cuda was asked for, but this worker has no CUDA backend; use device: cpu or auto".into(),
+            ))
+        }
         DeviceKind::Auto | DeviceKind::Cpu => {}
     }
     if cfg.precision != Precision::Fp32 {
-        return Err(Error::Config(format!("precision: {:?} needs the CUDA backend; the CPU trains in fp32", cfg.precision).to_lowercase()));
+        return Err(Error::Config(
+            format!("precision: {:?} needs the CUDA backend; the CPU trains in fp32", cfg.precision).to_lowercase(),
+        ));
     }
     Ok(())
 }
@@ -94,9 +111,12 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         crate::config::DataFormat::Tokens => token_feeds(cfg, &model)?,
         crate::config::DataFormat::OnnxSamples => (Feeds { token_input: String::new(), token_label: String::new() }, 0),
     };
-    let mut train_data = data::open(&cfg.data.train, "data.train", cfg.batch_size, seq_len, &feeds, cfg.data.shuffle, cfg.seed)?;
+    let mut train_data =
+        data::open(&cfg.data.train, "data.train", cfg.batch_size, seq_len, &feeds, cfg.data.shuffle, cfg.seed)?;
     let mut eval_data = match &cfg.data.eval {
-        Some(src) if cfg.evaluation.every > 0 => Some(data::open(src, "data.eval", cfg.batch_size, seq_len, &feeds, false, cfg.seed)?),
+        Some(src) if cfg.evaluation.every > 0 => {
+            Some(data::open(src, "data.eval", cfg.batch_size, seq_len, &feeds, false, cfg.seed)?)
+        }
         _ => None,
     };
     let first: Batch = train_data.next_batch()?;
@@ -113,7 +133,8 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         "training graph planned"
     );
 
-    std::fs::create_dir_all(&cfg.output.dir).map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
+    std::fs::create_dir_all(&cfg.output.dir)
+        .map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
     let mut metrics = Metrics::create(&cfg.output.dir.join("metrics.jsonl"))?;
     let ckpt_dir = cfg.output.dir.join("checkpoints");
     let mut pending = Some(first);
@@ -133,7 +154,11 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         let lr = learning_rate(&cfg.lr_schedule, cfg.optimizer.lr, step, cfg.steps);
         let r = session.step(&batches, lr, cfg.grad_clip_norm, crate::rng::mix(cfg.seed ^ (step + 1)))?;
         if !r.loss.is_finite() {
-            return Err(Error::Runtime(format!("step {}: the loss is {} (diverged); lower optimizer.lr or set gradClipNorm", step + 1, r.loss)));
+            return Err(Error::Runtime(format!(
+                "step {}: the loss is {} (diverged); lower optimizer.lr or set gradClipNorm",
+                step + 1,
+                r.loss
+            )));
         }
         let n = step + 1;
         if step == 0 {
@@ -145,13 +170,21 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             let rate = items as f64 / dt.max(1e-9);
             metrics.step(n, r.loss, lr, r.grad_norm, rate, start.elapsed().as_secs_f64())?;
             if !quiet {
-                eprintln!("step {n:>5}/{} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {:.0} {}/s", cfg.steps, r.loss, r.grad_norm, rate, if seq_len > 0 { "tok" } else { "samples" });
+                eprintln!(
+                    "step {n:>5}/{} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {:.0} {}/s",
+                    cfg.steps,
+                    r.loss,
+                    r.grad_norm,
+                    rate,
+                    if seq_len > 0 { "tok" } else { "samples" }
+                );
             }
         }
         if let Some(ev) = eval_data.as_mut() {
             if n % cfg.evaluation.every == 0 || n == cfg.steps {
                 ev.seek(&Default::default())?;
-                let batches: Vec<Batch> = (0..cfg.evaluation.batches).map(|_| ev.next_batch()).collect::<Result<_>>()?;
+                let batches: Vec<Batch> =
+                    (0..cfg.evaluation.batches).map(|_| ev.next_batch()).collect::<Result<_>>()?;
                 let loss = session.evaluate(&batches)?;
                 metrics.eval(n, loss)?;
                 if !quiet {
@@ -160,7 +193,8 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             }
         }
         if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
-            let path = checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.weights()?, cfg.checkpoint.keep)?;
+            let path =
+                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.weights()?, cfg.checkpoint.keep)?;
             tracing::info!(path = %path.display(), "checkpoint written");
         }
     }

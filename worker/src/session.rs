@@ -74,7 +74,11 @@ fn bindings_for(g: &Graph, batch: &BTreeMap<String, Tensor>, variables: &HashSet
                         b.dims.insert(s.clone(), n);
                     }
                     crate::graph::ir::Dim::Fixed(f) if *f != n => {
-                        return Err(Error::Config(format!("graph input '{name}' has shape {:?}; the data gives {:?}", d.dims, t.shape())))
+                        return Err(Error::Config(format!(
+                            "graph input '{name}' has shape {:?}; the data gives {:?}",
+                            d.dims,
+                            t.shape()
+                        )))
                     }
                     _ => {}
                 }
@@ -87,14 +91,21 @@ fn bindings_for(g: &Graph, batch: &BTreeMap<String, Tensor>, variables: &HashSet
 
 impl<B: Backend> Session<B> {
     /// Builds the training graph for batches shaped like `sample` and plans it on `backend`.
-    pub fn new(backend: Arc<B>, model: &Model, sample: &BTreeMap<String, Tensor>, accumulation: usize, opts: &SessionOptions) -> Result<Session<B>> {
+    pub fn new(
+        backend: Arc<B>,
+        model: &Model,
+        sample: &BTreeMap<String, Tensor>,
+        accumulation: usize,
+        opts: &SessionOptions,
+    ) -> Result<Session<B>> {
         let g = &model.graph;
         for f in &opts.frozen {
             if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
                 return Err(Error::Config(format!("frozen weight '{f}' is not an initializer of the model")));
             }
         }
-        let params: Vec<ValueId> = g.float_initializers().into_iter().filter(|&v| !opts.frozen.iter().any(|f| f == g.name_of(v))).collect();
+        let params: Vec<ValueId> =
+            g.float_initializers().into_iter().filter(|&v| !opts.frozen.iter().any(|f| f == g.name_of(v))).collect();
         if params.is_empty() {
             return Err(Error::Config("the model has no trainable weights (float initializers)".into()));
         }
@@ -126,7 +137,16 @@ impl<B: Backend> Session<B> {
             ps.push(Param { value, grad, update, state, accum });
         }
         let inputs = train.graph.inputs.iter().map(|d| (train.graph.name_of(d.value).to_string(), d.value)).collect();
-        Ok(Session { train, eval: None, eval_graph, params: ps, loss: model.loss, eval_loss: model.loss, inputs, step: 0 })
+        Ok(Session {
+            train,
+            eval: None,
+            eval_graph,
+            params: ps,
+            loss: model.loss,
+            eval_loss: model.loss,
+            inputs,
+            step: 0,
+        })
     }
 
     fn feed(ex: &Executor<B>, inputs: &BTreeMap<String, ValueId>, batch: &BTreeMap<String, Tensor>) -> Result<()> {
@@ -154,7 +174,8 @@ impl<B: Backend> Session<B> {
                 // Σ over micro-batches of grad/n: the gradient of the mean loss.
                 for p in &self.params {
                     let g = self.train.arg(p.grad);
-                    let acc = Arg { buf: p.accum.as_ref().expect("allocated when accumulating"), offset: 0, meta: g.meta };
+                    let acc =
+                        Arg { buf: p.accum.as_ref().expect("allocated when accumulating"), offset: 0, meta: g.meta };
                     let keep = if k == 0 { 0.0 } else { 1.0 };
                     self.train.backend.accumulate(acc, keep, g, 1.0 / n as f32).map_err(Error::Runtime)?;
                 }
@@ -211,7 +232,10 @@ impl<B: Backend> Session<B> {
 
     /// The current trainable weights by name.
     pub fn weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.params.iter().map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?))).collect()
+        self.params
+            .iter()
+            .map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?)))
+            .collect()
     }
 
     /// Planned bytes: the training arena, and persistent weights/inputs.

@@ -23,7 +23,13 @@ fn no_rule(node: &Node, what: &str) -> Error {
 }
 
 /// Returns one optional gradient per input of `node` (node index `n` in the graph).
-pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>], wanted: &[bool]) -> Result<Vec<Option<ValueId>>> {
+pub fn backward(
+    b: &mut Builder,
+    n: usize,
+    node: &Node,
+    dys: &[Option<ValueId>],
+    wanted: &[bool],
+) -> Result<Vec<Option<ValueId>>> {
     let name = format!("{}_grad", node.name);
     let x = |i: usize| node.input(i).expect("inputs with wanted gradients exist");
     let want = |i: usize| wanted.get(i).copied().unwrap_or(false);
@@ -46,13 +52,20 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
             let mul = Op::Binary(Binary::Mul);
             let (da, dc) = match op {
                 Binary::Add => (Some(dy), Some(dy)),
-                Binary::Sub => (Some(dy), if want(1) { Some(b.emit1(&format!("{name}_neg"), Op::Unary(Unary::Neg), &[dy])?) } else { None }),
+                Binary::Sub => (
+                    Some(dy),
+                    if want(1) { Some(b.emit1(&format!("{name}_neg"), Op::Unary(Unary::Neg), &[dy])?) } else { None },
+                ),
                 Binary::Mul => (
                     if want(0) { Some(b.emit1(&format!("{name}_a"), mul.clone(), &[dy, c])?) } else { None },
                     if want(1) { Some(b.emit1(&format!("{name}_b"), mul, &[dy, a])?) } else { None },
                 ),
                 Binary::Div => {
-                    let da = if want(0) { Some(b.emit1(&format!("{name}_a"), Op::Binary(Binary::Div), &[dy, c])?) } else { None };
+                    let da = if want(0) {
+                        Some(b.emit1(&format!("{name}_a"), Op::Binary(Binary::Div), &[dy, c])?)
+                    } else {
+                        None
+                    };
                     let dc = if want(1) {
                         // d(a/c)/dc = −(a/c)/c
                         let y = node.output(0).expect("Div has an output");
@@ -68,7 +81,11 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
                     let y = node.output(0).expect("Pow has an output");
                     let da = if want(0) {
                         // c · a^(c−1) = c · y / a
-                        let c_f = if b.meta(c).dtype == b.meta(a).dtype { c } else { b.emit1(&format!("{name}_cast"), Op::Cast { to: b.meta(a).dtype }, &[c])? };
+                        let c_f = if b.meta(c).dtype == b.meta(a).dtype {
+                            c
+                        } else {
+                            b.emit1(&format!("{name}_cast"), Op::Cast { to: b.meta(a).dtype }, &[c])?
+                        };
                         let t = b.emit1(&format!("{name}_a0"), Op::Binary(Binary::Mul), &[dy, c_f])?;
                         let one = b.scalar_like(&format!("{name}_one"), c_f, 1.0);
                         let cm1 = b.emit1(&format!("{name}_a1"), Op::Binary(Binary::Sub), &[c_f, one])?;
@@ -203,7 +220,8 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
         }
         Op::Concat { axis } => {
             let a = *axis as usize;
-            let sizes: Vec<i64> = node.inputs.iter().map(|i| b.meta(i.expect("Concat inputs exist")).shape[a] as i64).collect();
+            let sizes: Vec<i64> =
+                node.inputs.iter().map(|i| b.meta(i.expect("Concat inputs exist")).shape[a] as i64).collect();
             let parts = b.emit(&name, Op::Split { axis: *axis, sizes, num_outputs: None }, &[dy], node.inputs.len())?;
             parts.into_iter().map(Some).collect()
         }
@@ -212,7 +230,13 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
             let input_shape = shape_of(b, x(0));
             vec![Some(b.emit1(
                 &name,
-                Op::SliceGrad { input_shape, starts: starts.clone(), ends: ends.clone(), axes: axes.clone(), steps: steps.clone() },
+                Op::SliceGrad {
+                    input_shape,
+                    starts: starts.clone(),
+                    ends: ends.clone(),
+                    axes: axes.clone(),
+                    steps: steps.clone(),
+                },
                 &[dy],
             )?)]
         }
@@ -228,7 +252,8 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
         Op::ReduceOp { kind, axes, keepdims, .. } => {
             let xs = shape_of(b, x(0));
             let axes = axes.clone().unwrap_or_default();
-            let kept: Vec<usize> = xs.iter().enumerate().map(|(i, &d)| if axes.contains(&(i as i64)) { 1 } else { d }).collect();
+            let kept: Vec<usize> =
+                xs.iter().enumerate().map(|(i, &d)| if axes.contains(&(i as i64)) { 1 } else { d }).collect();
             let _ = keepdims;
             let g = b.reshape(&format!("{name}_keep"), dy, &kept);
             let g = b.expand(&format!("{name}_expand"), g, &xs);
@@ -251,7 +276,9 @@ pub fn backward(b: &mut Builder, n: usize, node: &Node, dys: &[Option<ValueId>],
             let outs = b.emit(&name, Op::ConvGrad { window: window.clone(), group: *group }, &[dy, x(0), x(1)], 3)?;
             outs.into_iter().take(node.inputs.len()).map(Some).collect()
         }
-        Op::Pool { kind, window } => vec![Some(b.emit1(&name, Op::PoolGrad { kind: *kind, window: window.clone() }, &[dy, x(0)])?)],
+        Op::Pool { kind, window } => {
+            vec![Some(b.emit1(&name, Op::PoolGrad { kind: *kind, window: window.clone() }, &[dy, x(0)])?)]
+        }
         Op::GlobalAveragePool => {
             let xs = shape_of(b, x(0));
             let plane: usize = xs[2..].iter().product();
@@ -310,7 +337,14 @@ fn split_grad(b: &mut Builder, node: &Node, dys: &[Option<ValueId>], name: &str)
 /// MatMul: dA = dY·Bᵀ, dB = Aᵀ·dY, each summed back over broadcast batch dims. A weight
 /// multiplied from the right (A [.., K], B [K, N]) gets its gradient as one big product over
 /// the flattened batch, not a batch of small ones.
-fn matmul_grad(b: &mut Builder, node: &Node, dy: ValueId, want_a: bool, want_b: bool, name: &str) -> Result<Vec<Option<ValueId>>> {
+fn matmul_grad(
+    b: &mut Builder,
+    node: &Node,
+    dy: ValueId,
+    want_a: bool,
+    want_b: bool,
+    name: &str,
+) -> Result<Vec<Option<ValueId>>> {
     let (a, w) = (node.input(0).expect("MatMul input"), node.input(1).expect("MatMul input"));
     let (sa, sw, sy) = (b.meta(a).shape, b.meta(w).shape, b.meta(dy).shape);
     if sa.len() < 2 || sw.len() < 2 {

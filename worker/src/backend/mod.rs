@@ -52,7 +52,12 @@ pub trait Backend: Send + Sync {
     fn download(&self, src: Arg<Self::Buffer>) -> Result<Tensor, String>;
 
     /// Runs one static op. `outputs` never overlap live `inputs` (the planner sees to it).
-    fn launch(&self, op: &Op, inputs: &[Option<Arg<Self::Buffer>>], outputs: &[Arg<Self::Buffer>]) -> Result<(), String>;
+    fn launch(
+        &self,
+        op: &Op,
+        inputs: &[Option<Arg<Self::Buffer>>],
+        outputs: &[Arg<Self::Buffer>],
+    ) -> Result<(), String>;
 
     /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation).
     fn accumulate(&self, dst: Arg<Self::Buffer>, keep: f32, src: Arg<Self::Buffer>, scale: f32) -> Result<(), String>;
@@ -62,7 +67,14 @@ pub trait Backend: Send + Sync {
 
     /// One optimizer update of `param` from `grad`, with per-parameter `state` buffers
     /// (momentum; or Adam's first and second moments), all f32 of the param's meta.
-    fn optimizer_step(&self, update: &Update, hyper: StepHyper, param: Arg<Self::Buffer>, grad: Arg<Self::Buffer>, state: &[Arg<Self::Buffer>]) -> Result<(), String>;
+    fn optimizer_step(
+        &self,
+        update: &Update,
+        hyper: StepHyper,
+        param: Arg<Self::Buffer>,
+        grad: Arg<Self::Buffer>,
+        state: &[Arg<Self::Buffer>],
+    ) -> Result<(), String>;
 
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;

@@ -42,7 +42,14 @@ fn io(path: &Path, e: std::io::Error) -> Error {
 }
 
 /// Writes checkpoint `step` of rank 0 into `dir` and prunes old ones; returns its path.
-pub fn save(dir: &Path, step: u64, data: Position, config: &crate::config::TrainingConfig, tensors: &BTreeMap<String, Tensor>, keep: usize) -> Result<PathBuf> {
+pub fn save(
+    dir: &Path,
+    step: u64,
+    data: Position,
+    config: &crate::config::TrainingConfig,
+    tensors: &BTreeMap<String, Tensor>,
+    keep: usize,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
     let final_dir = dir.join(format!("checkpoint_{step}"));
     let tmp = dir.join(format!(".checkpoint_{step}.tmp"));

@@ -23,9 +23,23 @@ fn dtype_name(d: DType) -> &'static str {
 }
 
 fn dtype_of(s: &str) -> Option<DType> {
-    [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I64, DType::I32, DType::I16, DType::I8, DType::U8, DType::U16, DType::U32, DType::U64, DType::Bool]
-        .into_iter()
-        .find(|d| dtype_name(*d) == s)
+    [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I64,
+        DType::I32,
+        DType::I16,
+        DType::I8,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::Bool,
+    ]
+    .into_iter()
+    .find(|d| dtype_name(*d) == s)
 }
 
 pub fn encode(tensors: &BTreeMap<String, Tensor>) -> Vec<u8> {
@@ -41,7 +55,7 @@ pub fn encode(tensors: &BTreeMap<String, Tensor>) -> Vec<u8> {
     }
     let mut h = serde_json::to_vec(&header).expect("a JSON map serializes");
     // Pad the header so the data starts 8-byte aligned, as the format recommends.
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut out = Vec::with_capacity(8 + h.len() + offset);
@@ -54,21 +68,34 @@ pub fn encode(tensors: &BTreeMap<String, Tensor>) -> Vec<u8> {
 }
 
 pub fn decode(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>, String> {
-    let n = u64::from_le_bytes(bytes.get(..8).ok_or("shorter than the 8-byte header length")?.try_into().expect("8 bytes")) as usize;
+    let n =
+        u64::from_le_bytes(bytes.get(..8).ok_or("shorter than the 8-byte header length")?.try_into().expect("8 bytes"))
+            as usize;
     let header = bytes.get(8..8 + n).ok_or("the header runs past the end of the file")?;
     let data = &bytes[8 + n..];
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(header).map_err(|e| format!("header: {e}"))?;
+    let map: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(header).map_err(|e| format!("header: {e}"))?;
     let mut out = BTreeMap::new();
     for (name, v) in map {
         if name == "__metadata__" {
             continue;
         }
         let dtype = v["dtype"].as_str().and_then(dtype_of).ok_or_else(|| format!("tensor '{name}': unknown dtype"))?;
-        let shape: Vec<usize> = v["shape"].as_array().ok_or_else(|| format!("tensor '{name}': no shape"))?.iter().map(|d| d.as_u64().unwrap_or(0) as usize).collect();
-        let offs = v["data_offsets"].as_array().filter(|o| o.len() == 2).ok_or_else(|| format!("tensor '{name}': no data_offsets"))?;
+        let shape: Vec<usize> = v["shape"]
+            .as_array()
+            .ok_or_else(|| format!("tensor '{name}': no shape"))?
+            .iter()
+            .map(|d| d.as_u64().unwrap_or(0) as usize)
+            .collect();
+        let offs = v["data_offsets"]
+            .as_array()
+            .filter(|o| o.len() == 2)
+            .ok_or_else(|| format!("tensor '{name}': no data_offsets"))?;
         let (a, b) = (offs[0].as_u64().unwrap_or(u64::MAX) as usize, offs[1].as_u64().unwrap_or(0) as usize);
-        let slice = data.get(a..b).ok_or_else(|| format!("tensor '{name}': data_offsets [{a}, {b}] are outside the data"))?;
-        let t = Tensor::from_bytes(dtype, &shape, slice).ok_or_else(|| format!("tensor '{name}': {} bytes do not fill shape {shape:?}", slice.len()))?;
+        let slice =
+            data.get(a..b).ok_or_else(|| format!("tensor '{name}': data_offsets [{a}, {b}] are outside the data"))?;
+        let t = Tensor::from_bytes(dtype, &shape, slice)
+            .ok_or_else(|| format!("tensor '{name}': {} bytes do not fill shape {shape:?}", slice.len()))?;
         out.insert(name, t);
     }
     Ok(out)

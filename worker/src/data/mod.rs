@@ -60,9 +60,19 @@ pub fn shard_files(path: &Path, ext: &str, key: &str) -> Result<Vec<PathBuf>> {
 }
 
 /// Opens the loader for a source. `batch` samples per batch; `seq_len` for token data.
-pub fn open(src: &DataSource, key: &str, batch: usize, seq_len: usize, feeds: &Feeds, shuffle: bool, seed: u64) -> Result<Box<dyn Loader>> {
+pub fn open(
+    src: &DataSource,
+    key: &str,
+    batch: usize,
+    seq_len: usize,
+    feeds: &Feeds,
+    shuffle: bool,
+    seed: u64,
+) -> Result<Box<dyn Loader>> {
     Ok(match src.format {
-        DataFormat::Tokens => Box::new(tokens::TokenLoader::open(&src.path, key, batch, seq_len, feeds, shuffle, seed)?),
+        DataFormat::Tokens => {
+            Box::new(tokens::TokenLoader::open(&src.path, key, batch, seq_len, feeds, shuffle, seed)?)
+        }
         DataFormat::OnnxSamples => Box::new(samples::SampleLoader::open(&src.path, key, batch, shuffle, seed)?),
     })
 }

@@ -20,23 +20,30 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 /// Parses every sample of one shard; errors name the file and byte offset.
 pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
     let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("sample shard {}: {e}", path.display())))?;
-    let corrupt = |at: usize, what: String| Error::Corrupt(format!("sample shard {} at offset {at}: {what}", path.display()));
+    let corrupt =
+        |at: usize, what: String| Error::Corrupt(format!("sample shard {} at offset {at}: {what}", path.display()));
     let mut samples = Vec::new();
     let mut at = 0;
     while at < bytes.len() {
         let size = u32_at(&bytes, at).ok_or_else(|| corrupt(at, "truncated sample size".into()))? as usize;
         let end = at + 4 + size;
         if end > bytes.len() {
-            return Err(corrupt(at, format!("a sample of {size} bytes runs past the end of the file ({} bytes)", bytes.len())));
+            return Err(corrupt(
+                at,
+                format!("a sample of {size} bytes runs past the end of the file ({} bytes)", bytes.len()),
+            ));
         }
         let mut p = at + 4;
         let mut sample = Vec::new();
         while p < end {
-            let len = u32_at(&bytes, p).filter(|_| p + 4 <= end).ok_or_else(|| corrupt(p, "truncated tensor length".into()))? as usize;
+            let len = u32_at(&bytes, p)
+                .filter(|_| p + 4 <= end)
+                .ok_or_else(|| corrupt(p, "truncated tensor length".into()))? as usize;
             if p + 4 + len > end {
                 return Err(corrupt(p, format!("a tensor of {len} bytes runs past its sample")));
             }
-            let proto = TensorProto::decode(&bytes[p + 4..p + 4 + len]).map_err(|e| corrupt(p + 4, format!("not a TensorProto: {e}")))?;
+            let proto = TensorProto::decode(&bytes[p + 4..p + 4 + len])
+                .map_err(|e| corrupt(p + 4, format!("not a TensorProto: {e}")))?;
             let name = proto.name().to_string();
             let t = tensor_from_proto(&proto, &format!("sample shard {} at offset {}", path.display(), p + 4))?;
             sample.push((name, t));
@@ -80,7 +87,11 @@ impl SampleLoader {
             samples.extend(read_shard(&f)?);
         }
         if samples.len() < batch {
-            return Err(Error::Config(format!("{key}: {} holds {} samples, fewer than one batch of {batch}", path.display(), samples.len())));
+            return Err(Error::Config(format!(
+                "{key}: {} holds {} samples, fewer than one batch of {batch}",
+                path.display(),
+                samples.len()
+            )));
         }
         let first: Vec<(&str, &[usize])> = samples[0].iter().map(|(n, t)| (n.as_str(), t.shape())).collect();
         for (i, s) in samples.iter().enumerate() {

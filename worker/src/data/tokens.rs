@@ -30,24 +30,33 @@ pub fn read_header(path: &Path) -> Result<ShardInfo> {
     let mut f = std::fs::File::open(path).map_err(|e| Error::Config(format!("token shard {}: {e}", path.display())))?;
     let len = f.metadata().map_err(|e| corrupt(e.to_string()))?.len() as usize;
     let mut h = [0u8; HEADER_BYTES];
-    f.read_exact(&mut h).map_err(|_| corrupt(format!("{len} bytes is shorter than the {HEADER_BYTES}-byte header (offset 0)")))?;
+    f.read_exact(&mut h)
+        .map_err(|_| corrupt(format!("{len} bytes is shorter than the {HEADER_BYTES}-byte header (offset 0)")))?;
     let word = |i: usize| i32::from_le_bytes([h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]]);
     let token_bytes = match (word(0), word(1)) {
         (MAGIC_U16, 1) => 2,
         (MAGIC_U32, 7) => 4,
-        (m, v) => return Err(corrupt(format!("header at offset 0: magic {m} version {v} is not llm.c's ({MAGIC_U16} v1 or {MAGIC_U32} v7)"))),
+        (m, v) => {
+            return Err(corrupt(format!(
+                "header at offset 0: magic {m} version {v} is not llm.c's ({MAGIC_U16} v1 or {MAGIC_U32} v7)"
+            )))
+        }
     };
-    let tokens = usize::try_from(word(2)).map_err(|_| corrupt(format!("header at offset 8: negative token count {}", word(2))))?;
+    let tokens = usize::try_from(word(2))
+        .map_err(|_| corrupt(format!("header at offset 8: negative token count {}", word(2))))?;
     let want = HEADER_BYTES + tokens * token_bytes;
     if len != want {
-        return Err(corrupt(format!("the header (offset 8) promises {tokens} tokens = {want} bytes, the file has {len}")));
+        return Err(corrupt(format!(
+            "the header (offset 8) promises {tokens} tokens = {want} bytes, the file has {len}"
+        )));
     }
     Ok(ShardInfo { path: path.to_path_buf(), tokens, token_bytes })
 }
 
 /// Reads all tokens of a shard as u32.
 pub fn read_tokens(info: &ShardInfo) -> Result<Vec<u32>> {
-    let bytes = std::fs::read(&info.path).map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
+    let bytes =
+        std::fs::read(&info.path).map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
     let body = &bytes[HEADER_BYTES..];
     Ok(match info.token_bytes {
         2 => body.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
@@ -61,7 +70,8 @@ pub fn write_shard(path: &Path, tokens: &[u16]) -> Result<()> {
     let mut header = [0i32; 256];
     header[0] = MAGIC_U16;
     header[1] = 1;
-    header[2] = i32::try_from(tokens.len()).map_err(|_| Error::Config(format!("{}: too many tokens for one shard", path.display())))?;
+    header[2] = i32::try_from(tokens.len())
+        .map_err(|_| Error::Config(format!("{}: too many tokens for one shard", path.display())))?;
     for w in header {
         out.extend_from_slice(&w.to_le_bytes());
     }
@@ -86,8 +96,17 @@ pub struct TokenLoader {
 }
 
 impl TokenLoader {
-    pub fn open(path: &Path, key: &str, batch: usize, seq_len: usize, feeds: &Feeds, shuffle: bool, seed: u64) -> Result<TokenLoader> {
-        let shards: Vec<ShardInfo> = shard_files(path, "bin", key)?.iter().map(|p| read_header(p)).collect::<Result<_>>()?;
+    pub fn open(
+        path: &Path,
+        key: &str,
+        batch: usize,
+        seq_len: usize,
+        feeds: &Feeds,
+        shuffle: bool,
+        seed: u64,
+    ) -> Result<TokenLoader> {
+        let shards: Vec<ShardInfo> =
+            shard_files(path, "bin", key)?.iter().map(|p| read_header(p)).collect::<Result<_>>()?;
         let span = batch * seq_len;
         if shards.iter().all(|s| s.tokens < span + 1) {
             return Err(Error::Config(format!(
@@ -95,15 +114,29 @@ impl TokenLoader {
                 path.display()
             )));
         }
-        let mut l = TokenLoader { shards, order: vec![], batch, seq_len, shuffle, seed, pos: Position::default(), loaded: None, feeds: feeds.clone() };
+        let mut l = TokenLoader {
+            shards,
+            order: vec![],
+            batch,
+            seq_len,
+            shuffle,
+            seed,
+            pos: Position::default(),
+            loaded: None,
+            feeds: feeds.clone(),
+        };
         l.order = l.epoch_order(0);
         Ok(l)
     }
 
     fn epoch_order(&self, epoch: u64) -> Vec<(usize, usize)> {
         let span = self.batch * self.seq_len;
-        let mut order: Vec<(usize, usize)> =
-            self.shards.iter().enumerate().flat_map(|(s, info)| (0..info.tokens.saturating_sub(1) / span).map(move |w| (s, w))).collect();
+        let mut order: Vec<(usize, usize)> = self
+            .shards
+            .iter()
+            .enumerate()
+            .flat_map(|(s, info)| (0..info.tokens.saturating_sub(1) / span).map(move |w| (s, w)))
+            .collect();
         if self.shuffle {
             Rng::new(crate::rng::mix(self.seed ^ 0xDA7A) ^ epoch).shuffle(&mut order);
         }

@@ -55,7 +55,10 @@ impl<B: Backend> Executor<B> {
 
     /// Copies a host tensor into graph input (or initializer) `v`.
     pub fn feed(&self, v: ValueId, t: &Tensor) -> Result<()> {
-        let meta = self.graph.meta(v).ok_or_else(|| Error::Runtime(format!("value '{}' has no meta", self.graph.name_of(v))))?;
+        let meta = self
+            .graph
+            .meta(v)
+            .ok_or_else(|| Error::Runtime(format!("value '{}' has no meta", self.graph.name_of(v))))?;
         if meta.dtype != t.dtype() || meta.shape != t.shape() {
             return Err(Error::Config(format!(
                 "input '{}' expects {}{:?} but was given {}{:?}",
@@ -82,7 +85,11 @@ impl<B: Backend> Executor<B> {
             let seeded;
             let op = match &node.op {
                 Op::Dropout { ratio, training, seed: s } if *training => {
-                    seeded = Op::Dropout { ratio: *ratio, training: true, seed: crate::rng::mix(seed ^ crate::rng::mix(*s ^ i as u64)) };
+                    seeded = Op::Dropout {
+                        ratio: *ratio,
+                        training: true,
+                        seed: crate::rng::mix(seed ^ crate::rng::mix(*s ^ i as u64)),
+                    };
                     &seeded
                 }
                 op => op,

@@ -139,7 +139,11 @@ pub fn slice_range(start: i64, end: i64, step: i64, dim: usize) -> (i64, i64, us
         (clamp(s, -1, d - 1), clamp(e, -1, d - 1))
     };
     let count = if step > 0 {
-        if e > s { (e - s + step - 1) / step } else { 0 }
+        if e > s {
+            (e - s + step - 1) / step
+        } else {
+            0
+        }
     } else if s > e {
         (s - e - step - 1) / -step
     } else {
@@ -150,7 +154,12 @@ pub fn slice_range(start: i64, end: i64, step: i64, dim: usize) -> (i64, i64, us
 
 /// Infers one node: returns the node's op with shape operands resolved, and output metas.
 /// `metas[i]`/`consts[i]` describe input i (`None` for an omitted optional input).
-pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>], training: bool) -> Result<(Op, Vec<Meta>)> {
+pub fn infer_node(
+    node: &Node,
+    metas: &[Option<Meta>],
+    consts: &[Option<&Tensor>],
+    training: bool,
+) -> Result<(Op, Vec<Meta>)> {
     let m = |i: usize| -> Result<&Meta> {
         metas.get(i).and_then(|x| x.as_ref()).ok_or_else(|| err(node, format!("input {i} is missing")))
     };
@@ -287,7 +296,8 @@ pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>
                 Some(axes) => {
                     let mut drop = vec![false; x.shape.len()];
                     for a in axes {
-                        let a = norm_axis(a, x.shape.len()).ok_or_else(|| err(node, format!("axis {a} out of range")))?;
+                        let a =
+                            norm_axis(a, x.shape.len()).ok_or_else(|| err(node, format!("axis {a} out of range")))?;
                         if x.shape[a] != 1 {
                             return Err(err(node, format!("cannot squeeze axis {a} of size {}", x.shape[a])));
                         }
@@ -342,7 +352,10 @@ pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>
                 if x.shape.len() != shape.len()
                     || x.shape.iter().zip(&first.shape).enumerate().any(|(d, (p, q))| d != a && p != q)
                 {
-                    return Err(err(node, format!("input {i} of shape {:?} does not match {:?}", x.shape, first.shape)));
+                    return Err(err(
+                        node,
+                        format!("input {i} of shape {:?} does not match {:?}", x.shape, first.shape),
+                    ));
                 }
                 shape[a] += x.shape[a];
             }
@@ -482,9 +495,13 @@ pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>
             }
             let win = resolve_window(&win, &x.shape[2..]);
             if x.shape[1] != w.shape[1] * group || w.shape[0] % group != 0 {
-                return Err(err(node, format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape)));
+                return Err(err(
+                    node,
+                    format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape),
+                ));
             }
-            let spatial = window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
+            let spatial =
+                window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
             let mut shape = vec![x.shape[0], w.shape[0]];
             shape.extend(spatial);
             (Op::Conv { window: win, group: *group }, vec![Meta::new(x.dtype, &shape)])
@@ -495,7 +512,8 @@ pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>
                 return Err(err(node, format!("kernel_shape {:?} does not fit input {:?}", window.kernel, x.shape)));
             }
             let win = resolve_window(window, &x.shape[2..]);
-            let spatial = window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
+            let spatial =
+                window_output(&win, &x.shape[2..]).ok_or_else(|| err(node, "the kernel is larger than the input"))?;
             let mut shape = x.shape[..2].to_vec();
             shape.extend(spatial);
             let mut outs = vec![Meta::new(x.dtype, &shape)];
@@ -528,8 +546,15 @@ pub fn infer_node(node: &Node, metas: &[Option<Meta>], consts: &[Option<&Tensor>
         }
         Op::SoftmaxCrossEntropyLoss { reduction, .. } => {
             let (s, l) = (m(0)?, m(1)?);
-            if s.shape.len() < 2 || l.shape.len() != s.shape.len() - 1 || l.shape[0] != s.shape[0] || l.shape[1..] != s.shape[2..] {
-                return Err(err(node, format!("scores {:?} and labels {:?} do not match ([N,C,...] and [N,...])", s.shape, l.shape)));
+            if s.shape.len() < 2
+                || l.shape.len() != s.shape.len() - 1
+                || l.shape[0] != s.shape[0]
+                || l.shape[1..] != s.shape[2..]
+            {
+                return Err(err(
+                    node,
+                    format!("scores {:?} and labels {:?} do not match ([N,C,...] and [N,...])", s.shape, l.shape),
+                ));
             }
             let loss = match reduction {
                 LossReduction::None => Meta::new(s.dtype, &l.shape),
@@ -576,7 +601,7 @@ pub fn reshape_target(input: &[usize], target: &[i64]) -> Option<Vec<usize>> {
     }
     let known: usize = shape.iter().product();
     if let Some(i) = infer_at {
-        if known == 0 || total % known != 0 {
+        if known == 0 || !total.is_multiple_of(known) {
             return None;
         }
         shape[i] = total / known;
@@ -585,7 +610,13 @@ pub fn reshape_target(input: &[usize], target: &[i64]) -> Option<Vec<usize>> {
 }
 
 /// Evaluates ops that only exist to compute shapes, or any node whose inputs are all constant.
-fn fold(node: &Node, op: &Op, metas: &[Option<Meta>], consts: &[Option<&Tensor>], outs: &[Meta]) -> Result<Option<Vec<Tensor>>> {
+fn fold(
+    node: &Node,
+    op: &Op,
+    metas: &[Option<Meta>],
+    consts: &[Option<&Tensor>],
+    outs: &[Meta],
+) -> Result<Option<Vec<Tensor>>> {
     let all_const = node.inputs.iter().zip(consts).all(|(i, c)| i.is_none() || c.is_some());
     match op {
         Op::Shape { start, end } => {
@@ -608,7 +639,13 @@ fn fold(node: &Node, op: &Op, metas: &[Option<Meta>], consts: &[Option<&Tensor>]
             return Ok(Some(vec![out]));
         }
         Op::Range => {
-            let get = |i: usize| consts.get(i).copied().flatten().ok_or_else(|| err(node, "Range inputs must be known when the graph is planned"));
+            let get = |i: usize| {
+                consts
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .ok_or_else(|| err(node, "Range inputs must be known when the graph is planned"))
+            };
             let (s, l, d) = (get(0)?, get(1)?, get(2)?);
             return Ok(Some(vec![kernels::range(s, l, d).map_err(|e| err(node, e))?]));
         }
@@ -664,12 +701,10 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                         graph.name_of(decl.value)
                     ))
                 })?,
-                Dim::Unknown => {
-                    return Err(Error::Config(format!(
-                        "graph input '{}': dimension {i} has no size or name; give the input's shape in the configuration",
-                        graph.name_of(decl.value)
-                    )))
-                }
+                Dim::Unknown => return Err(Error::Config(format!(
+                    "graph input '{}': dimension {i} has no size or name; give the input's shape in the configuration",
+                    graph.name_of(decl.value)
+                ))),
             });
         }
         g.values[decl.value].meta = Some(Meta::new(decl.dtype, &shape));
@@ -682,18 +717,18 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
         for (k, i) in node.inputs.iter().enumerate() {
             if let Some(v) = i {
                 if metas[k].is_none() {
-                    return Err(err(&node, format!("input '{}' is not produced by any node, input or initializer", g.name_of(*v))));
+                    return Err(err(
+                        &node,
+                        format!("input '{}' is not produced by any node, input or initializer", g.name_of(*v)),
+                    ));
                 }
             }
         }
         let cvals: Vec<Option<&Tensor>> = node.inputs.iter().map(|i| i.and_then(|v| consts.get(&v))).collect();
         // Shape-only ops have no inference of their own: they fold or fail.
         let folded_early = matches!(node.op, Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range);
-        let (op, out_metas) = if folded_early {
-            (node.op.clone(), vec![])
-        } else {
-            infer_node(&node, &metas, &cvals, training)?
-        };
+        let (op, out_metas) =
+            if folded_early { (node.op.clone(), vec![]) } else { infer_node(&node, &metas, &cvals, training)? };
         if let Some(values) = fold(&node, &op, &metas, &cvals, &out_metas)? {
             for (o, t) in node.outputs.iter().zip(values) {
                 if let Some(o) = o {
@@ -722,7 +757,8 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
         // Shape operands are now attributes or output metas: drop them from the inputs.
         let operands = node.op.static_operand_inputs();
         if !operands.is_empty() {
-            node.inputs = node.inputs.iter().enumerate().filter(|(k, _)| !operands.contains(k)).map(|(_, v)| *v).collect();
+            node.inputs =
+                node.inputs.iter().enumerate().filter(|(k, _)| !operands.contains(k)).map(|(_, v)| *v).collect();
         }
         node.op = op;
         kept.push(node);
@@ -750,4 +786,3 @@ pub fn reduced_axes(from: &[usize], to: &[usize]) -> Vec<usize> {
     let off = from.len() - to.len();
     (0..from.len()).filter(|&i| i < off || (to[i - off] == 1 && from[i] != 1)).collect()
 }
-

@@ -22,7 +22,8 @@ fn attr_value(a: &AttributeProto, origin: &str) -> Result<Option<AttrValue>> {
         Some(AttributeType::Int) => AttrValue::Int(a.i()),
         Some(AttributeType::String) => AttrValue::Str(text(a.s())),
         Some(AttributeType::Tensor) => {
-            let t = a.t.as_ref().ok_or_else(|| Error::Corrupt(format!("{origin}: attribute '{name}' has no tensor")))?;
+            let t =
+                a.t.as_ref().ok_or_else(|| Error::Corrupt(format!("{origin}: attribute '{name}' has no tensor")))?;
             AttrValue::Tensor(tensor_from_proto(t, &format!("{origin}: attribute '{name}'"))?)
         }
         Some(AttributeType::Floats) => AttrValue::Floats(a.floats.clone()),
@@ -68,11 +69,9 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
         if g.initializers.contains_key(&v) {
             continue;
         }
-        let (dtype, dims) = vi
-            .r#type
-            .as_ref()
-            .and_then(dims_of)
-            .ok_or_else(|| Error::Corrupt(format!("{origin}: graph input '{}' is not a tensor of a supported type", vi.name())))?;
+        let (dtype, dims) = vi.r#type.as_ref().and_then(dims_of).ok_or_else(|| {
+            Error::Corrupt(format!("{origin}: graph input '{}' is not a tensor of a supported type", vi.name()))
+        })?;
         g.add_input(vi.name(), dtype, dims);
     }
     for (i, n) in gp.node.iter().enumerate() {

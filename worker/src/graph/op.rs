@@ -169,81 +169,237 @@ pub enum Op {
     Unary(Unary),
     Binary(Binary),
     Where,
-    Cast { to: DType },
+    Cast {
+        to: DType,
+    },
     Identity,
     /// `ratio`; the mask output is optional. Inference graphs run it as Identity.
-    Dropout { ratio: f32, training: bool, seed: u64 },
+    Dropout {
+        ratio: f32,
+        training: bool,
+        seed: u64,
+    },
     MatMul,
-    Gemm { alpha: f32, beta: f32, trans_a: bool, trans_b: bool },
-    Softmax { axis: i64 },
-    LogSoftmax { axis: i64 },
+    Gemm {
+        alpha: f32,
+        beta: f32,
+        trans_a: bool,
+        trans_b: bool,
+    },
+    Softmax {
+        axis: i64,
+    },
+    LogSoftmax {
+        axis: i64,
+    },
     /// Outputs: Y, and optionally mean and inverse std-dev (saved for the backward pass).
-    LayerNorm { axis: i64, epsilon: f32 },
+    LayerNorm {
+        axis: i64,
+        epsilon: f32,
+    },
     /// Reshape, Flatten, Squeeze and Unsqueeze all become this once shapes are known.
     Reshape,
-    Transpose { perm: Option<Vec<i64>> },
-    Concat { axis: i64 },
+    Transpose {
+        perm: Option<Vec<i64>>,
+    },
+    Concat {
+        axis: i64,
+    },
     /// `sizes` empty: equal parts (or from the `split` input until resolved).
-    Split { axis: i64, sizes: Vec<i64>, num_outputs: Option<usize> },
+    Split {
+        axis: i64,
+        sizes: Vec<i64>,
+        num_outputs: Option<usize>,
+    },
     /// Static slice; `Slice`'s operand inputs are folded into it.
-    Slice { starts: Vec<i64>, ends: Vec<i64>, axes: Vec<i64>, steps: Vec<i64> },
-    Gather { axis: i64 },
+    Slice {
+        starts: Vec<i64>,
+        ends: Vec<i64>,
+        axes: Vec<i64>,
+        steps: Vec<i64>,
+    },
+    Gather {
+        axis: i64,
+    },
     Expand,
     /// `k`: the diagonal offset (Trilu's optional second input, folded).
-    Trilu { upper: bool, k: i64 },
-    ReduceOp { kind: Reduce, axes: Option<Vec<i64>>, keepdims: bool, noop_with_empty_axes: bool },
-    Conv { window: Window, group: usize },
-    Pool { kind: PoolKind, window: Window },
+    Trilu {
+        upper: bool,
+        k: i64,
+    },
+    ReduceOp {
+        kind: Reduce,
+        axes: Option<Vec<i64>>,
+        keepdims: bool,
+        noop_with_empty_axes: bool,
+    },
+    Conv {
+        window: Window,
+        group: usize,
+    },
+    Pool {
+        kind: PoolKind,
+        window: Window,
+    },
     GlobalAveragePool,
-    BatchNorm { epsilon: f32, momentum: f32, training: bool },
-    SoftmaxCrossEntropyLoss { reduction: LossReduction, ignore_index: Option<i64> },
+    BatchNorm {
+        epsilon: f32,
+        momentum: f32,
+        training: bool,
+    },
+    SoftmaxCrossEntropyLoss {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
     /// Shape-producing ops; fully folded into constants at plan time.
-    Constant { value: Tensor },
-    Shape { start: i64, end: Option<i64> },
-    ConstantOfShape { value: Tensor },
+    Constant {
+        value: Tensor,
+    },
+    Shape {
+        start: i64,
+        end: Option<i64>,
+    },
+    ConstantOfShape {
+        value: Tensor,
+    },
     Range,
-    Squeeze { axes: Option<Vec<i64>> },
-    Unsqueeze { axes: Option<Vec<i64>> },
-    Flatten { axis: i64 },
+    Squeeze {
+        axes: Option<Vec<i64>>,
+    },
+    Unsqueeze {
+        axes: Option<Vec<i64>>,
+    },
+    Flatten {
+        axis: i64,
+    },
 
     // ---- internal ops (gradients and fusions) ----
     /// Sums a broadcast gradient back down to `shape` (the inverse of broadcasting).
-    ReduceSumTo { shape: Vec<usize> },
+    ReduceSumTo {
+        shape: Vec<usize>,
+    },
     /// dY, X -> dX for pointwise activations.
     UnaryGrad(Unary),
     /// dY, Y -> dX.
-    SoftmaxGrad { axis: i64 },
-    LogSoftmaxGrad { axis: i64 },
+    SoftmaxGrad {
+        axis: i64,
+    },
+    LogSoftmaxGrad {
+        axis: i64,
+    },
     /// dY, X, scale, mean, inv_std -> dX, dScale, dBias.
-    LayerNormGrad { axis: i64 },
+    LayerNormGrad {
+        axis: i64,
+    },
     /// dLoss, log_prob, labels -> dLogits.
-    SoftmaxCrossEntropyLossGrad { reduction: LossReduction, ignore_index: Option<i64> },
+    SoftmaxCrossEntropyLossGrad {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
     /// dY, indices -> dData (scatter-add into zeros of `data_shape`).
-    GatherGrad { axis: i64, data_shape: Vec<usize> },
+    GatherGrad {
+        axis: i64,
+        data_shape: Vec<usize>,
+    },
     /// dY -> dX: dY written into zeros of `input_shape` at the slice.
-    SliceGrad { input_shape: Vec<usize>, starts: Vec<i64>, ends: Vec<i64>, axes: Vec<i64>, steps: Vec<i64> },
+    SliceGrad {
+        input_shape: Vec<usize>,
+        starts: Vec<i64>,
+        ends: Vec<i64>,
+        axes: Vec<i64>,
+        steps: Vec<i64>,
+    },
     /// dY, mask -> dX for Dropout.
-    DropoutGrad { ratio: f32 },
+    DropoutGrad {
+        ratio: f32,
+    },
     /// dY, X, W -> dX, dW, dB.
-    ConvGrad { window: Window, group: usize },
+    ConvGrad {
+        window: Window,
+        group: usize,
+    },
     /// dY, X -> dX.
-    PoolGrad { kind: PoolKind, window: Window },
+    PoolGrad {
+        kind: PoolKind,
+        window: Window,
+    },
     /// dY, X, scale -> dX, dScale, dBias (batch statistics are recomputed from X).
-    BatchNormGrad { epsilon: f32 },
+    BatchNormGrad {
+        epsilon: f32,
+    },
     /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass.
-    FusedMatMul { trans_a: bool, trans_b: bool, activation: Option<Unary> },
+    FusedMatMul {
+        trans_a: bool,
+        trans_b: bool,
+        activation: Option<Unary>,
+    },
 }
 
 /// The ONNX op types `Op::from_onnx` accepts, for error messages and reports.
 pub const SUPPORTED_ONNX_OPS: &[&str] = &[
-    "Abs", "Add", "And", "AveragePool", "BatchNormalization", "Cast", "Ceil", "Concat", "Constant",
-    "ConstantOfShape", "Conv", "Div", "Dropout", "Equal", "Erf", "Exp", "Expand", "Flatten", "Floor",
-    "Gather", "Gelu", "Gemm", "GlobalAveragePool", "Greater", "GreaterOrEqual", "Identity",
-    "LayerNormalization", "Less", "LessOrEqual", "Log", "LogSoftmax", "MatMul", "Max", "MaxPool",
-    "Min", "Mul", "Neg", "Not", "Or", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean",
-    "ReduceMin", "ReduceSum", "ReduceSumSquare", "Relu", "Reshape", "Shape", "Sigmoid", "Slice",
-    "Softmax", "SoftmaxCrossEntropyLoss", "Split", "Sqrt", "Squeeze", "Sub", "Tanh", "Transpose",
-    "Trilu", "Unsqueeze", "Where",
+    "Abs",
+    "Add",
+    "And",
+    "AveragePool",
+    "BatchNormalization",
+    "Cast",
+    "Ceil",
+    "Concat",
+    "Constant",
+    "ConstantOfShape",
+    "Conv",
+    "Div",
+    "Dropout",
+    "Equal",
+    "Erf",
+    "Exp",
+    "Expand",
+    "Flatten",
+    "Floor",
+    "Gather",
+    "Gelu",
+    "Gemm",
+    "GlobalAveragePool",
+    "Greater",
+    "GreaterOrEqual",
+    "Identity",
+    "LayerNormalization",
+    "Less",
+    "LessOrEqual",
+    "Log",
+    "LogSoftmax",
+    "MatMul",
+    "Max",
+    "MaxPool",
+    "Min",
+    "Mul",
+    "Neg",
+    "Not",
+    "Or",
+    "Pow",
+    "Range",
+    "Reciprocal",
+    "ReduceMax",
+    "ReduceMean",
+    "ReduceMin",
+    "ReduceSum",
+    "ReduceSumSquare",
+    "Relu",
+    "Reshape",
+    "Shape",
+    "Sigmoid",
+    "Slice",
+    "Softmax",
+    "SoftmaxCrossEntropyLoss",
+    "Split",
+    "Sqrt",
+    "Squeeze",
+    "Sub",
+    "Tanh",
+    "Transpose",
+    "Trilu",
+    "Unsqueeze",
+    "Where",
 ];
 
 fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
@@ -253,9 +409,7 @@ fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
     }
     let n = kernel.len();
     let to_usize = |v: Vec<i64>, what: &str| -> Result<Vec<usize>> {
-        v.into_iter()
-            .map(|x| usize::try_from(x).map_err(|_| a.bad(what, "non-negative integers")))
-            .collect()
+        v.into_iter().map(|x| usize::try_from(x).map_err(|_| a.bad(what, "non-negative integers"))).collect()
     };
     let strides = a.ints("strides")?.map(|v| to_usize(v, "strides")).transpose()?;
     let dilations = a.ints("dilations")?.map(|v| to_usize(v, "dilations")).transpose()?;
@@ -305,7 +459,9 @@ impl Op {
             "Gelu" => match a.string("approximate", "none")?.as_str() {
                 "none" => Op::Unary(U::Gelu),
                 "tanh" => Op::Unary(U::GeluTanh),
-                other => return Err(Error::Corrupt(format!("{}: approximate '{other}' is not none or tanh", a.origin))),
+                other => {
+                    return Err(Error::Corrupt(format!("{}: approximate '{other}' is not none or tanh", a.origin)))
+                }
             },
             "Add" => Op::Binary(B::Add),
             "Sub" => Op::Binary(B::Sub),
@@ -324,16 +480,13 @@ impl Op {
             "Where" => Op::Where,
             "Cast" => {
                 let code = a.int("to", 0)?;
-                let to = DType::from_onnx(code as i32)
-                    .ok_or_else(|| Error::Corrupt(format!("{}: Cast to element type {code} is not supported", a.origin)))?;
+                let to = DType::from_onnx(code as i32).ok_or_else(|| {
+                    Error::Corrupt(format!("{}: Cast to element type {code} is not supported", a.origin))
+                })?;
                 Op::Cast { to }
             }
             "Identity" => Op::Identity,
-            "Dropout" => Op::Dropout {
-                ratio: a.float("ratio", 0.5)?,
-                training: false,
-                seed: a.int("seed", 0)? as u64,
-            },
+            "Dropout" => Op::Dropout { ratio: a.float("ratio", 0.5)?, training: false, seed: a.int("seed", 0)? as u64 },
             "MatMul" => Op::MatMul,
             "Gemm" => Op::Gemm {
                 alpha: a.float("alpha", 1.0)?,
@@ -398,10 +551,9 @@ impl Op {
                 momentum: a.float("momentum", 0.9)?,
                 training: a.int("training_mode", 0)? != 0,
             },
-            "SoftmaxCrossEntropyLoss" => Op::SoftmaxCrossEntropyLoss {
-                reduction: reduction(a)?,
-                ignore_index: a.opt_int("ignore_index")?,
-            },
+            "SoftmaxCrossEntropyLoss" => {
+                Op::SoftmaxCrossEntropyLoss { reduction: reduction(a)?, ignore_index: a.opt_int("ignore_index")? }
+            }
             "Constant" => Op::Constant { value: constant_value(a)? },
             "Shape" => Op::Shape { start: a.int("start", 0)?, end: a.opt_int("end")? },
             "ConstantOfShape" => Op::ConstantOfShape {
@@ -528,12 +680,9 @@ impl Op {
             Op::Unary(Unary::GeluTanh) => vec![("approximate".into(), AttrValue::Str("tanh".into()))],
             Op::Cast { to } => vec![i("to", to.onnx_code() as i64)],
             Op::Dropout { ratio, seed, .. } => vec![f("ratio", *ratio), i("seed", *seed as i64)],
-            Op::Gemm { alpha, beta, trans_a, trans_b } => vec![
-                f("alpha", *alpha),
-                f("beta", *beta),
-                i("transA", *trans_a as i64),
-                i("transB", *trans_b as i64),
-            ],
+            Op::Gemm { alpha, beta, trans_a, trans_b } => {
+                vec![f("alpha", *alpha), f("beta", *beta), i("transA", *trans_a as i64), i("transB", *trans_b as i64)]
+            }
             Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } | Op::Gather { axis } => {
                 vec![i("axis", *axis)]
             }

@@ -61,7 +61,12 @@ pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
         // Attention: x + proj(softmax(q·kᵀ/√D + mask)·v)
         let a = layer_norm(&mut g, &format!("{p}.ln_1"), x, e);
         let qkv = linear(&mut g, &mut init, &format!("{p}.attn.c_attn"), a, e, 3 * e, std); // [B,T,3C]
-        let parts = g.add_node(&format!("{p}.attn.split"), Op::Split { axis: -1, sizes: vec![e as i64; 3], num_outputs: None }, &[qkv], 3);
+        let parts = g.add_node(
+            &format!("{p}.attn.split"),
+            Op::Split { axis: -1, sizes: vec![e as i64; 3], num_outputs: None },
+            &[qkv],
+            3,
+        );
         let heads = |g: &mut Graph, x: ValueId, name: &str, perm: &[i64]| {
             let r = g.op1(&format!("{p}.attn.{name}.heads"), Op::Reshape, &[x, heads_shape]); // [B,T,H,D]
             g.op1(&format!("{p}.attn.{name}"), Op::Transpose { perm: Some(perm.to_vec()) }, &[r])

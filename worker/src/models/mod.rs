@@ -39,23 +39,40 @@ pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
 }
 
 fn builtin_loss() -> LossConfig {
-    LossConfig { kind: Some(LossKind::SoftmaxCrossEntropy), output: "logits".into(), label: "labels".into(), ignore_index: Some(-100) }
+    LossConfig {
+        kind: Some(LossKind::SoftmaxCrossEntropy),
+        output: "logits".into(),
+        label: "labels".into(),
+        ignore_index: Some(-100),
+    }
 }
 
 /// Attaches the configured loss to `g` (or finds the loss the model computes itself).
 pub fn with_loss(mut g: Graph, cfg: &LossConfig) -> Result<Model> {
     let out = g.find(&cfg.output).filter(|v| g.outputs.contains(v)).ok_or_else(|| {
         let names: Vec<&str> = g.outputs.iter().map(|&v| g.name_of(v)).collect();
-        Error::Config(format!("model.onnx.loss.output: '{}' is not an output of the model (outputs: {})", cfg.output, names.join(", ")))
+        Error::Config(format!(
+            "model.onnx.loss.output: '{}' is not an output of the model (outputs: {})",
+            cfg.output,
+            names.join(", ")
+        ))
     })?;
     let forward_outputs = g.outputs.clone();
     let Some(kind) = cfg.kind else {
         // The model computes its loss: every non-float input is data, and labels are whatever
         // the data provides beyond the model's inputs.
-        return Ok(Model { loss: out, outputs: forward_outputs.into_iter().filter(|&v| v != out).collect(), label_inputs: vec![], graph: g });
+        return Ok(Model {
+            loss: out,
+            outputs: forward_outputs.into_iter().filter(|&v| v != out).collect(),
+            label_inputs: vec![],
+            graph: g,
+        });
     };
     if g.find(&cfg.label).is_some_and(|v| g.inputs.iter().any(|d| d.value == v)) {
-        return Err(Error::Config(format!("model.onnx.loss.label: the model already has an input named '{}'", cfg.label)));
+        return Err(Error::Config(format!(
+            "model.onnx.loss.label: the model already has an input named '{}'",
+            cfg.label
+        )));
     }
     let loss = match kind {
         LossKind::SoftmaxCrossEntropy => {
@@ -67,13 +84,21 @@ pub fn with_loss(mut g: Graph, cfg: &LossConfig) -> Result<Model> {
             let target = g.op1("loss.target_shape", Op::Concat { axis: 0 }, &[minus_one, shape]);
             let scores = g.op1("loss.scores", Op::Reshape, &[out, target]);
             let labels_flat = g.op1("loss.labels", Op::Reshape, &[labels, minus_one]);
-            g.op1("loss", Op::SoftmaxCrossEntropyLoss { reduction: LossReduction::Mean, ignore_index: cfg.ignore_index }, &[scores, labels_flat])
+            g.op1(
+                "loss",
+                Op::SoftmaxCrossEntropyLoss { reduction: LossReduction::Mean, ignore_index: cfg.ignore_index },
+                &[scores, labels_flat],
+            )
         }
         LossKind::Mse => {
             let target = g.add_input(&cfg.label, DType::F32, vec![Dim::Named(format!("{}.shape", cfg.label))]);
             let diff = g.op1("loss.diff", Op::Binary(Binary::Sub), &[out, target]);
             let sq = g.op1("loss.sq", Op::Binary(Binary::Mul), &[diff, diff]);
-            g.op1("loss", Op::ReduceOp { kind: Reduce::Mean, axes: None, keepdims: false, noop_with_empty_axes: false }, &[sq])
+            g.op1(
+                "loss",
+                Op::ReduceOp { kind: Reduce::Mean, axes: None, keepdims: false, noop_with_empty_axes: false },
+                &[sq],
+            )
         }
     };
     let label = g.find(&cfg.label).expect("added above");

@@ -23,7 +23,17 @@ fn window(k: usize, stride: usize, pad: usize, ceil_mode: bool) -> Window {
 
 /// Conv + ReLU with Kaiming-uniform weights (torchvision's SqueezeNet init) and zero bias.
 #[allow(clippy::too_many_arguments)]
-fn conv_relu(g: &mut Graph, init: &mut Init, name: &str, x: ValueId, c_in: usize, c_out: usize, k: usize, stride: usize, pad: usize) -> ValueId {
+fn conv_relu(
+    g: &mut Graph,
+    init: &mut Init,
+    name: &str,
+    x: ValueId,
+    c_in: usize,
+    c_out: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+) -> ValueId {
     let fan_in = (c_in * k * k) as f64;
     let w = g.add_initializer(&format!("{name}.weight"), init.uniform(&[c_out, c_in, k, k], (6.0 / fan_in).sqrt()));
     let b = g.add_initializer(&format!("{name}.bias"), Init::constant(&[c_out], 0.0));
@@ -46,7 +56,8 @@ pub fn build(c: &SqueezeNetConfig, seed: u64) -> Result<Graph> {
     let mut g = Graph::new("squeezenet1_1", EXPORT_OPSET);
     let mut init = Init::new(seed);
     let s = c.image_size;
-    let x = g.add_input("image", DType::F32, vec![Dim::Named("batch".into()), Dim::Fixed(3), Dim::Fixed(s), Dim::Fixed(s)]);
+    let x =
+        g.add_input("image", DType::F32, vec![Dim::Named("batch".into()), Dim::Fixed(3), Dim::Fixed(s), Dim::Fixed(s)]);
     let mut x = conv_relu(&mut g, &mut init, "features.0", x, 3, 64, 3, 2, 0);
     x = max_pool(&mut g, "features.2", x);
     let fires: [(&str, usize, usize, usize, bool); 8] = [

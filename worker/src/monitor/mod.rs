@@ -21,7 +21,15 @@ impl Metrics {
     }
 
     /// `step` counts weight updates from 1; `loss` is that update's forward loss.
-    pub fn step(&mut self, step: u64, loss: f64, lr: f64, grad_norm: f64, items_per_sec: f64, elapsed_sec: f64) -> Result<()> {
+    pub fn step(
+        &mut self,
+        step: u64,
+        loss: f64,
+        lr: f64,
+        grad_norm: f64,
+        items_per_sec: f64,
+        elapsed_sec: f64,
+    ) -> Result<()> {
         self.line(serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "gradNorm": grad_norm,
             "itemsPerSec": items_per_sec, "elapsedSec": elapsed_sec,

@@ -58,12 +58,9 @@ pub fn load_model(path: &Path) -> Result<ModelProto, Error> {
 /// them from; [`load_model`] resolves them, or call [`resolve_external_data`].
 pub fn decode_model(bytes: &[u8], origin: &str) -> Result<ModelProto, Error> {
     if bytes.is_empty() {
-        return Err(corrupt_err!(
-            "{origin}: the file is empty, not an ONNX model"
-        ));
+        return Err(corrupt_err!("{origin}: the file is empty, not an ONNX model"));
     }
-    let mut model = ModelProto::decode(bytes)
-        .map_err(|e| corrupt_err!("{origin}: not a valid ONNX model: {e}"))?;
+    let mut model = ModelProto::decode(bytes).map_err(|e| corrupt_err!("{origin}: not a valid ONNX model: {e}"))?;
     let dropped = dropped_bytes(bytes.len(), &model);
     if dropped > 0 {
         tracing::warn!(
@@ -87,11 +84,7 @@ pub fn decode_model(bytes: &[u8], origin: &str) -> Result<ModelProto, Error> {
 /// `raw_data`, as `onnx.load_model` does. Locations that lead out of `dir`, absolute ones and
 /// those through `..` or a symlink pointing elsewhere, are refused: a model is not allowed to
 /// read arbitrary files.
-pub fn resolve_external_data(
-    model: &mut ModelProto,
-    dir: &Path,
-    origin: &str,
-) -> Result<(), Error> {
+pub fn resolve_external_data(model: &mut ModelProto, dir: &Path, origin: &str) -> Result<(), Error> {
     for_each_tensor(model, &mut |t, _, place| {
         if t.data_location() != DataLocation::External {
             return Ok(());
@@ -128,11 +121,7 @@ pub fn save_model(model: &ModelProto, path: &Path) -> Result<(), Error> {
 /// (`Constant` values, training_info graphs) stay inline. An existing side file is replaced, not
 /// appended to. `model` itself is not changed, and its main graph's weights are not copied in
 /// memory.
-pub fn save_model_with_external_data(
-    model: &ModelProto,
-    path: &Path,
-    threshold_bytes: usize,
-) -> Result<(), Error> {
+pub fn save_model_with_external_data(model: &ModelProto, path: &Path, threshold_bytes: usize) -> Result<(), Error> {
     let origin = path.display().to_string();
     let location = path
         .file_name()
@@ -143,16 +132,13 @@ pub fn save_model_with_external_data(
     let data_origin = data_path.display().to_string();
     let moves = |t: &TensorProto| {
         t.data_location() != DataLocation::External
-            && t.raw_data
-                .as_ref()
-                .is_some_and(|r| !r.is_empty() && r.len() >= threshold_bytes)
+            && t.raw_data.as_ref().is_some_and(|r| !r.is_empty() && r.len() >= threshold_bytes)
     };
     let mut out = clone_model_without(model, &moves);
     let tmp_data = temporary_name(&data_path);
     match write_external_data(model, &mut out, &moves, &location, &tmp_data, &data_origin) {
         Ok(false) => {}
-        Ok(true) => fs::rename(&tmp_data, &data_path)
-            .map_err(|e| io_error(&data_origin, "cannot write it", e))?,
+        Ok(true) => fs::rename(&tmp_data, &data_path).map_err(|e| io_error(&data_origin, "cannot write it", e))?,
         Err(e) => {
             let _ = fs::remove_file(&tmp_data);
             return Err(e);
@@ -180,8 +166,7 @@ fn write_external_data(
                 File::create(tmp_data).map_err(|e| io_error(data_origin, "cannot create it", e))?,
             )),
         };
-        file.write_all(raw)
-            .map_err(|e| io_error(data_origin, "cannot write it", e))?;
+        file.write_all(raw).map_err(|e| io_error(data_origin, "cannot write it", e))?;
         set_external_data(t, location, offset, raw.len());
         offset += raw.len() as u64;
         Ok(())
@@ -204,8 +189,7 @@ fn write_external_data(
     }
     let Some(file) = data else { return Ok(false) };
     let file = file.into_inner().map_err(|e| e.into_error());
-    file.and_then(|f| f.sync_all())
-        .map_err(|e| io_error(data_origin, "cannot write it", e))?;
+    file.and_then(|f| f.sync_all()).map_err(|e| io_error(data_origin, "cannot write it", e))?;
     Ok(true)
 }
 
@@ -216,11 +200,7 @@ pub fn default_opset(model: &ModelProto) -> i64 {
 }
 
 fn default_imports(model: &ModelProto) -> impl Iterator<Item = i64> + '_ {
-    model
-        .opset_import
-        .iter()
-        .filter(|o| matches!(o.domain(), "" | "ai.onnx"))
-        .map(|o| o.version())
+    model.opset_import.iter().filter(|o| matches!(o.domain(), "" | "ai.onnx")).map(|o| o.version())
 }
 
 /// The IR version, the default-domain opset and the presence of a graph: what decides whether
@@ -228,11 +208,7 @@ fn default_imports(model: &ModelProto) -> impl Iterator<Item = i64> + '_ {
 fn check_versions(model: &ModelProto, origin: &str) -> Result<(), Error> {
     let (lo, hi) = (IR_VERSIONS.start(), IR_VERSIONS.end());
     match model.ir_version {
-        None => {
-            return Err(corrupt_err!(
-                "{origin}: ir_version is not set; is this an ONNX model?"
-            ))
-        }
+        None => return Err(corrupt_err!("{origin}: ir_version is not set; is this an ONNX model?")),
         Some(v) if v > *hi => {
             return Err(corrupt_err!(
                 "{origin}: ir_version {v} is newer than this worker reads ({lo} to {hi}, as onnx \
@@ -256,17 +232,15 @@ fn check_versions(model: &ModelProto, origin: &str) -> Result<(), Error> {
     versions.dedup();
     let (lo, hi) = (DEFAULT_OPSETS.start(), DEFAULT_OPSETS.end());
     match versions[..] {
-        [] => Err(corrupt_err!(
-            "{origin}: opset_import names no version of the default domain (\"\" or \"ai.onnx\")"
-        )),
+        [] => Err(corrupt_err!("{origin}: opset_import names no version of the default domain (\"\" or \"ai.onnx\")")),
         [v] if !DEFAULT_OPSETS.contains(&v) => Err(corrupt_err!(
             "{origin}: opset_import: default-domain opset {v} is outside {lo} to {hi}, the opsets \
              this worker reads; convert the model with onnx.version_converter"
         )),
         [_] => Ok(()),
-        _ => Err(corrupt_err!(
-            "{origin}: opset_import names the default domain more than once, at opsets {versions:?}"
-        )),
+        _ => {
+            Err(corrupt_err!("{origin}: opset_import names the default domain more than once, at opsets {versions:?}"))
+        }
     }
 }
 
@@ -281,9 +255,7 @@ fn dropped_bytes(input_len: usize, model: &ModelProto) -> usize {
 fn read_external(t: &TensorProto, dir: &Path, at: &str) -> Result<(Vec<u8>, String), Error> {
     let (mut location, mut offset, mut length) = ("", 0u64, None);
     let number = |key: &str, value: &str| {
-        value
-            .parse::<u64>()
-            .map_err(|_| corrupt_err!("{at}: external_data {key} {value:?} is not a byte count"))
+        value.parse::<u64>().map_err(|_| corrupt_err!("{at}: external_data {key} {value:?} is not a byte count"))
     };
     // Later keys win and empty numbers count as absent, as in onnx's ExternalDataInfo.
     for entry in &t.external_data {
@@ -295,15 +267,10 @@ fn read_external(t: &TensorProto, dir: &Path, at: &str) -> Result<(Vec<u8>, Stri
         }
     }
     if location.is_empty() {
-        return Err(corrupt_err!(
-            "{at}: data_location is EXTERNAL but external_data has no location"
-        ));
+        return Err(corrupt_err!("{at}: data_location is EXTERNAL but external_data has no location"));
     }
     let relative = Path::new(location);
-    if !relative
-        .components()
-        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-    {
+    if !relative.components().all(|c| matches!(c, Component::Normal(_) | Component::CurDir)) {
         return Err(corrupt_err!(
             "{at}: external data location {location:?} must be a path inside the model's \
              directory, without \"..\" or a leading \"/\""
@@ -311,64 +278,44 @@ fn read_external(t: &TensorProto, dir: &Path, at: &str) -> Result<(Vec<u8>, Stri
     }
     let file_path = dir.join(relative);
     let shown = file_path.display();
-    let real = file_path
-        .canonicalize()
-        .map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
+    let real =
+        file_path.canonicalize().map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
     // A symlink inside the directory may still point out of it.
-    let real_dir = dir.canonicalize().map_err(|e| {
-        corrupt_err!(
-            "{at}: cannot open the model's directory {}: {e}",
-            dir.display()
-        )
-    })?;
+    let real_dir = dir
+        .canonicalize()
+        .map_err(|e| corrupt_err!("{at}: cannot open the model's directory {}: {e}", dir.display()))?;
     if !real.starts_with(&real_dir) {
         return Err(corrupt_err!(
             "{at}: external data file {shown} resolves to {}, outside the model's directory",
             real.display()
         ));
     }
-    let mut file = File::open(&real)
-        .map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
-    let metadata = file
-        .metadata()
-        .map_err(|e| corrupt_err!("{at}: cannot read its external data file {shown}: {e}"))?;
+    let mut file =
+        File::open(&real).map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
+    let metadata =
+        file.metadata().map_err(|e| corrupt_err!("{at}: cannot read its external data file {shown}: {e}"))?;
     if !metadata.is_file() {
-        return Err(corrupt_err!(
-            "{at}: its external data {shown} is not a file"
-        ));
+        return Err(corrupt_err!("{at}: its external data {shown} is not a file"));
     }
     let size = metadata.len();
     let length = length.unwrap_or(size.saturating_sub(offset));
-    let end = offset
-        .checked_add(length)
-        .filter(|&end| end <= size)
-        .ok_or_else(|| {
-            corrupt_err!(
-                "{at}: external data file {shown} holds {size} bytes, the tensor's data would \
+    let end = offset.checked_add(length).filter(|&end| end <= size).ok_or_else(|| {
+        corrupt_err!(
+            "{at}: external data file {shown} holds {size} bytes, the tensor's data would \
                  be bytes {offset}..{}",
-                offset.saturating_add(length)
-            )
-        })?;
+            offset.saturating_add(length)
+        )
+    })?;
     // `end` is within a file's size, so the buffer is no bigger than a file that exists.
     let mut raw = vec![0; (end - offset) as usize];
     file.seek(SeekFrom::Start(offset))
         .and_then(|_| file.read_exact(&mut raw))
-        .map_err(|e| {
-            Error::Runtime(format!(
-                "{at}: cannot read its external data file {shown}: {e}"
-            ))
-        })?;
-    Ok((
-        raw,
-        format!("external data {location:?} bytes {offset}..{end}"),
-    ))
+        .map_err(|e| Error::Runtime(format!("{at}: cannot read its external data file {shown}: {e}")))?;
+    Ok((raw, format!("external data {location:?} bytes {offset}..{end}")))
 }
 
 fn set_external_data(t: &mut TensorProto, location: &str, offset: u64, length: usize) {
-    let entry = |key: &str, value: String| StringStringEntryProto {
-        key: Some(key.to_owned()),
-        value: Some(value),
-    };
+    let entry = |key: &str, value: String| StringStringEntryProto { key: Some(key.to_owned()), value: Some(value) };
     t.raw_data = None;
     t.set_data_location(DataLocation::External);
     t.external_data = vec![
@@ -414,13 +361,7 @@ fn clone_model_without(model: &ModelProto, skip: &dyn Fn(&TensorProto) -> bool) 
             name: name.clone(),
             initializer: initializer
                 .iter()
-                .map(|t| {
-                    if skip(t) {
-                        clone_tensor_without_raw_data(t)
-                    } else {
-                        t.clone()
-                    }
-                })
+                .map(|t| if skip(t) { clone_tensor_without_raw_data(t) } else { t.clone() })
                 .collect(),
             sparse_initializer: sparse_initializer.clone(),
             doc_string: doc_string.clone(),
@@ -550,11 +491,7 @@ fn for_each_tensor_in_node(node: &mut NodeProto, scope: &str, f: &mut Visit) -> 
     Ok(())
 }
 
-fn for_each_tensor_in_attribute(
-    a: &mut AttributeProto,
-    at: &str,
-    f: &mut Visit,
-) -> Result<(), Error> {
+fn for_each_tensor_in_attribute(a: &mut AttributeProto, at: &str, f: &mut Visit) -> Result<(), Error> {
     if let Some(t) = &mut a.t {
         f(t, Site::Other, at)?;
     }
@@ -576,11 +513,7 @@ fn for_each_tensor_in_attribute(
     Ok(())
 }
 
-fn for_each_tensor_in_sparse(
-    s: &mut SparseTensorProto,
-    at: &str,
-    f: &mut Visit,
-) -> Result<(), Error> {
+fn for_each_tensor_in_sparse(s: &mut SparseTensorProto, at: &str, f: &mut Visit) -> Result<(), Error> {
     if let Some(v) = &mut s.values {
         f(v, Site::Other, &format!("{at} values"))?;
     }

@@ -27,10 +27,7 @@ pub fn tensor_from_proto(t: &TensorProto, origin: &str) -> Result<Tensor, Error>
     check_payload(t).map_err(&fail)?;
     let code = t.data_type();
     let Some(dtype) = DType::from_onnx(code) else {
-        return Err(fail(format!(
-            "{} tensors are not supported",
-            data_type_name(code)
-        )));
+        return Err(fail(format!("{} tensors are not supported", data_type_name(code))));
     };
     // check_payload has verified the dims and that the data fills them.
     let shape: Vec<usize> = t.dims.iter().map(|&d| d as usize).collect();
@@ -65,8 +62,7 @@ pub fn tensor_from_proto(t: &TensorProto, origin: &str) -> Result<Tensor, Error>
         DType::U64 => fill!(t.uint64_data, |v: u64| v),
         DType::U32 => {
             for (dst, &v) in bytes.chunks_exact_mut(4).zip(&t.uint64_data) {
-                let v = u32::try_from(v)
-                    .map_err(|_| fail(format!("uint64_data value {v} does not fit uint32")))?;
+                let v = u32::try_from(v).map_err(|_| fail(format!("uint64_data value {v} does not fit uint32")))?;
                 dst.copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -96,11 +92,9 @@ pub fn data_type_name(code: i32) -> &'static str {
 /// whose data is external are the caller's to skip or resolve first.
 pub(crate) fn check_payload(t: &TensorProto) -> Result<(), String> {
     if t.segment.is_some() {
-        return Err(
-            "is a segment of a larger tensor (TensorProto.segment), which is not \
+        return Err("is a segment of a larger tensor (TensorProto.segment), which is not \
                     supported"
-                .into(),
-        );
+            .into());
     }
     let code = t.data_type();
     let Some(storage) = storage(code).filter(|_| code != 0) else {
@@ -121,9 +115,7 @@ pub(crate) fn check_payload(t: &TensorProto) -> Result<(), String> {
     };
     if let Some(raw) = &t.raw_data {
         if storage.typed == Typed::String {
-            return Err(
-                "string elements cannot be in raw_data; ONNX keeps them in string_data".into(),
-            );
+            return Err("string elements cannot be in raw_data; ONNX keeps them in string_data".into());
         }
         let need = need("bytes", storage.raw_len(numel))?;
         if raw.len() != need {
@@ -151,11 +143,7 @@ pub(crate) fn check_payload(t: &TensorProto) -> Result<(), String> {
         } else {
             format!("{field} holds {have} values")
         };
-        return Err(format!(
-            "{holds}, dims {} of {} need {need}",
-            fmt_dims(&t.dims),
-            storage.name
-        ));
+        return Err(format!("{holds}, dims {} of {} need {need}", fmt_dims(&t.dims), storage.name));
     }
     Ok(())
 }
@@ -185,14 +173,8 @@ pub(crate) fn fmt_dims(dims: &[i64]) -> String {
 /// a damaged file produces.
 fn element_count(dims: &[i64]) -> Result<usize, String> {
     dims.iter().try_fold(1usize, |n, &d| {
-        let d = usize::try_from(d)
-            .map_err(|_| format!("dims {} has a negative dimension", fmt_dims(dims)))?;
-        n.checked_mul(d).ok_or_else(|| {
-            format!(
-                "dims {} hold more elements than fit in memory",
-                fmt_dims(dims)
-            )
-        })
+        let d = usize::try_from(d).map_err(|_| format!("dims {} has a negative dimension", fmt_dims(dims)))?;
+        n.checked_mul(d).ok_or_else(|| format!("dims {} hold more elements than fit in memory", fmt_dims(dims)))
     })
 }
 
@@ -265,12 +247,7 @@ fn storage(code: i32) -> Option<Storage> {
         23 => ("float4e2m1", 4, Int32),
         _ => return None,
     };
-    Some(Storage {
-        name,
-        bits,
-        typed,
-        complex: matches!(code, 14 | 15),
-    })
+    Some(Storage { name, bits, typed, complex: matches!(code, 14 | 15) })
 }
 
 #[cfg(test)]
@@ -278,12 +255,7 @@ mod tests {
     use super::*;
 
     fn proto(data_type: i32, dims: &[i64]) -> TensorProto {
-        TensorProto {
-            name: Some("w".into()),
-            dims: dims.to_vec(),
-            data_type: Some(data_type),
-            ..Default::default()
-        }
+        TensorProto { name: Some("w".into()), dims: dims.to_vec(), data_type: Some(data_type), ..Default::default() }
     }
 
     #[test]
@@ -315,31 +287,19 @@ mod tests {
     fn reads_every_typed_field() {
         let mut t = proto(1, &[2]);
         t.float_data = vec![1.0, -2.0];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<f32>(),
-            &[1.0, -2.0]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<f32>(), &[1.0, -2.0]);
 
         let mut t = proto(11, &[1]);
         t.double_data = vec![0.25];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<f64>(),
-            &[0.25]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<f64>(), &[0.25]);
 
         let mut t = proto(7, &[2]);
         t.int64_data = vec![-1, 1 << 40];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<i64>(),
-            &[-1, 1 << 40]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<i64>(), &[-1, 1 << 40]);
 
         let mut t = proto(13, &[1]);
         t.uint64_data = vec![u64::MAX];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<u64>(),
-            &[u64::MAX]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<u64>(), &[u64::MAX]);
 
         let mut t = proto(12, &[1]);
         t.uint64_data = vec![7];
@@ -348,31 +308,19 @@ mod tests {
         // Narrow types sit in int32_data, 16-bit floats as their bit patterns.
         let mut t = proto(3, &[2]);
         t.int32_data = vec![-128, 127];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<i8>(),
-            &[-128, 127]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<i8>(), &[-128, 127]);
         let mut t = proto(5, &[1]);
         t.int32_data = vec![-300];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<i16>(),
-            &[-300]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<i16>(), &[-300]);
         let mut t = proto(4, &[1]);
         t.int32_data = vec![65535];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<u16>(),
-            &[65535]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<u16>(), &[65535]);
         let mut t = proto(2, &[1]);
         t.int32_data = vec![255];
         assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<u8>(), &[255]);
         let mut t = proto(6, &[1]);
         t.int32_data = vec![i32::MIN];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<i32>(),
-            &[i32::MIN]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<i32>(), &[i32::MIN]);
         let mut t = proto(9, &[3]);
         t.int32_data = vec![1, 0, 1];
         let b = tensor_from_proto(&t, "m").unwrap();
@@ -383,10 +331,7 @@ mod tests {
         assert_eq!(h.as_slice::<f16>(), &[f16::from_f32(-1.5)]);
         let mut t = proto(16, &[1]);
         t.int32_data = vec![i32::from(bf16::from_f32(2.0).to_bits())];
-        assert_eq!(
-            tensor_from_proto(&t, "m").unwrap().as_slice::<bf16>(),
-            &[bf16::from_f32(2.0)]
-        );
+        assert_eq!(tensor_from_proto(&t, "m").unwrap().as_slice::<bf16>(), &[bf16::from_f32(2.0)]);
     }
 
     #[test]
@@ -405,17 +350,11 @@ mod tests {
         let mut t = proto(1, &[2, 2]);
         t.float_data = vec![1.0; 3];
         let e = tensor_from_proto(&t, "m.onnx").unwrap_err().to_string();
-        assert_eq!(
-            e,
-            "m.onnx: tensor \"w\": float_data holds 3 values, dims [2,2] of float32 need 4"
-        );
+        assert_eq!(e, "m.onnx: tensor \"w\": float_data holds 3 values, dims [2,2] of float32 need 4");
 
         let t = proto(7, &[3]);
         let e = tensor_from_proto(&t, "m.onnx").unwrap_err().to_string();
-        assert!(
-            e.contains("has no data (neither raw_data nor int64_data)"),
-            "{e}"
-        );
+        assert!(e.contains("has no data (neither raw_data nor int64_data)"), "{e}");
 
         let mut t = proto(1, &[2, -1]);
         t.raw_data = Some(vec![]);
@@ -430,10 +369,7 @@ mod tests {
         let mut t = proto(12, &[1]);
         t.uint64_data = vec![1 << 32];
         let e = tensor_from_proto(&t, "m.onnx").unwrap_err().to_string();
-        assert!(
-            e.contains("uint64_data value 4294967296 does not fit uint32"),
-            "{e}"
-        );
+        assert!(e.contains("uint64_data value 4294967296 does not fit uint32"), "{e}");
     }
 
     #[test]
@@ -443,10 +379,7 @@ mod tests {
         check_payload(&s).unwrap();
         let e = tensor_from_proto(&s, "m.onnx").unwrap_err();
         assert!(matches!(e, Error::Corrupt(_)));
-        assert_eq!(
-            e.to_string(),
-            "m.onnx: tensor \"w\": string tensors are not supported"
-        );
+        assert_eq!(e.to_string(), "m.onnx: tensor \"w\": string tensors are not supported");
 
         s.raw_data = Some(b"hi".to_vec());
         assert!(check_payload(&s).unwrap_err().contains("string_data"));
@@ -461,23 +394,13 @@ mod tests {
         i4.raw_data = None;
         i4.int32_data = vec![0; 2];
         check_payload(&i4).unwrap();
-        assert!(tensor_from_proto(&i4, "m")
-            .unwrap_err()
-            .to_string()
-            .contains("int4 tensors"));
+        assert!(tensor_from_proto(&i4, "m").unwrap_err().to_string().contains("int4 tensors"));
 
-        assert!(check_payload(&proto(0, &[1]))
-            .unwrap_err()
-            .contains("not set"));
-        assert!(check_payload(&proto(99, &[1]))
-            .unwrap_err()
-            .contains("data_type 99"));
+        assert!(check_payload(&proto(0, &[1])).unwrap_err().contains("not set"));
+        assert!(check_payload(&proto(99, &[1])).unwrap_err().contains("data_type 99"));
         let mut seg = proto(1, &[0]);
         seg.segment = Some(Default::default());
-        assert!(tensor_from_proto(&seg, "m")
-            .unwrap_err()
-            .to_string()
-            .contains("segment"));
+        assert!(tensor_from_proto(&seg, "m").unwrap_err().to_string().contains("segment"));
 
         let mut ext = proto(1, &[1]);
         ext.set_data_location(DataLocation::External);

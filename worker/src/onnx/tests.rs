@@ -10,9 +10,7 @@ use crate::tensor::{DType, Tensor};
 use half::{bf16, f16};
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/data/onnx")
-        .join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/onnx").join(name)
 }
 
 /// A fresh directory of its own under the system's temporary one, removed when dropped.
@@ -20,8 +18,7 @@ struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(test: &str) -> Scratch {
-        let dir =
-            std::env::temp_dir().join(format!("tensorfleet-onnx-{test}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("tensorfleet-onnx-{test}-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         fs::create_dir_all(&dir).unwrap();
         Scratch(dir)
@@ -49,37 +46,23 @@ fn node(op_type: &str, name: &str, input: &[&str], output: &[&str]) -> NodeProto
 }
 
 fn attribute(name: &str, kind: AttributeType) -> AttributeProto {
-    let mut a = AttributeProto {
-        name: Some(name.into()),
-        ..Default::default()
-    };
+    let mut a = AttributeProto { name: Some(name.into()), ..Default::default() };
     a.set_type(kind);
     a
 }
 
 fn tensor_attribute(name: &str, t: TensorProto) -> AttributeProto {
-    AttributeProto {
-        t: Some(t),
-        ..attribute(name, AttributeType::Tensor)
-    }
+    AttributeProto { t: Some(t), ..attribute(name, AttributeType::Tensor) }
 }
 
 fn graph_attribute(name: &str, g: GraphProto) -> AttributeProto {
-    AttributeProto {
-        g: Some(g),
-        ..attribute(name, AttributeType::Graph)
-    }
+    AttributeProto { g: Some(g), ..attribute(name, AttributeType::Graph) }
 }
 
 fn float_input(name: &str, dims: &[i64]) -> ValueInfoProto {
     use proto::tensor_shape_proto::{dimension, Dimension};
-    let dim = dims
-        .iter()
-        .map(|&d| Dimension {
-            value: Some(dimension::Value::DimValue(d)),
-            ..Default::default()
-        })
-        .collect();
+    let dim =
+        dims.iter().map(|&d| Dimension { value: Some(dimension::Value::DimValue(d)), ..Default::default() }).collect();
     ValueInfoProto {
         name: Some(name.into()),
         r#type: Some(TypeProto {
@@ -103,20 +86,14 @@ fn small_model() -> ModelProto {
     let then_branch = GraphProto {
         name: Some("then".into()),
         node: vec![node("Identity", "then_id", &["W2"], &["T"])],
-        initializer: vec![tensor_to_proto(
-            "W2",
-            &Tensor::from_vec(&[32], ramp(32, -1.0)),
-        )],
+        initializer: vec![tensor_to_proto("W2", &Tensor::from_vec(&[32], ramp(32, -1.0)))],
         output: vec![float_input("T", &[32])],
         ..Default::default()
     };
     let else_branch = GraphProto {
         name: Some("else".into()),
         node: vec![NodeProto {
-            attribute: vec![tensor_attribute(
-                "value",
-                tensor_to_proto("", &Tensor::from_vec(&[32], vec![0.0f32; 32])),
-            )],
+            attribute: vec![tensor_attribute("value", tensor_to_proto("", &Tensor::from_vec(&[32], vec![0.0f32; 32])))],
             ..node("Constant", "else_const", &[], &["E"])
         }],
         output: vec![float_input("E", &[32])],
@@ -154,10 +131,7 @@ fn small_model() -> ModelProto {
         ir_version: Some(10),
         producer_name: Some("tensorfleet-test".into()),
         graph: Some(graph),
-        opset_import: vec![OperatorSetIdProto {
-            domain: Some(String::new()),
-            version: Some(17),
-        }],
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(17) }],
         ..Default::default()
     }
 }
@@ -170,10 +144,7 @@ fn full_model() -> ModelProto {
         initializer: vec![tensor_to_proto("lr", &Tensor::scalar(0.1f32))],
         ..Default::default()
     };
-    let entry = |k: &str, v: &str| StringStringEntryProto {
-        key: Some(k.into()),
-        value: Some(v.into()),
-    };
+    let entry = |k: &str, v: &str| StringStringEntryProto { key: Some(k.into()), value: Some(v.into()) };
     ModelProto {
         doc_string: Some("a test model".into()),
         metadata_props: vec![entry("author", "tests")],
@@ -204,20 +175,11 @@ fn value(g: &GraphProto, name: &str) -> Tensor {
 
 fn subgraph<'a>(g: &'a GraphProto, node: &str, attr: &str) -> &'a GraphProto {
     let n = g.node.iter().find(|n| n.name() == node).unwrap();
-    n.attribute
-        .iter()
-        .find(|a| a.name() == attr)
-        .unwrap()
-        .g
-        .as_ref()
-        .unwrap()
+    n.attribute.iter().find(|a| a.name() == attr).unwrap().g.as_ref().unwrap()
 }
 
 fn location(t: &TensorProto) -> Vec<(&str, &str)> {
-    t.external_data
-        .iter()
-        .map(|e| (e.key(), e.value()))
-        .collect()
+    t.external_data.iter().map(|e| (e.key(), e.value())).collect()
 }
 
 fn message(r: Result<ModelProto, Error>) -> String {
@@ -252,44 +214,16 @@ fn external_data_moves_big_initializers_and_loads_back() {
 
     // W (1024 bytes) of the main graph and W2 (128 bytes) of the If branch move, in that order;
     // B (64 bytes), the Constants and training_info stay.
-    assert_eq!(
-        fs::metadata(dir.path("m.onnx.data")).unwrap().len(),
-        1024 + 128
-    );
+    assert_eq!(fs::metadata(dir.path("m.onnx.data")).unwrap().len(), 1024 + 128);
     let stored = decode_model(&fs::read(&path).unwrap(), "m.onnx").unwrap();
     let graph = stored.graph.as_ref().unwrap();
     let w = initializer(graph, "W");
-    assert_eq!(
-        (w.data_location(), w.raw_data.as_ref()),
-        (DataLocation::External, None)
-    );
-    assert_eq!(
-        location(w),
-        [
-            ("location", "m.onnx.data"),
-            ("offset", "0"),
-            ("length", "1024")
-        ]
-    );
+    assert_eq!((w.data_location(), w.raw_data.as_ref()), (DataLocation::External, None));
+    assert_eq!(location(w), [("location", "m.onnx.data"), ("offset", "0"), ("length", "1024")]);
     let w2 = initializer(subgraph(graph, "if", "then_branch"), "W2");
-    assert_eq!(
-        location(w2),
-        [
-            ("location", "m.onnx.data"),
-            ("offset", "1024"),
-            ("length", "128")
-        ]
-    );
-    assert_eq!(
-        initializer(graph, "B").raw_data.as_ref().map(Vec::len),
-        Some(64)
-    );
-    assert!(subgraph(graph, "if", "else_branch").node[0].attribute[0]
-        .t
-        .as_ref()
-        .unwrap()
-        .raw_data
-        .is_some());
+    assert_eq!(location(w2), [("location", "m.onnx.data"), ("offset", "1024"), ("length", "128")]);
+    assert_eq!(initializer(graph, "B").raw_data.as_ref().map(Vec::len), Some(64));
+    assert!(subgraph(graph, "if", "else_branch").node[0].attribute[0].t.as_ref().unwrap().raw_data.is_some());
     assert_eq!(stored.training_info, model.training_info);
 
     assert_eq!(load_model(&path).unwrap(), model);
@@ -308,10 +242,7 @@ fn loads_external_data_written_by_onnx_and_writes_the_same_layout() {
     assert_eq!(value(graph, "W").as_slice::<f32>(), &ramp(128, 0.5)[..]);
     assert_eq!(value(graph, "B").as_slice::<f32>(), &[0.25; 8]);
     let w2 = value(subgraph(graph, "if", "then_branch"), "W2");
-    assert_eq!(
-        w2.as_slice::<f32>(),
-        &(0..64).map(|i| i as f32 - 32.0).collect::<Vec<_>>()[..]
-    );
+    assert_eq!(w2.as_slice::<f32>(), &(0..64).map(|i| i as f32 - 32.0).collect::<Vec<_>>()[..]);
     assert!(initializer(graph, "W").external_data.is_empty());
 
     // onnx's threshold counts 33 bytes of Python object header: its 128 is our 95.
@@ -319,10 +250,7 @@ fn loads_external_data_written_by_onnx_and_writes_the_same_layout() {
     save_model_with_external_data(&model, &dir.path("model.onnx"), 95).unwrap();
     for name in ["model.onnx", "model.onnx.data"] {
         let ours = fs::read(dir.path(name)).unwrap();
-        assert!(
-            ours == fs::read(fixture(&format!("external/{name}"))).unwrap(),
-            "{name} differs"
-        );
+        assert!(ours == fs::read(fixture(&format!("external/{name}"))).unwrap(), "{name} differs");
     }
 }
 
@@ -333,10 +261,7 @@ fn loads_raw_and_typed_initializers_written_by_onnx() {
     let g = model.graph.as_ref().unwrap();
     assert!(initializer(g, "W").raw_data.is_some() && !initializer(g, "B").float_data.is_empty());
     let w = value(g, "W");
-    assert_eq!(
-        (w.shape(), w.as_slice::<f32>()),
-        (&[3, 2][..], &ramp(6, 0.5)[..])
-    );
+    assert_eq!((w.shape(), w.as_slice::<f32>()), (&[3, 2][..], &ramp(6, 0.5)[..]));
     assert_eq!(value(g, "B").as_slice::<f32>(), &[0.25, -1.0]);
     assert_eq!(value(g, "i64").as_slice::<i64>(), &[-1, 0, 1 << 40]);
     assert_eq!(value(g, "i64_raw").as_slice::<i64>(), &[5, -5]);
@@ -347,14 +272,8 @@ fn loads_raw_and_typed_initializers_written_by_onnx() {
     assert_eq!(value(g, "u8").as_slice::<u8>(), &[0, 255]);
     let b = value(g, "bool");
     assert_eq!((b.dtype(), b.bytes()), (DType::Bool, &[1u8, 0, 1][..]));
-    assert_eq!(
-        value(g, "f16").as_slice::<f16>(),
-        &[f16::from_f32(1.5), f16::from_f32(-2.0)]
-    );
-    assert_eq!(
-        value(g, "bf16").as_slice::<bf16>(),
-        &[bf16::from_f32(1.5), bf16::from_f32(-2.0)]
-    );
+    assert_eq!(value(g, "f16").as_slice::<f16>(), &[f16::from_f32(1.5), f16::from_f32(-2.0)]);
+    assert_eq!(value(g, "bf16").as_slice::<bf16>(), &[bf16::from_f32(1.5), bf16::from_f32(-2.0)]);
     assert_eq!(value(g, "f64").as_slice::<f64>(), &[0.1, -1e300]);
     assert_eq!(value(g, "u32").as_slice::<u32>(), &[4_000_000_000]);
     assert_eq!(value(g, "u64").as_slice::<u64>(), &[u64::MAX]);
@@ -363,27 +282,16 @@ fn loads_raw_and_typed_initializers_written_by_onnx() {
 #[test]
 fn training_info_is_kept_when_resaving() {
     let model = load_model(&fixture("training_info.onnx")).unwrap();
-    let [info] = &model.training_info[..] else {
-        panic!("one training_info expected")
-    };
-    assert_eq!(
-        info.initialization.as_ref().unwrap().node[0].op_type(),
-        "RandomNormal"
-    );
+    let [info] = &model.training_info[..] else { panic!("one training_info expected") };
+    assert_eq!(info.initialization.as_ref().unwrap().node[0].op_type(), "RandomNormal");
     let algorithm = info.algorithm.as_ref().unwrap();
     assert_eq!(value(algorithm, "lr").as_slice::<f32>(), &[0.1]);
     assert_eq!(location_pairs(&info.update_binding), [("W", "W_new")]);
-    assert_eq!(
-        location_pairs(&info.initialization_binding),
-        [("W", "W_init")]
-    );
+    assert_eq!(location_pairs(&info.initialization_binding), [("W", "W_init")]);
 
     let dir = Scratch::new("training-info");
     save_model(&model, &dir.path("m.onnx")).unwrap();
-    assert_eq!(
-        fs::read(dir.path("m.onnx")).unwrap(),
-        fs::read(fixture("training_info.onnx")).unwrap()
-    );
+    assert_eq!(fs::read(dir.path("m.onnx")).unwrap(), fs::read(fixture("training_info.onnx")).unwrap());
     assert_eq!(load_model(&dir.path("m.onnx")).unwrap(), model);
 }
 
@@ -395,55 +303,27 @@ fn location_pairs(entries: &[StringStringEntryProto]) -> Vec<(&str, &str)> {
 /// the messages agrees with onnx's own (all_fields.onnx sets every field of onnx-ml.proto).
 #[test]
 fn fixtures_re_encode_byte_for_byte() {
-    for name in [
-        "all_fields.onnx",
-        "typed_and_raw.onnx",
-        "training_info.onnx",
-        "external/model.onnx",
-    ] {
+    for name in ["all_fields.onnx", "typed_and_raw.onnx", "training_info.onnx", "external/model.onnx"] {
         let bytes = fs::read(fixture(name)).unwrap();
         let model = decode_model(&bytes, name).unwrap();
         assert_eq!(dropped_bytes(bytes.len(), &model), 0, "{name}");
-        assert!(
-            model.encode_to_vec() == bytes,
-            "{name} re-encodes differently"
-        );
+        assert!(model.encode_to_vec() == bytes, "{name} re-encodes differently");
     }
 }
 
 #[test]
 fn all_fields_decode_to_what_onnx_wrote() {
     let model = load_model(&fixture("all_fields.onnx")).unwrap();
-    assert_eq!(
-        (
-            model.ir_version(),
-            model.model_version(),
-            default_opset(&model)
-        ),
-        (11, 7, 23)
-    );
+    assert_eq!((model.ir_version(), model.model_version(), default_opset(&model)), (11, 7, 23));
     assert_eq!(model.configuration[0].device, ["cuda:0", "cuda:1"]);
-    assert_eq!(
-        model.functions[0].node[0].attribute[0].ref_attr_name(),
-        "alpha"
-    );
+    assert_eq!(model.functions[0].node[0].attribute[0].ref_attr_name(), "alpha");
     let g = model.graph.as_ref().unwrap();
     let n = &g.node[0];
-    assert_eq!(
-        (n.domain(), n.overload(), n.doc_string()),
-        ("test.domain", "v2", "a node")
-    );
+    assert_eq!((n.domain(), n.overload(), n.doc_string()), ("test.domain", "v2", "a node"));
     let spec = &n.device_configurations[0].sharding_spec[0];
     assert_eq!(spec.index_to_device_group_map[0].value, [0, 1]);
-    let dims: Vec<_> = spec.sharded_dim[0]
-        .simple_sharding
-        .iter()
-        .map(|s| s.dim.clone())
-        .collect();
-    assert_eq!(
-        dims,
-        [Some(Dim::DimValue(4)), Some(Dim::DimParam("N".into()))]
-    );
+    let dims: Vec<_> = spec.sharded_dim[0].simple_sharding.iter().map(|s| s.dim.clone()).collect();
+    assert_eq!(dims, [Some(Dim::DimValue(4)), Some(Dim::DimParam("N".into()))]);
     // Each attribute's type names the field that holds its value.
     for a in &n.attribute {
         let set = match a.r#type() {
@@ -465,36 +345,21 @@ fn all_fields_decode_to_what_onnx_wrote() {
         };
         assert!(set, "attribute {:?}", a.name());
     }
-    let kinds: Vec<_> = g
-        .value_info
-        .iter()
-        .map(|v| v.r#type.as_ref().unwrap().value.clone())
-        .collect();
+    let kinds: Vec<_> = g.value_info.iter().map(|v| v.r#type.as_ref().unwrap().value.clone()).collect();
     assert!(matches!(kinds[0], Some(type_proto::Value::SequenceType(_))));
     assert!(matches!(kinds[1], Some(type_proto::Value::MapType(_))));
     assert!(matches!(kinds[2], Some(type_proto::Value::OptionalType(_))));
-    assert!(matches!(
-        kinds[3],
-        Some(type_proto::Value::SparseTensorType(_))
-    ));
-    let Some(type_proto::Value::OpaqueType(opaque)) = &kinds[4] else {
-        panic!("opaque type")
-    };
+    assert!(matches!(kinds[3], Some(type_proto::Value::SparseTensorType(_))));
+    let Some(type_proto::Value::OpaqueType(opaque)) = &kinds[4] else { panic!("opaque type") };
     assert_eq!(opaque.name(), "Blob");
     let sparse = &g.sparse_initializer[0];
     assert_eq!(
-        (
-            sparse.dims.as_slice(),
-            sparse.values.as_ref().unwrap().float_data.as_slice()
-        ),
+        (sparse.dims.as_slice(), sparse.values.as_ref().unwrap().float_data.as_slice()),
         (&[2, 2][..], &[5.0, 6.0][..])
     );
     // Types the engine does not compute with load, and convert to a clear error.
     let e = tensor_from_proto(initializer(g, "t_str"), "all_fields.onnx").unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "all_fields.onnx: tensor \"t_str\": string tensors are not supported"
-    );
+    assert_eq!(e.to_string(), "all_fields.onnx: tensor \"t_str\": string tensors are not supported");
 }
 
 #[test]
@@ -513,19 +378,12 @@ fn unreadable_files_are_config_errors_naming_the_file() {
     let missing = dir.path("nope.onnx");
     let e = load_model(&missing).unwrap_err();
     assert!(matches!(e, Error::Config(_)), "{e}");
-    assert!(
-        e.to_string()
-            .starts_with(&format!("{}: cannot read it", missing.display())),
-        "{e}"
-    );
+    assert!(e.to_string().starts_with(&format!("{}: cannot read it", missing.display())), "{e}");
     assert!(matches!(load_model(&dir.0).unwrap_err(), Error::Config(_)));
 
     fs::write(dir.path("empty.onnx"), b"").unwrap();
     let e = message(load_model(&dir.path("empty.onnx")));
-    assert!(
-        e.ends_with("empty.onnx: the file is empty, not an ONNX model"),
-        "{e}"
-    );
+    assert!(e.ends_with("empty.onnx: the file is empty, not an ONNX model"), "{e}");
     let e = message(decode_model(b"\x08\x0a\x3a\xff", "m.onnx"));
     assert!(e.starts_with("m.onnx: not a valid ONNX model: "), "{e}");
 }
@@ -538,10 +396,7 @@ fn versions_outside_the_supported_ranges_are_refused() {
         decode_model(&m.encode_to_vec(), "m.onnx")
     };
     let e = message(with(&|m| m.ir_version = Some(12)));
-    assert!(
-        e.starts_with("m.onnx: ir_version 12 is newer than this worker reads (3 to 11"),
-        "{e}"
-    );
+    assert!(e.starts_with("m.onnx: ir_version 12 is newer than this worker reads (3 to 11"), "{e}");
     let e = message(with(&|m| m.ir_version = Some(2)));
     assert!(e.starts_with("m.onnx: ir_version 2 is older"), "{e}");
     let e = message(with(&|m| m.ir_version = None));
@@ -550,33 +405,18 @@ fn versions_outside_the_supported_ranges_are_refused() {
     assert_eq!(e, "m.onnx: the model has no graph");
     for bad in [6, 24] {
         let e = message(with(&|m| m.opset_import[0].version = Some(bad)));
-        assert!(
-            e.starts_with(&format!(
-                "m.onnx: opset_import: default-domain opset {bad} is outside 7 to 23"
-            )),
-            "{e}"
-        );
+        assert!(e.starts_with(&format!("m.onnx: opset_import: default-domain opset {bad} is outside 7 to 23")), "{e}");
     }
-    let e = message(with(&|m| {
-        m.opset_import[0].domain = Some("com.microsoft".into())
-    }));
+    let e = message(with(&|m| m.opset_import[0].domain = Some("com.microsoft".into())));
     assert!(e.contains("names no version of the default domain"), "{e}");
     let e = message(with(&|m| {
-        m.opset_import.push(OperatorSetIdProto {
-            domain: Some("ai.onnx".into()),
-            version: Some(13),
-        })
+        m.opset_import.push(OperatorSetIdProto { domain: Some("ai.onnx".into()), version: Some(13) })
     }));
     assert!(e.ends_with("more than once, at opsets [13, 17]"), "{e}");
 
     // "ai.onnx" is the default domain too, and opset 7 and 23 are in range.
     for v in [7, 23] {
-        let m = with(&|m| {
-            m.opset_import[0] = OperatorSetIdProto {
-                domain: Some("ai.onnx".into()),
-                version: Some(v),
-            }
-        });
+        let m = with(&|m| m.opset_import[0] = OperatorSetIdProto { domain: Some("ai.onnx".into()), version: Some(v) });
         assert_eq!(default_opset(&m.unwrap()), v);
     }
 }
@@ -634,10 +474,7 @@ fn external_model(dir: &Scratch, location: &str, offset: &str, length: Option<&s
     data.extend(&raw);
     fs::write(dir.path("w.bin"), data).unwrap();
     w.set_data_location(DataLocation::External);
-    let entry = |k: &str, v: &str| StringStringEntryProto {
-        key: Some(k.into()),
-        value: Some(v.into()),
-    };
+    let entry = |k: &str, v: &str| StringStringEntryProto { key: Some(k.into()), value: Some(v.into()) };
     w.external_data = vec![entry("location", location), entry("offset", offset)];
     w.external_data.extend(length.map(|l| entry("length", l)));
     let path = dir.path("m.onnx");
@@ -651,14 +488,8 @@ fn external_data_is_read_from_inside_the_model_directory_only() {
     let w = |m: ModelProto| m.graph.unwrap().initializer[0].clone();
     let want = w(small_model());
     // Offset and length as given; without a length, to the end of the file; "./" is fine.
-    assert_eq!(
-        w(load_model(&external_model(&dir, "w.bin", "8", Some("1024"))).unwrap()),
-        want
-    );
-    assert_eq!(
-        w(load_model(&external_model(&dir, "./w.bin", "8", None)).unwrap()),
-        want
-    );
+    assert_eq!(w(load_model(&external_model(&dir, "w.bin", "8", Some("1024"))).unwrap()), want);
+    assert_eq!(w(load_model(&external_model(&dir, "./w.bin", "8", None)).unwrap()), want);
 
     let fails = |location: &str, offset: &str, length: Option<&str>| {
         let path = external_model(&dir, location, offset, length);
@@ -667,17 +498,12 @@ fn external_data_is_read_from_inside_the_model_directory_only() {
         assert!(e.starts_with(&prefix), "{e}");
         e[prefix.len()..].to_string()
     };
-    assert!(fails("../w.bin", "8", None)
-        .starts_with("external data location \"../w.bin\" must be a path inside"));
+    assert!(fails("../w.bin", "8", None).starts_with("external data location \"../w.bin\" must be a path inside"));
     let e = fails("/etc/passwd", "0", None);
-    assert!(
-        e.contains("must be a path inside the model's directory"),
-        "{e}"
-    );
+    assert!(e.contains("must be a path inside the model's directory"), "{e}");
     assert!(fails("", "0", None).contains("external_data has no location"));
     assert!(fails("gone.bin", "0", None).starts_with("cannot open its external data file"));
-    assert!(fails("w.bin", "eight", None)
-        .starts_with("external_data offset \"eight\" is not a byte count"));
+    assert!(fails("w.bin", "eight", None).starts_with("external_data offset \"eight\" is not a byte count"));
     assert_eq!(
         fails("w.bin", "8", Some("2048")),
         format!(
@@ -739,20 +565,14 @@ fn every_truncation_is_an_error() {
     let bytes = small_model().encode_to_vec();
     assert!(decode_model(&bytes, "m.onnx").is_ok());
     for len in 0..bytes.len() {
-        assert!(
-            decode_model(&bytes[..len], "m.onnx").is_err(),
-            "prefix of {len} bytes loaded"
-        );
+        assert!(decode_model(&bytes[..len], "m.onnx").is_err(), "prefix of {len} bytes loaded");
     }
 }
 
 #[test]
 fn flipped_bytes_never_panic() {
     let dir = Scratch::new("flips");
-    for bytes in [
-        small_model().encode_to_vec(),
-        fs::read(fixture("all_fields.onnx")).unwrap(),
-    ] {
+    for bytes in [small_model().encode_to_vec(), fs::read(fixture("all_fields.onnx")).unwrap()] {
         let mut refused = 0;
         for i in 0..bytes.len() {
             for mask in [0x01u8, 0x80, 0xff] {
@@ -762,20 +582,14 @@ fn flipped_bytes_never_panic() {
             }
         }
         // Flips in names and float bits load; flips in tags, lengths and dims do not.
-        assert!(
-            refused > bytes.len() / 2 && refused < bytes.len() * 3,
-            "{refused} refused"
-        );
+        assert!(refused > bytes.len() / 2 && refused < bytes.len() * 3, "{refused} refused");
     }
 }
 
 #[test]
 fn random_damage_never_panics() {
     let dir = Scratch::new("damage");
-    let seeds = [
-        small_model().encode_to_vec(),
-        fs::read(fixture("all_fields.onnx")).unwrap(),
-    ];
+    let seeds = [small_model().encode_to_vec(), fs::read(fixture("all_fields.onnx")).unwrap()];
     let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
     for round in 0..4000 {
         let mut bytes = seeds[round % seeds.len()].clone();

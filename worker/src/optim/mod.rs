@@ -41,7 +41,13 @@ impl Update {
 }
 
 /// The CPU implementation of one update (`Backend::optimizer_step`).
-pub fn cpu_step(update: &Update, h: StepHyper, p: &mut [f32], g: &[f32], state: &mut [TensorViewMut]) -> Result<(), String> {
+pub fn cpu_step(
+    update: &Update,
+    h: StepHyper,
+    p: &mut [f32],
+    g: &[f32],
+    state: &mut [TensorViewMut],
+) -> Result<(), String> {
     let lr = h.lr;
     let gs = h.grad_scale;
     match *update {
@@ -71,18 +77,20 @@ pub fn cpu_step(update: &Update, h: StepHyper, p: &mut [f32], g: &[f32], state: 
             // PyTorch's order: step_size = lr / bc1; denom = sqrt(v) / sqrt(bc2) + eps.
             let step_size = (lr as f64 / bc1) as f32;
             let bc2_sqrt = bc2.sqrt() as f32;
-            p.par_iter_mut().zip(g.par_iter()).zip(m.par_iter_mut().zip(v.par_iter_mut())).for_each(|((p, &g), (m, v))| {
-                let mut g = g * gs;
-                if decoupled {
-                    *p *= 1.0 - lr * weight_decay;
-                } else {
-                    g += weight_decay * *p;
-                }
-                *m = beta1 * *m + (1.0 - beta1) * g;
-                *v = beta2 * *v + (1.0 - beta2) * g * g;
-                let denom = v.sqrt() / bc2_sqrt + epsilon;
-                *p -= step_size * *m / denom;
-            });
+            p.par_iter_mut().zip(g.par_iter()).zip(m.par_iter_mut().zip(v.par_iter_mut())).for_each(
+                |((p, &g), (m, v))| {
+                    let mut g = g * gs;
+                    if decoupled {
+                        *p *= 1.0 - lr * weight_decay;
+                    } else {
+                        g += weight_decay * *p;
+                    }
+                    *m = beta1 * *m + (1.0 - beta1) * g;
+                    *v = beta2 * *v + (1.0 - beta2) * g * g;
+                    let denom = v.sqrt() / bc2_sqrt + epsilon;
+                    *p -= step_size * *m / denom;
+                },
+            );
         }
     }
     Ok(())

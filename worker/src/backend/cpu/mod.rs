@@ -36,7 +36,11 @@ fn view<'a>(a: &Arg<'a, CpuBuffer>) -> TensorView<'a> {
 fn view_mut<'a>(a: &Arg<'a, CpuBuffer>) -> TensorViewMut<'a> {
     let len = a.meta.bytes();
     let p = a.buf.bytes_at(a.offset, len);
-    TensorViewMut { dtype: a.meta.dtype, shape: &a.meta.shape, bytes: unsafe { std::slice::from_raw_parts_mut(p, len) } }
+    TensorViewMut {
+        dtype: a.meta.dtype,
+        shape: &a.meta.shape,
+        bytes: unsafe { std::slice::from_raw_parts_mut(p, len) },
+    }
 }
 
 #[derive(Default)]
@@ -88,10 +92,21 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, x: Arg<CpuBuffer>) -> Result<f64, String> {
-        Ok(view(&x).as_slice::<f32>().par_chunks(4096).map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>()).sum())
+        Ok(view(&x)
+            .as_slice::<f32>()
+            .par_chunks(4096)
+            .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
+            .sum())
     }
 
-    fn optimizer_step(&self, update: &Update, h: StepHyper, param: Arg<CpuBuffer>, grad: Arg<CpuBuffer>, state: &[Arg<CpuBuffer>]) -> Result<(), String> {
+    fn optimizer_step(
+        &self,
+        update: &Update,
+        h: StepHyper,
+        param: Arg<CpuBuffer>,
+        grad: Arg<CpuBuffer>,
+        state: &[Arg<CpuBuffer>],
+    ) -> Result<(), String> {
         let mut p = view_mut(&param);
         let g = view(&grad).as_slice::<f32>();
         let mut st: Vec<TensorViewMut> = state.iter().map(view_mut).collect();

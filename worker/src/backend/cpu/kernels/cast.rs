@@ -14,8 +14,12 @@ fn read<T: NumCast + Copy + Default>(src: &TensorView) -> Vec<T> {
     match src.dtype {
         DType::F32 => conv!(f32),
         DType::F64 => conv!(f64),
-        DType::F16 => src.as_slice::<f16>().iter().map(|x| T::from(<f32 as From<_>>::from(*x)).unwrap_or_default()).collect(),
-        DType::BF16 => src.as_slice::<bf16>().iter().map(|x| T::from(<f32 as From<_>>::from(*x)).unwrap_or_default()).collect(),
+        DType::F16 => {
+            src.as_slice::<f16>().iter().map(|x| T::from(<f32 as From<_>>::from(*x)).unwrap_or_default()).collect()
+        }
+        DType::BF16 => {
+            src.as_slice::<bf16>().iter().map(|x| T::from(<f32 as From<_>>::from(*x)).unwrap_or_default()).collect()
+        }
         DType::I64 => conv!(i64),
         DType::I32 => conv!(i32),
         DType::I16 => conv!(i16),

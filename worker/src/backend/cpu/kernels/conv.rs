@@ -68,7 +68,7 @@ impl Geo {
     fn tap(&self, oy: usize, ox: usize, ky: usize, kx: usize) -> Option<(usize, usize)> {
         let iy = (oy * self.sh + ky * self.dh) as isize - self.ph as isize;
         let ix = (ox * self.sw + kx * self.dw) as isize - self.pw as isize;
-        (iy >= 0 && ix >= 0 && (iy as usize) < self.h && (ix as usize) < self.w).then(|| (iy as usize, ix as usize))
+        (iy >= 0 && ix >= 0 && (iy as usize) < self.h && (ix as usize) < self.w).then_some((iy as usize, ix as usize))
     }
 }
 
@@ -114,7 +114,14 @@ fn is_pointwise(g: &Geo) -> bool {
     g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0
 }
 
-pub fn conv(win: &Window, group: usize, x: &TensorView, w: &TensorView, bias: Option<TensorView>, y: &mut TensorViewMut) -> KResult {
+pub fn conv(
+    win: &Window,
+    group: usize,
+    x: &TensorView,
+    w: &TensorView,
+    bias: Option<TensorView>,
+    y: &mut TensorViewMut,
+) -> KResult {
     if x.dtype != DType::F32 {
         return Err(format!("Conv is not implemented for {}", x.dtype));
     }
@@ -171,7 +178,14 @@ pub fn conv(win: &Window, group: usize, x: &TensorView, w: &TensorView, bias: Op
 }
 
 /// dY, X, W → dX, dW, dB.
-pub fn conv_grad(win: &Window, group: usize, dy: &TensorView, x: &TensorView, w: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+pub fn conv_grad(
+    win: &Window,
+    group: usize,
+    dy: &TensorView,
+    x: &TensorView,
+    w: &TensorView,
+    outs: &mut [TensorViewMut],
+) -> KResult {
     let g = geo(win, x.shape, dy.shape)?;
     let (n, m) = (x.shape[0], dy.shape[1]);
     let (cg, mg) = (g.c / group, m / group);
@@ -267,7 +281,10 @@ fn pool_windows(g: &Geo, mut f: impl FnMut(usize, &mut dyn Iterator<Item = Optio
 /// all taps inside the padded input (not those hanging off its end because of ceil_mode).
 fn average_count(g: &Geo, oy: usize, ox: usize, include_pad: bool) -> usize {
     if !include_pad {
-        return (0..g.kh).flat_map(|ky| (0..g.kw).map(move |kx| (ky, kx))).filter(|&(ky, kx)| g.tap(oy, ox, ky, kx).is_some()).count();
+        return (0..g.kh)
+            .flat_map(|ky| (0..g.kw).map(move |kx| (ky, kx)))
+            .filter(|&(ky, kx)| g.tap(oy, ox, ky, kx).is_some())
+            .count();
     }
     let span = |o: usize, s: usize, k: usize, d: usize, p: usize, size: usize| {
         let start = (o * s) as isize - p as isize;
@@ -413,7 +430,13 @@ pub fn batch_norm(
 
 /// Training-mode backward: dY, X, scale → dX, dScale, dBias, with the batch statistics
 /// recomputed from X. dX = s·σ⁻¹ (dY − mean(dY) − x̂ mean(dY·x̂)).
-pub fn batch_norm_grad(eps: f32, dy: &TensorView, x: &TensorView, scale: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+pub fn batch_norm_grad(
+    eps: f32,
+    dy: &TensorView,
+    x: &TensorView,
+    scale: &TensorView,
+    outs: &mut [TensorViewMut],
+) -> KResult {
     let (n, c) = (x.shape[0], x.shape[1]);
     let plane: usize = x.shape[2..].iter().product();
     let (dys, xs, s) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), scale.as_slice::<f32>());

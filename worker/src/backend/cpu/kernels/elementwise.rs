@@ -19,7 +19,8 @@ pub fn erf(x: f64) -> f64 {
                     + t * (0.096_784_18
                         + t * (-0.186_288_06
                             + t * (0.278_868_07
-                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+                                + t * (-1.135_203_98
+                                    + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
             .exp();
     if x >= 0.0 {
         1.0 - r
@@ -384,7 +385,11 @@ pub fn where_(cond: &TensorView, x: &TensorView, y: &TensorView, out: &mut Tenso
         let (oc, ox, oy) = (bc.row_offsets[0][r], bc.row_offsets[1][r], bc.row_offsets[2][r]);
         let (sc, sx, sy) = (bc.inner_strides[0], bc.inner_strides[1], bc.inner_strides[2]);
         for j in 0..orow.len() / size {
-            let src = if c[oc + j * sc] != 0 { &xb[(ox + j * sx) * size..][..size] } else { &yb[(oy + j * sy) * size..][..size] };
+            let src = if c[oc + j * sc] != 0 {
+                &xb[(ox + j * sx) * size..][..size]
+            } else {
+                &yb[(oy + j * sy) * size..][..size]
+            };
             orow[j * size..(j + 1) * size].copy_from_slice(src);
         }
     }

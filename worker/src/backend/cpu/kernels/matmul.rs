@@ -123,8 +123,20 @@ pub fn matmul(
     let (a_rows, a_cols) = (a_shape[a_shape.len() - 2], a_shape[a_shape.len() - 1]);
     let (b_rows, b_cols) = (b_shape[b_shape.len() - 2], b_shape[b_shape.len() - 1]);
     let _ = (a_rows, b_rows);
-    let am = |off| if trans_a { Mat { offset: off, rs: 1, cs: a_cols as isize } } else { Mat { offset: off, rs: a_cols as isize, cs: 1 } };
-    let bm = |off| if trans_b { Mat { offset: off, rs: 1, cs: b_cols as isize } } else { Mat { offset: off, rs: b_cols as isize, cs: 1 } };
+    let am = |off| {
+        if trans_a {
+            Mat { offset: off, rs: 1, cs: a_cols as isize }
+        } else {
+            Mat { offset: off, rs: a_cols as isize, cs: 1 }
+        }
+    };
+    let bm = |off| {
+        if trans_b {
+            Mat { offset: off, rs: 1, cs: b_cols as isize }
+        } else {
+            Mat { offset: off, rs: b_cols as isize, cs: 1 }
+        }
+    };
     let ap = a.as_slice::<f32>().as_ptr() as usize;
     let bp = b.as_slice::<f32>().as_ptr() as usize;
     let o = out.as_mut_slice::<f32>();
@@ -141,7 +153,20 @@ pub fn matmul(
         false
     };
     let run = |i: usize, dst: &mut [f32], par: Parallelism| unsafe {
-        sgemm(m, n, k, dst.as_mut_ptr(), n as isize, ap as *const f32, am(a_off[i]), bp as *const f32, bm(b_off[i]), has_bias, 1.0, par)
+        sgemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            n as isize,
+            ap as *const f32,
+            am(a_off[i]),
+            bp as *const f32,
+            bm(b_off[i]),
+            has_bias,
+            1.0,
+            par,
+        )
     };
     if nb > 1 && m * n * k < 128 * 128 * 128 {
         // Many small products (attention heads): one thread per product.
@@ -180,7 +205,16 @@ fn matmul_f64(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResul
 
 /// ONNX Gemm: Y = alpha · A' · B' + beta · C.
 #[allow(clippy::too_many_arguments)]
-pub fn gemm(alpha: f32, beta: f32, trans_a: bool, trans_b: bool, a: &TensorView, b: &TensorView, c: Option<TensorView>, out: &mut TensorViewMut) -> KResult {
+pub fn gemm(
+    alpha: f32,
+    beta: f32,
+    trans_a: bool,
+    trans_b: bool,
+    a: &TensorView,
+    b: &TensorView,
+    c: Option<TensorView>,
+    out: &mut TensorViewMut,
+) -> KResult {
     if a.dtype != DType::F32 {
         return Err(format!("Gemm is not implemented for {}", a.dtype));
     }
@@ -208,7 +242,20 @@ pub fn gemm(alpha: f32, beta: f32, trans_a: bool, trans_b: bool, a: &TensorView,
     let am = if trans_a { Mat { offset: 0, rs: 1, cs: ac } } else { Mat { offset: 0, rs: ac, cs: 1 } };
     let bm = if trans_b { Mat { offset: 0, rs: 1, cs: bc } } else { Mat { offset: 0, rs: bc, cs: 1 } };
     unsafe {
-        sgemm(m, n, k, o.as_mut_ptr(), n as isize, a.as_slice::<f32>().as_ptr(), am, b.as_slice::<f32>().as_ptr(), bm, accumulate, alpha, parallelism(m, n, k));
+        sgemm(
+            m,
+            n,
+            k,
+            o.as_mut_ptr(),
+            n as isize,
+            a.as_slice::<f32>().as_ptr(),
+            am,
+            b.as_slice::<f32>().as_ptr(),
+            bm,
+            accumulate,
+            alpha,
+            parallelism(m, n, k),
+        );
     }
     Ok(())
 }

@@ -62,12 +62,25 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::Dropout { ratio, training, seed } => random::dropout(*ratio, *training, *seed, &x(0)?, outputs),
         Op::DropoutGrad { ratio } => random::dropout_grad(*ratio, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::MatMul => matmul::matmul(&x(0)?, &x(1)?, None, false, false, None, &mut outputs[0]),
-        Op::FusedMatMul { trans_a, trans_b, activation } => {
-            matmul::matmul(&x(0)?, &x(1)?, inputs.get(2).copied().flatten(), *trans_a, *trans_b, *activation, &mut outputs[0])
-        }
-        Op::Gemm { alpha, beta, trans_a, trans_b } => {
-            matmul::gemm(*alpha, *beta, *trans_a, *trans_b, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
-        }
+        Op::FusedMatMul { trans_a, trans_b, activation } => matmul::matmul(
+            &x(0)?,
+            &x(1)?,
+            inputs.get(2).copied().flatten(),
+            *trans_a,
+            *trans_b,
+            *activation,
+            &mut outputs[0],
+        ),
+        Op::Gemm { alpha, beta, trans_a, trans_b } => matmul::gemm(
+            *alpha,
+            *beta,
+            *trans_a,
+            *trans_b,
+            &x(0)?,
+            &x(1)?,
+            inputs.get(2).copied().flatten(),
+            &mut outputs[0],
+        ),
         Op::Softmax { axis } => norm::softmax(*axis, false, &x(0)?, &mut outputs[0]),
         Op::LogSoftmax { axis } => norm::softmax(*axis, true, &x(0)?, &mut outputs[0]),
         Op::SoftmaxGrad { axis } => norm::softmax_grad(*axis, false, &x(0)?, &x(1)?, &mut outputs[0]),
@@ -83,20 +96,37 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         }
         Op::Split { axis, .. } => shape::split(*axis as usize, &x(0)?, outputs),
         Op::Slice { starts, ends, axes, steps } => shape::slice(starts, ends, axes, steps, &x(0)?, &mut outputs[0]),
-        Op::SliceGrad { starts, ends, axes, steps, .. } => shape::slice_grad(starts, ends, axes, steps, &x(0)?, &mut outputs[0]),
+        Op::SliceGrad { starts, ends, axes, steps, .. } => {
+            shape::slice_grad(starts, ends, axes, steps, &x(0)?, &mut outputs[0])
+        }
         Op::Gather { axis } => shape::gather(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherGrad { axis, .. } => shape::gather_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::Expand => shape::expand(&x(0)?, &mut outputs[0]),
         Op::Trilu { upper, k } => shape::trilu(*upper, *k, &x(0)?, &mut outputs[0]),
-        Op::ReduceOp { kind, axes, .. } => shape::reduce(*kind, axes.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0]),
+        Op::ReduceOp { kind, axes, .. } => {
+            shape::reduce(*kind, axes.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0])
+        }
         Op::ReduceSumTo { .. } => shape::reduce_sum_to(&x(0)?, &mut outputs[0]),
-        Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
-            loss::softmax_cross_entropy(*reduction, *ignore_index, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
+        Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => loss::softmax_cross_entropy(
+            *reduction,
+            *ignore_index,
+            &x(0)?,
+            &x(1)?,
+            inputs.get(2).copied().flatten(),
+            outputs,
+        ),
+        Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => loss::softmax_cross_entropy_grad(
+            *reduction,
+            *ignore_index,
+            &x(0)?,
+            &x(1)?,
+            &x(2)?,
+            inputs.get(3).copied().flatten(),
+            &mut outputs[0],
+        ),
+        Op::Conv { window, group } => {
+            conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
         }
-        Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => {
-            loss::softmax_cross_entropy_grad(*reduction, *ignore_index, &x(0)?, &x(1)?, &x(2)?, inputs.get(3).copied().flatten(), &mut outputs[0])
-        }
-        Op::Conv { window, group } => conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0]),
         Op::ConvGrad { window, group } => conv::conv_grad(window, *group, &x(0)?, &x(1)?, &x(2)?, outputs),
         Op::Pool { kind, window } => conv::pool(*kind, window, &x(0)?, &mut outputs[0]),
         Op::PoolGrad { kind, window } => conv::pool_grad(*kind, window, &x(0)?, &x(1)?, &mut outputs[0]),

@@ -21,7 +21,6 @@ fn for_each_lane(total: usize, outer: usize, inner: usize, f: impl Fn(usize, usi
     }
 }
 
-
 pub fn softmax(axis: i64, log: bool, x: &TensorView, y: &mut TensorViewMut) -> KResult {
     let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
     let (outer, n, inner) = around(x.shape, a);
@@ -84,7 +83,14 @@ pub fn softmax_grad(axis: i64, log: bool, dy: &TensorView, y: &TensorView, dx: &
 
 /// LayerNormalization over the dims from `axis` on. Outputs: Y, then optionally the mean and
 /// inverse standard deviation per row (kept for the backward pass).
-pub fn layer_norm(axis: i64, eps: f32, x: &TensorView, scale: &TensorView, bias: Option<TensorView>, outs: &mut [TensorViewMut]) -> KResult {
+pub fn layer_norm(
+    axis: i64,
+    eps: f32,
+    x: &TensorView,
+    scale: &TensorView,
+    bias: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
     let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();
@@ -99,16 +105,18 @@ pub fn layer_norm(axis: i64, eps: f32, x: &TensorView, scale: &TensorView, bias:
     }
     let mut stats = vec![(0f32, 0f32); rows];
     let (y, rest) = outs.split_first_mut().ok_or("no output")?;
-    y.as_mut_slice::<f32>().par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(|(r, (yr, st))| {
-        let xr = &xs[r * cols..(r + 1) * cols];
-        let mean = xr.iter().sum::<f32>() / cols as f32;
-        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for j in 0..cols {
-            yr[j] = (xr[j] - mean) * inv * g[j] + b.map_or(0.0, |b| b[j]);
-        }
-        *st = (mean, inv);
-    });
+    y.as_mut_slice::<f32>().par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(
+        |(r, (yr, st))| {
+            let xr = &xs[r * cols..(r + 1) * cols];
+            let mean = xr.iter().sum::<f32>() / cols as f32;
+            let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            for j in 0..cols {
+                yr[j] = (xr[j] - mean) * inv * g[j] + b.map_or(0.0, |b| b[j]);
+            }
+            *st = (mean, inv);
+        },
+    );
     if let Some(m) = rest.get_mut(0) {
         m.as_mut_slice::<f32>().iter_mut().zip(&stats).for_each(|(o, s)| *o = s.0);
     }
@@ -120,7 +128,15 @@ pub fn layer_norm(axis: i64, eps: f32, x: &TensorView, scale: &TensorView, bias:
 
 /// dY, X, scale, mean, inv_std → dX, dScale, dBias.
 /// With x̂ = (x−μ)·σ⁻¹ and g = dY⊙scale: dX = σ⁻¹ (g − mean(g) − x̂ mean(g⊙x̂)).
-pub fn layer_norm_grad(axis: i64, dy: &TensorView, x: &TensorView, scale: &TensorView, mean: &TensorView, inv_std: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+pub fn layer_norm_grad(
+    axis: i64,
+    dy: &TensorView,
+    x: &TensorView,
+    scale: &TensorView,
+    mean: &TensorView,
+    inv_std: &TensorView,
+    outs: &mut [TensorViewMut],
+) -> KResult {
     let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();

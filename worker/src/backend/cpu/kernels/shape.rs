@@ -106,7 +106,14 @@ fn slice_plan(starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64], shape: 
     plan
 }
 
-pub fn slice(starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64], x: &TensorView, y: &mut TensorViewMut) -> KResult {
+pub fn slice(
+    starts: &[i64],
+    ends: &[i64],
+    axes: &[i64],
+    steps: &[i64],
+    x: &TensorView,
+    y: &mut TensorViewMut,
+) -> KResult {
     let plan = slice_plan(starts, ends, axes, steps, x.shape);
     let st = strides(x.shape);
     let base: isize = plan.iter().zip(&st).map(|((s, _), &d)| *s as isize * d as isize).sum();
@@ -117,7 +124,14 @@ pub fn slice(starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64], x: &Tens
 }
 
 /// dX = zeros with dY written at the slice.
-pub fn slice_grad(starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64], dy: &TensorView, dx: &mut TensorViewMut) -> KResult {
+pub fn slice_grad(
+    starts: &[i64],
+    ends: &[i64],
+    axes: &[i64],
+    steps: &[i64],
+    dy: &TensorView,
+    dx: &mut TensorViewMut,
+) -> KResult {
     let shape = dx.shape.to_vec();
     let plan = slice_plan(starts, ends, axes, steps, &shape);
     let st = strides(&shape);
@@ -258,7 +272,8 @@ pub fn reduce(kind: Reduce, axes: &[i64], x: &TensorView, y: &mut TensorViewMut)
     };
     let mut acc = vec![init; n_out];
     let ost = strides(&keep_shape);
-    let in_strides: Vec<isize> = (0..x.shape.len()).map(|d| if keep_shape[d] == 1 { 0 } else { ost[d] as isize }).collect();
+    let in_strides: Vec<isize> =
+        (0..x.shape.len()).map(|d| if keep_shape[d] == 1 { 0 } else { ost[d] as isize }).collect();
     for_each_index(x.shape, &in_strides, 0, |lin, o| {
         let v = vals[lin];
         acc[o] = match kind {
