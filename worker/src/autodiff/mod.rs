@@ -4,6 +4,8 @@
 //! Only values on a path from a parameter to the loss get gradients; contributions to the same
 //! value from several consumers are summed.
 
+#[cfg(test)]
+mod gradcheck;
 pub mod rules;
 
 use crate::error::{Error, Result};

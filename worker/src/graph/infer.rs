@@ -567,7 +567,7 @@ pub fn infer_node(
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
         Op::ReduceSumTo { shape } => (op.clone(), vec![Meta::new(m(0)?.dtype, shape)]),
-        Op::UnaryGrad(_) | Op::DropoutGrad { .. } => (op, same(1.min(node.inputs.len() - 1))?),
+        Op::UnaryGrad(_) | Op::DropoutGrad { .. } => (op, same(0)?),
         Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => (op, same(0)?),
         Op::LayerNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
         Op::SoftmaxCrossEntropyLossGrad { .. } => (op, vec![m(1)?.clone()]),

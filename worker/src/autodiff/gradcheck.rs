@@ -1,0 +1,342 @@
+//! Finite-difference checks of every gradient rule: for a small graph around one op,
+//! the gradients autodiff emits must match central differences of the loss
+//! L = Σ f(params) ⊙ R (R fixed and random, so every output element matters differently).
+
+use super::gradients;
+use crate::backend::cpu::CpuBackend;
+use crate::exec::Executor;
+use crate::graph::infer::{bind, Bindings};
+use crate::graph::ir::{Graph, ValueId};
+use crate::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Unary, Window};
+use crate::rng::Rng;
+use crate::tensor::{DType, Tensor};
+use std::sync::Arc;
+
+/// A graph under test: its parameters (trained initializers) and the output to check.
+struct Case {
+    g: Graph,
+    params: Vec<ValueId>,
+    out: ValueId,
+}
+
+fn random(rng: &mut Rng, shape: &[usize], lo: f64, hi: f64) -> Tensor {
+    let n = shape.iter().product();
+    Tensor::from_vec(shape, (0..n).map(|_| (lo + (hi - lo) * rng.next_f64()) as f32).collect())
+}
+
+/// Starts a case; `param` adds a trainable input with values in [lo, hi).
+struct CaseBuilder {
+    g: Graph,
+    params: Vec<ValueId>,
+    rng: Rng,
+}
+
+impl CaseBuilder {
+    fn new(seed: u64) -> CaseBuilder {
+        CaseBuilder { g: Graph::new("gradcheck", 20), params: vec![], rng: Rng::new(seed) }
+    }
+    fn param(&mut self, name: &str, shape: &[usize], lo: f64, hi: f64) -> ValueId {
+        let t = random(&mut self.rng, shape, lo, hi);
+        let v = self.g.add_initializer(name, t);
+        self.params.push(v);
+        v
+    }
+    fn constant(&mut self, name: &str, t: Tensor) -> ValueId {
+        self.g.op1(name, Op::Constant { value: t }, &[])
+    }
+    fn done(self, out: ValueId) -> Case {
+        Case { g: self.g, params: self.params, out }
+    }
+}
+
+/// Attaches L = Σ out ⊙ R and returns the loss value.
+fn attach_loss(c: &mut Case, rng: &mut Rng, out_shape: &[usize]) -> ValueId {
+    let r = random(rng, out_shape, -1.0, 1.0);
+    let r = c.g.op1("weights_r", Op::Constant { value: r }, &[]);
+    let p = c.g.op1("weighted", Op::Binary(Binary::Mul), &[c.out, r]);
+    c.g.op1("loss", Op::ReduceOp { kind: Reduce::Sum, axes: None, keepdims: false, noop_with_empty_axes: false }, &[p])
+}
+
+fn check(name: &str, mut c: Case) {
+    let mut rng = Rng::new(99);
+    let backend = Arc::new(CpuBackend::new());
+    let vars = c.params.iter().copied().collect();
+    let bindings = Bindings { variables: vars, ..Default::default() };
+    // Bind once to learn the output's shape, then attach the loss.
+    let probe = bind(&c.g, &bindings, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let out_shape = probe.meta(c.out).expect("bound").shape.clone();
+    let loss = attach_loss(&mut c, &mut rng, &out_shape);
+    c.g.outputs = vec![loss];
+
+    let mut train = bind(&c.g, &bindings, true).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let grads = gradients(&mut train, loss, &c.params).unwrap_or_else(|e| panic!("{name}: {e}"));
+    train.outputs = std::iter::once(loss).chain(grads.iter().copied()).collect();
+    crate::graph::fuse::run(&mut train, &[]);
+    let mut ex = Executor::new(backend.clone(), train, &[]).unwrap();
+    ex.run(1).unwrap();
+    let analytic: Vec<Tensor> = grads.iter().map(|&g| ex.fetch(g).unwrap()).collect();
+
+    let fwd = bind(&c.g, &bindings, true).unwrap();
+    let mut fx = Executor::new(backend, fwd, &[]).unwrap();
+    let eps = 1e-2f32;
+    for (pi, &p) in c.params.iter().enumerate() {
+        let base = c.g.initializers[&p].clone();
+        let n = base.numel();
+        // Up to 12 elements per parameter, spread over it.
+        let picks: Vec<usize> = (0..n.min(12)).map(|k| k * n / n.min(12)).collect();
+        for &i in &picks {
+            let mut loss_at = |delta: f32| {
+                let mut t = base.clone();
+                t.as_mut_slice::<f32>()[i] += delta;
+                fx.feed(p, &t).unwrap();
+                fx.run(1).unwrap();
+                fx.fetch(loss).unwrap().to_f64_vec()[0]
+            };
+            let numeric = (loss_at(eps) - loss_at(-eps)) / (2.0 * eps as f64);
+            let got = analytic[pi].to_f64_vec()[i];
+            let tol = 2e-2 * numeric.abs().max(got.abs()) + 3e-3;
+            assert!(
+                (numeric - got).abs() <= tol,
+                "{name}: d loss / d {}[{i}]: autodiff {got:.6}, finite differences {numeric:.6}",
+                c.g.name_of(p)
+            );
+        }
+        fx.feed(p, &base).unwrap();
+    }
+}
+
+fn unary_case(u: Unary, lo: f64, hi: f64) -> Case {
+    let mut b = CaseBuilder::new(1);
+    let x = b.param("x", &[3, 4], lo, hi);
+    let y = b.g.op1("y", Op::Unary(u), &[x]);
+    b.done(y)
+}
+
+#[test]
+fn unary_rules() {
+    use Unary::*;
+    for (u, lo, hi) in [
+        (Neg, -2.0, 2.0),
+        (Exp, -1.0, 1.0),
+        (Log, 0.5, 2.0),
+        (Sqrt, 0.5, 2.0),
+        (Tanh, -2.0, 2.0),
+        (Erf, -1.5, 1.5),
+        (Relu, 0.1, 1.0),
+        (Sigmoid, -3.0, 3.0),
+        (Abs, 0.2, 1.0),
+        (Reciprocal, 0.5, 2.0),
+        (Gelu, -2.0, 2.0),
+        (GeluTanh, -2.0, 2.0),
+    ] {
+        check(&format!("{u:?}"), unary_case(u, lo, hi));
+    }
+    // Relu on both sides of zero (away from the kink).
+    let mut b = CaseBuilder::new(2);
+    let x = b.constant("x0", Tensor::from_vec(&[4], vec![-1.0f32, -0.5, 0.5, 1.0]));
+    let s = b.param("s", &[4], 0.5, 1.5);
+    let m = b.g.op1("m", Op::Binary(Binary::Mul), &[x, s]);
+    let y = b.g.op1("y", Op::Unary(Relu), &[m]);
+    check("Relu both sides", b.done(y));
+}
+
+#[test]
+fn binary_rules_with_broadcasting() {
+    use Binary::*;
+    for op in [Add, Sub, Mul, Div, Pow, Max, Min] {
+        let mut b = CaseBuilder::new(3);
+        let (lo, hi) = if op == Pow || op == Div { (0.5, 2.0) } else { (-2.0, 2.0) };
+        let a = b.param("a", &[2, 3], lo, hi);
+        let c = b.param("c", &[3], lo, hi);
+        let y = b.g.op1("y", Op::Binary(op), &[a, c]);
+        check(&format!("{op:?}"), b.done(y));
+    }
+}
+
+#[test]
+fn where_cast_identity_reshape_transpose() {
+    let mut b = CaseBuilder::new(4);
+    let cond = b.constant("cond", Tensor::from_vec(&[2, 3], vec![1u8, 0, 1, 0, 0, 1]).cast(DType::Bool));
+    let x = b.param("x", &[2, 3], -1.0, 1.0);
+    let z = b.param("z", &[3], -1.0, 1.0);
+    let y = b.g.op1("y", Op::Where, &[cond, x, z]);
+    check("Where", b.done(y));
+
+    let mut b = CaseBuilder::new(5);
+    let x = b.param("x", &[2, 3], -1.0, 1.0);
+    let d = b.g.op1("d", Op::Cast { to: DType::F64 }, &[x]);
+    let y = b.g.op1("y", Op::Cast { to: DType::F32 }, &[d]);
+    let y = b.g.op1("id", Op::Identity, &[y]);
+    let shape = b.constant("shape", Tensor::from_vec(&[2], vec![3i64, 2]));
+    let y = b.g.op1("r", Op::Reshape, &[y, shape]);
+    let y = b.g.op1("t", Op::Transpose { perm: Some(vec![1, 0]) }, &[y]);
+    check("Cast, Identity, Reshape, Transpose", b.done(y));
+
+    let mut b = CaseBuilder::new(6);
+    let x = b.param("x", &[2, 1, 3], -1.0, 1.0);
+    let y = b.g.op1("sq", Op::Squeeze { axes: Some(vec![1]) }, &[x]);
+    let y = b.g.op1("un", Op::Unsqueeze { axes: Some(vec![0]) }, &[y]);
+    let y = b.g.op1("fl", Op::Flatten { axis: 2 }, &[y]);
+    check("Squeeze, Unsqueeze, Flatten", b.done(y));
+}
+
+#[test]
+fn matmul_and_gemm() {
+    let mut b = CaseBuilder::new(7);
+    let a = b.param("a", &[2, 3, 4], -1.0, 1.0);
+    let w = b.param("w", &[4, 5], -1.0, 1.0);
+    let y = b.g.op1("y", Op::MatMul, &[a, w]);
+    check("MatMul 3-D × 2-D", b.done(y));
+
+    let mut b = CaseBuilder::new(8);
+    let a = b.param("a", &[2, 2, 3, 4], -1.0, 1.0);
+    let w = b.param("w", &[2, 1, 4, 3], -1.0, 1.0);
+    let y = b.g.op1("y", Op::MatMul, &[a, w]);
+    check("MatMul batch-broadcast", b.done(y));
+
+    for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+        let mut b = CaseBuilder::new(9);
+        let a = b.param("a", if ta { &[4, 3] } else { &[3, 4] }, -1.0, 1.0);
+        let w = b.param("w", if tb { &[5, 4] } else { &[4, 5] }, -1.0, 1.0);
+        let c = b.param("c", &[5], -1.0, 1.0);
+        let y = b.g.op1("y", Op::Gemm { alpha: 0.7, beta: 1.3, trans_a: ta, trans_b: tb }, &[a, w, c]);
+        check(&format!("Gemm transA={ta} transB={tb}"), b.done(y));
+    }
+
+    // MatMul + bias the fusion pass turns into FusedMatMul, then GELU.
+    let mut b = CaseBuilder::new(10);
+    let a = b.param("a", &[2, 3, 4], -1.0, 1.0);
+    let w = b.param("w", &[4, 6], -1.0, 1.0);
+    let bias = b.param("bias", &[6], -1.0, 1.0);
+    let y = b.g.op1("mm", Op::MatMul, &[a, w]);
+    let y = b.g.op1("add", Op::Binary(Binary::Add), &[y, bias]);
+    let y = b.g.op1("gelu", Op::Unary(Unary::GeluTanh), &[y]);
+    check("MatMul + bias + GELU (fused)", b.done(y));
+}
+
+#[test]
+fn softmax_layernorm_and_losses() {
+    for (name, op) in [("Softmax", Op::Softmax { axis: -1 }), ("LogSoftmax", Op::LogSoftmax { axis: 1 })] {
+        let mut b = CaseBuilder::new(11);
+        let x = b.param("x", &[2, 3, 4], -2.0, 2.0);
+        let y = b.g.op1("y", op, &[x]);
+        check(name, b.done(y));
+    }
+    let mut b = CaseBuilder::new(12);
+    let x = b.param("x", &[2, 3, 4], -2.0, 2.0);
+    let s = b.param("scale", &[4], 0.5, 1.5);
+    let bias = b.param("bias", &[4], -0.5, 0.5);
+    let y = b.g.op1("y", Op::LayerNorm { axis: -1, epsilon: 1e-5 }, &[x, s, bias]);
+    check("LayerNormalization", b.done(y));
+
+    for (name, reduction, ignore, weights) in [
+        ("SoftmaxCrossEntropyLoss mean", LossReduction::Mean, None, false),
+        ("SoftmaxCrossEntropyLoss ignore_index", LossReduction::Mean, Some(2), false),
+        ("SoftmaxCrossEntropyLoss weighted sum", LossReduction::Sum, None, true),
+        ("SoftmaxCrossEntropyLoss none NCd", LossReduction::None, None, false),
+    ] {
+        let mut b = CaseBuilder::new(13);
+        let nc_d = reduction == LossReduction::None;
+        let x = b.param("scores", if nc_d { &[2, 4, 3] } else { &[5, 4] }, -2.0, 2.0);
+        let labels = if nc_d {
+            Tensor::from_vec(&[2, 3], vec![0i64, 3, 1, 2, 2, 0])
+        } else {
+            Tensor::from_vec(&[5], vec![0i64, 3, 2, 1, 2])
+        };
+        let l = b.constant("labels", labels);
+        let mut ins = vec![x, l];
+        if weights {
+            ins.push(b.constant("w", Tensor::from_vec(&[4], vec![0.5f32, 1.0, 2.0, 1.5])));
+        }
+        let y = b.g.op1("y", Op::SoftmaxCrossEntropyLoss { reduction, ignore_index: ignore }, &ins);
+        check(name, b.done(y));
+    }
+}
+
+#[test]
+fn data_movement() {
+    let mut b = CaseBuilder::new(14);
+    let x = b.param("x", &[2, 3], -1.0, 1.0);
+    let z = b.param("z", &[2, 2], -1.0, 1.0);
+    let y = b.g.op1("y", Op::Concat { axis: 1 }, &[x, z]);
+    check("Concat", b.done(y));
+
+    let mut b = CaseBuilder::new(15);
+    let x = b.param("x", &[2, 6], -1.0, 1.0);
+    let parts = b.g.add_node("s", Op::Split { axis: 1, sizes: vec![2, 4], num_outputs: None }, &[x], 2);
+    // Only the second part reaches the loss: the first contributes zeros.
+    check("Split", b.done(parts[1]));
+
+    let mut b = CaseBuilder::new(16);
+    let x = b.param("x", &[4, 5], -1.0, 1.0);
+    let st = b.constant("starts", Tensor::from_vec(&[2], vec![1i64, 4]));
+    let en = b.constant("ends", Tensor::from_vec(&[2], vec![4i64, 0]));
+    let ax = b.constant("axes", Tensor::from_vec(&[2], vec![0i64, 1]));
+    let sp = b.constant("steps", Tensor::from_vec(&[2], vec![2i64, -2]));
+    let y = b.g.op1("y", Op::Slice { starts: vec![], ends: vec![], axes: vec![], steps: vec![] }, &[x, st, en, ax, sp]);
+    check("Slice (negative step)", b.done(y));
+
+    let mut b = CaseBuilder::new(17);
+    let table = b.param("table", &[5, 3], -1.0, 1.0);
+    let idx = b.constant("idx", Tensor::from_vec(&[2, 3], vec![0i64, 4, 4, -1, 2, 0]));
+    let y = b.g.op1("y", Op::Gather { axis: 0 }, &[table, idx]);
+    check("Gather (repeated and negative indices)", b.done(y));
+
+    let mut b = CaseBuilder::new(18);
+    let x = b.param("x", &[3, 1], -1.0, 1.0);
+    let shape = b.constant("shape", Tensor::from_vec(&[3], vec![2i64, 3, 4]));
+    let y = b.g.op1("y", Op::Expand, &[x, shape]);
+    check("Expand", b.done(y));
+
+    let mut b = CaseBuilder::new(19);
+    let x = b.param("x", &[2, 4, 4], -1.0, 1.0);
+    let y = b.g.op1("y", Op::Trilu { upper: false, k: 0 }, &[x]);
+    check("Trilu", b.done(y));
+
+    for kind in [Reduce::Sum, Reduce::Mean, Reduce::SumSquare] {
+        let mut b = CaseBuilder::new(20);
+        let x = b.param("x", &[2, 3, 4], -1.0, 1.0);
+        let y = b.g.op1("y", Op::ReduceOp { kind, axes: Some(vec![0, 2]), keepdims: false, noop_with_empty_axes: false }, &[x]);
+        check(&format!("Reduce{kind:?}"), b.done(y));
+    }
+
+    let mut b = CaseBuilder::new(21);
+    let x = b.param("x", &[3, 4], -1.0, 1.0);
+    let y = b.g.op1("y", Op::Dropout { ratio: 0.3, training: true, seed: 5 }, &[x]);
+    check("Dropout (training)", b.done(y));
+}
+
+fn win(k: usize, s: usize, p: usize, ceil_mode: bool) -> Window {
+    Window { kernel: vec![k, k], strides: vec![s, s], dilations: vec![1, 1], pads: vec![p; 4], auto_pad: "NOTSET".into(), ceil_mode }
+}
+
+#[test]
+fn convolution_pooling_batchnorm() {
+    for (name, group, k, s, p) in [("Conv 3×3 stride 2 pad 1", 1, 3, 2, 1), ("Conv 1×1", 1, 1, 1, 0), ("Conv grouped", 2, 3, 1, 1)] {
+        let mut b = CaseBuilder::new(22);
+        let x = b.param("x", &[2, 4, 5, 5], -1.0, 1.0);
+        let w = b.param("w", &[6, 4 / group, k, k], -1.0, 1.0);
+        let bias = b.param("b", &[6], -1.0, 1.0);
+        let y = b.g.op1("y", Op::Conv { window: win(k, s, p, false), group }, &[x, w, bias]);
+        check(name, b.done(y));
+    }
+    for (name, kind) in [("MaxPool", PoolKind::Max), ("AveragePool", PoolKind::Average { count_include_pad: false })] {
+        let mut b = CaseBuilder::new(23);
+        let x = b.param("x", &[1, 2, 7, 7], -1.0, 1.0);
+        let y = b.g.op1("y", Op::Pool { kind, window: win(3, 2, 1, true) }, &[x]);
+        check(name, b.done(y));
+    }
+    let mut b = CaseBuilder::new(24);
+    let x = b.param("x", &[2, 3, 4, 4], -1.0, 1.0);
+    let y = b.g.op1("y", Op::GlobalAveragePool, &[x]);
+    check("GlobalAveragePool", b.done(y));
+
+    let mut b = CaseBuilder::new(25);
+    let x = b.param("x", &[3, 2, 2, 2], -1.0, 1.0);
+    let s = b.param("scale", &[2], 0.5, 1.5);
+    let bias = b.param("bias", &[2], -0.5, 0.5);
+    let mean = b.constant("mean", Tensor::from_vec(&[2], vec![0.0f32, 0.0]));
+    let var = b.constant("var", Tensor::from_vec(&[2], vec![1.0f32, 1.0]));
+    let outs = b.g.add_node("bn", Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true }, &[x, s, bias, mean, var], 3);
+    check("BatchNormalization (training)", b.done(outs[0]));
+}
