@@ -1,0 +1,112 @@
+//! The command-line contract: exit codes and messages that name what is wrong.
+//! 0 done; 2 bad configuration or input; 3 unreadable or corrupt data, model or checkpoint.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn worker(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(dir).output().unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tf-cli-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A tiny GPT-2 config over a token shard made by prepare-data.
+fn setup(dir: &Path) {
+    std::fs::write(dir.join("text.txt"), "The fox saw the owl. The owl saw the fox. ".repeat(200)).unwrap();
+    let o = worker(&["prepare-data", "--input", "text.txt", "--output", "tokens", "--val-fraction", "0.2"], dir);
+    assert!(o.status.success(), "prepare-data: {}", stderr(&o));
+    std::fs::write(
+        dir.join("train.yaml"),
+        "model: {gpt2: {layers: 1, heads: 2, embed: 16, seqLen: 16, vocab: 50257}}\n\
+         data: {train: {path: tokens/train, format: tokens}, eval: {path: tokens/val, format: tokens}}\n\
+         batchSize: 2\nsteps: 4\nevaluation: {every: 2, batches: 1}\ncheckpoint: {every: 2, keep: 1}\n\
+         output: {dir: out}\n",
+    )
+    .unwrap();
+}
+
+#[test]
+fn trains_exports_and_inspects() {
+    let dir = scratch("ok");
+    setup(&dir);
+    let o = worker(&["train", "--config", "train.yaml", "--quiet"], &dir);
+    assert!(o.status.success(), "train failed: {}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("out/metrics.jsonl") && out.contains("out/model.onnx") && out.contains("checkpoints"), "{out}");
+    let metrics = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let steps: Vec<u64> = lines.iter().filter(|v| v.get("loss").is_some()).map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![1, 2, 3, 4]);
+    assert!(lines.iter().all(|v| v.get("lr").is_some() || v.get("evalLoss").is_some()));
+    assert_eq!(lines.iter().filter(|v| v.get("evalLoss").is_some()).count(), 2);
+    assert!(dir.join("out/checkpoints/checkpoint_4/manifest.json").exists());
+    assert!(!dir.join("out/checkpoints/checkpoint_2").exists(), "keep: 1 prunes older checkpoints");
+
+    let o = worker(&["export", "--checkpoint", "out/checkpoints/checkpoint_4", "--output", "again.onnx"], &dir);
+    assert!(o.status.success(), "export failed: {}", stderr(&o));
+    let o = worker(&["inspect", "again.onnx", "--dim", "batch=2"], &dir);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success() && text.contains("planned peak memory"), "{text}{}", stderr(&o));
+    let o = worker(&["inspect", "tokens/train/train_000000.bin"], &dir);
+    assert!(o.status.success() && String::from_utf8_lossy(&o.stdout).contains("tokens"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn bad_configuration_exits_2_and_names_the_key() {
+    let dir = scratch("bad");
+    setup(&dir);
+    for (args, needle) in [
+        (vec!["--set", "optimizer.lrr=0.1"], "lrr"),
+        (vec!["--set", "batchSize=0"], "batchSize"),
+        (vec!["--set", "optimizer.lr=-1"], "optimizer.lr"),
+        (vec!["--set", "model.gpt2.heads=3"], "model.gpt2.embed"),
+        (vec!["--set", "precision=fp64"], "precision"),
+        (vec!["--set", "parallelism.data=2"], "parallelism"),
+        (vec!["--set", "data.train.path=missing/dir"], "missing/dir"),
+    ] {
+        let mut a = vec!["train", "--config", "train.yaml"];
+        a.extend(args.iter().copied());
+        let o = worker(&a, &dir);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(needle), "{args:?}: the message should name '{needle}': {}", stderr(&o));
+    }
+    let o = worker(&["train", "--config", "nope.yaml"], &dir);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("nope.yaml"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn corrupt_inputs_exit_3_and_name_the_file() {
+    let dir = scratch("corrupt");
+    setup(&dir);
+    // A truncated token shard.
+    let shard = dir.join("tokens/train/train_000000.bin");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() - 5]).unwrap();
+    let o = worker(&["train", "--config", "train.yaml"], &dir);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train_000000.bin"), "{}", stderr(&o));
+    // A model file that is not ONNX.
+    std::fs::write(dir.join("bad.onnx"), b"this is not a protobuf").unwrap();
+    std::fs::write(
+        dir.join("onnx.yaml"),
+        "model: {onnx: {path: bad.onnx, loss: {type: softmaxCrossEntropy, output: logits}}}\n\
+         data: {train: {path: tokens/val, format: tokens}}\nbatchSize: 1\nsteps: 1\n",
+    )
+    .unwrap();
+    let o = worker(&["train", "--config", "onnx.yaml"], &dir);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("bad.onnx"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
