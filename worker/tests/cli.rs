@@ -41,10 +41,14 @@ fn trains_exports_and_inspects() {
     let o = worker(&["train", "--config", "train.yaml", "--quiet"], &dir);
     assert!(o.status.success(), "train failed: {}", stderr(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("out/metrics.jsonl") && out.contains("out/model.onnx") && out.contains("checkpoints"), "{out}");
+    assert!(
+        out.contains("out/metrics.jsonl") && out.contains("out/model.onnx") && out.contains("checkpoints"),
+        "{out}"
+    );
     let metrics = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    let steps: Vec<u64> = lines.iter().filter(|v| v.get("loss").is_some()).map(|v| v["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> =
+        lines.iter().filter(|v| v.get("loss").is_some()).map(|v| v["step"].as_u64().unwrap()).collect();
     assert_eq!(steps, vec![1, 2, 3, 4]);
     assert!(lines.iter().all(|v| v.get("lr").is_some() || v.get("evalLoss").is_some()));
     assert_eq!(lines.iter().filter(|v| v.get("evalLoss").is_some()).count(), 2);

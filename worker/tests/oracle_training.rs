@@ -63,7 +63,12 @@ fn assert_same(what: &str, ours: &[f64], reference: &[f64]) {
         assert!(rel <= 1e-4, "{what}: step {}: loss {a} vs reference {b} (relative difference {rel:.2e})", k + 1);
     }
     // The run must actually learn, or equal losses would prove little.
-    assert!(ours[ours.len() - 1] < ours[0] * 0.9, "{what}: the loss did not fall: {} -> {}", ours[0], ours[ours.len() - 1]);
+    assert!(
+        ours[ours.len() - 1] < ours[0] * 0.9,
+        "{what}: the loss did not fall: {} -> {}",
+        ours[0],
+        ours[ours.len() - 1]
+    );
     eprintln!("{what}: {} steps equal the reference (loss {:.4} -> {:.4})", ours.len(), ours[0], ours[ours.len() - 1]);
 }
 
@@ -111,8 +116,12 @@ fn mlp_sgd_nesterov_accumulation_cosine_matches_the_reference() {
     let mut rng = Rng::new(5);
     let sample = |rng: &mut Rng| {
         let class = rng.below(3);
-        let x: Vec<f32> = (0..6).map(|j| (rng.normal() * 0.7 + if j % 3 == class { 1.5 } else { 0.0 }) as f32).collect();
-        vec![("x".to_string(), Tensor::from_vec(&[6], x)), ("labels".to_string(), Tensor::from_vec(&[], vec![class as i64]))]
+        let x: Vec<f32> =
+            (0..6).map(|j| (rng.normal() * 0.7 + if j % 3 == class { 1.5 } else { 0.0 }) as f32).collect();
+        vec![
+            ("x".to_string(), Tensor::from_vec(&[6], x)),
+            ("labels".to_string(), Tensor::from_vec(&[], vec![class as i64])),
+        ]
     };
     std::fs::create_dir_all(dir.join("train")).unwrap();
     for shard in 0..2 {

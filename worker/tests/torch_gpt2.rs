@@ -34,7 +34,8 @@ fn expected() -> Expected {
         let shape = [r.len(), r[0].len()];
         Tensor::from_vec(&shape, r.into_iter().flatten().collect())
     };
-    let batch = [("input_ids".to_string(), rows("input_ids")), ("labels".to_string(), rows("labels"))].into_iter().collect();
+    let batch =
+        [("input_ids".to_string(), rows("input_ids")), ("labels".to_string(), rows("labels"))].into_iter().collect();
     Expected {
         batch,
         logits: serde_json::from_value(v["logits"].clone()).unwrap(),
