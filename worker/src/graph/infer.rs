@@ -10,7 +10,7 @@ use super::op::{LossReduction, Op, PoolKind, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 /// What the caller knows about the graph's inputs.
 #[derive(Default, Clone)]
@@ -175,6 +175,27 @@ pub fn infer_node(
         }
     };
     let same = |i: usize| -> Result<Vec<Meta>> { Ok(vec![m(i)?.clone()]) };
+    // Kernels view these inputs as the first input's element type: they must share it.
+    let same_dtype = |inputs: &[usize]| -> Result<()> {
+        let want = m(inputs[0])?.dtype;
+        for &i in &inputs[1..] {
+            if let Some(Some(x)) = metas.get(i) {
+                if x.dtype != want {
+                    return Err(err(node, format!("input {i} is {} but input {} is {want}", x.dtype, inputs[0])));
+                }
+            }
+        }
+        Ok(())
+    };
+    // Per-channel operands must have exactly `n` elements.
+    let has_len = |i: usize, n: usize, what: &str| -> Result<()> {
+        match metas.get(i) {
+            Some(Some(x)) if x.numel() != n => {
+                Err(err(node, format!("{what} (input {i}) has shape {:?}; {n} elements expected", x.shape)))
+            }
+            _ => Ok(()),
+        }
+    };
     let op = node.op.clone();
     let out: (Op, Vec<Meta>) = match &node.op {
         Op::Unary(u) => {
@@ -183,17 +204,37 @@ pub fn infer_node(
             (op, vec![Meta::new(dtype, &x.shape)])
         }
         Op::Binary(b) => {
-            let (x, y) = (m(0)?, m(1)?);
-            let shape = broadcast(&x.shape, &y.shape)
-                .ok_or_else(|| err(node, format!("shapes {:?} and {:?} do not broadcast", x.shape, y.shape)))?;
-            if x.dtype != y.dtype && !matches!(b, super::op::Binary::Pow) {
-                return Err(err(node, format!("element types differ: {} and {}", x.dtype, y.dtype)));
+            // Max and Min are variadic (1 or more inputs); the others take exactly two.
+            let variadic = matches!(b, super::op::Binary::Max | super::op::Binary::Min);
+            let n = node.inputs.len();
+            if n != 2 && !(variadic && n >= 1) {
+                return Err(err(node, format!("{n} inputs given, 2 expected")));
+            }
+            let x = m(0)?;
+            if n == 1 {
+                return Ok((Op::Identity, vec![x.clone()]));
+            }
+            let mut shape = x.shape.clone();
+            for i in 1..n {
+                let y = m(i)?;
+                shape = broadcast(&shape, &y.shape)
+                    .ok_or_else(|| err(node, format!("shapes {:?} and {:?} do not broadcast", shape, y.shape)))?;
+                if x.dtype != y.dtype && !matches!(b, super::op::Binary::Pow) {
+                    return Err(err(node, format!("element types differ: {} and {}", x.dtype, y.dtype)));
+                }
+            }
+            if matches!(b, super::op::Binary::And | super::op::Binary::Or) && x.dtype != DType::Bool {
+                return Err(err(node, format!("{b:?} needs bool inputs, not {}", x.dtype)));
             }
             let dtype = if b.is_predicate() { DType::Bool } else { x.dtype };
             (op, vec![Meta::new(dtype, &shape)])
         }
         Op::Where => {
             let (cnd, x, y) = (m(0)?, m(1)?, m(2)?);
+            if cnd.dtype != DType::Bool {
+                return Err(err(node, format!("the condition must be bool, not {}", cnd.dtype)));
+            }
+            same_dtype(&[1, 2])?;
             let shape = broadcast(&cnd.shape, &x.shape)
                 .and_then(|s| broadcast(&s, &y.shape))
                 .ok_or_else(|| err(node, "condition, X and Y do not broadcast"))?;
@@ -218,6 +259,7 @@ pub fn infer_node(
         }
         Op::MatMul => {
             let (a, b) = (m(0)?, m(1)?);
+            same_dtype(&[0, 1])?;
             let shape = matmul_shape(&a.shape, &b.shape)
                 .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
             (op, vec![Meta::new(a.dtype, &shape)])
@@ -238,6 +280,7 @@ pub fn infer_node(
         }
         Op::Gemm { trans_a, trans_b, .. } => {
             let (a, b) = (m(0)?, m(1)?);
+            same_dtype(&[0, 1, 2])?;
             if a.shape.len() != 2 || b.shape.len() != 2 {
                 return Err(err(node, "Gemm needs 2-D A and B"));
             }
@@ -261,6 +304,7 @@ pub fn infer_node(
         Op::LayerNorm { axis, .. } => {
             let x = m(0)?;
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
+            same_dtype(&[0, 1, 2])?;
             let mut stat = x.shape.clone();
             for d in stat.iter_mut().skip(a) {
                 *d = 1;
@@ -281,7 +325,13 @@ pub fn infer_node(
         }
         Op::Flatten { axis } => {
             let x = m(0)?;
-            let a = norm_axis(*axis, x.shape.len() + 1).ok_or_else(|| err(node, "axis out of range"))?;
+            // axis is in [-rank, rank]; a negative one counts from rank, not rank + 1.
+            let r = x.shape.len() as i64;
+            let a = if *axis < 0 { axis + r } else { *axis };
+            if !(0..=r).contains(&a) {
+                return Err(err(node, format!("axis {axis} is out of range for rank {r}")));
+            }
+            let a = a as usize;
             let outer: usize = x.shape[..a].iter().product();
             (Op::Reshape, vec![Meta::new(x.dtype, &[outer, x.numel() / outer.max(1)])])
         }
@@ -318,7 +368,9 @@ pub fn infer_node(
             let mut ins = vec![false; r];
             for a in axes {
                 let a = norm_axis(a, r).ok_or_else(|| err(node, format!("axis {a} out of range")))?;
-                ins[a] = true;
+                if std::mem::replace(&mut ins[a], true) {
+                    return Err(err(node, format!("axis {a} is given twice")));
+                }
             }
             let mut it = x.shape.iter();
             let shape: Vec<usize> = ins.iter().map(|&i| if i { 1 } else { *it.next().unwrap_or(&1) }).collect();
@@ -374,7 +426,7 @@ pub fn infer_node(
                     (0..parts).map(|i| chunk.min(x.shape[a].saturating_sub(i * chunk)) as i64).collect()
                 }
             };
-            if sizes.len() != n || sizes.iter().sum::<i64>() != x.shape[a] as i64 {
+            if sizes.len() != n || sizes.iter().any(|&s| s < 0) || sizes.iter().sum::<i64>() != x.shape[a] as i64 {
                 return Err(err(node, format!("split sizes {sizes:?} do not cover axis {a} of {:?}", x.shape)));
             }
             let metas = sizes
@@ -493,7 +545,20 @@ pub fn infer_node(
                     win.pads = vec![0; 2 * n];
                 }
             }
+            let n = win.kernel.len();
+            if win.kernel != w.shape[2..]
+                || win.strides.len() != n
+                || win.dilations.len() != n
+                || win.pads.len() != 2 * n
+            {
+                return Err(err(
+                    node,
+                    format!("kernel_shape, strides, dilations or pads do not fit W of shape {:?}", w.shape),
+                ));
+            }
             let win = resolve_window(&win, &x.shape[2..]);
+            same_dtype(&[0, 1, 2])?;
+            has_len(2, w.shape[0], "the bias")?;
             if x.shape[1] != w.shape[1] * group || w.shape[0] % group != 0 {
                 return Err(err(
                     node,
@@ -517,11 +582,8 @@ pub fn infer_node(
             let mut shape = x.shape[..2].to_vec();
             shape.extend(spatial);
             let mut outs = vec![Meta::new(x.dtype, &shape)];
-            if node.outputs.len() > 1 && node.output(1).is_some() {
-                return Err(err(node, "MaxPool's Indices output is not supported"));
-            }
-            if matches!(kind, PoolKind::Max) {
-                outs.truncate(1);
+            if matches!(kind, PoolKind::Max) && node.output(1).is_some() {
+                outs.push(Meta::new(DType::I64, &shape));
             }
             (Op::Pool { kind: *kind, window: win }, outs)
         }
@@ -536,6 +598,14 @@ pub fn infer_node(
         Op::BatchNorm { epsilon, momentum, training: t } => {
             let x = m(0)?;
             let c = m(1)?;
+            if x.shape.len() < 2 {
+                return Err(err(node, format!("X of shape {:?} has no channel dimension", x.shape)));
+            }
+            same_dtype(&[0, 1, 2, 3, 4])?;
+            for (i, what) in [(1, "scale"), (2, "B"), (3, "input_mean"), (4, "input_var")] {
+                m(i)?;
+                has_len(i, x.shape[1], what)?;
+            }
             let training = *t || (training && node.outputs.len() > 1);
             let mut outs = vec![x.clone()];
             if training {
@@ -546,6 +616,12 @@ pub fn infer_node(
         }
         Op::SoftmaxCrossEntropyLoss { reduction, .. } => {
             let (s, l) = (m(0)?, m(1)?);
+            if let Some(Some(w)) = metas.get(2) {
+                same_dtype(&[0, 2])?;
+                if s.shape.len() >= 2 && w.shape != [s.shape[1]] {
+                    return Err(err(node, format!("weights of shape {:?} are not [C] = [{}]", w.shape, s.shape[1])));
+                }
+            }
             if s.shape.len() < 2
                 || l.shape.len() != s.shape.len() - 1
                 || l.shape[0] != s.shape[0]
@@ -701,18 +777,20 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                         graph.name_of(decl.value)
                     ))
                 })?,
-                Dim::Unknown => return Err(Error::Config(format!(
+                Dim::Unknown => {
+                    return Err(Error::Config(format!(
                     "graph input '{}': dimension {i} has no size or name; give the input's shape in the configuration",
                     graph.name_of(decl.value)
-                ))),
+                )))
+                }
             });
         }
         g.values[decl.value].meta = Some(Meta::new(decl.dtype, &shape));
     }
 
     let mut kept = Vec::with_capacity(g.nodes.len());
-    let nodes = std::mem::take(&mut g.nodes);
-    for mut node in nodes {
+    let mut queue: VecDeque<Node> = std::mem::take(&mut g.nodes).into();
+    while let Some(mut node) = queue.pop_front() {
         let metas: Vec<Option<Meta>> = node.inputs.iter().map(|i| i.and_then(|v| g.values[v].meta.clone())).collect();
         for (k, i) in node.inputs.iter().enumerate() {
             if let Some(v) = i {
@@ -723,6 +801,12 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                     ));
                 }
             }
+        }
+        if let Some(expanded) = expand_coerced_softmax(&mut g, &mut consts, &node, &metas) {
+            for n in expanded.into_iter().rev() {
+                queue.push_front(n);
+            }
+            continue;
         }
         let cvals: Vec<Option<&Tensor>> = node.inputs.iter().map(|i| i.and_then(|v| consts.get(&v))).collect();
         // Shape-only ops have no inference of their own: they fold or fail.
@@ -781,8 +865,98 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
     Ok(g)
 }
 
+/// Before opset 13, Softmax and LogSoftmax normalize over all dims from `axis` on, as if the
+/// input were flattened to 2-D there. Where that differs from normalizing over `axis` alone,
+/// the node becomes Reshape → (Log)Softmax over the last axis → Reshape, queued for binding
+/// in its place.
+fn expand_coerced_softmax(
+    g: &mut Graph,
+    consts: &mut HashMap<ValueId, Tensor>,
+    node: &Node,
+    metas: &[Option<Meta>],
+) -> Option<Vec<Node>> {
+    let (Op::Softmax { axis } | Op::LogSoftmax { axis }) = node.op else { return None };
+    let x = metas.first()?.as_ref()?;
+    let a = norm_axis(axis, x.shape.len())?;
+    if g.opset >= 13 || a + 1 >= x.shape.len() {
+        return None;
+    }
+    let (input, output) = (node.input(0)?, node.output(0)?);
+    let outer: usize = x.shape[..a].iter().product();
+    let flat = [outer as i64, x.shape[a..].iter().product::<usize>() as i64];
+    let back: Vec<i64> = x.shape.iter().map(|&d| d as i64).collect();
+    let mut shape_operand = |name: &str, dims: &[i64]| {
+        let v = g.fresh(&format!("{}:{name}", node.name));
+        let t = Tensor::from_vec(&[dims.len()], dims.to_vec());
+        g.values[v].meta = Some(Meta::new(t.dtype(), t.shape()));
+        consts.insert(v, t);
+        v
+    };
+    let (flat_shape, back_shape) = (shape_operand("2d_shape", &flat), shape_operand("shape", &back));
+    let (x2d, y2d) = (g.fresh(&format!("{}:2d", node.name)), g.fresh(&format!("{}:2d_out", node.name)));
+    let op = match node.op {
+        Op::Softmax { .. } => Op::Softmax { axis: 1 },
+        _ => Op::LogSoftmax { axis: 1 },
+    };
+    let make = |suffix: &str, op: Op, inputs: Vec<ValueId>, out: ValueId| Node {
+        name: format!("{}{suffix}", node.name),
+        op,
+        inputs: inputs.into_iter().map(Some).collect(),
+        outputs: vec![Some(out)],
+    };
+    Some(vec![
+        make(":to_2d", Op::Reshape, vec![input, flat_shape], x2d),
+        make("", op, vec![x2d], y2d),
+        make(":from_2d", Op::Reshape, vec![y2d, back_shape], output),
+    ])
+}
+
 /// The reduction a `ReduceSumTo` needs: which axes of `from` sum into `to`.
 pub fn reduced_axes(from: &[usize], to: &[usize]) -> Vec<usize> {
     let off = from.len() - to.len();
     (0..from.len()).filter(|&i| i < off || (to[i - off] == 1 && from[i] != 1)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::exec::Executor;
+    use std::sync::Arc;
+
+    /// Binds and runs a one-node graph on input `x`; returns the output.
+    fn run_one(opset: i64, op: Op, x: &Tensor) -> Result<Tensor> {
+        let mut g = Graph::new("t", opset);
+        let input = g.add_input("x", x.dtype(), x.shape().iter().map(|&d| super::super::ir::Dim::Fixed(d)).collect());
+        let y = g.op1("n", op, &[input]);
+        g.outputs.push(y);
+        let bound = bind(&g, &Bindings::default(), false)?;
+        let mut ex = Executor::new(Arc::new(CpuBackend::new()), bound, &[])?;
+        ex.feed(input, x)?;
+        ex.run(0)?;
+        ex.fetch(y)
+    }
+
+    #[test]
+    fn flatten_counts_a_negative_axis_from_the_rank() {
+        let x = Tensor::zeros(DType::F32, &[2, 3, 4]);
+        assert_eq!(run_one(13, Op::Flatten { axis: -1 }, &x).unwrap().shape(), &[6, 4]);
+        assert_eq!(run_one(13, Op::Flatten { axis: -3 }, &x).unwrap().shape(), &[1, 24]);
+        assert!(run_one(13, Op::Flatten { axis: -4 }, &x).is_err());
+    }
+
+    /// Before opset 13 Softmax normalizes over every dim from `axis` on; from 13, over `axis`.
+    #[test]
+    fn softmax_before_opset_13_normalizes_the_flattened_tail() {
+        let x = Tensor::from_vec(&[2, 3, 2], (0..12).map(|i| i as f32 * 0.1).collect());
+        let sum_over = |t: &Tensor, lane: &[usize]| lane.iter().map(|&i| t.as_slice::<f32>()[i] as f64).sum::<f64>();
+        let old = run_one(11, Op::Softmax { axis: 1 }, &x).unwrap();
+        assert_eq!(old.shape(), &[2, 3, 2]);
+        assert!((sum_over(&old, &[0, 1, 2, 3, 4, 5]) - 1.0).abs() < 1e-6);
+        let new = run_one(13, Op::Softmax { axis: 1 }, &x).unwrap();
+        assert!((sum_over(&new, &[0, 2, 4]) - 1.0).abs() < 1e-6);
+        let log_old = run_one(11, Op::LogSoftmax { axis: 1 }, &x).unwrap();
+        let back: Vec<f32> = log_old.as_slice::<f32>().iter().map(|v| v.exp()).collect();
+        assert!(back.iter().zip(old.as_slice::<f32>()).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
 }

@@ -414,14 +414,30 @@ fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
     let strides = a.ints("strides")?.map(|v| to_usize(v, "strides")).transpose()?;
     let dilations = a.ints("dilations")?.map(|v| to_usize(v, "dilations")).transpose()?;
     let pads = a.ints("pads")?.map(|v| to_usize(v, "pads")).transpose()?;
-    Ok(Window {
+    let w = Window {
         kernel: to_usize(kernel, "kernel_shape")?,
         strides: strides.unwrap_or_else(|| vec![1; n]),
         dilations: dilations.unwrap_or_else(|| vec![1; n]),
         pads: pads.unwrap_or_else(|| vec![0; 2 * n]),
         auto_pad: a.string("auto_pad", "NOTSET")?,
         ceil_mode: a.int("ceil_mode", 0)? != 0,
-    })
+    };
+    // Without kernel_shape (Conv) the sizes come from W at inference; with it, all agree.
+    let positive = |v: &[usize]| v.iter().all(|&x| x > 0);
+    if !positive(&w.kernel) || !positive(&w.strides) || !positive(&w.dilations) {
+        return Err(a.bad("kernel_shape, strides and dilations", "positive integers"));
+    }
+    if n > 0 && (w.strides.len() != n || w.dilations.len() != n || w.pads.len() != 2 * n) {
+        return Err(Error::Corrupt(format!(
+            "{}: strides, dilations and pads must give {n}, {n} and {} values for a {n}-D kernel_shape",
+            a.origin,
+            2 * n
+        )));
+    }
+    if !matches!(w.auto_pad.as_str(), "NOTSET" | "SAME_UPPER" | "SAME_LOWER" | "VALID") {
+        return Err(a.bad("auto_pad", "NOTSET, SAME_UPPER, SAME_LOWER or VALID"));
+    }
+    Ok(w)
 }
 
 fn reduction(a: &Attrs) -> Result<LossReduction> {
@@ -518,7 +534,14 @@ impl Op {
                 sizes: a.ints("split")?.unwrap_or_default(),
                 num_outputs: a.opt_int("num_outputs")?.map(|n| n as usize),
             },
-            "Slice" => Op::Slice { starts: vec![], ends: vec![], axes: vec![], steps: vec![] },
+            // Before opset 10 the slice is given by attributes; later by operand inputs that
+            // inference folds in.
+            "Slice" => {
+                let starts = a.ints("starts")?.unwrap_or_default();
+                let ends = a.ints("ends")?.unwrap_or_default();
+                let axes = a.ints("axes")?.unwrap_or_else(|| (0..starts.len() as i64).collect());
+                Op::Slice { steps: vec![1; starts.len()], starts, ends, axes }
+            }
             "Gather" => Op::Gather { axis: a.int("axis", 0)? },
             "Expand" => Op::Expand,
             "Trilu" => Op::Trilu { upper: a.int("upper", 1)? != 0, k: 0 },

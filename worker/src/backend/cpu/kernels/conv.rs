@@ -24,6 +24,9 @@ struct Geo {
     dw: usize,
     ph: usize,
     pw: usize,
+    /// End pads: only the divisor of average pooling with count_include_pad reads them.
+    ph_end: usize,
+    pw_end: usize,
 }
 
 fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
@@ -42,6 +45,8 @@ fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
             dw: win.dilations[1],
             ph: win.pads[0],
             pw: win.pads[1],
+            ph_end: win.pads[2],
+            pw_end: win.pads[3],
         }),
         3 => Ok(Geo {
             c: x[1],
@@ -57,6 +62,8 @@ fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
             dw: win.dilations[0],
             ph: 0,
             pw: win.pads[0],
+            ph_end: 0,
+            pw_end: win.pads[1],
         }),
         r => Err(format!("{}-D spatial windows are not implemented (1-D and 2-D are)", r.saturating_sub(2))),
     }
@@ -110,8 +117,10 @@ fn col2im(g: &Geo, dcol: &[f32], c0: usize, cn: usize, dx: &mut [f32]) {
     }
 }
 
+/// A 1×1 window that maps every input position to the same output position: X is its own
+/// im2col matrix. (End pads alone would still grow the output, hence the size check.)
 fn is_pointwise(g: &Geo) -> bool {
-    g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0
+    g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 && g.oh == g.h && g.ow == g.w
 }
 
 pub fn conv(
@@ -122,8 +131,8 @@ pub fn conv(
     bias: Option<TensorView>,
     y: &mut TensorViewMut,
 ) -> KResult {
-    if x.dtype != DType::F32 {
-        return Err(format!("Conv is not implemented for {}", x.dtype));
+    if x.dtype != DType::F32 || x.shape.len() > 4 {
+        return conv_nd(win, group, x, w, bias, y);
     }
     let g = geo(win, x.shape, y.shape)?;
     let (n, m) = (x.shape[0], y.shape[1]);
@@ -174,6 +183,74 @@ pub fn conv(
     } else {
         ys.chunks_mut(chunk).enumerate().for_each(|(i, yi)| per_image(i, yi, parallelism(mg, plane, kdim)));
     }
+    Ok(())
+}
+
+/// Splits a flat index into a multi-index over `dims` (row-major).
+fn unflatten(mut flat: usize, dims: &[usize], out: &mut [usize]) {
+    for d in (0..dims.len()).rev() {
+        out[d] = flat % dims[d];
+        flat /= dims[d];
+    }
+}
+
+/// The taps of the window at output position `at` that fall inside the input: (tap index in
+/// the kernel, element offset in the input plane), for any number of spatial dims.
+fn window_taps(win: &Window, kernel: &[usize], at: &[usize], size_in: &[usize], taps: &mut Vec<(usize, usize)>) {
+    let nd = at.len();
+    let in_strides = crate::tensor::strides(size_in);
+    let mut tap = vec![0usize; nd];
+    taps.clear();
+    for t in 0..kernel.iter().product() {
+        unflatten(t, kernel, &mut tap);
+        let mut off = 0;
+        let inside = (0..nd).all(|d| {
+            let i = (at[d] * win.strides[d] + tap[d] * win.dilations[d]) as isize - win.pads[d] as isize;
+            off += i.max(0) as usize * in_strides[d];
+            i >= 0 && (i as usize) < size_in[d]
+        });
+        if inside {
+            taps.push((t, off));
+        }
+    }
+}
+
+/// Convolution over any number of spatial dims, computed in f64 with plain loops: the general
+/// path behind [`conv`]'s f32 1-D/2-D GEMM one (float64 models, 3-D convolutions).
+fn conv_nd(
+    win: &Window,
+    group: usize,
+    x: &TensorView,
+    w: &TensorView,
+    bias: Option<TensorView>,
+    y: &mut TensorViewMut,
+) -> KResult {
+    let (n, c, m) = (x.shape[0], x.shape[1], y.shape[1]);
+    let (cg, mg) = (c / group, m / group);
+    let (size_in, size_out, kernel) = (&x.shape[2..], y.shape[2..].to_vec(), &w.shape[2..]);
+    let (plane_in, plane_out): (usize, usize) = (size_in.iter().product(), size_out.iter().product());
+    let kernel_taps: usize = kernel.iter().product();
+    let (xs, ws) = (x.to_f64_vec(), w.to_f64_vec());
+    let b = bias.map(|b| b.to_f64_vec());
+    let mut out = vec![0f64; n * m * plane_out];
+    let (mut at, mut taps) = (vec![0usize; size_out.len()], Vec::new());
+    for o in 0..plane_out {
+        unflatten(o, &size_out, &mut at);
+        window_taps(win, kernel, &at, size_in, &mut taps);
+        for i in 0..n {
+            for oc in 0..m {
+                let gr = oc / mg;
+                let mut acc = b.as_ref().map_or(0.0, |b| b[oc]);
+                for ic in 0..cg {
+                    let xc = &xs[(i * c + gr * cg + ic) * plane_in..];
+                    let wc = &ws[(oc * cg + ic) * kernel_taps..];
+                    acc += taps.iter().map(|&(t, off)| xc[off] * wc[t]).sum::<f64>();
+                }
+                out[(i * m + oc) * plane_out + o] = acc;
+            }
+        }
+    }
+    super::write_f64(&out, y);
     Ok(())
 }
 
@@ -277,8 +354,17 @@ fn pool_windows(g: &Geo, mut f: impl FnMut(usize, &mut dyn Iterator<Item = Optio
     }
 }
 
+/// How many taps of one window, along one dim, average pooling with count_include_pad divides
+/// by: those inside the padded input `[-pad_begin, size + pad_end)`, not those hanging off its
+/// end because of ceil_mode (as PyTorch and ONNX Runtime count).
+fn padded_taps(o: usize, stride: usize, kernel: usize, dilation: usize, pads: (usize, usize), size: usize) -> usize {
+    let start = (o * stride) as isize - pads.0 as isize;
+    let end = (start + ((kernel - 1) * dilation + 1) as isize).min((size + pads.1) as isize);
+    ((end - start).max(0) as usize).div_ceil(dilation)
+}
+
 /// How many taps an average counts: the ones inside the input, or with count_include_pad
-/// all taps inside the padded input (not those hanging off its end because of ceil_mode).
+/// those inside the padded input ([`padded_taps`]).
 fn average_count(g: &Geo, oy: usize, ox: usize, include_pad: bool) -> usize {
     if !include_pad {
         return (0..g.kh)
@@ -286,18 +372,16 @@ fn average_count(g: &Geo, oy: usize, ox: usize, include_pad: bool) -> usize {
             .filter(|&(ky, kx)| g.tap(oy, ox, ky, kx).is_some())
             .count();
     }
-    let span = |o: usize, s: usize, k: usize, d: usize, p: usize, size: usize| {
-        let start = (o * s) as isize - p as isize;
-        let end = (start + ((k - 1) * d + 1) as isize).min((size + p) as isize);
-        ((end - start) as usize).div_ceil(d)
-    };
-    span(oy, g.sh, g.kh, g.dh, g.ph, g.h) * span(ox, g.sw, g.kw, g.dw, g.pw, g.w)
+    padded_taps(oy, g.sh, g.kh, g.dh, (g.ph, g.ph_end), g.h) * padded_taps(ox, g.sw, g.kw, g.dw, (g.pw, g.pw_end), g.w)
 }
 
-pub fn pool(kind: PoolKind, win: &Window, x: &TensorView, y: &mut TensorViewMut) -> KResult {
-    if x.dtype != DType::F32 {
-        return Err(format!("pooling is not implemented for {}", x.dtype));
+/// MaxPool and AveragePool. Outputs: Y, and for MaxPool optionally Indices (int64, the flat
+/// row-major index of each maximum in X, as ONNX's storage_order 0 numbers them).
+pub fn pool(kind: PoolKind, win: &Window, x: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    if x.dtype != DType::F32 || x.shape.len() > 4 || outs.len() > 1 {
+        return pool_nd(kind, win, x, outs);
     }
+    let y = &mut outs[0];
     let g = geo(win, x.shape, y.shape)?;
     let xs = x.as_slice::<f32>();
     let plane_in = g.h * g.w;
@@ -314,6 +398,58 @@ pub fn pool(kind: PoolKind, win: &Window, x: &TensorView, y: &mut TensorViewMut)
             };
         });
     });
+    Ok(())
+}
+
+/// Pooling over any number of spatial dims and any element type (computed in f64), with the
+/// Indices output: the general path behind [`pool`]'s f32 1-D/2-D one.
+fn pool_nd(kind: PoolKind, win: &Window, x: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    let nd = x.shape.len() - 2;
+    let (y, rest) = outs.split_first_mut().ok_or("pooling needs an output")?;
+    let (size_in, size_out) = (&x.shape[2..], y.shape[2..].to_vec());
+    let (plane_in, plane_out): (usize, usize) = (size_in.iter().product(), size_out.iter().product());
+    let planes = x.shape[0] * x.shape[1];
+    let xs = x.to_f64_vec();
+    let mut vals = vec![0f64; planes * plane_out];
+    let mut argmax = vec![0i64; planes * plane_out];
+    let (mut at, mut taps) = (vec![0usize; nd], Vec::new());
+    for o in 0..plane_out {
+        unflatten(o, &size_out, &mut at);
+        window_taps(win, &win.kernel, &at, size_in, &mut taps);
+        let count = match kind {
+            PoolKind::Average { count_include_pad: true } => (0..nd)
+                .map(|d| {
+                    let pads = (win.pads[d], win.pads[d + nd]);
+                    padded_taps(at[d], win.strides[d], win.kernel[d], win.dilations[d], pads, size_in[d])
+                })
+                .product(),
+            _ => taps.len(),
+        };
+        for p in 0..planes {
+            let xp = &xs[p * plane_in..(p + 1) * plane_in];
+            let out = p * plane_out + o;
+            match kind {
+                PoolKind::Max => {
+                    // The first maximum wins, as ONNX's reference picks it.
+                    let (mut best, mut best_at) = (f64::NEG_INFINITY, None);
+                    for &(_, i) in &taps {
+                        if best_at.is_none() || xp[i] > best {
+                            (best, best_at) = (xp[i], Some(i));
+                        }
+                    }
+                    vals[out] = best;
+                    argmax[out] = (p * plane_in + best_at.unwrap_or(0)) as i64;
+                }
+                PoolKind::Average { .. } => {
+                    vals[out] = taps.iter().map(|&(_, i)| xp[i]).sum::<f64>() / count.max(1) as f64;
+                }
+            }
+        }
+    }
+    super::write_f64(&vals, y);
+    if let Some(indices) = rest.first_mut() {
+        indices.as_mut_slice::<i64>().copy_from_slice(&argmax);
+    }
     Ok(())
 }
 
@@ -401,7 +537,7 @@ pub fn batch_norm(
     outs: &mut [TensorViewMut],
 ) -> KResult {
     if x.dtype != DType::F32 {
-        return Err(format!("BatchNormalization is not implemented for {}", x.dtype));
+        return batch_norm_reference(eps, momentum, training, [x, scale, bias, running_mean, running_var], outs);
     }
     let (n, c) = (x.shape[0], x.shape[1]);
     let plane: usize = x.shape[2..].iter().product();
@@ -424,6 +560,43 @@ pub fn batch_norm(
         let new_var: Vec<f32> = (0..c).map(|ch| rv[ch] * momentum + var[ch] * (1.0 - momentum)).collect();
         outs[1].as_mut_slice::<f32>().copy_from_slice(&new_mean);
         outs[2].as_mut_slice::<f32>().copy_from_slice(&new_var);
+    }
+    Ok(())
+}
+
+/// BatchNormalization of the element types off the f32 path, computed in f64.
+fn batch_norm_reference(
+    eps: f32,
+    momentum: f32,
+    training: bool,
+    inputs: [&TensorView; 5],
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let x = inputs[0];
+    let (n, c) = (x.shape[0], x.shape[1]);
+    let plane: usize = x.shape[2..].iter().product();
+    let [xs, s, b, rm, rv] = inputs.map(|t| t.to_f64_vec());
+    let (mut mean, mut var) = (rm.clone(), rv.clone());
+    if training {
+        let count = (n * plane) as f64;
+        for ch in 0..c {
+            let vals = || (0..n).flat_map(|i| xs[(i * c + ch) * plane..(i * c + ch + 1) * plane].iter());
+            mean[ch] = vals().sum::<f64>() / count;
+            var[ch] = vals().map(|v| (v - mean[ch]).powi(2)).sum::<f64>() / count;
+        }
+    }
+    let mut y = vec![0f64; xs.len()];
+    for (k, v) in y.iter_mut().enumerate() {
+        let ch = k / plane % c;
+        *v = (xs[k] - mean[ch]) / (var[ch] + eps as f64).sqrt() * s[ch] + b[ch];
+    }
+    super::write_f64(&y, &mut outs[0]);
+    if training && outs.len() >= 3 {
+        let m = momentum as f64;
+        let running =
+            |old: &[f64], new: &[f64]| -> Vec<f64> { (0..c).map(|k| old[k] * m + new[k] * (1.0 - m)).collect() };
+        super::write_f64(&running(&rm, &mean), &mut outs[1]);
+        super::write_f64(&running(&rv, &var), &mut outs[2]);
     }
     Ok(())
 }
@@ -468,4 +641,72 @@ pub fn batch_norm_grad(
     outs[1].as_mut_slice::<f32>().copy_from_slice(&dscale);
     outs[2].as_mut_slice::<f32>().copy_from_slice(&dbias);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Tensor;
+
+    fn random(shape: &[usize], seed: u64) -> Tensor {
+        let n = shape.iter().product::<usize>();
+        Tensor::from_vec(shape, (0..n).map(|i| crate::rng::uniform(seed, i as u64) as f32 * 2.0 - 1.0).collect())
+    }
+
+    fn window(kernel: &[usize], strides: &[usize], dilations: &[usize], pads: &[usize], ceil_mode: bool) -> Window {
+        Window {
+            kernel: kernel.to_vec(),
+            strides: strides.to_vec(),
+            dilations: dilations.to_vec(),
+            pads: pads.to_vec(),
+            auto_pad: "NOTSET".into(),
+            ceil_mode,
+        }
+    }
+
+    fn assert_close(a: &Tensor, b: &Tensor, what: &str) {
+        for (i, (x, y)) in a.to_f64_vec().iter().zip(b.to_f64_vec()).enumerate() {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}: element {i}: {x} vs {y}");
+        }
+    }
+
+    /// The general N-D paths agree with the f32 2-D ones on asymmetric pads, strides,
+    /// dilations and ceil_mode.
+    #[test]
+    fn nd_paths_match_the_2d_ones() {
+        let x = random(&[2, 4, 9, 8], 1);
+        let win = window(&[3, 2], &[2, 3], &[1, 2], &[1, 0, 2, 1], true);
+        let out = crate::graph::infer::window_output(&win, &[9, 8]).unwrap();
+        let shape = [2, 4, out[0], out[1]];
+        for kind in [
+            PoolKind::Max,
+            PoolKind::Average { count_include_pad: false },
+            PoolKind::Average { count_include_pad: true },
+        ] {
+            let (mut fast, mut general) = (Tensor::zeros(DType::F32, &shape), Tensor::zeros(DType::F32, &shape));
+            pool(kind, &win, &x.view(), &mut [fast.view_mut()]).unwrap();
+            pool_nd(kind, &win, &x.view(), &mut [general.view_mut()]).unwrap();
+            assert_close(&general, &fast, &format!("{kind:?}"));
+        }
+        let (w, b) = (random(&[6, 2, 3, 2], 2), random(&[6], 3));
+        let win = window(&[3, 2], &[2, 1], &[2, 1], &[2, 1, 1, 0], false);
+        let out = crate::graph::infer::window_output(&win, &[9, 8]).unwrap();
+        let shape = [2, 6, out[0], out[1]];
+        let (mut fast, mut general) = (Tensor::zeros(DType::F32, &shape), Tensor::zeros(DType::F32, &shape));
+        conv(&win, 2, &x.view(), &w.view(), Some(b.view()), &mut fast.view_mut()).unwrap();
+        conv_nd(&win, 2, &x.view(), &w.view(), Some(b.view()), &mut general.view_mut()).unwrap();
+        assert_close(&general, &fast, "Conv");
+    }
+
+    #[test]
+    fn max_pool_indices_are_flat_offsets_into_x() {
+        // Two planes of 2×3; a 2×2 window with stride 1 gives two outputs per plane.
+        let x = Tensor::from_vec(&[1, 2, 2, 3], vec![1.0f32, 5.0, 2.0, 4.0, 3.0, 6.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0]);
+        let win = window(&[2, 2], &[1, 1], &[1, 1], &[0, 0, 0, 0], false);
+        let (mut y, mut idx) = (Tensor::zeros(DType::F32, &[1, 2, 1, 2]), Tensor::zeros(DType::I64, &[1, 2, 1, 2]));
+        pool(PoolKind::Max, &win, &x.view(), &mut [y.view_mut(), idx.view_mut()]).unwrap();
+        assert_eq!(y.as_slice::<f32>(), &[5.0, 6.0, 0.0, 9.0]);
+        // The first maximum wins: plane 1's first window is all zeros.
+        assert_eq!(idx.as_slice::<i64>(), &[1, 5, 6, 8]);
+    }
 }

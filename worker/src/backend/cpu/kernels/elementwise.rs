@@ -46,16 +46,19 @@ fn unary_f64(u: Unary, x: f64) -> f64 {
         Unary::Not => (x == 0.0) as u8 as f64,
         Unary::Gelu => 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2)),
         Unary::GeluTanh => {
-            let c = (2.0 / std::f64::consts::PI).sqrt();
-            0.5 * x * (1.0 + (c * (x + 0.044715 * x * x * x)).tanh())
+            let z = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
+            x / (1.0 + (-2.0 * z).exp())
         }
     }
 }
 
 /// The f32 forms of the hot activations (the rest go through f64).
+/// 0.5·x·(1 + tanh(z)) written as x·σ(2z): the same function, without the cancellation in
+/// 1 + tanh(z) that loses the small tail for large negative x.
 #[inline]
 pub fn gelu_tanh(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + GELU_C * x * x * x)).tanh())
+    let z = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+    x / (1.0 + (-2.0 * z).exp())
 }
 
 #[inline]
@@ -105,6 +108,19 @@ fn unary_grad_f64(u: Unary, x: f64) -> f64 {
     }
 }
 
+/// Unary ops on integers: exact where the op is (Neg and Abs wrap at the type's minimum),
+/// through f64 otherwise.
+fn unary_int<T: num_traits::PrimInt + num_traits::WrappingNeg>(u: Unary, v: T) -> T {
+    let zero = T::zero();
+    match u {
+        Unary::Neg => v.wrapping_neg(),
+        Unary::Abs if v < zero => v.wrapping_neg(),
+        Unary::Abs | Unary::Floor | Unary::Ceil => v,
+        Unary::Relu => v.max(zero),
+        _ => T::from(unary_f64(u, v.to_f64().unwrap_or(0.0))).unwrap_or(zero),
+    }
+}
+
 fn map_par<T: Element, U: Element>(x: &[T], y: &mut [U], f: impl Fn(T) -> U + Sync) {
     if y.len() >= PAR_MIN {
         y.par_chunks_mut(4096).zip(x.par_chunks(4096)).for_each(|(yc, xc)| {
@@ -119,6 +135,19 @@ fn map_par<T: Element, U: Element>(x: &[T], y: &mut [U], f: impl Fn(T) -> U + Sy
     }
 }
 
+/// `binary` folded over two or more inputs (variadic Max and Min): ((x0 ∘ x1) ∘ x2) ∘ ...
+pub fn binary_fold(op: Binary, inputs: &[TensorView], out: &mut TensorViewMut) -> KResult {
+    let [first, second, rest @ ..] = inputs else {
+        return Err(format!("{op:?} needs at least two inputs here"));
+    };
+    binary(op, first, second, out)?;
+    for x in rest {
+        let acc = out.as_view().to_tensor();
+        binary(op, &acc.view(), x, out)?;
+    }
+    Ok(())
+}
+
 pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
     match (x.dtype, y.dtype) {
         (DType::F32, DType::F32) => map_par(x.as_slice::<f32>(), y.as_mut_slice::<f32>(), |v| unary_f32(u, v)),
@@ -126,18 +155,14 @@ pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
         (DType::Bool, DType::Bool) if u == Unary::Not => {
             map_par(x.as_slice::<u8>(), y.as_mut_slice::<u8>(), |v| (v == 0) as u8)
         }
-        (DType::I64, DType::I64) => map_par(x.as_slice::<i64>(), y.as_mut_slice::<i64>(), |v| match u {
-            Unary::Neg => -v,
-            Unary::Abs => v.abs(),
-            Unary::Relu => v.max(0),
-            _ => unary_f64(u, v as f64) as i64,
-        }),
-        (DType::I32, DType::I32) => map_par(x.as_slice::<i32>(), y.as_mut_slice::<i32>(), |v| match u {
-            Unary::Neg => -v,
-            Unary::Abs => v.abs(),
-            Unary::Relu => v.max(0),
-            _ => unary_f64(u, v as f64) as i32,
-        }),
+        (DType::I64, DType::I64) => map_par(x.as_slice::<i64>(), y.as_mut_slice::<i64>(), |v| unary_int(u, v)),
+        (DType::I32, DType::I32) => map_par(x.as_slice::<i32>(), y.as_mut_slice::<i32>(), |v| unary_int(u, v)),
+        (DType::I16, DType::I16) => map_par(x.as_slice::<i16>(), y.as_mut_slice::<i16>(), |v| unary_int(u, v)),
+        (DType::I8, DType::I8) => map_par(x.as_slice::<i8>(), y.as_mut_slice::<i8>(), |v| unary_int(u, v)),
+        (DType::U64, DType::U64) => map_par(x.as_slice::<u64>(), y.as_mut_slice::<u64>(), |v| unary_int(u, v)),
+        (DType::U32, DType::U32) => map_par(x.as_slice::<u32>(), y.as_mut_slice::<u32>(), |v| unary_int(u, v)),
+        (DType::U16, DType::U16) => map_par(x.as_slice::<u16>(), y.as_mut_slice::<u16>(), |v| unary_int(u, v)),
+        (DType::U8, DType::U8) => map_par(x.as_slice::<u8>(), y.as_mut_slice::<u8>(), |v| unary_int(u, v)),
         (d, _) => return Err(format!("{u:?} is not implemented for {d}")),
     }
     Ok(())
@@ -262,22 +287,62 @@ fn zip_broadcast<A: Element, B: Element, O: Element>(
     debug_assert_eq!(bc.out_rows * inner, out.len().max(bc.out_rows * inner));
 }
 
-fn arith<T: Element + num_traits::NumOps + PartialOrd>(b: Binary, x: T, y: T, pow: impl Fn(T, T) -> T) -> T {
+/// The arithmetic of one element type. Integers wrap on overflow and divide by zero to 0
+/// (ONNX leaves both undefined; a panic in a kernel is not an option).
+trait Arith: Element + PartialOrd {
+    fn add(self, y: Self) -> Self;
+    fn sub(self, y: Self) -> Self;
+    fn mul(self, y: Self) -> Self;
+    fn div(self, y: Self) -> Self;
+    fn pow(self, y: Self) -> Self;
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! float_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            fn add(self, y: Self) -> Self { self + y }
+            fn sub(self, y: Self) -> Self { self - y }
+            fn mul(self, y: Self) -> Self { self * y }
+            fn div(self, y: Self) -> Self { self / y }
+            fn pow(self, y: Self) -> Self { if y == 2.0 { self * self } else { self.powf(y) } }
+            fn is_nan(self) -> bool { self.is_nan() }
+        }
+    )*};
+}
+float_arith!(f32, f64);
+
+macro_rules! int_arith {
+    ($($t:ty),*) => {$(
+        impl Arith for $t {
+            fn add(self, y: Self) -> Self { self.wrapping_add(y) }
+            fn sub(self, y: Self) -> Self { self.wrapping_sub(y) }
+            fn mul(self, y: Self) -> Self { self.wrapping_mul(y) }
+            fn div(self, y: Self) -> Self { self.checked_div(y).unwrap_or(0) }
+            fn pow(self, y: Self) -> Self { (self as f64).powf(y as f64) as $t }
+            fn is_nan(self) -> bool { false }
+        }
+    )*};
+}
+int_arith!(i64, i32, i16, i8, u64, u32, u16, u8);
+
+fn arith<T: Arith>(b: Binary, x: T, y: T) -> T {
     match b {
-        Binary::Add => x + y,
-        Binary::Sub => x - y,
-        Binary::Mul => x * y,
-        Binary::Div => x / y,
-        Binary::Pow => pow(x, y),
+        Binary::Add => x.add(y),
+        Binary::Sub => x.sub(y),
+        Binary::Mul => x.mul(y),
+        Binary::Div => x.div(y),
+        Binary::Pow => x.pow(y),
+        // NaN propagates, as numpy's maximum and minimum do.
         Binary::Max => {
-            if x >= y {
+            if x >= y || x.is_nan() {
                 x
             } else {
                 y
             }
         }
         Binary::Min => {
-            if x <= y {
+            if x <= y || x.is_nan() {
                 x
             } else {
                 y
@@ -302,9 +367,9 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
     let (ash, bsh) = (a.shape, b.shape);
     let osh: Vec<usize> = out.shape.to_vec();
     macro_rules! arith_t {
-        ($t:ty, $pow:expr) => {
+        ($t:ty) => {
             zip_broadcast(a.as_slice::<$t>(), ash, b.as_slice::<$t>(), bsh, out.as_mut_slice::<$t>(), &osh, |x, y| {
-                arith(op, x, y, $pow)
+                arith::<$t>(op, x, y)
             })
         };
     }
@@ -331,15 +396,10 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
         let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
         let mut tmp = vec![0f64; out.numel()];
         zip_broadcast(&x, ash, &y, bsh, &mut tmp, &osh, |x, y| x.powf(y));
-        match out.dtype {
-            DType::F32 => out.as_mut_slice::<f32>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as f32),
-            DType::F64 => out.as_mut_slice::<f64>().copy_from_slice(&tmp),
-            DType::I64 => out.as_mut_slice::<i64>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as i64),
-            DType::I32 => out.as_mut_slice::<i32>().iter_mut().zip(tmp).for_each(|(o, v)| *o = v as i32),
-            d => return Err(format!("Pow is not implemented for {d}")),
-        }
+        super::write_f64(&tmp, out);
         return Ok(());
     }
+
     if op.is_predicate() {
         match a.dtype {
             DType::F32 => cmp_t!(f32),
@@ -357,16 +417,16 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
         return Ok(());
     }
     match a.dtype {
-        DType::F32 => arith_t!(f32, |x: f32, y: f32| if y == 2.0 { x * x } else { x.powf(y) }),
-        DType::F64 => arith_t!(f64, |x: f64, y: f64| x.powf(y)),
-        DType::I64 => arith_t!(i64, |x: i64, y: i64| (x as f64).powf(y as f64) as i64),
-        DType::I32 => arith_t!(i32, |x: i32, y: i32| (x as f64).powf(y as f64) as i32),
-        DType::U8 => arith_t!(u8, |x: u8, y: u8| (x as f64).powf(y as f64) as u8),
-        DType::I8 => arith_t!(i8, |x: i8, y: i8| (x as f64).powf(y as f64) as i8),
-        DType::I16 => arith_t!(i16, |x: i16, y: i16| (x as f64).powf(y as f64) as i16),
-        DType::U16 => arith_t!(u16, |x: u16, y: u16| (x as f64).powf(y as f64) as u16),
-        DType::U32 => arith_t!(u32, |x: u32, y: u32| (x as f64).powf(y as f64) as u32),
-        DType::U64 => arith_t!(u64, |x: u64, y: u64| (x as f64).powf(y as f64) as u64),
+        DType::F32 => arith_t!(f32),
+        DType::F64 => arith_t!(f64),
+        DType::I64 => arith_t!(i64),
+        DType::I32 => arith_t!(i32),
+        DType::U8 => arith_t!(u8),
+        DType::I8 => arith_t!(i8),
+        DType::I16 => arith_t!(i16),
+        DType::U16 => arith_t!(u16),
+        DType::U32 => arith_t!(u32),
+        DType::U64 => arith_t!(u64),
         d => return Err(format!("{op:?} is not implemented for {d}")),
     }
     Ok(())
@@ -405,5 +465,29 @@ mod tests {
         for (x, want) in [(0.0, 0.0), (0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (-2.0, -0.995_322_265)] {
             assert!((erf(x) - want).abs() < 2e-7, "erf({x}) = {} not {want}", erf(x));
         }
+    }
+
+    #[test]
+    fn gelu_tanh_keeps_its_negative_tail() {
+        for i in 0..=200 {
+            let x = -10.0 + i as f32 * 0.1;
+            let want = unary_f64(Unary::GeluTanh, x as f64);
+            let got = gelu_tanh(x) as f64;
+            // f32 carries exp(-2z)'s relative error, about |2z|·2⁻²⁴, into the tail.
+            assert!((got - want).abs() <= 2e-5 * want.abs() + 1e-30, "gelu_tanh({x}) = {got}, not {want}");
+        }
+    }
+
+    #[test]
+    fn integer_arithmetic_wraps_and_divides_by_zero_to_zero() {
+        let run = |op: Binary, a: Vec<i32>, b: Vec<i32>| {
+            let (a, b) = (crate::tensor::Tensor::from_vec(&[a.len()], a), crate::tensor::Tensor::from_vec(&[2], b));
+            let mut y = crate::tensor::Tensor::zeros(DType::I32, &[2]);
+            binary(op, &a.view(), &b.view(), &mut y.view_mut()).unwrap();
+            y.as_slice::<i32>().to_vec()
+        };
+        assert_eq!(run(Binary::Div, vec![7, -7], vec![0, 2]), vec![0, -3]);
+        assert_eq!(run(Binary::Add, vec![i32::MAX, 1], vec![1, 1]), vec![i32::MIN, 2]);
+        assert_eq!(run(Binary::Max, vec![3, -4], vec![1, 5]), vec![3, 5]);
     }
 }

@@ -44,7 +44,7 @@ pub fn softmax_cross_entropy(
     outs: &mut [TensorViewMut],
 ) -> KResult {
     if scores.dtype != DType::F32 {
-        return Err(format!("SoftmaxCrossEntropyLoss is not implemented for {}", scores.dtype));
+        return softmax_cross_entropy_reference(reduction, ignore, scores, labels, weights, outs);
     }
     let (n, c, d) = layout(scores.shape);
     let x = scores.as_slice::<f32>();
@@ -78,12 +78,52 @@ pub fn softmax_cross_entropy(
         LossReduction::None => loss.as_mut_slice::<f32>().copy_from_slice(&nll),
         _ => {
             let total: f64 = nll.iter().map(|&v| v as f64).sum();
+            // A mean over no counted position is 0/0: NaN, as in ONNX's reference and PyTorch.
             let den = denominator(reduction, &lab, w) as f64;
-            loss.as_mut_slice::<f32>()[0] = if den == 0.0 { 0.0 } else { (total / den) as f32 };
+            loss.as_mut_slice::<f32>()[0] = (total / den) as f32;
         }
     }
     if let Some(lp) = outs.get_mut(1) {
         lp.as_mut_slice::<f32>().copy_from_slice(&logp);
+    }
+    Ok(())
+}
+
+/// SoftmaxCrossEntropyLoss of the element types off the f32 path (f64, f16, bf16), computed
+/// in f64.
+fn softmax_cross_entropy_reference(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    scores: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let (n, c, d) = layout(scores.shape);
+    let x = scores.to_f64_vec();
+    let lab = labels_of(labels, c, ignore)?;
+    let w = weights.map(|w| w.to_f64_vec());
+    let weight = |l: usize| w.as_ref().map_or(1.0, |w| w[l]);
+    let mut logp = vec![0f64; x.len()];
+    let mut nll = vec![0f64; n * d];
+    for (p, out) in nll.iter_mut().enumerate() {
+        let (i, k) = (p / d, p % d);
+        let at = |j: usize| i * c * d + j * d + k;
+        let max = (0..c).map(|j| x[at(j)]).fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + (0..c).map(|j| (x[at(j)] - max).exp()).sum::<f64>().ln();
+        for j in 0..c {
+            logp[at(j)] = x[at(j)] - lse;
+        }
+        *out = lab[p].map_or(0.0, |l| -logp[at(l)] * weight(l));
+    }
+    let loss = match reduction {
+        LossReduction::None => nll,
+        LossReduction::Sum => vec![nll.iter().sum()],
+        LossReduction::Mean => vec![nll.iter().sum::<f64>() / lab.iter().flatten().map(|&l| weight(l)).sum::<f64>()],
+    };
+    super::write_f64(&loss, &mut outs[0]);
+    if let Some(lp) = outs.get_mut(1) {
+        super::write_f64(&logp, lp);
     }
     Ok(())
 }

@@ -1,10 +1,11 @@
 //! Matrix products on the `gemm` crate (blocked, SIMD, multithreaded): MatMul with numpy batch
 //! broadcasting, Gemm, and the fused MatMul + bias (+ GELU) the fusion pass emits.
 
+use super::cast::cast_into;
 use super::elementwise::gelu_tanh;
 use super::KResult;
 use crate::graph::op::Unary;
-use crate::tensor::{strides, DType, TensorView, TensorViewMut};
+use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -87,39 +88,24 @@ pub fn matmul(
     act: Option<Unary>,
     out: &mut TensorViewMut,
 ) -> KResult {
-    match a.dtype {
-        DType::F32 => {}
-        DType::F64 => return matmul_f64(a, b, out),
-        d => return Err(format!("MatMul is not implemented for {d}")),
+    if a.dtype != DType::F32 || bias.is_some_and(|b| b.dtype != DType::F32) {
+        if bias.is_some() || trans_a || trans_b || act.is_some() {
+            return Err(format!("fused MatMul is not implemented for {}", a.dtype));
+        }
+        return matmul_reference(a, b, out);
     }
     let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
     let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
     let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
-    let nb: usize = batch.iter().product();
-    let offsets = |src_batch: &[usize], mat: usize| -> Vec<usize> {
-        // Element offset of each output batch's matrix in the source (0-stride when broadcast).
-        let mut padded = vec![1; batch.len() - src_batch.len()];
-        padded.extend_from_slice(src_batch);
-        let st = strides(&padded);
-        let mut v = Vec::with_capacity(nb);
-        let mut idx = vec![0usize; batch.len()];
-        for _ in 0..nb {
-            let o: usize = (0..batch.len()).map(|d| if padded[d] == 1 { 0 } else { idx[d] * st[d] }).sum();
-            v.push(o * mat);
-            for d in (0..idx.len()).rev() {
-                idx[d] += 1;
-                if idx[d] < batch[d] {
-                    break;
-                }
-                idx[d] = 0;
-            }
-        }
-        v
-    };
+    let offsets = |src_batch: &[usize], mat: usize| batch_offsets(&batch, src_batch, mat);
     let a_off = offsets(&a_batch, m * k);
     let b_off = offsets(&b_batch, k * n);
+    let nb = a_off.len();
+    if m * n == 0 {
+        return Ok(()); // an empty product: nothing to write
+    }
     let (a_rows, a_cols) = (a_shape[a_shape.len() - 2], a_shape[a_shape.len() - 1]);
     let (b_rows, b_cols) = (b_shape[b_shape.len() - 2], b_shape[b_shape.len() - 1]);
     let _ = (a_rows, b_rows);
@@ -185,21 +171,103 @@ pub fn matmul(
     Ok(())
 }
 
-/// Reference-speed f64 MatMul (ONNX node tests and gradient checks use doubles sometimes).
-fn matmul_f64(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
-    let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
-    let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
-    if a_shape.len() != 2 || b_shape.len() != 2 {
-        return Err("batched float64 MatMul is not implemented".into());
-    }
-    let (m, k, n) = (a_shape[0], a_shape[1], b_shape[1]);
-    let (x, y) = (a.as_slice::<f64>(), b.as_slice::<f64>());
-    let o = out.as_mut_slice::<f64>();
-    for i in 0..m {
-        for j in 0..n {
-            o[i * n + j] = (0..k).map(|p| x[i * k + p] * y[p * n + j]).sum();
+/// Element offset of each output batch's matrix in a source whose batch dims are `src_batch`
+/// (numpy-broadcast against `batch`; a broadcast dim has stride 0), matrices of `mat` elements.
+fn batch_offsets(batch: &[usize], src_batch: &[usize], mat: usize) -> Vec<usize> {
+    let nb: usize = batch.iter().product();
+    let mut padded = vec![1; batch.len() - src_batch.len()];
+    padded.extend_from_slice(src_batch);
+    let st = strides(&padded);
+    let mut v = Vec::with_capacity(nb);
+    let mut idx = vec![0usize; batch.len()];
+    for _ in 0..nb {
+        let o: usize = (0..batch.len()).map(|d| if padded[d] == 1 { 0 } else { idx[d] * st[d] }).sum();
+        v.push(o * mat);
+        for d in (0..idx.len()).rev() {
+            idx[d] += 1;
+            if idx[d] < batch[d] {
+                break;
+            }
+            idx[d] = 0;
         }
     }
+    v
+}
+
+/// Plain-loop MatMul for the element types off the f32 GEMM path: floats in f64, integers in
+/// wrapping i64 (exact), with numpy batch broadcasting and 1-D operands.
+fn matmul_reference(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
+    let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
+    let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
+    let (a_batch, m, k, _) = as_2d(&a_shape, false);
+    let (b_batch, _, n, _) = as_2d(&b_shape, false);
+    let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let (a_off, b_off) = (batch_offsets(&batch, &a_batch, m * k), batch_offsets(&batch, &b_batch, k * n));
+    if m * n == 0 {
+        return Ok(());
+    }
+    if a.dtype.is_float() {
+        let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+        let mut o = vec![0f64; a_off.len() * m * n];
+        for (i, dst) in o.chunks_mut(m * n).enumerate() {
+            let (xa, yb) = (&x[a_off[i]..], &y[b_off[i]..]);
+            for r in 0..m {
+                for c in 0..n {
+                    dst[r * n + c] = (0..k).map(|p| xa[r * k + p] * yb[p * n + c]).sum();
+                }
+            }
+        }
+        super::write_f64(&o, out);
+        return Ok(());
+    }
+    let (x, y) = (a.to_i64_vec().ok_or("MatMul needs numbers")?, b.to_i64_vec().ok_or("MatMul needs numbers")?);
+    let mut o = vec![0i64; a_off.len() * m * n];
+    for (i, dst) in o.chunks_mut(m * n).enumerate() {
+        let (xa, yb) = (&x[a_off[i]..], &y[b_off[i]..]);
+        for r in 0..m {
+            for c in 0..n {
+                dst[r * n + c] = (0..k).fold(0i64, |s, p| s.wrapping_add(xa[r * k + p].wrapping_mul(yb[p * n + c])));
+            }
+        }
+    }
+    cast_into(&Tensor::from_vec(out.shape, o).view(), out);
+    Ok(())
+}
+
+/// Gemm for the element types off the f32 GEMM path, computed in f64.
+#[allow(clippy::too_many_arguments)]
+fn gemm_reference(
+    alpha: f32,
+    beta: f32,
+    trans_a: bool,
+    trans_b: bool,
+    a: &TensorView,
+    b: &TensorView,
+    c: Option<TensorView>,
+    out: &mut TensorViewMut,
+) -> KResult {
+    let (m, n) = (out.shape[0], out.shape[1]);
+    let k = if trans_a { a.shape[0] } else { a.shape[1] };
+    let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+    let at = |i: usize, p: usize| if trans_a { x[p * m + i] } else { x[i * k + p] };
+    let bt = |p: usize, j: usize| if trans_b { y[j * k + p] } else { y[p * n + j] };
+    let cv = c.map(|c| (c.to_f64_vec(), c.shape.to_vec()));
+    let mut o = vec![0f64; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut v = alpha as f64 * (0..k).map(|p| at(i, p) * bt(p, j)).sum::<f64>();
+            if let Some((cv, cs)) = &cv {
+                let (cr, cc) = match cs.len() {
+                    0 => (1, 1),
+                    1 => (1, cs[0]),
+                    _ => (cs[0], cs[1]),
+                };
+                v += beta as f64 * cv[(i % cr) * cc + (j % cc)];
+            }
+            o[i * n + j] = v;
+        }
+    }
+    super::write_f64(&o, out);
     Ok(())
 }
 
@@ -216,7 +284,7 @@ pub fn gemm(
     out: &mut TensorViewMut,
 ) -> KResult {
     if a.dtype != DType::F32 {
-        return Err(format!("Gemm is not implemented for {}", a.dtype));
+        return gemm_reference(alpha, beta, trans_a, trans_b, a, b, c, out);
     }
     let (m, n) = (out.shape[0], out.shape[1]);
     let k = if trans_a { a.shape[0] } else { a.shape[1] };

@@ -14,7 +14,7 @@ pub mod random;
 pub mod shape;
 
 use crate::graph::op::Op;
-use crate::tensor::{Tensor, TensorView, TensorViewMut};
+use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
 
 /// Elements below which a kernel stays on one thread (rayon's fork/join costs more).
 pub const PAR_MIN: usize = 1 << 14;
@@ -45,10 +45,17 @@ impl<T> SharedSlice<T> {
 /// Runs `op` on `inputs` (omitted optional inputs are `None`) into `outputs`, whose shapes and
 /// types are the ones inference gave.
 pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]) -> KResult {
+    if computes(op) && inputs.iter().flatten().any(|x| is_half(x.dtype)) {
+        return run_half_in_f32(op, inputs, outputs);
+    }
     let x = |i: usize| inputs.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
     match op {
         Op::Unary(u) => elementwise::unary(*u, &x(0)?, &mut outputs[0]),
         Op::UnaryGrad(u) => elementwise::unary_grad(*u, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::Binary(b) if inputs.len() > 2 => {
+            let ins: Vec<TensorView> = (0..inputs.len()).map(x).collect::<Result<_, _>>()?;
+            elementwise::binary_fold(*b, &ins, &mut outputs[0])
+        }
         Op::Binary(b) => elementwise::binary(*b, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::Where => elementwise::where_(&x(0)?, &x(1)?, &x(2)?, &mut outputs[0]),
         Op::Cast { .. } => {
@@ -128,7 +135,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
         }
         Op::ConvGrad { window, group } => conv::conv_grad(window, *group, &x(0)?, &x(1)?, &x(2)?, outputs),
-        Op::Pool { kind, window } => conv::pool(*kind, window, &x(0)?, &mut outputs[0]),
+        Op::Pool { kind, window } => conv::pool(*kind, window, &x(0)?, outputs),
         Op::PoolGrad { kind, window } => conv::pool_grad(*kind, window, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GlobalAveragePool => conv::global_average_pool(&x(0)?, &mut outputs[0]),
         Op::BatchNorm { epsilon, momentum, training } => {
@@ -145,11 +152,64 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
     }
 }
 
+fn is_half(d: DType) -> bool {
+    matches!(d, DType::F16 | DType::BF16)
+}
+
+/// Ops that compute with their elements, as opposed to moving bytes (which serve every type).
+fn computes(op: &Op) -> bool {
+    !matches!(
+        op,
+        Op::Cast { .. }
+            | Op::Identity
+            | Op::Reshape
+            | Op::Transpose { .. }
+            | Op::Concat { .. }
+            | Op::Split { .. }
+            | Op::Slice { .. }
+            | Op::Gather { .. }
+            | Op::Expand
+            | Op::Trilu { .. }
+            | Op::Where
+    )
+}
+
+/// f16 and bf16 are storage types: their ops compute in f32. Half inputs are widened, the op
+/// runs in f32, and half outputs are rounded back (other inputs and outputs, such as labels,
+/// masks and indices, pass as they are).
+fn run_half_in_f32(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]) -> KResult {
+    let widen = |t: &TensorView| is_half(t.dtype).then(|| t.to_tensor().cast(DType::F32));
+    let wide: Vec<Option<Tensor>> = inputs.iter().map(|x| x.as_ref().and_then(widen)).collect();
+    let views: Vec<Option<TensorView>> =
+        inputs.iter().zip(&wide).map(|(x, w)| w.as_ref().map(|w| w.view()).or(*x)).collect();
+    let mut outs: Vec<Tensor> =
+        outputs.iter().map(|y| Tensor::zeros(if is_half(y.dtype) { DType::F32 } else { y.dtype }, y.shape)).collect();
+    run_on_views(op, &views, &mut outs)?;
+    for (y, t) in outputs.iter_mut().zip(&outs) {
+        cast::cast_into(&t.view(), y);
+    }
+    Ok(())
+}
+
+fn run_on_views(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [Tensor]) -> KResult {
+    let mut outs: Vec<TensorViewMut> = outputs.iter_mut().map(|t| t.view_mut()).collect();
+    run(op, inputs, &mut outs)
+}
+
 /// `run` over owned tensors (constant folding and tests).
 pub fn run_on_tensors(op: &Op, inputs: &[Option<&Tensor>], outputs: &mut [Tensor]) -> KResult {
     let views: Vec<Option<TensorView>> = inputs.iter().map(|t| t.map(|t| t.view())).collect();
     let mut outs: Vec<TensorViewMut> = outputs.iter_mut().map(|t| t.view_mut()).collect();
     run(op, &views, &mut outs)
+}
+
+/// Writes values computed in f64 into `y`, converted to its element type as `Cast` converts.
+pub fn write_f64(vals: &[f64], y: &mut TensorViewMut) {
+    match y.dtype {
+        DType::F32 => y.as_mut_slice::<f32>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as f32),
+        DType::F64 => y.as_mut_slice::<f64>().copy_from_slice(vals),
+        _ => cast::cast_into(&Tensor::from_vec(y.shape, vals.to_vec()).view(), y),
+    }
 }
 
 /// Fills `out` with a one-element tensor's value.

@@ -95,7 +95,7 @@ pub fn layer_norm(
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();
     if x.dtype != DType::F32 {
-        return Err(format!("LayerNormalization is not implemented for {}", x.dtype));
+        return layer_norm_reference(rows, cols, eps, x, scale, bias, outs);
     }
     let xs = x.as_slice::<f32>();
     let g = scale.as_slice::<f32>();
@@ -122,6 +122,39 @@ pub fn layer_norm(
     }
     if let Some(s) = rest.get_mut(1) {
         s.as_mut_slice::<f32>().iter_mut().zip(&stats).for_each(|(o, s)| *o = s.1);
+    }
+    Ok(())
+}
+
+/// LayerNormalization of the element types off the f32 path, computed in f64.
+fn layer_norm_reference(
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    x: &TensorView,
+    scale: &TensorView,
+    bias: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let (xs, g) = (x.to_f64_vec(), scale.to_f64_vec());
+    let b = bias.map(|b| b.to_f64_vec());
+    if g.len() != cols || b.as_ref().is_some_and(|b| b.len() != cols) {
+        return Err(format!("scale/bias must have {cols} elements (the normalized dims)"));
+    }
+    let mut y = vec![0f64; xs.len()];
+    let (mut means, mut invs) = (vec![0f64; rows], vec![0f64; rows]);
+    for r in 0..rows {
+        let xr = &xs[r * cols..(r + 1) * cols];
+        let mean = xr.iter().sum::<f64>() / cols as f64;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
+        let inv = 1.0 / (var + eps as f64).sqrt();
+        for j in 0..cols {
+            y[r * cols + j] = (xr[j] - mean) * inv * g[j] + b.as_ref().map_or(0.0, |b| b[j]);
+        }
+        (means[r], invs[r]) = (mean, inv);
+    }
+    for (out, vals) in outs.iter_mut().zip([&y, &means, &invs]) {
+        super::write_f64(vals, out);
     }
     Ok(())
 }

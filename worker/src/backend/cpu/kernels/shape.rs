@@ -286,18 +286,7 @@ pub fn reduce(kind: Reduce, axes: &[i64], x: &TensorView, y: &mut TensorViewMut)
     if kind == Reduce::Mean {
         acc.iter_mut().for_each(|v| *v /= count);
     }
-    write_f64(&acc, y)
-}
-
-fn write_f64(vals: &[f64], y: &mut TensorViewMut) -> KResult {
-    match y.dtype {
-        DType::F32 => y.as_mut_slice::<f32>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as f32),
-        DType::F64 => y.as_mut_slice::<f64>().copy_from_slice(vals),
-        DType::I64 => y.as_mut_slice::<i64>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as i64),
-        DType::I32 => y.as_mut_slice::<i32>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as i32),
-        DType::U8 => y.as_mut_slice::<u8>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as u8),
-        d => return Err(format!("reductions are not implemented for {d}")),
-    }
+    super::write_f64(&acc, y);
     Ok(())
 }
 
