@@ -296,7 +296,11 @@ fn data_movement() {
     for kind in [Reduce::Sum, Reduce::Mean, Reduce::SumSquare] {
         let mut b = CaseBuilder::new(20);
         let x = b.param("x", &[2, 3, 4], -1.0, 1.0);
-        let y = b.g.op1("y", Op::ReduceOp { kind, axes: Some(vec![0, 2]), keepdims: false, noop_with_empty_axes: false }, &[x]);
+        let y = b.g.op1(
+            "y",
+            Op::ReduceOp { kind, axes: Some(vec![0, 2]), keepdims: false, noop_with_empty_axes: false },
+            &[x],
+        );
         check(&format!("Reduce{kind:?}"), b.done(y));
     }
 
@@ -307,12 +311,21 @@ fn data_movement() {
 }
 
 fn win(k: usize, s: usize, p: usize, ceil_mode: bool) -> Window {
-    Window { kernel: vec![k, k], strides: vec![s, s], dilations: vec![1, 1], pads: vec![p; 4], auto_pad: "NOTSET".into(), ceil_mode }
+    Window {
+        kernel: vec![k, k],
+        strides: vec![s, s],
+        dilations: vec![1, 1],
+        pads: vec![p; 4],
+        auto_pad: "NOTSET".into(),
+        ceil_mode,
+    }
 }
 
 #[test]
 fn convolution_pooling_batchnorm() {
-    for (name, group, k, s, p) in [("Conv 3×3 stride 2 pad 1", 1, 3, 2, 1), ("Conv 1×1", 1, 1, 1, 0), ("Conv grouped", 2, 3, 1, 1)] {
+    for (name, group, k, s, p) in
+        [("Conv 3×3 stride 2 pad 1", 1, 3, 2, 1), ("Conv 1×1", 1, 1, 1, 0), ("Conv grouped", 2, 3, 1, 1)]
+    {
         let mut b = CaseBuilder::new(22);
         let x = b.param("x", &[2, 4, 5, 5], -1.0, 1.0);
         let w = b.param("w", &[6, 4 / group, k, k], -1.0, 1.0);
@@ -337,6 +350,7 @@ fn convolution_pooling_batchnorm() {
     let bias = b.param("bias", &[2], -0.5, 0.5);
     let mean = b.constant("mean", Tensor::from_vec(&[2], vec![0.0f32, 0.0]));
     let var = b.constant("var", Tensor::from_vec(&[2], vec![1.0f32, 1.0]));
-    let outs = b.g.add_node("bn", Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true }, &[x, s, bias, mean, var], 3);
+    let outs =
+        b.g.add_node("bn", Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true }, &[x, s, bias, mean, var], 3);
     check("BatchNormalization (training)", b.done(outs[0]));
 }

@@ -114,13 +114,13 @@ fn matmul_transpose(g: &mut Graph) -> usize {
         };
         let mut flags = [ta, tb];
         let mut changed = false;
-        for k in 0..2 {
+        for (k, flag) in flags.iter_mut().enumerate() {
             let Some(x) = g.nodes[i].input(k) else { continue };
             let Some(p) = producers[x] else { continue };
             let rank_ok = g.meta(x).is_some_and(|m| m.shape.len() >= 2);
             if swaps_last_two(&g.nodes[p].op) && rank_ok {
                 g.nodes[i].inputs[k] = g.nodes[p].inputs[0];
-                flags[k] = !flags[k];
+                *flag = !*flag;
                 changed = true;
             }
         }
