@@ -1,7 +1,7 @@
 //! SoftmaxCrossEntropyLoss, fused: one pass computes log-softmax, the loss and the saved
 //! log-probabilities; the gradient reads them back (softmax − one-hot, weighted, scaled).
 
-use super::{KResult, SharedSlice};
+use super::{fastmath, KResult, SharedSlice};
 use crate::graph::op::LossReduction;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
@@ -50,9 +50,34 @@ pub fn softmax_cross_entropy(
     let x = scores.as_slice::<f32>();
     let lab = labels_of(labels, c, ignore)?;
     let w = weights.map(|w| w.as_slice::<f32>());
-    // Per position: log-softmax over classes into `logp`, and the weighted NLL.
-    let mut logp = vec![0f32; x.len()];
-    let nll: Vec<f32> = {
+    let nll: Vec<f32> = if d == 1 {
+        // Classes contiguous (scores [N, C], the language-model case): one row per position,
+        // log-probabilities written straight into the output when it is wanted.
+        let mut scratch = Vec::new();
+        let logp: &mut [f32] = match outs.get_mut(1) {
+            Some(lp) => lp.as_mut_slice::<f32>(),
+            None => {
+                scratch.resize(x.len(), 0.0);
+                &mut scratch
+            }
+        };
+        let mut per = vec![0f32; n];
+        per.par_iter_mut().zip(logp.par_chunks_mut(c)).enumerate().for_each(|(p, (out, lrow))| {
+            let row = &x[p * c..(p + 1) * c];
+            let max = fastmath::max(row);
+            let lse = max + fastmath::sum_exp(row, max).ln();
+            for (l, &v) in lrow.iter_mut().zip(row) {
+                *l = v - lse;
+            }
+            *out = match lab[p] {
+                Some(l) => -(row[l] - lse) * w.map_or(1.0, |w| w[l]),
+                None => 0.0,
+            };
+        });
+        per
+    } else {
+        // Per position (n, k): log-softmax over the strided class lane.
+        let mut logp = vec![0f32; x.len()];
         let positions = n * d;
         let mut per = vec![0f32; positions];
         let lp = SharedSlice::new(&mut logp);
@@ -71,6 +96,9 @@ pub fn softmax_cross_entropy(
                 None => 0.0,
             };
         });
+        if let Some(out) = outs.get_mut(1) {
+            out.as_mut_slice::<f32>().copy_from_slice(&logp);
+        }
         per
     };
     let loss = &mut outs[0];
@@ -82,9 +110,6 @@ pub fn softmax_cross_entropy(
             let den = denominator(reduction, &lab, w) as f64;
             loss.as_mut_slice::<f32>()[0] = (total / den) as f32;
         }
-    }
-    if let Some(lp) = outs.get_mut(1) {
-        lp.as_mut_slice::<f32>().copy_from_slice(&logp);
     }
     Ok(())
 }
@@ -144,15 +169,29 @@ pub fn softmax_cross_entropy_grad(
     let w = weights.map(|w| w.as_slice::<f32>());
     let g = dloss.as_slice::<f32>();
     let den = denominator(reduction, &lab, w);
+    let scale_of = |p: usize| match (lab[p], reduction) {
+        (None, _) => 0.0,
+        (Some(l), LossReduction::None) => g[p] * w.map_or(1.0, |w| w[l]),
+        (Some(l), _) => g[0] * w.map_or(1.0, |w| w[l]) / if den == 0.0 { 1.0 } else { den },
+    };
+    if d == 1 {
+        // Contiguous rows: softmax − one-hot, vectorized, then the label's element fixed up.
+        dx.as_mut_slice::<f32>().par_chunks_mut(c).enumerate().for_each(|(p, row)| {
+            let scale = scale_of(p);
+            for (o, &l) in row.iter_mut().zip(&lp[p * c..(p + 1) * c]) {
+                *o = fastmath::exp(l) * scale;
+            }
+            if let Some(l) = lab[p] {
+                row[l] -= scale;
+            }
+        });
+        return Ok(());
+    }
     let out = SharedSlice::new(dx.as_mut_slice::<f32>());
     (0..n * d).into_par_iter().for_each(|p| {
         let (i, k) = (p / d, p % d);
         let at = |j: usize| i * c * d + j * d + k;
-        let scale = match (lab[p], reduction) {
-            (None, _) => 0.0,
-            (Some(l), LossReduction::None) => g[p] * w.map_or(1.0, |w| w[l]),
-            (Some(l), _) => g[0] * w.map_or(1.0, |w| w[l]) / if den == 0.0 { 1.0 } else { den },
-        };
+        let scale = scale_of(p);
         for j in 0..c {
             let onehot = (lab[p] == Some(j)) as u8 as f32;
             unsafe { out.write(at(j), (lp[at(j)].exp() - onehot) * scale) };

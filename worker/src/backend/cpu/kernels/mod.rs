@@ -7,6 +7,7 @@
 pub mod cast;
 pub mod conv;
 pub mod elementwise;
+pub mod fastmath;
 pub mod loss;
 pub mod matmul;
 pub mod norm;
