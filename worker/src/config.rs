@@ -396,6 +396,14 @@ pub struct CheckpointConfig {
     /// How many checkpoints to keep (the newest).
     #[serde(default = "d_keep")]
     pub keep: usize,
+    /// `auto`: continue from the newest complete checkpoint in `output.dir/checkpoints` (a
+    /// damaged one is skipped with a warning); `never`; or the path of one checkpoint.
+    #[serde(default = "d_resume")]
+    pub resume: String,
+}
+
+fn d_resume() -> String {
+    "auto".into()
 }
 
 fn d_keep() -> usize {
@@ -404,7 +412,7 @@ fn d_keep() -> usize {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { every: 0, keep: d_keep() }
+        CheckpointConfig { every: 0, keep: d_keep(), resume: d_resume() }
     }
 }
 
@@ -516,6 +524,11 @@ impl TrainingConfig {
             fix(&mut e.path);
         }
         fix(&mut self.output.dir);
+        if !matches!(self.checkpoint.resume.as_str(), "auto" | "never")
+            && Path::new(&self.checkpoint.resume).is_relative()
+        {
+            self.checkpoint.resume = base.join(&self.checkpoint.resume).display().to_string();
+        }
     }
 
     /// Checks what the types cannot: ranges and combinations. Messages name the key.

@@ -12,7 +12,8 @@ use std::path::Path;
 /// The forward graph of `model` with `weights` (by name) in place of its initial weights.
 pub fn inference_graph(model: &Model, weights: &BTreeMap<String, Tensor>) -> Result<Graph> {
     let mut g = model.graph.clone();
-    for (name, t) in weights {
+    // A checkpoint also holds optimizer state, which inference does not need.
+    for (name, t) in weights.iter().filter(|(n, _)| !n.starts_with(crate::session::OPTIMIZER_PREFIX)) {
         let v = g
             .find(name)
             .filter(|v| g.initializers.contains_key(v))

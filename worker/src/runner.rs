@@ -102,6 +102,33 @@ fn check_world(cfg: &TrainingConfig) -> Result<()> {
     Ok(())
 }
 
+/// A checkpoint's manifest, tensors and path.
+type Restored = (checkpoint::Manifest, std::collections::BTreeMap<String, crate::tensor::Tensor>, PathBuf);
+
+/// The checkpoint to continue from, as `checkpoint.resume` says.
+fn find_resume(cfg: &TrainingConfig, dir: &std::path::Path) -> Result<Option<Restored>> {
+    match cfg.checkpoint.resume.as_str() {
+        "never" => Ok(None),
+        "auto" => {
+            for (_, path) in checkpoint::list(dir).into_iter().rev() {
+                match checkpoint::load(&path) {
+                    Ok((m, t)) => return Ok(Some((m, t, path))),
+                    Err(e) => tracing::warn!(error = %e, "skipping a damaged checkpoint"),
+                }
+            }
+            Ok(None)
+        }
+        explicit => {
+            let path = PathBuf::from(explicit);
+            if !path.exists() {
+                return Err(Error::Config(format!("checkpoint.resume: {} does not exist", path.display())));
+            }
+            let (m, t) = checkpoint::load(&path)?;
+            Ok(Some((m, t, path)))
+        }
+    }
+}
+
 /// Runs the whole training described by `cfg`. `quiet` silences the per-step console lines.
 pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
     check_world(cfg)?;
@@ -119,6 +146,12 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         }
         _ => None,
     };
+    let ckpt_dir = cfg.output.dir.join("checkpoints");
+    let resumed = find_resume(cfg, &ckpt_dir)?;
+    if let Some((manifest, _, path)) = &resumed {
+        train_data.seek(&manifest.data)?;
+        tracing::info!(path = %path.display(), step = manifest.step, "resuming");
+    }
     let first: Batch = train_data.next_batch()?;
     let opts = SessionOptions { update: update_of(cfg), disabled_passes: vec![], frozen: vec![] };
     let t_build = Instant::now();
@@ -135,14 +168,22 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
 
     std::fs::create_dir_all(&cfg.output.dir)
         .map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
-    let mut metrics = Metrics::create(&cfg.output.dir.join("metrics.jsonl"))?;
-    let ckpt_dir = cfg.output.dir.join("checkpoints");
+    let metrics_path = cfg.output.dir.join("metrics.jsonl");
+    let start_step = match &resumed {
+        Some((manifest, tensors, path)) => {
+            session.load_state(tensors, &format!("checkpoint {}", path.display()))?;
+            manifest.step
+        }
+        None => 0,
+    };
+    let mut metrics =
+        if resumed.is_some() { Metrics::resume(&metrics_path, start_step)? } else { Metrics::create(&metrics_path)? };
     let mut pending = Some(first);
     let mut first_loss = f64::NAN;
     let mut last_loss = f64::NAN;
     let start = Instant::now();
     let items = train_data.items_per_batch() * cfg.gradient_accumulation_steps;
-    for step in 0..cfg.steps {
+    for step in start_step..cfg.steps {
         let t0 = Instant::now();
         let mut batches = Vec::with_capacity(cfg.gradient_accumulation_steps);
         for _ in 0..cfg.gradient_accumulation_steps {
@@ -161,7 +202,7 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             )));
         }
         let n = step + 1;
-        if step == 0 {
+        if step == start_step {
             first_loss = r.loss;
         }
         last_loss = r.loss;
@@ -194,7 +235,7 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         }
         if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
             let path =
-                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.weights()?, cfg.checkpoint.keep)?;
+                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.state()?, cfg.checkpoint.keep)?;
             tracing::info!(path = %path.display(), "checkpoint written");
         }
     }

@@ -15,6 +15,9 @@ use crate::tensor::Tensor;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
+/// Checkpointed optimizer tensors are named under this prefix; weights keep their own names.
+pub const OPTIMIZER_PREFIX: &str = "optimizer/";
+
 /// What the session needs to know beyond the model.
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
@@ -236,6 +239,58 @@ impl<B: Backend> Session<B> {
             .iter()
             .map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?)))
             .collect()
+    }
+
+    /// Everything an exact resume needs besides the data position: the weights by name, each
+    /// weight's optimizer state as `optimizer/<name>/<k>`, and `optimizer/step`.
+    pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = self.weights()?;
+        for p in &self.params {
+            let name = self.train.graph.name_of(p.value);
+            let meta = self.train.graph.meta(p.value).expect("bound");
+            for (k, buf) in p.state.iter().enumerate() {
+                let t = self.train.backend.download(Arg { buf, offset: 0, meta }).map_err(Error::Runtime)?;
+                out.insert(format!("{OPTIMIZER_PREFIX}{name}/{k}"), t);
+            }
+        }
+        out.insert(format!("{OPTIMIZER_PREFIX}step"), Tensor::from_vec(&[1], vec![self.step as i64]));
+        Ok(out)
+    }
+
+    /// Restores what `state` saved; `origin` names the checkpoint in errors.
+    pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>, origin: &str) -> Result<()> {
+        let missing = |what: &str| Error::Corrupt(format!("{origin}: '{what}' is missing"));
+        for p in &self.params {
+            let name = self.train.graph.name_of(p.value).to_string();
+            let meta = self.train.graph.meta(p.value).expect("bound").clone();
+            let w = state.get(&name).ok_or_else(|| missing(&name))?;
+            if w.dtype() != meta.dtype || w.shape() != meta.shape {
+                return Err(Error::Corrupt(format!(
+                    "{origin}: weight '{name}' is {}{:?}; the model's is {}{:?}",
+                    w.dtype(),
+                    w.shape(),
+                    meta.dtype,
+                    meta.shape
+                )));
+            }
+            self.train.feed(p.value, w)?;
+            for (k, buf) in p.state.iter().enumerate() {
+                let key = format!("{OPTIMIZER_PREFIX}{name}/{k}");
+                let t = state.get(&key).ok_or_else(|| missing(&key))?;
+                if t.shape() != meta.shape {
+                    return Err(Error::Corrupt(format!(
+                        "{origin}: '{key}' has shape {:?}, not {:?}",
+                        t.shape(),
+                        meta.shape
+                    )));
+                }
+                self.train.backend.upload(t, Arg { buf, offset: 0, meta: &meta }).map_err(Error::Runtime)?;
+            }
+        }
+        let step =
+            state.get(&format!("{OPTIMIZER_PREFIX}step")).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied());
+        self.step = step.ok_or_else(|| missing("optimizer/step"))? as u64;
+        Ok(())
     }
 
     /// Planned bytes: the training arena, and persistent weights/inputs.

@@ -85,3 +85,27 @@ fn gpt2_with_dropout_fits_a_batch() {
     let (first, last) = fit(&spec, ADAM, batch, 30, 3e-3);
     assert!(last < first * 0.5, "GPT-2 loss {first} -> {last}");
 }
+
+#[test]
+fn an_attached_mse_loss_trains_a_regression() {
+    use tensorfleet_worker::config::{LossConfig, LossKind, MlpConfig};
+    let g = tensorfleet_worker::models::mlp::build(&MlpConfig { inputs: 3, hidden: vec![16], classes: 2 }, 5).unwrap();
+    let loss =
+        LossConfig { kind: Some(LossKind::Mse), output: "logits".into(), label: "target".into(), ignore_index: None };
+    let model = models::with_loss(g, &loss).unwrap();
+    // Targets are a fixed linear map of the inputs.
+    let mut rng = Rng::new(8);
+    let x: Vec<f32> = (0..16 * 3).map(|_| rng.normal() as f32).collect();
+    let y: Vec<f32> = x.chunks(3).flat_map(|r| [r[0] - 0.5 * r[1], 0.3 * r[2] + 0.2]).collect();
+    let batch: BTreeMap<String, Tensor> =
+        [("x".to_string(), Tensor::from_vec(&[16, 3], x)), ("target".to_string(), Tensor::from_vec(&[16, 2], y))]
+            .into_iter()
+            .collect();
+    let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &options(ADAM)).unwrap();
+    let first = s.step(std::slice::from_ref(&batch), 1e-2, 0.0, 0).unwrap().loss;
+    let mut last = first;
+    for k in 1..100 {
+        last = s.step(std::slice::from_ref(&batch), 1e-2, 0.0, k).unwrap().loss;
+    }
+    assert!(last < first * 0.1, "MSE {first} -> {last}");
+}

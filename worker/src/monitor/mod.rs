@@ -16,6 +16,28 @@ impl Metrics {
         Ok(Metrics { path: path.to_path_buf(), file })
     }
 
+    /// Continues a run resumed after update `step`: lines of later steps (written before the
+    /// run stopped, and about to be redone) are dropped.
+    pub fn resume(path: &Path, step: u64) -> Result<Metrics> {
+        let old = std::fs::read_to_string(path).unwrap_or_default();
+        let kept: String = old
+            .lines()
+            .filter(|l| {
+                serde_json::from_str::<serde_json::Value>(l)
+                    .ok()
+                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                    .is_some_and(|s| s <= step)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        std::fs::write(path, kept).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
+        Ok(Metrics { path: path.to_path_buf(), file })
+    }
+
     fn line(&mut self, v: serde_json::Value) -> Result<()> {
         writeln!(self.file, "{v}").map_err(|e| Error::Runtime(format!("{}: {e}", self.path.display())))
     }

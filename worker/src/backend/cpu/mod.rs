@@ -92,11 +92,14 @@ impl Backend for CpuBackend {
     }
 
     fn sum_squares(&self, x: Arg<CpuBuffer>) -> Result<f64, String> {
-        Ok(view(&x)
+        // Partial sums collected in order, then added in order: the same bits on every run,
+        // whichever thread finished first (resumed runs must repeat the clipping exactly).
+        let partials: Vec<f64> = view(&x)
             .as_slice::<f32>()
             .par_chunks(4096)
             .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
-            .sum())
+            .collect();
+        Ok(partials.iter().sum())
     }
 
     fn optimizer_step(

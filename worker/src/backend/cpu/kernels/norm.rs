@@ -1,6 +1,6 @@
 //! Softmax, LogSoftmax and LayerNormalization, forward and backward side by side.
 
-use super::{KResult, SharedSlice, PAR_MIN};
+use super::{fastmath, KResult, SharedSlice, PAR_MIN};
 use crate::graph::infer::norm_axis;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
@@ -25,6 +25,32 @@ pub fn softmax(axis: i64, log: bool, x: &TensorView, y: &mut TensorViewMut) -> K
     let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
     let (outer, n, inner) = around(x.shape, a);
     match x.dtype {
+        DType::F32 if inner == 1 => {
+            // The last axis (attention scores): contiguous rows, vectorized exp.
+            let xs = x.as_slice::<f32>();
+            let row = |(r, yr): (usize, &mut [f32])| {
+                let xr = &xs[r * n..(r + 1) * n];
+                let max = fastmath::max(xr);
+                if log {
+                    let lse = max + fastmath::sum_exp(xr, max).ln();
+                    yr.iter_mut().zip(xr).for_each(|(o, &v)| *o = v - lse);
+                } else {
+                    let mut sum = 0.0;
+                    for (o, &v) in yr.iter_mut().zip(xr) {
+                        *o = fastmath::exp(v - max);
+                        sum += *o;
+                    }
+                    let inv = 1.0 / sum;
+                    yr.iter_mut().for_each(|o| *o *= inv);
+                }
+            };
+            let ys = y.as_mut_slice::<f32>();
+            if xs.len() >= PAR_MIN {
+                ys.par_chunks_mut(n.max(1)).enumerate().for_each(row);
+            } else {
+                ys.chunks_mut(n.max(1)).enumerate().for_each(row);
+            }
+        }
         DType::F32 => {
             let xs = x.as_slice::<f32>();
             let yp = SharedSlice::new(y.as_mut_slice::<f32>());
