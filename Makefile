@@ -43,8 +43,13 @@ test: deps
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 		$(CARGO) test --workspace --release
 
+# Criterion benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak, and
+# a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, measured in the same run.
+# .ci/bench-deps.sh installs that peer in .venv-bench/ (torch from PyPI: about 3 GB, for this
+# target only). The figures land in target/bench-summary.json for docs/PERFORMANCE.md.
 bench: deps
-	TENSORFLEET_PYTHON=$(VENV_PYTHON) $(CARGO) bench -p tensorfleet-worker
+	bash .ci/bench-deps.sh
+	TENSORFLEET_BENCH_PYTHON=$(CURDIR)/.venv-bench/bin/python $(CARGO) bench -p tensorfleet-worker --bench '*'
 
 # Needs a Docker engine; the development machines and CI have none, so this is not built there.
 images:

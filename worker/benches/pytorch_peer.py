@@ -16,7 +16,8 @@ Models (the configs the engine's criterion benches use):
               dropout 0.5 before the classifier as in the paper's model, fp32.
 Optimizer: torch.optim.AdamW(lr 1e-4, betas (0.9, 0.95), weight_decay 0.1) over all parameters.
 
-The venv (torch from PyPI; the default Linux wheel also pulls the CUDA runtime packages):
+The venv (torch from PyPI; the default Linux wheel also pulls the CUDA runtime packages), which
+`make bench` creates through .ci/bench-deps.sh:
 
     python3 -m venv .venv-bench
     .venv-bench/bin/pip install -r worker/benches/requirements-bench.txt
@@ -32,6 +33,9 @@ Run it on an idle machine. torch's OpenMP threads spin while they wait: with ano
 busy on one of the two cores, a SqueezeNet step measured 3.4 s instead of 0.05-0.08 s here, and
 `OMP_WAIT_POLICY=PASSIVE` brought it back to 0.08 s. The JSON carries the 1-minute load average
 before and after, so a reader can see whether the figures were taken on a busy machine.
+So the train_step bench (benches/train_step.rs, which runs this script with
+$TENSORFLEET_BENCH_PYTHON) runs it twice, with OMP_WAIT_POLICY unset and =PASSIVE, unless the
+caller set it, and compares each configuration with the faster run: PyTorch at its best.
 """
 
 import argparse

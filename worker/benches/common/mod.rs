@@ -1,0 +1,135 @@
+//! What both bench binaries share: timing through criterion while keeping the samples, the
+//! machine description, and `target/bench-summary.json`, where each binary writes its section.
+
+#![allow(dead_code)] // each bench binary uses its own part of this module
+
+use criterion::Bencher;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The per-iteration times criterion measured for one benchmark: every `iter_custom` call is
+/// kept, and the last `sample_size` of them are criterion's samples (warm-up calls come first).
+#[derive(Default)]
+pub struct Samples {
+    calls: Vec<(u64, Duration)>,
+}
+
+impl Samples {
+    /// Runs `routine` as criterion asks and records each call.
+    pub fn iter(&mut self, b: &mut Bencher, mut routine: impl FnMut()) {
+        b.iter_custom(|iters| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                routine();
+            }
+            let d = t.elapsed();
+            self.calls.push((iters, d));
+            d
+        });
+    }
+
+    /// Median seconds per iteration over the last `sample_size` calls; `None` when the
+    /// benchmark did not run (filtered out, or `--list`).
+    pub fn median_s(&self, sample_size: usize) -> Option<f64> {
+        let tail = &self.calls[self.calls.len().saturating_sub(sample_size)..];
+        let mut per_iter: Vec<f64> = tail.iter().map(|(n, d)| d.as_secs_f64() / *n as f64).collect();
+        if per_iter.is_empty() {
+            return None;
+        }
+        per_iter.sort_by(f64::total_cmp);
+        let mid = per_iter.len() / 2;
+        Some(if per_iter.len() % 2 == 1 { per_iter[mid] } else { (per_iter[mid - 1] + per_iter[mid]) / 2.0 })
+    }
+}
+
+/// Whether this run measures (`cargo bench`), rather than checking that each benchmark runs
+/// once (`cargo test --benches`, `-- --test`) or listing them (`-- --list`).
+pub fn measuring() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let has = |flag: &str| args.iter().any(|a| a == flag);
+    has("--bench") && !has("--test") && !has("--list") && !args.iter().any(|a| a.starts_with("--profile-time"))
+}
+
+/// The 1-minute load average (/proc/loadavg), so a reader can tell a busy machine's figures.
+pub fn load_avg_1m() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// CPU model, core count, OS and the versions a figure depends on.
+pub fn machine() -> serde_json::Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    // The vector extensions a GEMM can use (virtual machines often name no CPU model).
+    let flags: Vec<&str> = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("flags"))
+        .map(|f| f.split_whitespace().filter(|f| ["sse4_2", "avx", "avx2", "fma", "avx512f", "amx_tile"].contains(f)))
+        .into_iter()
+        .flatten()
+        .collect();
+    let rustc = std::process::Command::new(std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into()))
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string());
+    serde_json::json!({
+        "cpu": cpu,
+        "simd": flags,
+        "cores": std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        "os": std::env::consts::OS,
+        "arch": std::env::consts::ARCH,
+        "tensorfleet": env!("CARGO_PKG_VERSION"),
+        "rustc": rustc,
+    })
+}
+
+/// Today's date (UTC) as YYYY-MM-DD.
+pub fn today() -> String {
+    let days = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() / 86_400).unwrap_or(0) as i64;
+    // Days since 1970-01-01 to a civil date (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// `target/bench-summary.json` ($CARGO_TARGET_DIR when set).
+pub fn summary_path() -> PathBuf {
+    // The workspace's target/: the parent of this crate's folder.
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap_or(Path::new("."));
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target"));
+    target.join("bench-summary.json")
+}
+
+/// Replaces this binary's `section` of the summary (the other binary's stays) and the machine.
+pub fn write_summary(section: &str, value: serde_json::Value) {
+    let path = summary_path();
+    let mut all = std::fs::read_to_string(&path)
+        .ok()
+        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok())
+        .filter(|v| v.is_object())
+        .unwrap_or_else(|| serde_json::json!({}));
+    all["machine"] = machine();
+    all[section] = value;
+    let text = serde_json::to_string_pretty(&all).expect("JSON values serialize");
+    match std::fs::write(&path, text + "\n") {
+        Ok(()) => println!("summary: {} (section '{section}')", path.display()),
+        Err(e) => eprintln!("summary: could not write {}: {e}", path.display()),
+    }
+}
+
+/// `x` rounded to `digits` decimals, for the summary.
+pub fn round(x: f64, digits: i32) -> f64 {
+    let p = 10f64.powi(digits);
+    (x * p).round() / p
+}
