@@ -422,6 +422,9 @@ pub struct LoggingConfig {
     /// Log every this many updates.
     #[serde(default = "d_log_every")]
     pub every: u64,
+    /// Also write the logged scalars as TensorBoard events (`output.dir/tensorboard/`).
+    #[serde(default = "d_true")]
+    pub tensorboard: bool,
 }
 
 fn d_log_every() -> u64 {
@@ -430,7 +433,7 @@ fn d_log_every() -> u64 {
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        LoggingConfig { every: 1 }
+        LoggingConfig { every: 1, tensorboard: true }
     }
 }
 

@@ -69,6 +69,9 @@ fn run(cli: Cli) -> Result<()> {
                 None => println!("  checkpoints: none (checkpoint.every is 0)"),
             }
             println!("  model:       {}", s.model.display());
+            if cfg.logging.tensorboard {
+                println!("  tensorboard: tensorboard --logdir {}", cfg.output.dir.join("tensorboard").display());
+            }
             Ok(())
         }
         Command::Export { checkpoint: dir, output } => {

@@ -178,6 +178,9 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
     };
     let mut metrics =
         if resumed.is_some() { Metrics::resume(&metrics_path, start_step)? } else { Metrics::create(&metrics_path)? };
+    if cfg.logging.tensorboard {
+        metrics = metrics.with_tensorboard(&cfg.output.dir.join("tensorboard"))?;
+    }
     let mut pending = Some(first);
     let mut first_loss = f64::NAN;
     let mut last_loss = f64::NAN;

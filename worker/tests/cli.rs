@@ -53,6 +53,11 @@ fn trains_exports_and_inspects() {
     assert!(lines.iter().all(|v| v.get("lr").is_some() || v.get("evalLoss").is_some()));
     assert_eq!(lines.iter().filter(|v| v.get("evalLoss").is_some()).count(), 2);
     assert!(dir.join("out/checkpoints/checkpoint_4/manifest.json").exists());
+    let events: Vec<_> = std::fs::read_dir(dir.join("out/tensorboard")).unwrap().filter_map(|e| e.ok()).collect();
+    assert_eq!(events.len(), 1);
+    let ev = tensorfleet_worker::monitor::tensorboard::read_events(&events[0].path()).unwrap();
+    // The file version record, 4 logged steps and 2 evaluations.
+    assert_eq!(ev.len(), 7, "{ev:?}");
     assert!(!dir.join("out/checkpoints/checkpoint_2").exists(), "keep: 1 prunes older checkpoints");
 
     let o = worker(&["export", "--checkpoint", "out/checkpoints/checkpoint_4", "--output", "again.onnx"], &dir);

@@ -1,4 +1,7 @@
-//! Training telemetry: `metrics.jsonl` (one JSON object per logged step or evaluation).
+//! Training telemetry: `metrics.jsonl` (one JSON object per logged step or evaluation) and,
+//! when enabled, the same scalars as TensorBoard events under `output.dir/tensorboard/`.
+
+pub mod tensorboard;
 
 use crate::error::{Error, Result};
 use std::io::Write;
@@ -7,13 +10,20 @@ use std::path::{Path, PathBuf};
 pub struct Metrics {
     path: PathBuf,
     file: std::fs::File,
+    events: Option<tensorboard::EventWriter>,
 }
 
 impl Metrics {
     /// Starts a fresh metrics file.
     pub fn create(path: &Path) -> Result<Metrics> {
         let file = std::fs::File::create(path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
-        Ok(Metrics { path: path.to_path_buf(), file })
+        Ok(Metrics { path: path.to_path_buf(), file, events: None })
+    }
+
+    /// Also writes TensorBoard events into `dir` (a new event file per run or resume).
+    pub fn with_tensorboard(mut self, dir: &Path) -> Result<Metrics> {
+        self.events = Some(tensorboard::EventWriter::create(dir)?);
+        Ok(self)
     }
 
     /// Continues a run resumed after update `step`: lines of later steps (written before the
@@ -35,7 +45,7 @@ impl Metrics {
             .append(true)
             .open(path)
             .map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
-        Ok(Metrics { path: path.to_path_buf(), file })
+        Ok(Metrics { path: path.to_path_buf(), file, events: None })
     }
 
     fn line(&mut self, v: serde_json::Value) -> Result<()> {
@@ -52,6 +62,15 @@ impl Metrics {
         items_per_sec: f64,
         elapsed_sec: f64,
     ) -> Result<()> {
+        if let Some(ev) = &mut self.events {
+            let scalars = [
+                ("train/loss", loss),
+                ("train/lr", lr),
+                ("train/grad_norm", grad_norm),
+                ("train/items_per_sec", items_per_sec),
+            ];
+            ev.scalars(step, &scalars)?;
+        }
         self.line(serde_json::json!({
             "step": step, "loss": loss, "lr": lr, "gradNorm": grad_norm,
             "itemsPerSec": items_per_sec, "elapsedSec": elapsed_sec,
@@ -59,6 +78,9 @@ impl Metrics {
     }
 
     pub fn eval(&mut self, step: u64, eval_loss: f64) -> Result<()> {
+        if let Some(ev) = &mut self.events {
+            ev.scalars(step, &[("eval/loss", eval_loss)])?;
+        }
         self.line(serde_json::json!({"step": step, "evalLoss": eval_loss}))
     }
 }

@@ -1,0 +1,167 @@
+//! TensorBoard event files: `events.out.tfevents.<unix time>.<host>`, a sequence of records
+//! (u64 LE length, masked CRC-32C of the length, an `Event` protobuf, masked CRC-32C of it),
+//! the first carrying `file_version: "brain.Event:2"`, then one Event per logged scalar.
+
+use crate::error::{Error, Result};
+use prost::Message;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Event {
+    #[prost(double, tag = "1")]
+    pub wall_time: f64,
+    #[prost(int64, tag = "2")]
+    pub step: i64,
+    #[prost(string, optional, tag = "3")]
+    pub file_version: Option<String>,
+    #[prost(message, optional, tag = "5")]
+    pub summary: Option<Summary>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct Summary {
+    #[prost(message, repeated, tag = "1")]
+    pub value: Vec<SummaryValue>,
+}
+
+#[derive(Clone, PartialEq, Message)]
+pub struct SummaryValue {
+    #[prost(string, tag = "1")]
+    pub tag: String,
+    #[prost(float, optional, tag = "2")]
+    pub simple_value: Option<f32>,
+}
+
+/// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven.
+pub fn crc32c(data: &[u8]) -> u32 {
+    static TABLE: std::sync::OnceLock<[u32; 256]> = std::sync::OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let mut t = [0u32; 256];
+        for (i, e) in t.iter_mut().enumerate() {
+            let mut c = i as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 { (c >> 1) ^ 0x82F6_3B78 } else { c >> 1 };
+            }
+            *e = c;
+        }
+        t
+    });
+    !data.iter().fold(!0u32, |c, &b| table[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8))
+}
+
+/// TensorFlow's masked CRC: rotate right by 15 and add a constant.
+pub fn masked_crc(data: &[u8]) -> u32 {
+    let c = crc32c(data);
+    c.rotate_right(15).wrapping_add(0xa282_ead8)
+}
+
+fn now() -> f64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+}
+
+pub struct EventWriter {
+    path: PathBuf,
+    file: std::io::BufWriter<std::fs::File>,
+}
+
+impl EventWriter {
+    /// Creates a new event file in `dir`.
+    pub fn create(dir: &Path) -> Result<EventWriter> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::Runtime(format!("{}: {e}", dir.display())))?;
+        let host =
+            std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+        let host = if host.is_empty() { "localhost".to_string() } else { host };
+        let path = dir.join(format!("events.out.tfevents.{:010}.{host}", now() as u64));
+        let file = std::fs::File::create(&path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
+        let mut w = EventWriter { path, file: std::io::BufWriter::new(file) };
+        w.write(&Event { wall_time: now(), step: 0, file_version: Some("brain.Event:2".into()), summary: None })?;
+        Ok(w)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn write(&mut self, e: &Event) -> Result<()> {
+        let data = e.encode_to_vec();
+        let len = (data.len() as u64).to_le_bytes();
+        let mut rec = Vec::with_capacity(data.len() + 16);
+        rec.extend_from_slice(&len);
+        rec.extend_from_slice(&masked_crc(&len).to_le_bytes());
+        rec.extend_from_slice(&data);
+        rec.extend_from_slice(&masked_crc(&data).to_le_bytes());
+        self.file.write_all(&rec).map_err(|err| Error::Runtime(format!("{}: {err}", self.path.display())))
+    }
+
+    /// Logs scalars (tag, value) at `step`, and flushes so TensorBoard sees them live.
+    pub fn scalars(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
+        let value = values
+            .iter()
+            .map(|(tag, v)| SummaryValue { tag: tag.to_string(), simple_value: Some(*v as f32) })
+            .collect();
+        self.write(&Event {
+            wall_time: now(),
+            step: step as i64,
+            file_version: None,
+            summary: Some(Summary { value }),
+        })?;
+        self.file.flush().map_err(|e| Error::Runtime(format!("{}: {e}", self.path.display())))
+    }
+}
+
+/// Reads every event of a file back, checking both CRCs of each record.
+pub fn read_events(path: &Path) -> Result<Vec<Event>> {
+    let bytes = std::fs::read(path).map_err(|e| Error::Corrupt(format!("{}: {e}", path.display())))?;
+    let bad = |at: usize, what: &str| Error::Corrupt(format!("{} at offset {at}: {what}", path.display()));
+    let mut events = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() {
+        let head = bytes.get(at..at + 12).ok_or_else(|| bad(at, "truncated record header"))?;
+        let len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes")) as usize;
+        if u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) != masked_crc(&head[..8]) {
+            return Err(bad(at, "length CRC mismatch"));
+        }
+        let data = bytes.get(at + 12..at + 12 + len).ok_or_else(|| bad(at, "truncated record"))?;
+        let crc = bytes.get(at + 12 + len..at + 16 + len).ok_or_else(|| bad(at, "truncated record CRC"))?;
+        if u32::from_le_bytes(crc.try_into().expect("4 bytes")) != masked_crc(data) {
+            return Err(bad(at, "data CRC mismatch"));
+        }
+        events.push(Event::decode(data).map_err(|e| bad(at, &e.to_string()))?);
+        at += 16 + len;
+    }
+    Ok(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+        assert_eq!(crc32c(b""), 0);
+    }
+
+    #[test]
+    fn events_round_trip() {
+        let dir = std::env::temp_dir().join(format!("tf-events-{}", std::process::id()));
+        let mut w = EventWriter::create(&dir).unwrap();
+        w.scalars(1, &[("train/loss", 2.5), ("train/lr", 1e-3)]).unwrap();
+        w.scalars(2, &[("train/loss", 2.0)]).unwrap();
+        let path = w.path().to_path_buf();
+        drop(w);
+        assert!(path.file_name().unwrap().to_str().unwrap().starts_with("events.out.tfevents."));
+        let ev = read_events(&path).unwrap();
+        assert_eq!(ev[0].file_version.as_deref(), Some("brain.Event:2"));
+        let s = ev[1].summary.as_ref().unwrap();
+        assert_eq!((ev[1].step, s.value[0].tag.as_str(), s.value[0].simple_value), (1, "train/loss", Some(2.5)));
+        assert_eq!(ev.len(), 3);
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 6] ^= 1;
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(read_events(&path).is_err(), "a flipped bit fails the CRC");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
