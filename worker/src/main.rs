@@ -62,7 +62,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train { config, set, quiet } => {
             let cfg = TrainingConfig::load(&config, &set)?;
             let s = runner::train(&cfg, quiet)?;
-            println!("trained {} steps: loss {:.4} -> {:.4}", s.steps, s.first_loss, s.final_loss);
+            if s.start_step == s.steps {
+                println!("nothing to train: the newest checkpoint is at step {} of {}", s.start_step, s.steps);
+            } else if s.start_step > 0 {
+                let (from, to) = (s.start_step, s.steps);
+                println!("resumed at step {from}, trained to {to}: loss {:.4} -> {:.4}", s.first_loss, s.final_loss);
+            } else {
+                println!("trained {} steps: loss {:.4} -> {:.4}", s.steps, s.first_loss, s.final_loss);
+            }
             println!("  losses:      {}", s.metrics.display());
             match &s.checkpoints {
                 Some(c) => println!("  checkpoints: {}", c.display()),

@@ -18,6 +18,8 @@ use std::time::Instant;
 /// Where a run's outputs went.
 #[derive(Debug)]
 pub struct Summary {
+    /// The update the run started from (0, or the resumed checkpoint's step).
+    pub start_step: u64,
     pub steps: u64,
     pub first_loss: f64,
     pub final_loss: f64,
@@ -245,6 +247,7 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
     let model_path = cfg.output.dir.join("model.onnx");
     crate::export::write(&model, &session.weights()?, &model_path)?;
     Ok(Summary {
+        start_step,
         steps: cfg.steps,
         first_loss,
         final_loss: last_loss,
