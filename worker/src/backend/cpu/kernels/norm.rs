@@ -89,6 +89,20 @@ pub fn softmax_grad(axis: i64, log: bool, dy: &TensorView, y: &TensorView, dx: &
     let a = norm_axis(axis, y.shape.len()).ok_or("axis out of range")?;
     let (outer, n, inner) = around(y.shape, a);
     let (dys, ys) = (dy.as_slice::<f32>(), y.as_slice::<f32>());
+    if inner == 1 {
+        // The last axis: contiguous rows.
+        dx.as_mut_slice::<f32>().par_chunks_mut(n.max(1)).enumerate().for_each(|(r, dxr)| {
+            let (dyr, yr) = (&dys[r * n..(r + 1) * n], &ys[r * n..(r + 1) * n]);
+            if log {
+                let s: f32 = dyr.iter().sum();
+                dxr.iter_mut().zip(dyr.iter().zip(yr)).for_each(|(o, (&g, &y))| *o = g - fastmath::exp(y) * s);
+            } else {
+                let s: f32 = dyr.iter().zip(yr).map(|(g, y)| g * y).sum();
+                dxr.iter_mut().zip(dyr.iter().zip(yr)).for_each(|(o, (&g, &y))| *o = y * (g - s));
+            }
+        });
+        return Ok(());
+    }
     let dxp = SharedSlice::new(dx.as_mut_slice::<f32>());
     for_each_lane(ys.len(), outer, inner, |o, i| {
         let at = |j: usize| o * n * inner + j * inner + i;
