@@ -24,9 +24,10 @@ deps:
 build: deps
 	$(CARGO) build --workspace --release
 
-# The worker prints where metrics.jsonl, the checkpoints and model.onnx went.
+# The worker prints where metrics.jsonl, the checkpoints and model.onnx went. The demo always
+# trains from the start (a plain `train` would resume from the last run's checkpoints).
 demo: deps demo-data
-	$(CARGO) run --release -p tensorfleet-worker -- train --config $(DEMO_CONFIG)
+	$(CARGO) run --release -p tensorfleet-worker -- train --config $(DEMO_CONFIG) --set checkpoint.resume=never
 
 # Tokenizes the demo corpus once, when $(DEMO_TOKENS) does not exist; delete it to redo.
 demo-data: $(DEMO_TOKENS)
