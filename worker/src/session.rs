@@ -11,7 +11,7 @@ use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::Update;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
@@ -107,10 +107,14 @@ impl<B: Backend> Session<B> {
                 return Err(Error::Config(format!("frozen weight '{f}' is not an initializer of the model")));
             }
         }
-        let params: Vec<ValueId> =
-            g.float_initializers().into_iter().filter(|&v| !opts.frozen.iter().any(|f| f == g.name_of(v))).collect();
+        // float32 initializers train; other float types (a float64 constant, say) stay as they are.
+        let params: Vec<ValueId> = g
+            .float_initializers()
+            .into_iter()
+            .filter(|&v| g.initializers[&v].dtype() == DType::F32 && !opts.frozen.iter().any(|f| f == g.name_of(v)))
+            .collect();
         if params.is_empty() {
-            return Err(Error::Config("the model has no trainable weights (float initializers)".into()));
+            return Err(Error::Config("the model has no trainable weights (float32 initializers)".into()));
         }
         let variables: HashSet<ValueId> = params.iter().copied().collect();
         let bindings = bindings_for(g, sample, &variables)?;

@@ -3,6 +3,7 @@
 
 use super::ir::Graph;
 use super::op::{Binary, Op, Unary};
+use crate::tensor::DType;
 
 /// The passes, in the order they run.
 pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose"];
@@ -45,7 +46,9 @@ fn matmul_bias(g: &mut Graph) -> usize {
             };
             let bias_ok = g.meta(bias).is_some_and(|m| m.shape == [n_cols]);
             let out_same = g.meta(mm_out) == g.nodes[i].output(0).and_then(|o| g.meta(o));
-            if g.nodes[p].op != Op::MatMul || uses[mm_out] != 1 || !bias_ok || !out_same {
+            // The fused kernel is the f32 GEMM's epilogue; other element types stay unfused.
+            let f32_out = g.meta(mm_out).is_some_and(|m| m.dtype == DType::F32);
+            if g.nodes[p].op != Op::MatMul || uses[mm_out] != 1 || !bias_ok || !out_same || !f32_out {
                 continue;
             }
             let (a, w) = (g.nodes[p].inputs[0], g.nodes[p].inputs[1]);
@@ -107,8 +110,9 @@ fn matmul_transpose(g: &mut Graph) -> usize {
     let mut fused = 0;
     let producers = g.producers();
     for i in 0..g.nodes.len() {
+        let f32_out = g.nodes[i].output(0).and_then(|o| g.meta(o)).is_some_and(|m| m.dtype == DType::F32);
         let (ta, tb) = match &g.nodes[i].op {
-            Op::MatMul => (false, false),
+            Op::MatMul if f32_out => (false, false),
             Op::FusedMatMul { trans_a, trans_b, activation: None } => (*trans_a, *trans_b),
             _ => continue,
         };
