@@ -2,9 +2,12 @@
 //! gradients or optimizer state.
 
 use crate::error::{Error, Result};
-use crate::graph::ir::Graph;
+use crate::graph::infer::{bind, Bindings};
+use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::onnx_io::to_model;
+use crate::graph::op::Op;
 use crate::models::Model;
+use crate::tensor::DType;
 use crate::tensor::Tensor;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -29,8 +32,66 @@ pub fn inference_graph(model: &Model, weights: &BTreeMap<String, Tensor>) -> Res
     }
     g.outputs = model.outputs.clone();
     g.inputs.retain(|d| !model.label_inputs.contains(&d.value));
+    remove_dropout(&mut g);
     g.prune();
+    g.output_types = output_types(&g);
     Ok(g)
+}
+
+/// Dropout is the identity in inference: its readers read its input instead.
+fn remove_dropout(g: &mut Graph) {
+    let mut replace: BTreeMap<ValueId, ValueId> = BTreeMap::new();
+    g.nodes.retain(|n| match (&n.op, n.input(0), n.output(0)) {
+        (Op::Dropout { .. }, Some(x), Some(y)) => {
+            replace.insert(y, x);
+            false
+        }
+        _ => true,
+    });
+    let resolve = |mut v: ValueId| {
+        while let Some(&x) = replace.get(&v) {
+            v = x;
+        }
+        v
+    };
+    for n in &mut g.nodes {
+        for i in n.inputs.iter_mut().flatten() {
+            *i = resolve(*i);
+        }
+    }
+    for o in &mut g.outputs {
+        *o = resolve(*o);
+    }
+}
+
+/// Output types for the saved model: the graph is bound twice, with every named input dim at
+/// 2 and then at 3; an output dim that follows them is symbolic, one that does not is fixed.
+fn output_types(g: &Graph) -> BTreeMap<ValueId, (DType, Vec<Dim>)> {
+    let bound_at = |n: usize| {
+        let mut b = Bindings::default();
+        for d in &g.inputs {
+            for dim in &d.dims {
+                if let Dim::Named(name) = dim {
+                    b.dims.insert(name.clone(), n);
+                }
+            }
+        }
+        bind(g, &b, false).ok()
+    };
+    let (Some(two), Some(three)) = (bound_at(2), bound_at(3)) else { return g.output_types.clone() };
+    let mut out = BTreeMap::new();
+    for &o in &g.outputs {
+        let (Some(a), Some(b)) = (two.meta(o), three.meta(o)) else { continue };
+        let dims = a
+            .shape
+            .iter()
+            .zip(&b.shape)
+            .enumerate()
+            .map(|(i, (&x, &y))| if x == y { Dim::Fixed(x) } else { Dim::Named(format!("{}_dim{i}", g.name_of(o))) })
+            .collect();
+        out.insert(o, (a.dtype, dims));
+    }
+    out
 }
 
 /// Writes the inference model to `path` (atomically: a temporary file, then a rename).

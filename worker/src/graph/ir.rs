@@ -84,6 +84,9 @@ pub struct Graph {
     pub initializers: BTreeMap<ValueId, Tensor>,
     /// The default-domain opset the model was written for.
     pub opset: i64,
+    /// Declared element types and dims of graph outputs (from the model file, or worked out
+    /// for an export), so a saved model's outputs are typed before any binding.
+    pub output_types: BTreeMap<ValueId, (DType, Vec<Dim>)>,
     by_name: HashMap<String, ValueId>,
 }
 

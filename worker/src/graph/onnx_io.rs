@@ -93,6 +93,9 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
             Error::Corrupt(format!("{origin}: graph output '{}' is not produced by any node or initializer", vi.name()))
         })?;
         g.outputs.push(v);
+        if let Some(t) = vi.r#type.as_ref().and_then(dims_of) {
+            g.output_types.insert(v, t);
+        }
     }
     check_defined(&g, origin)?;
     Ok(g)
@@ -190,6 +193,8 @@ fn value_info(name: &str, dtype: DType, dims: &[Dim]) -> ValueInfoProto {
 /// types inference gave them (symbolic dims of inputs stay symbolic).
 pub fn to_model(g: &Graph, producer: &str) -> ModelProto {
     let mut uses_internal = false;
+    // Operands kept as attributes here are inputs in ONNX: one initializer per node and operand.
+    let mut operands = Vec::new();
     let node = g
         .nodes
         .iter()
@@ -197,8 +202,16 @@ pub fn to_model(g: &Graph, producer: &str) -> ModelProto {
             let (op_type, domain) = n.op.onnx_name();
             uses_internal |= domain == TF_DOMAIN;
             let name_of = |v: &Option<usize>| v.map_or(String::new(), |v| g.name_of(v).to_string());
+            let mut input: Vec<String> = n.inputs.iter().map(name_of).collect();
+            if input.len() == 1 {
+                for (k, t) in n.op.operand_inputs().iter().enumerate() {
+                    let name = format!("{}.operand{}", n.name, k + 1);
+                    operands.push(tensor_to_proto(&name, t));
+                    input.push(name);
+                }
+            }
             NodeProto {
-                input: n.inputs.iter().map(name_of).collect(),
+                input,
                 output: n.outputs.iter().map(name_of).collect(),
                 name: Some(n.name.clone()),
                 op_type: Some(op_type.to_string()),
@@ -212,15 +225,16 @@ pub fn to_model(g: &Graph, producer: &str) -> ModelProto {
     let output = g
         .outputs
         .iter()
-        .map(|&v| match g.meta(v) {
-            Some(m) => {
+        .map(|&v| match (g.output_types.get(&v), g.meta(v)) {
+            (Some((dtype, dims)), _) => value_info(g.name_of(v), *dtype, dims),
+            (None, Some(m)) => {
                 let dims: Vec<Dim> = m.shape.iter().map(|&d| Dim::Fixed(d)).collect();
                 value_info(g.name_of(v), m.dtype, &dims)
             }
-            None => ValueInfoProto { name: Some(g.name_of(v).to_string()), ..Default::default() },
+            (None, None) => ValueInfoProto { name: Some(g.name_of(v).to_string()), ..Default::default() },
         })
         .collect();
-    let initializer = g.initializers.iter().map(|(v, t)| tensor_to_proto(g.name_of(*v), t)).collect();
+    let initializer = g.initializers.iter().map(|(v, t)| tensor_to_proto(g.name_of(*v), t)).chain(operands).collect();
     let mut opset_import = vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(g.opset.max(13)) }];
     if uses_internal {
         opset_import.push(OperatorSetIdProto { domain: Some(TF_DOMAIN.to_string()), version: Some(1) });

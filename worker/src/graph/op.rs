@@ -702,7 +702,8 @@ impl Op {
         match self {
             Op::Unary(Unary::GeluTanh) => vec![("approximate".into(), AttrValue::Str("tanh".into()))],
             Op::Cast { to } => vec![i("to", to.onnx_code() as i64)],
-            Op::Dropout { ratio, seed, .. } => vec![f("ratio", *ratio), i("seed", *seed as i64)],
+            // Dropout's ratio is an input since opset 12 (`onnx_io::to_model` writes it).
+            Op::Dropout { seed, .. } => vec![i("seed", *seed as i64)],
             Op::Gemm { alpha, beta, trans_a, trans_b } => {
                 vec![f("alpha", *alpha), f("beta", *beta), i("transA", *trans_a as i64), i("transB", *trans_b as i64)]
             }
@@ -712,19 +713,16 @@ impl Op {
             Op::Flatten { axis } => vec![i("axis", *axis)],
             Op::LayerNorm { axis, epsilon } => vec![i("axis", *axis), f("epsilon", *epsilon)],
             Op::Transpose { perm: Some(p) } => vec![is("perm", p)],
-            Op::Split { axis, sizes, .. } => {
-                let mut v = vec![i("axis", *axis)];
-                if !sizes.is_empty() {
-                    v.push(is("split", sizes));
-                }
-                v
-            }
+            // Split's sizes (and Squeeze/Unsqueeze/Reduce axes) are inputs in the opsets we
+            // write; `operand_inputs` gives them.
+            Op::Split { axis, .. } => vec![i("axis", *axis)],
             Op::Trilu { upper, .. } => vec![i("upper", *upper as i64)],
             Op::ReduceOp { keepdims, noop_with_empty_axes, .. } => {
                 vec![i("keepdims", *keepdims as i64), i("noop_with_empty_axes", *noop_with_empty_axes as i64)]
             }
             Op::Conv { window, group } => {
-                let mut v = win(window);
+                // Conv has no ceil_mode (pooling has).
+                let mut v: Vec<_> = win(window).into_iter().filter(|(k, _)| k != "ceil_mode").collect();
                 v.push(i("group", *group as i64));
                 v
             }
@@ -764,6 +762,19 @@ impl Op {
                 i("transB", *trans_b as i64),
                 i("gelu", matches!(activation, Some(Unary::GeluTanh)) as i64),
             ],
+            _ => vec![],
+        }
+    }
+
+    /// Operands that ONNX (opset 13 and later, 18 for ReduceMean/Max/Min) takes as inputs but
+    /// this vocabulary keeps as attributes: what a saved node appends to its inputs.
+    pub fn operand_inputs(&self) -> Vec<Tensor> {
+        let ints = |v: &[i64]| Tensor::from_vec(&[v.len()], v.to_vec());
+        match self {
+            Op::Dropout { ratio, .. } => vec![Tensor::scalar(*ratio)],
+            Op::Split { sizes, .. } if !sizes.is_empty() => vec![ints(sizes)],
+            Op::Squeeze { axes: Some(a) } | Op::Unsqueeze { axes: Some(a) } => vec![ints(a)],
+            Op::ReduceOp { axes: Some(a), .. } if !a.is_empty() => vec![ints(a)],
             _ => vec![],
         }
     }
