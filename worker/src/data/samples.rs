@@ -152,3 +152,41 @@ impl Loader for SampleLoader {
         self.batch
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_stack_samples_and_damage_names_file_and_offset() {
+        let dir = std::env::temp_dir().join(format!("tf-samples-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let samples: Vec<Sample> = (0..5)
+            .map(|i| {
+                vec![
+                    ("x".to_string(), Tensor::from_vec(&[2], vec![i as f32, -(i as f32)])),
+                    ("labels".to_string(), Tensor::from_vec(&[], vec![i as i64])),
+                ]
+            })
+            .collect();
+        let path = dir.join("part.pb");
+        write_shard(&path, &samples).unwrap();
+        let mut l = SampleLoader::open(&dir, "data.train", 2, false, 0).unwrap();
+        let b = l.next_batch().unwrap();
+        assert_eq!(b["x"].shape(), &[2, 2]);
+        assert_eq!(b["x"].as_slice::<f32>(), &[0.0, -0.0, 1.0, -1.0]);
+        assert_eq!(b["labels"].as_slice::<i64>(), &[0, 1]);
+        l.next_batch().unwrap();
+        // 5 samples make 2 batches of 2; the third batch starts the next epoch.
+        assert_eq!(l.next_batch().unwrap()["labels"].as_slice::<i64>(), &[0, 1]);
+        assert_eq!(l.position(), Position { epoch: 1, batch: 1 });
+
+        let bytes = std::fs::read(&path).unwrap();
+        std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
+        let e = read_shard(&path).unwrap_err();
+        assert_eq!(e.exit_code(), 3);
+        let msg = e.to_string();
+        assert!(msg.contains("part.pb") && msg.contains("offset"), "{msg}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
