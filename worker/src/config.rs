@@ -27,6 +27,9 @@ pub struct TrainingConfig {
     pub steps: u64,
     #[serde(default)]
     pub optimizer: OptimizerConfig,
+    /// Weights (initializer names) that do not train.
+    #[serde(default)]
+    pub frozen_weights: Vec<String>,
     #[serde(default)]
     pub lr_schedule: LrSchedule,
     /// Global gradient-norm clipping threshold; 0 switches clipping off.
@@ -245,6 +248,10 @@ pub struct OptimizerConfig {
     pub momentum: f64,
     #[serde(default)]
     pub nesterov: bool,
+    /// Weights whose name contains one of these strings get no weight decay. Empty: the
+    /// default rule, no decay for weights of rank below 2 (biases, normalization scales).
+    #[serde(default)]
+    pub no_decay: Vec<String>,
 }
 
 fn d_lr() -> f64 {
@@ -271,6 +278,7 @@ impl Default for OptimizerConfig {
             weight_decay: 0.0,
             momentum: 0.0,
             nesterov: false,
+            no_decay: vec![],
         }
     }
 }
@@ -282,6 +290,8 @@ pub enum OptimizerName {
     Adam,
     #[default]
     Adamw,
+    /// Layer-wise adaptive moments (You et al.): Adam's step scaled per tensor by ‖w‖/‖step‖.
+    Lamb,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]

@@ -41,6 +41,12 @@ pub fn update_of(cfg: &TrainingConfig) -> Update {
             weight_decay: o.weight_decay as f32,
             decoupled: o.name == OptimizerName::Adamw,
         },
+        OptimizerName::Lamb => Update::Lamb {
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            epsilon: o.epsilon as f32,
+            weight_decay: o.weight_decay as f32,
+        },
     }
 }
 
@@ -155,7 +161,12 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         tracing::info!(path = %path.display(), step = manifest.step, "resuming");
     }
     let first: Batch = train_data.next_batch()?;
-    let opts = SessionOptions { update: update_of(cfg), disabled_passes: vec![], frozen: vec![] };
+    let opts = SessionOptions {
+        update: update_of(cfg),
+        disabled_passes: vec![],
+        frozen: cfg.frozen_weights.clone(),
+        no_decay: cfg.optimizer.no_decay.clone(),
+    };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
     let (arena, persistent) = session.memory();

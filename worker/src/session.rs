@@ -26,6 +26,8 @@ pub struct SessionOptions {
     pub disabled_passes: Vec<String>,
     /// Names of float initializers that do not train.
     pub frozen: Vec<String>,
+    /// Weights whose name contains one of these get no weight decay; empty: rank below 2.
+    pub no_decay: Vec<String>,
 }
 
 /// A trainable weight and its device-side companions.
@@ -104,7 +106,7 @@ impl<B: Backend> Session<B> {
         let g = &model.graph;
         for f in &opts.frozen {
             if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
-                return Err(Error::Config(format!("frozen weight '{f}' is not an initializer of the model")));
+                return Err(Error::Config(format!("frozenWeights: '{f}' is not a weight (initializer) of the model")));
             }
         }
         // float32 initializers train; other float types (a float64 constant, say) stay as they are.
@@ -136,8 +138,14 @@ impl<B: Backend> Session<B> {
         for (&value, &grad) in params.iter().zip(&grads) {
             let meta = train.graph.meta(value).cloned().expect("bound");
             // Weight decay applies to matrices (and convolution kernels), not to biases and
-            // normalization weights: the PyTorch/Megatron convention.
-            let update = if meta.shape.len() >= 2 { opts.update } else { opts.update.without_decay() };
+            // normalization weights (the PyTorch/Megatron convention), unless name patterns say.
+            let name = train.graph.name_of(value);
+            let decays = if opts.no_decay.is_empty() {
+                meta.shape.len() >= 2
+            } else {
+                !opts.no_decay.iter().any(|pat| name.contains(pat.as_str()))
+            };
+            let update = if decays { opts.update } else { opts.update.without_decay() };
             let alloc = || backend.alloc(meta.bytes()).map_err(Error::Runtime);
             let state = (0..update.state_count()).map(|_| alloc()).collect::<Result<Vec<_>>>()?;
             let accum = if accumulation > 1 { Some(alloc()?) } else { None };

@@ -12,7 +12,7 @@ use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::Tensor;
 
 fn options(update: Update) -> SessionOptions {
-    SessionOptions { update, disabled_passes: vec![], frozen: vec![] }
+    SessionOptions { update, disabled_passes: vec![], frozen: vec![], no_decay: vec![] }
 }
 
 const ADAM: Update = Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.0, decoupled: true };
@@ -108,4 +108,39 @@ fn an_attached_mse_loss_trains_a_regression() {
         last = s.step(std::slice::from_ref(&batch), 1e-2, 0.0, k).unwrap().loss;
     }
     assert!(last < first * 0.1, "MSE {first} -> {last}");
+}
+
+#[test]
+fn lamb_trains_and_frozen_weights_stay_put() {
+    let c = Gpt2Config { layers: 1, heads: 2, embed: 16, seq_len: 8, vocab: 40, dropout: 0.0 };
+    let model = models::load(&ModelSpec { gpt2: Some(c), ..Default::default() }, 2).unwrap();
+    let ids: Vec<i64> = (0..2 * 9).map(|i| (i * 7 % 40) as i64).collect();
+    let batch: BTreeMap<String, Tensor> = [
+        ("input_ids".to_string(), Tensor::from_vec(&[2, 8], ids[..16].to_vec())),
+        ("labels".to_string(), Tensor::from_vec(&[2, 8], ids[1..17].to_vec())),
+    ]
+    .into_iter()
+    .collect();
+    let opts = SessionOptions {
+        update: Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 },
+        disabled_passes: vec![],
+        frozen: vec!["wpe".into()],
+        no_decay: vec!["bias".into(), "ln_".into()],
+    };
+    let wpe_before = model.graph.initializers[&model.graph.find("wpe").unwrap()].clone();
+    let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
+    // LAMB moves each tensor by lr·‖w‖: small initial weights want a larger rate than Adam.
+    let first = s.step(std::slice::from_ref(&batch), 0.1, 1.0, 0).unwrap().loss;
+    let mut last = first;
+    for k in 1..30 {
+        last = s.step(std::slice::from_ref(&batch), 0.1, 1.0, k).unwrap().loss;
+    }
+    assert!(last < first * 0.5, "LAMB loss {first} -> {last}");
+    let w = s.weights().unwrap();
+    assert!(!w.contains_key("wpe"), "a frozen weight is not a trained weight");
+    assert_eq!(s.train.fetch(s.train.graph.find("wpe").unwrap()).unwrap(), wpe_before);
+
+    let bad = SessionOptions { frozen: vec!["no_such_weight".into()], ..opts };
+    let e = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &bad).err().unwrap();
+    assert!(e.to_string().contains("frozenWeights") && e.to_string().contains("no_such_weight"), "{e}");
 }

@@ -27,6 +27,7 @@ fn check(name: &str, spec: ModelSpec, batch: BTreeMap<String, Tensor>) {
         update: Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.0, decoupled: true },
         disabled_passes: vec![],
         frozen: vec![],
+        no_decay: vec![],
     };
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
     for k in 0..3 {

@@ -86,6 +86,7 @@ fn trains_like_pytorch(file: &str, loss: LossConfig) {
         update: Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
         disabled_passes: vec![],
         frozen: vec![],
+        no_decay: vec![],
     };
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &e.batch, 1, &opts).unwrap();
     for (k, want) in e.sgd_losses.iter().enumerate() {

@@ -18,6 +18,9 @@ pub enum Update {
     Sgd { momentum: f32, nesterov: bool, weight_decay: f32 },
     /// Adam (`decoupled: false`, L2 on the gradient) or AdamW (decoupled weight decay).
     Adam { beta1: f32, beta2: f32, epsilon: f32, weight_decay: f32, decoupled: bool },
+    /// LAMB: the bias-corrected Adam direction plus decoupled decay, u = m̂/(√v̂+ε) + λw, applied
+    /// as w −= lr·(‖w‖/‖u‖)·u (trust ratio 1 when either norm is 0), as apex's FusedLAMB does.
+    Lamb { beta1: f32, beta2: f32, epsilon: f32, weight_decay: f32 },
 }
 
 impl Update {
@@ -25,7 +28,7 @@ impl Update {
     pub fn state_count(&self) -> usize {
         match self {
             Update::Sgd { momentum, .. } => (*momentum != 0.0) as usize,
-            Update::Adam { .. } => 2,
+            Update::Adam { .. } | Update::Lamb { .. } => 2,
         }
     }
 
@@ -36,6 +39,7 @@ impl Update {
             Update::Adam { beta1, beta2, epsilon, decoupled, .. } => {
                 Update::Adam { beta1, beta2, epsilon, weight_decay: 0.0, decoupled }
             }
+            Update::Lamb { beta1, beta2, epsilon, .. } => Update::Lamb { beta1, beta2, epsilon, weight_decay: 0.0 },
         }
     }
 }
@@ -92,6 +96,65 @@ pub fn cpu_step(
                 },
             );
         }
+        Update::Lamb { beta1, beta2, epsilon, weight_decay } => {
+            let [m, v] = state else { return Err("LAMB needs two state buffers".into()) };
+            let (m, v) = (m.as_mut_slice::<f32>(), v.as_mut_slice::<f32>());
+            let t = h.step as i32;
+            let bc1 = (1.0 - (beta1 as f64).powi(t)) as f32;
+            let bc2 = (1.0 - (beta2 as f64).powi(t)) as f32;
+            let direction = |p: f32, m: f32, v: f32| (m / bc1) / ((v / bc2).sqrt() + epsilon) + weight_decay * p;
+            // Pass 1: moments, and the norms of the weight and of the update direction (partial
+            // sums collected in order, so the result does not depend on thread timing).
+            let norms: Vec<(f64, f64)> = p
+                .par_chunks(4096)
+                .zip(g.par_chunks(4096))
+                .zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096)))
+                .map(|((pc, gc), (mc, vc))| {
+                    let (mut wn, mut un) = (0f64, 0f64);
+                    for k in 0..pc.len() {
+                        let g = gc[k] * gs;
+                        mc[k] = beta1 * mc[k] + (1.0 - beta1) * g;
+                        vc[k] = beta2 * vc[k] + (1.0 - beta2) * g * g;
+                        let u = direction(pc[k], mc[k], vc[k]);
+                        wn += (pc[k] as f64).powi(2);
+                        un += (u as f64).powi(2);
+                    }
+                    (wn, un)
+                })
+                .collect();
+            let (wn, un) = norms.iter().fold((0.0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+            let trust = if wn > 0.0 && un > 0.0 { (wn.sqrt() / un.sqrt()) as f32 } else { 1.0 };
+            // Pass 2: the step, from the moments pass 1 left.
+            p.par_iter_mut().zip(m.par_iter().zip(v.par_iter())).for_each(|(p, (&m, &v))| {
+                *p -= lr * trust * direction(*p, m, v);
+            });
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::Tensor;
+
+    #[test]
+    fn lamb_scales_the_adam_direction_by_the_trust_ratio() {
+        let mut p = vec![0.5f32, -1.0, 2.0];
+        let g = [0.1f32, 0.2, -0.3];
+        let mut m = Tensor::zeros(crate::tensor::DType::F32, &[3]);
+        let mut v = Tensor::zeros(crate::tensor::DType::F32, &[3]);
+        let u = Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 };
+        let h = StepHyper { lr: 0.1, step: 1, grad_scale: 1.0 };
+        cpu_step(&u, h, &mut p, &g, &mut [m.view_mut(), v.view_mut()]).unwrap();
+        // Step 1: m̂ = g, v̂ = g², so u_i = g/(|g|+ε) + λw; by hand in f64:
+        let w0 = [0.5f64, -1.0, 2.0];
+        let dir: Vec<f64> = w0.iter().zip(g).map(|(w, g)| g as f64 / ((g as f64).abs() + 1e-6) + 0.01 * w).collect();
+        let wn = w0.iter().map(|w| w * w).sum::<f64>().sqrt();
+        let un = dir.iter().map(|d| d * d).sum::<f64>().sqrt();
+        for k in 0..3 {
+            let want = w0[k] - 0.1 * wn / un * dir[k];
+            assert!((p[k] as f64 - want).abs() < 1e-5, "w[{k}] = {} not {want}", p[k]);
+        }
+    }
 }
