@@ -29,7 +29,7 @@ pub fn erf(x: f64) -> f64 {
     }
 }
 
-fn unary_f64(u: Unary, x: f64) -> f64 {
+pub(super) fn unary_f64(u: Unary, x: f64) -> f64 {
     match u {
         Unary::Neg => -x,
         Unary::Exp => x.exp(),

@@ -89,10 +89,7 @@ pub fn matmul(
     out: &mut TensorViewMut,
 ) -> KResult {
     if a.dtype != DType::F32 || bias.is_some_and(|b| b.dtype != DType::F32) {
-        if bias.is_some() || trans_a || trans_b || act.is_some() {
-            return Err(format!("fused MatMul is not implemented for {}", a.dtype));
-        }
-        return matmul_reference(a, b, out);
+        return matmul_reference(a, b, bias, trans_a, trans_b, act, out);
     }
     let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
@@ -195,38 +192,62 @@ fn batch_offsets(batch: &[usize], src_batch: &[usize], mat: usize) -> Vec<usize>
 }
 
 /// Plain-loop MatMul for the element types off the f32 GEMM path: floats in f64, integers in
-/// wrapping i64 (exact), with numpy batch broadcasting and 1-D operands.
-fn matmul_reference(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
+/// wrapping i64 (exact), with numpy batch broadcasting, 1-D operands, transposed operands, a
+/// bias along the last dim and (floats) an activation: everything the f32 path does.
+fn matmul_reference(
+    a: &TensorView,
+    b: &TensorView,
+    bias: Option<TensorView>,
+    trans_a: bool,
+    trans_b: bool,
+    act: Option<Unary>,
+    out: &mut TensorViewMut,
+) -> KResult {
     let a_shape: Vec<usize> = if a.shape.len() == 1 { vec![1, a.shape[0]] } else { a.shape.to_vec() };
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
-    let (a_batch, m, k, _) = as_2d(&a_shape, false);
-    let (b_batch, _, n, _) = as_2d(&b_shape, false);
+    let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
+    let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
     let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
     let (a_off, b_off) = (batch_offsets(&batch, &a_batch, m * k), batch_offsets(&batch, &b_batch, k * n));
     if m * n == 0 {
         return Ok(());
     }
+    // Element (r, p) of A' and (p, c) of B', whichever way each is stored.
+    let ai = |r: usize, p: usize| if trans_a { p * m + r } else { r * k + p };
+    let bi = |p: usize, c: usize| if trans_b { c * k + p } else { p * n + c };
+    if bias.is_some_and(|t| t.numel() != n) {
+        return Err(format!("bias does not match {n} columns"));
+    }
     if a.dtype.is_float() {
         let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
+        let bv = bias.map(|t| t.to_f64_vec());
         let mut o = vec![0f64; a_off.len() * m * n];
         for (i, dst) in o.chunks_mut(m * n).enumerate() {
             let (xa, yb) = (&x[a_off[i]..], &y[b_off[i]..]);
             for r in 0..m {
                 for c in 0..n {
-                    dst[r * n + c] = (0..k).map(|p| xa[r * k + p] * yb[p * n + c]).sum();
+                    let v =
+                        (0..k).map(|p| xa[ai(r, p)] * yb[bi(p, c)]).sum::<f64>() + bv.as_ref().map_or(0.0, |b| b[c]);
+                    dst[r * n + c] = act.map_or(v, |u| super::elementwise::unary_f64(u, v));
                 }
             }
         }
         super::write_f64(&o, out);
         return Ok(());
     }
-    let (x, y) = (a.to_i64_vec().ok_or("MatMul needs numbers")?, b.to_i64_vec().ok_or("MatMul needs numbers")?);
+    if let Some(u) = act {
+        return Err(format!("the activation {u:?} needs float operands, not {}", a.dtype));
+    }
+    let need = || "MatMul needs numbers".to_string();
+    let (x, y) = (a.to_i64_vec().ok_or_else(need)?, b.to_i64_vec().ok_or_else(need)?);
+    let bv = bias.map(|t| t.to_i64_vec().ok_or_else(need)).transpose()?;
     let mut o = vec![0i64; a_off.len() * m * n];
     for (i, dst) in o.chunks_mut(m * n).enumerate() {
         let (xa, yb) = (&x[a_off[i]..], &y[b_off[i]..]);
         for r in 0..m {
             for c in 0..n {
-                dst[r * n + c] = (0..k).fold(0i64, |s, p| s.wrapping_add(xa[r * k + p].wrapping_mul(yb[p * n + c])));
+                let s = (0..k).fold(0i64, |s, p| s.wrapping_add(xa[ai(r, p)].wrapping_mul(yb[bi(p, c)])));
+                dst[r * n + c] = s.wrapping_add(bv.as_ref().map_or(0, |b| b[c]));
             }
         }
     }
@@ -326,4 +347,35 @@ pub fn gemm(
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod reference_tests {
+    use super::*;
+    use crate::tensor::Tensor;
+
+    /// The f64 loop agrees with the f32 GEMM for every transpose, bias and GELU combination.
+    #[test]
+    fn float64_fused_products_match_the_float32_gemm() {
+        let mut rng = crate::rng::Rng::new(3);
+        let mut rand = |shape: &[usize]| {
+            let n = shape.iter().product();
+            Tensor::from_vec(shape, (0..n).map(|_| rng.normal() as f32).collect::<Vec<f32>>())
+        };
+        for (ta, tb) in [(false, false), (false, true), (true, false), (true, true)] {
+            let a = rand(if ta { &[2, 4, 3] } else { &[2, 3, 4] });
+            let b = rand(if tb { &[5, 4] } else { &[4, 5] });
+            let bias = rand(&[5]);
+            let mut want = Tensor::zeros(DType::F32, &[2, 3, 5]);
+            matmul(&a.view(), &b.view(), Some(bias.view()), ta, tb, Some(Unary::GeluTanh), &mut want.view_mut())
+                .unwrap();
+            let (a64, b64, bias64) = (a.cast(DType::F64), b.cast(DType::F64), bias.cast(DType::F64));
+            let mut got = Tensor::zeros(DType::F64, &[2, 3, 5]);
+            let act = Some(Unary::GeluTanh);
+            matmul(&a64.view(), &b64.view(), Some(bias64.view()), ta, tb, act, &mut got.view_mut()).unwrap();
+            for (x, y) in got.to_f64_vec().iter().zip(want.to_f64_vec()) {
+                assert!((x - y).abs() < 1e-4, "transA={ta} transB={tb}: {x} vs {y}");
+            }
+        }
+    }
 }
