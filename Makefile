@@ -16,10 +16,33 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps build demo demo-data test bench images clean
+.PHONY: deps k8s crds check-crds build demo demo-data test bench images clean
 
 deps:
 	bash .ci/deps.sh
+
+# The control plane and helm, built from their Go module sources and cached by version under
+# ~/.cache/tensorfleet/k8s (e2e/control-plane/README.md); a warm cache makes this instant.
+k8s:
+	bash e2e/control-plane/build.sh >/dev/null
+
+# The CRD is generated from operator/src/crd.rs; the chart ships the same file.
+CRD_FILE := crds/trainingjobs.tensorfleet.dev.yaml
+CHART_CRD := charts/tensorfleet/crds/trainingjobs.tensorfleet.dev.yaml
+
+crds:
+	$(CARGO) run -q --release -p tensorfleet-operator --bin crdgen > $(CRD_FILE)
+	mkdir -p $(dir $(CHART_CRD)) && cp $(CRD_FILE) $(CHART_CRD)
+
+# Fails when the committed CRD files differ from what the Rust types generate.
+check-crds:
+	generated="$$(mktemp)"; trap 'rm -f "$$generated"' EXIT; \
+	$(CARGO) run -q --release -p tensorfleet-operator --bin crdgen > "$$generated"; \
+	for f in $(CRD_FILE) $(CHART_CRD); do \
+		diff -u "$$f" "$$generated" >/dev/null || { \
+			echo "$$f is out of date with operator/src/crd.rs: run 'make crds' and commit the result" >&2; \
+			diff -u "$$f" "$$generated" | head -n 40 >&2; exit 1; }; \
+	done
 
 build: deps
 	$(CARGO) build --workspace --release
@@ -36,11 +59,21 @@ $(DEMO_TOKENS):
 	$(CARGO) run --release -p tensorfleet-worker -- prepare-data \
 		--input $(DEMO_CORPUS) --output $(DEMO_TOKENS) --val-fraction 0.1
 
-# The node tests are the ONNX backend suite shipped inside the venv's onnx package.
-test: deps
+# The node tests are the ONNX backend suite shipped inside the venv's onnx package. The
+# operator's tests run against a real control plane started here for the duration of the run.
+test: deps k8s
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(MAKE) --no-print-directory check-crds
+	bin="$$(bash e2e/control-plane/build.sh | tail -n 1)"; \
+	"$$bin/helm" lint --strict charts/tensorfleet; \
+	"$$bin/helm" template tensorfleet charts/tensorfleet >/dev/null; \
+	"$$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
 	node_tests="$$($(VENV_PYTHON) .ci/onnx_node_tests_dir.py)"; \
+	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
+	trap 'bash e2e/control-plane/down.sh "$$cluster"' EXIT; \
+	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
+	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 		$(CARGO) test --workspace --release
 

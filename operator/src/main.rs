@@ -1,81 +1,165 @@
-//! `tensorfleet-operator`: the Kubernetes controller for `TrainingJob`s.
-//!
-//! Only the command line exists so far; the controller, the CRD types and `crdgen` arrive with
-//! issue 3.
+//! `tensorfleet-operator`: watches TrainingJobs (in all namespaces or the listed ones) and
+//! reconciles each into its Secret, ConfigMap, Service, claim, worker pods and launcher pod.
 
+use clap::Parser;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use kube::api::Api;
+use kube::runtime::events::{Recorder, Reporter};
+use kube::runtime::{watcher, Controller};
+use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tensorfleet_operator::controller::{self, Context};
+use tensorfleet_operator::crd::TrainingJob;
+use tensorfleet_operator::leader::LeaderElection;
+use tensorfleet_operator::metrics::Metrics;
+use tensorfleet_operator::resources::{labels, FIELD_MANAGER};
+use tensorfleet_operator::server::{self, Health};
 
-const USAGE: &str = "\
-usage: tensorfleet-operator [--help | --version]
-
-The Kubernetes controller of tensorfleet: turns TrainingJob objects into MPI-launched
-tensorfleet-worker pods. Not implemented yet: the controller arrives with issue 3.";
-
-#[derive(Debug, PartialEq, Eq)]
-enum Command {
-    Run,
-    Help,
-    Version,
-}
-
-/// Reads the arguments after the program name; an unknown one is returned as the error.
-fn parse(args: impl IntoIterator<Item = String>) -> Result<Command, String> {
-    let mut command = Command::Run;
-    for arg in args {
-        command = match arg.as_str() {
-            "-h" | "--help" => Command::Help,
-            "-V" | "--version" => Command::Version,
-            _ => return Err(arg),
-        };
-    }
-    Ok(command)
+/// The Kubernetes controller of tensorfleet: turns TrainingJob objects into MPI-launched
+/// tensorfleet-worker pods.
+#[derive(Parser, Debug)]
+#[command(name = "tensorfleet-operator", version)]
+struct Args {
+    /// Namespaces to watch, comma-separated; empty watches all of them.
+    #[arg(long, env = "TENSORFLEET_NAMESPACES", value_delimiter = ',', default_value = "")]
+    namespaces: Vec<String>,
+    /// Take part in leader election, so only one replica reconciles at a time.
+    #[arg(long, env = "TENSORFLEET_LEADER_ELECT")]
+    leader_elect: bool,
+    /// The Lease that elects the leader.
+    #[arg(long, default_value = "tensorfleet-operator")]
+    lease_name: String,
+    /// Namespace of the Lease (the operator's own).
+    #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
+    lease_namespace: String,
+    /// This replica's name in the Lease.
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Seconds a Lease lasts without renewal.
+    #[arg(long, default_value_t = 15)]
+    lease_duration: u64,
+    /// Address of /metrics, /healthz and /readyz.
+    #[arg(long, env = "TENSORFLEET_HTTP_ADDR", default_value = "0.0.0.0:8080")]
+    http_addr: SocketAddr,
+    /// Log format: text or json.
+    #[arg(long, env = "TENSORFLEET_LOG_FORMAT", default_value = "text")]
+    log_format: String,
 }
 
 fn main() -> ExitCode {
-    match parse(std::env::args().skip(1)) {
-        Ok(Command::Help) => {
-            println!("{USAGE}");
-            ExitCode::SUCCESS
+    let args = Args::parse();
+    init_tracing(&args.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tensorfleet-operator: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
         }
-        Ok(Command::Version) => {
-            println!("tensorfleet-operator {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
-        }
-        // Exits non-zero so that a deployment of this build fails visibly instead of idling.
-        Ok(Command::Run) => {
-            eprintln!("tensorfleet-operator: the controller is not implemented yet; it arrives with issue 3");
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
             ExitCode::FAILURE
-        }
-        Err(arg) => {
-            eprintln!("tensorfleet-operator: unknown argument '{arg}'\n\n{USAGE}");
-            ExitCode::from(2)
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+fn init_tracing(format: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,kube=warn"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
 
-    fn args(list: &[&str]) -> Vec<String> {
-        list.iter().map(|s| s.to_string()).collect()
+async fn run(args: Args) -> Result<(), String> {
+    let client = kube::Client::try_default().await.map_err(|e| format!("connecting to the API server: {e}"))?;
+    let metrics = Arc::new(Metrics::default());
+    let health = Arc::new(Health::default());
+    let listener = tokio::net::TcpListener::bind(args.http_addr)
+        .await
+        .map_err(|e| format!("listening on {} (--http-addr): {e}", args.http_addr))?;
+    tracing::info!(addr = %args.http_addr, "serving /metrics, /healthz and /readyz");
+    tokio::spawn(server::serve(listener, metrics.clone(), health.clone()));
+
+    let identity = args.identity.clone().unwrap_or_else(|| {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "tensorfleet-operator".into());
+        format!("{host}-{}", std::process::id())
+    });
+    let election = args.leader_elect.then(|| {
+        LeaderElection::new(
+            client.clone(),
+            &args.lease_namespace,
+            &args.lease_name,
+            &identity,
+            Duration::from_secs(args.lease_duration),
+        )
+    });
+    if let Some(election) = &election {
+        // A standby is healthy and ready: it is doing what it should.
+        health.ready.store(true, Ordering::Relaxed);
+        election.acquire().await;
     }
 
-    #[test]
-    fn no_arguments_runs_the_controller() {
-        assert_eq!(parse(args(&[])), Ok(Command::Run));
+    let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(identity) };
+    let ctx = Arc::new(Context { client: client.clone(), recorder: Recorder::new(client.clone(), reporter), metrics });
+    let namespaces: Vec<Option<String>> = if args.namespaces.iter().all(String::is_empty) {
+        vec![None]
+    } else {
+        args.namespaces.iter().filter(|n| !n.is_empty()).map(|n| Some(n.clone())).collect()
+    };
+    tracing::info!(namespaces = ?namespaces, "watching TrainingJobs");
+    let children = watcher::Config::default().labels(&format!("{}={FIELD_MANAGER}", labels::MANAGED_BY));
+    let controllers = namespaces.into_iter().map(|ns| {
+        let api = |c: &kube::Client| -> (Api<TrainingJob>, Api<Pod>, Api<Service>, Api<ConfigMap>) {
+            match &ns {
+                Some(ns) => (
+                    Api::namespaced(c.clone(), ns),
+                    Api::namespaced(c.clone(), ns),
+                    Api::namespaced(c.clone(), ns),
+                    Api::namespaced(c.clone(), ns),
+                ),
+                None => (Api::all(c.clone()), Api::all(c.clone()), Api::all(c.clone()), Api::all(c.clone())),
+            }
+        };
+        let (jobs, pods, services, configs) = api(&client);
+        Controller::new(jobs, watcher::Config::default())
+            .owns(pods, children.clone())
+            .owns(services, children.clone())
+            .owns(configs, children.clone())
+            .shutdown_on_signal()
+            .run(controller::reconcile, controller::error_policy, ctx.clone())
+            .for_each(|result| async move {
+                if let Err(e) = result {
+                    tracing::debug!("reconcile: {e}");
+                }
+            })
+    });
+    let all = futures::future::join_all(controllers);
+    health.ready.store(true, Ordering::Relaxed);
+    match &election {
+        Some(election) => {
+            tokio::select! {
+                _ = all => tracing::info!("shutting down"),
+                _ = election.hold() => {
+                    // Another replica leads now; exiting is the only safe way to stop reconciling.
+                    return Err("lost the leader Lease".into());
+                }
+            }
+            election.release().await;
+        }
+        None => {
+            all.await;
+            tracing::info!("shutting down");
+        }
     }
-
-    #[test]
-    fn help_and_version_are_recognised() {
-        assert_eq!(parse(args(&["--help"])), Ok(Command::Help));
-        assert_eq!(parse(args(&["-h"])), Ok(Command::Help));
-        assert_eq!(parse(args(&["--version"])), Ok(Command::Version));
-        assert_eq!(parse(args(&["-V"])), Ok(Command::Version));
-    }
-
-    #[test]
-    fn an_unknown_argument_is_named() {
-        assert_eq!(parse(args(&["--help", "--kubeconfig"])), Err("--kubeconfig".to_string()));
-    }
+    Ok(())
 }

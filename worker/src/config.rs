@@ -519,28 +519,31 @@ impl TrainingConfig {
             .map_err(|e| Error::Config(format!("configuration file {}: {e}", path.display())))?;
         let mut cfg = TrainingConfig::parse(&text, &path.display().to_string(), overrides)?;
         let base = path.parent().unwrap_or(Path::new("."));
-        cfg.resolve_paths(base);
+        cfg.resolve_paths(base, base);
         Ok(cfg)
     }
 
-    fn resolve_paths(&mut self, base: &Path) {
-        let fix = |p: &mut PathBuf| {
+    /// Makes relative paths absolute: the model and the data under `inputs`, the output
+    /// directory and a resume path under `outputs`. A configuration file resolves both against
+    /// its own directory; the operator puts inputs on the data volume and outputs on the claim.
+    pub fn resolve_paths(&mut self, inputs: &Path, outputs: &Path) {
+        let fix = |p: &mut PathBuf, base: &Path| {
             if p.is_relative() {
                 *p = base.join(&*p);
             }
         };
         if let Some(o) = &mut self.model.onnx {
-            fix(&mut o.path);
+            fix(&mut o.path, inputs);
         }
-        fix(&mut self.data.train.path);
+        fix(&mut self.data.train.path, inputs);
         if let Some(e) = &mut self.data.eval {
-            fix(&mut e.path);
+            fix(&mut e.path, inputs);
         }
-        fix(&mut self.output.dir);
+        fix(&mut self.output.dir, outputs);
         if !matches!(self.checkpoint.resume.as_str(), "auto" | "never")
             && Path::new(&self.checkpoint.resume).is_relative()
         {
-            self.checkpoint.resume = base.join(&self.checkpoint.resume).display().to_string();
+            self.checkpoint.resume = outputs.join(&self.checkpoint.resume).display().to_string();
         }
     }
 

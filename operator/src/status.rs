@@ -1,0 +1,191 @@
+//! Reading pods into facts (ready, failed and why) and writing them into the job's status:
+//! the phase, one condition per phase, and the root cause of a failure.
+
+use crate::crd::{Condition, FailureCause, TrainingJobStatus, PHASES};
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
+use kube::ResourceExt;
+
+/// Worker exit codes that mean "do not retry" (DESIGN.md: 2 bad configuration, 3 corrupt input).
+pub const PERMANENT_EXIT_CODES: [i32; 2] = [2, 3];
+
+pub fn now() -> Time {
+    Time(Timestamp::now())
+}
+
+/// Whether the pod's Ready condition is True.
+pub fn is_ready(pod: &Pod) -> bool {
+    let conditions = pod.status.as_ref().and_then(|s| s.conditions.as_ref());
+    conditions.is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+pub fn phase(pod: &Pod) -> &str {
+    pod.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("Pending")
+}
+
+/// The first terminated container of the pod, if any container has terminated.
+fn terminated(pod: &Pod) -> Option<(String, ContainerStateTerminated)> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    statuses.iter().find_map(|cs| {
+        let t = cs.state.as_ref()?.terminated.clone()?;
+        Some((cs.name.clone(), t))
+    })
+}
+
+/// Why a pod failed, if it did: its phase is Failed, it was evicted, or a container exited
+/// non-zero. A worker container that exits at all has lost its sshd, so any exit fails a worker.
+pub fn failure(pod: &Pod, any_exit_fails: bool) -> Option<FailureCause> {
+    let status = pod.status.as_ref()?;
+    let pod_reason = status.reason.clone().unwrap_or_default();
+    let pod_message = status.message.clone().unwrap_or_default();
+    let container = terminated(pod);
+    let container_failed = container.as_ref().is_some_and(|(_, t)| t.exit_code != 0 || any_exit_fails);
+    if phase(pod) != "Failed" && !container_failed && pod_reason != "Evicted" {
+        return None;
+    }
+    let mut cause = FailureCause { pod: pod.name_any(), reason: "Error".into(), ..FailureCause::default() };
+    if let Some((name, t)) = container {
+        cause.container = Some(name);
+        cause.exit_code = Some(t.exit_code);
+        cause.reason = t.reason.clone().unwrap_or_else(|| "Error".into());
+        cause.message = t.message.clone().unwrap_or_default().trim().to_string();
+    }
+    // Eviction and node loss are the pod's reason, not the container's.
+    if !pod_reason.is_empty() {
+        cause.reason = pod_reason;
+        if cause.message.is_empty() {
+            cause.message = pod_message;
+        }
+    }
+    Some(cause)
+}
+
+/// Whether the launcher finished successfully.
+pub fn succeeded(pod: &Pod) -> bool {
+    phase(pod) == "Succeeded"
+}
+
+/// A one-line description of a cause, for condition messages and events.
+pub fn describe(cause: &FailureCause) -> String {
+    let mut s = format!("pod {}", cause.pod);
+    if let Some(c) = &cause.container {
+        s.push_str(&format!(" container {c}"));
+    }
+    if let Some(code) = cause.exit_code {
+        s.push_str(&format!(" exited with code {code}"));
+    }
+    s.push_str(&format!(" ({})", cause.reason));
+    if !cause.message.is_empty() {
+        // The termination message is the log's tail; its last line is the worker's error.
+        let last = cause.message.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("");
+        s.push_str(&format!(": {}", last.trim()));
+    }
+    s
+}
+
+impl TrainingJobStatus {
+    /// Enters `phase`: its condition becomes True with the reason and message, every other
+    /// phase condition False. Transition times change only when a condition's status does.
+    pub fn set_phase(&mut self, phase: &str, reason: &str, message: String) {
+        self.phase = Some(phase.to_string());
+        for p in PHASES {
+            let status = if p == phase { "True" } else { "False" };
+            let existing = self.conditions.iter_mut().find(|c| c.type_ == p);
+            match existing {
+                Some(c) => {
+                    if c.status != status {
+                        c.last_transition_time = Some(now());
+                    }
+                    c.status = status.into();
+                    if p == phase {
+                        c.reason = reason.into();
+                        c.message = message.clone();
+                    }
+                }
+                // Conditions appear as the job reaches them; Created is there from the start.
+                None if p == phase => self.conditions.push(Condition {
+                    type_: p.into(),
+                    status: status.into(),
+                    reason: reason.into(),
+                    message: message.clone(),
+                    last_transition_time: Some(now()),
+                }),
+                None => {}
+            }
+        }
+    }
+
+    pub fn phase(&self) -> &str {
+        self.phase.as_deref().unwrap_or("")
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.phase(), "Succeeded" | "Failed")
+    }
+
+    pub fn condition(&self, type_: &str) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == type_)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{ContainerState, ContainerStatus, PodStatus};
+
+    fn pod_with(phase: &str, exit: Option<(i32, &str)>, reason: Option<&str>) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some("llm-launcher".into());
+        pod.status = Some(PodStatus {
+            phase: Some(phase.into()),
+            reason: reason.map(Into::into),
+            container_statuses: exit.map(|(code, why)| {
+                vec![ContainerStatus {
+                    name: "launcher".into(),
+                    state: Some(ContainerState {
+                        terminated: Some(ContainerStateTerminated {
+                            exit_code: code,
+                            reason: Some(why.into()),
+                            message: Some("step 3\nerror: model.onnx: not an ONNX model\n".into()),
+                            ..ContainerStateTerminated::default()
+                        }),
+                        ..ContainerState::default()
+                    }),
+                    ..ContainerStatus::default()
+                }]
+            }),
+            ..PodStatus::default()
+        });
+        pod
+    }
+
+    #[test]
+    fn failure_names_pod_container_code_and_message() {
+        let cause = failure(&pod_with("Failed", Some((3, "Error")), None), false).unwrap();
+        assert_eq!(cause.exit_code, Some(3));
+        assert_eq!(
+            describe(&cause),
+            "pod llm-launcher container launcher exited with code 3 (Error): error: model.onnx: not an ONNX model"
+        );
+        let oom = failure(&pod_with("Failed", Some((137, "OOMKilled")), None), false).unwrap();
+        assert_eq!(oom.reason, "OOMKilled");
+        let evicted = failure(&pod_with("Failed", None, Some("Evicted")), false).unwrap();
+        assert_eq!(evicted.reason, "Evicted");
+        assert!(failure(&pod_with("Running", None, None), false).is_none());
+        assert!(failure(&pod_with("Succeeded", Some((0, "Completed")), None), false).is_none());
+        assert!(failure(&pod_with("Running", Some((0, "Completed")), None), true).is_some());
+    }
+
+    #[test]
+    fn set_phase_keeps_one_true_condition() {
+        let mut s = TrainingJobStatus::default();
+        s.set_phase("Created", "ChildrenCreated", "made".into());
+        s.set_phase("Running", "LauncherRunning", "go".into());
+        assert_eq!(s.condition("Created").unwrap().status, "False");
+        assert_eq!(s.condition("Running").unwrap().status, "True");
+        assert!(s.condition("Failed").is_none());
+        s.set_phase("Failed", "BackoffLimitExceeded", "x".into());
+        assert_eq!(s.conditions.iter().filter(|c| c.status == "True").count(), 1);
+    }
+}
