@@ -9,7 +9,8 @@ started=${EPOCHREALTIME//[!0-9]/}  # microseconds
 # build-essential, pkg-config: the C toolchain some crates build with.
 # python3-venv: the venv of the test oracles (onnx, onnxruntime, numpy).
 # libopenmpi-dev, openmpi-bin, libclang-dev: MPI, and the libclang the mpi crate's bindgen needs.
-APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev)
+# openssl: certificates of the test control plane (e2e/control-plane/up.sh).
+APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev openssl)
 
 REQUIREMENTS=.ci/requirements.txt
 VENV=.venv

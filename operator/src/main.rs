@@ -81,8 +81,18 @@ fn init_tracing(format: &str) {
 }
 
 async fn run(args: Args) -> Result<(), String> {
-    let client = kube::Client::try_default().await.map_err(|e| format!("connecting to the API server: {e}"))?;
     let metrics = Arc::new(Metrics::default());
+    let config =
+        kube::Config::infer().await.map_err(|e| format!("finding the API server (kubeconfig or in-cluster): {e}"))?;
+    let counted = metrics.clone();
+    let count_requests = tower::util::MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
+        counted.api_request(request.method().as_str());
+        request
+    });
+    let client = kube::client::ClientBuilder::try_from(config)
+        .map_err(|e| format!("configuring the API client: {e}"))?
+        .with_layer(&count_requests)
+        .build();
     let health = Arc::new(Health::default());
     let listener = tokio::net::TcpListener::bind(args.http_addr)
         .await

@@ -18,6 +18,7 @@ pub struct Metrics {
     reconciles: Counter,
     failures: Counter,
     restarts: Counter,
+    api_requests: Family<Vec<(String, String)>, Counter>,
     duration: Histogram,
     jobs_by_phase: Family<Vec<(String, String)>, Gauge>,
     /// The last phase seen per job (namespace/name), from which the gauge is computed.
@@ -32,12 +33,23 @@ impl Default for Metrics {
         let restarts = Counter::default();
         let duration = Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]);
         let jobs_by_phase = Family::<Vec<(String, String)>, Gauge>::default();
+        let api_requests = Family::<Vec<(String, String)>, Counter>::default();
         registry.register("reconciles", "Reconcile passes", reconciles.clone());
         registry.register("reconcile_failures", "Reconcile passes that returned an error", failures.clone());
         registry.register("gang_restarts", "Whole-gang restarts after a failed rank", restarts.clone());
         registry.register("reconcile_duration_seconds", "Time of one reconcile pass", duration.clone());
         registry.register("jobs", "TrainingJobs by phase", jobs_by_phase.clone());
-        Metrics { registry, reconciles, failures, restarts, duration, jobs_by_phase, phases: Mutex::default() }
+        registry.register("api_requests", "Requests to the Kubernetes API by HTTP method", api_requests.clone());
+        Metrics {
+            registry,
+            reconciles,
+            failures,
+            restarts,
+            api_requests,
+            duration,
+            jobs_by_phase,
+            phases: Mutex::default(),
+        }
     }
 }
 
@@ -60,6 +72,11 @@ impl Metrics {
             let n = phases.values().filter(|v| v.as_str() == p).count() as i64;
             self.jobs_by_phase.get_or_create(&vec![("phase".to_string(), p.to_string())]).set(n);
         }
+    }
+
+    /// Counts one request to the API server (watches count once, when they open).
+    pub fn api_request(&self, method: &str) {
+        self.api_requests.get_or_create(&vec![("method".to_string(), method.to_string())]).inc();
     }
 
     pub fn restarted(&self) {

@@ -47,17 +47,15 @@ pub fn launch_script(job: &TrainingJob) -> String {
         MpiImplementation::OpenMPI => {
             argv.extend(["--hostfile".into(), hostfile, "-np".into(), np.to_string()]);
             // Forward what ranks need; sshd does not pass the launcher's environment on.
-            for var in ["TENSORFLEET_PROGRESS_PORT", "TENSORFLEET_JOB"] {
-                argv.extend(["-x".into(), var.into()]);
-            }
+            argv.extend(["-x".into(), "TENSORFLEET_JOB".into()]);
         }
         MpiImplementation::Intel => {
             argv.extend(["-f".into(), hostfile, "-n".into(), np.to_string(), "-bootstrap".into(), "ssh".into()]);
-            argv.extend(["-genvlist".into(), "TENSORFLEET_PROGRESS_PORT,TENSORFLEET_JOB".into()]);
+            argv.extend(["-genvlist".into(), "TENSORFLEET_JOB".into()]);
         }
         MpiImplementation::Mpich => {
             argv.extend(["-f".into(), hostfile, "-n".into(), np.to_string(), "-launcher".into(), "ssh".into()]);
-            argv.extend(["-genvlist".into(), "TENSORFLEET_PROGRESS_PORT,TENSORFLEET_JOB".into()]);
+            argv.extend(["-genvlist".into(), "TENSORFLEET_JOB".into()]);
         }
     }
     argv.extend(job.spec.mpi.extra_args.iter().map(|a| shell_quote(a)));
@@ -88,10 +86,7 @@ exec {launch}
 /// which works at any mount path and with images that have no ssh setup of their own.
 pub fn launcher_env(job: &TrainingJob) -> Vec<(String, String)> {
     let ssh_args = format!("-F {}/config", job.spec.mpi.ssh_auth_mount_path);
-    let mut env = vec![
-        ("TENSORFLEET_JOB".to_string(), format!("{}/{}", names::namespace(job), names::job(job))),
-        ("TENSORFLEET_PROGRESS_PORT".to_string(), job.spec.progress_port.to_string()),
-    ];
+    let mut env = vec![("TENSORFLEET_JOB".to_string(), format!("{}/{}", names::namespace(job), names::job(job)))];
     match job.spec.mpi.implementation {
         MpiImplementation::OpenMPI => {
             // Containers commonly run as root; OpenMPI refuses that without both variables.

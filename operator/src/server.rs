@@ -19,12 +19,16 @@ pub async fn serve(listener: TcpListener, metrics: Arc<Metrics>, health: Arc<Hea
         let metrics = metrics.clone();
         let health = health.clone();
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let n = match tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut buf)).await {
-                Ok(Ok(n)) => n,
-                _ => return,
-            };
-            let request = String::from_utf8_lossy(&buf[..n]);
+            // The whole request head, so closing never resets a connection with bytes unread.
+            let mut head = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+                match tokio::time::timeout(std::time::Duration::from_secs(5), socket.read(&mut buf)).await {
+                    Ok(Ok(n)) if n > 0 => head.extend_from_slice(&buf[..n]),
+                    _ => break,
+                }
+            }
+            let request = String::from_utf8_lossy(&head);
             let path = request.split_whitespace().nth(1).unwrap_or("/");
             let (code, content_type, body) = match path {
                 "/metrics" => {

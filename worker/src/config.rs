@@ -435,6 +435,10 @@ pub struct LoggingConfig {
     /// Also write the logged scalars as TensorBoard events (`output.dir/tensorboard/`).
     #[serde(default = "d_true")]
     pub tensorboard: bool,
+    /// Serve `/progress` (JSON) and `/metrics` (Prometheus) on this TCP port; 0 = off. The
+    /// operator sets it to the TrainingJob's spec.progressPort.
+    #[serde(default)]
+    pub port: u16,
 }
 
 fn d_log_every() -> u64 {
@@ -443,7 +447,7 @@ fn d_log_every() -> u64 {
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        LoggingConfig { every: 1, tensorboard: true }
+        LoggingConfig { every: 1, tensorboard: true, port: 0 }
     }
 }
 

@@ -8,6 +8,7 @@ use crate::data::{self, Batch, Feeds};
 use crate::error::{Error, Result};
 use crate::graph::ir::Dim;
 use crate::models::{self, Model};
+use crate::monitor::endpoint::Endpoint;
 use crate::monitor::Metrics;
 use crate::optim::{schedule::learning_rate, Update};
 use crate::session::{Session, SessionOptions};
@@ -194,6 +195,14 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
     if cfg.logging.tensorboard {
         metrics = metrics.with_tensorboard(&cfg.output.dir.join("tensorboard"))?;
     }
+    let endpoint = match cfg.logging.port {
+        0 => None,
+        port => Some(Endpoint::serve(std::net::SocketAddr::from(([0, 0, 0, 0], port)), cfg.steps)?),
+    };
+    if let Some(ep) = &endpoint {
+        ep.update(|r| r.step = start_step);
+        tracing::info!(addr = %ep.addr, "serving /progress and /metrics");
+    }
     let mut pending = Some(first);
     let mut first_loss = f64::NAN;
     let mut last_loss = f64::NAN;
@@ -226,6 +235,17 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         if n % cfg.logging.every == 0 || n == cfg.steps {
             let rate = items as f64 / dt.max(1e-9);
             metrics.step(n, r.loss, lr, r.grad_norm, rate, start.elapsed().as_secs_f64())?;
+            if let Some(ep) = &endpoint {
+                let per_step = start.elapsed().as_secs_f64() / (n - start_step) as f64;
+                ep.update(|p| {
+                    p.step = n;
+                    p.loss = Some(r.loss);
+                    p.learning_rate = Some(lr);
+                    p.grad_norm = Some(r.grad_norm);
+                    p.tokens_per_second = Some(rate);
+                    p.eta_seconds = Some(per_step * (cfg.steps - n) as f64);
+                });
+            }
             if !quiet {
                 eprintln!(
                     "step {n:>5}/{} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {:.0} {}/s",
@@ -244,6 +264,9 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
                     (0..cfg.evaluation.batches).map(|_| ev.next_batch()).collect::<Result<_>>()?;
                 let loss = session.evaluate(&batches)?;
                 metrics.eval(n, loss)?;
+                if let Some(ep) = &endpoint {
+                    ep.update(|p| p.eval_loss = Some(loss));
+                }
                 if !quiet {
                     eprintln!("step {n:>5}/{} | eval loss {loss:.4}", cfg.steps);
                 }
@@ -253,6 +276,9 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             let path =
                 checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.state()?, cfg.checkpoint.keep)?;
             tracing::info!(path = %path.display(), "checkpoint written");
+            if let Some(ep) = &endpoint {
+                ep.update(|p| p.latest_checkpoint = Some(path.display().to_string()));
+            }
         }
     }
     let model_path = cfg.output.dir.join("model.onnx");

@@ -15,6 +15,8 @@ pub fn train_config(job: &TrainingJob) -> TrainingConfig {
     let mut training = job.spec.training.clone();
     let inputs = job.spec.data.as_ref().map(|d| d.mount_path.as_str()).unwrap_or("/data");
     training.resolve_paths(Path::new(inputs), Path::new(&job.spec.storage.mount_path));
+    // Rank 0 serves its progress where the operator looks for it.
+    training.logging.port = job.spec.progress_port as u16;
     training
 }
 
@@ -46,6 +48,7 @@ mod tests {
         assert_eq!(parsed.data.train.path, Path::new("/data/train"));
         assert_eq!(parsed.output.dir, Path::new("/var/lib/tensorfleet/out"));
         assert_eq!(parsed.batch_size, j.spec.training.batch_size);
+        assert_eq!(parsed.logging.port, 9400);
         assert!(data["hostfile"].starts_with("llm-worker-0.llm.team-a.svc slots=1\n"));
     }
 }

@@ -1,6 +1,8 @@
 //! Training telemetry: `metrics.jsonl` (one JSON object per logged step or evaluation) and,
-//! when enabled, the same scalars as TensorBoard events under `output.dir/tensorboard/`.
+//! when enabled, the same scalars as TensorBoard events under `output.dir/tensorboard/`, and
+//! the live `/progress` and `/metrics` endpoint (`endpoint`).
 
+pub mod endpoint;
 pub mod tensorboard;
 
 use crate::error::{Error, Result};

@@ -1,0 +1,149 @@
+//! Rank 0's HTTP endpoint: `/progress` (JSON, read by the operator for a TrainingJob's status)
+//! and `/metrics` (Prometheus text). A thread on a std listener: the training loop only swaps
+//! a snapshot under a mutex, so serving never slows a step.
+
+use crate::error::{Error, Result};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the endpoint reports; field names are the operator's `progress` contract.
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub step: u64,
+    pub total_steps: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub learning_rate: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_norm: Option<f64>,
+    /// Tokens per second for token data, samples per second otherwise.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_second: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eta_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub latest_checkpoint: Option<String>,
+}
+
+pub struct Endpoint {
+    report: Arc<Mutex<Report>>,
+    pub addr: SocketAddr,
+}
+
+impl Endpoint {
+    /// Listens on `addr` (port 0 picks a free one) and serves from a background thread.
+    pub fn serve(addr: SocketAddr, total_steps: u64) -> Result<Endpoint> {
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| Error::Runtime(format!("logging.port: cannot listen on {addr}: {e}")))?;
+        let addr = listener.local_addr().map_err(|e| Error::Runtime(format!("logging.port: {e}")))?;
+        let report = Arc::new(Mutex::new(Report { total_steps, ..Report::default() }));
+        let shared = report.clone();
+        std::thread::Builder::new()
+            .name("progress-endpoint".into())
+            .spawn(move || {
+                for stream in listener.incoming().flatten() {
+                    let snapshot = shared.lock().map(|r| r.clone()).unwrap_or_default();
+                    // One slow client must not hold the others up for long.
+                    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                    let _ = answer(stream, &snapshot);
+                }
+            })
+            .map_err(|e| Error::Runtime(format!("starting the progress endpoint: {e}")))?;
+        Ok(Endpoint { report, addr })
+    }
+
+    pub fn update(&self, f: impl FnOnce(&mut Report)) {
+        if let Ok(mut r) = self.report.lock() {
+            f(&mut r);
+        }
+    }
+}
+
+fn answer(mut stream: TcpStream, report: &Report) -> std::io::Result<()> {
+    // Read the whole head: answering and closing with request bytes unread would reset the
+    // connection before the client reads the answer.
+    let mut head = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
+        let n = stream.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let request = String::from_utf8_lossy(&head);
+    let path = request.split_whitespace().nth(1).unwrap_or("/");
+    let (status, content_type, body) = match path {
+        "/progress" => ("200 OK", "application/json", serde_json::to_string(report).unwrap_or_default()),
+        "/metrics" => ("200 OK", "text/plain; version=0.0.4", prometheus(report)),
+        _ => ("404 Not Found", "text/plain", "try /progress or /metrics\n".to_string()),
+    };
+    write!(
+        stream,
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The Prometheus text exposition of the report.
+fn prometheus(r: &Report) -> String {
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, value: Option<f64>| {
+        if let Some(v) = value {
+            out.push_str(&format!(
+                "# HELP tensorfleet_{name} {help}\n# TYPE tensorfleet_{name} gauge\ntensorfleet_{name} {v}\n"
+            ));
+        }
+    };
+    gauge("step", "Weight updates done", Some(r.step as f64));
+    gauge("total_steps", "Weight updates in the run", Some(r.total_steps as f64));
+    gauge("loss", "Training loss of the latest logged step", r.loss);
+    gauge("eval_loss", "Latest evaluation loss", r.eval_loss);
+    gauge("learning_rate", "Learning rate of the latest logged step", r.learning_rate);
+    gauge("grad_norm", "Global gradient norm of the latest logged step", r.grad_norm);
+    gauge("tokens_per_second", "Training throughput (samples per second for sample data)", r.tokens_per_second);
+    gauge("eta_seconds", "Estimated seconds to the last step", r.eta_seconds);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn get(addr: SocketAddr, path: &str) -> String {
+        let mut s = TcpStream::connect(addr).unwrap();
+        // Two writes, as a client may send them: the server must wait for the whole head.
+        s.write_all(format!("GET {path} HTTP/1.1\r\n").as_bytes()).unwrap();
+        s.write_all(b"Host: x\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    }
+
+    #[test]
+    fn serves_progress_and_metrics() {
+        let ep = Endpoint::serve("127.0.0.1:0".parse().unwrap(), 200).unwrap();
+        ep.update(|r| {
+            r.step = 50;
+            r.loss = Some(3.5);
+            r.latest_checkpoint = Some("checkpoint_50".into());
+        });
+        let progress = get(ep.addr, "/progress");
+        assert!(progress.starts_with("HTTP/1.1 200"), "{progress}");
+        let body: serde_json::Value = serde_json::from_str(progress.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        assert_eq!(body["step"], 50);
+        assert_eq!(body["totalSteps"], 200);
+        assert_eq!(body["latestCheckpoint"], "checkpoint_50");
+        let metrics = get(ep.addr, "/metrics");
+        assert!(metrics.contains("tensorfleet_loss 3.5\n"), "{metrics}");
+        assert!(!metrics.contains("tensorfleet_eval_loss"), "absent values are not exported");
+        assert!(get(ep.addr, "/nope").starts_with("HTTP/1.1 404"));
+    }
+}
