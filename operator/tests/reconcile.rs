@@ -506,3 +506,50 @@ fn json_merge(target: &mut serde_json::Value, patch: &serde_json::Value) {
         (t, p) => *t = p.clone(),
     }
 }
+
+/// Every TrainingJob under examples/ is accepted as written and becomes exactly its children.
+#[tokio::test]
+async fn examples_become_exactly_their_children() {
+    let Some(client) = client().await else { return };
+    let ns = namespace(&client, "examples").await;
+    install_pod_group_crd(&client).await;
+    let _operator = Operator::start(&ns);
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut expected_pods = Vec::new();
+    let mut expected_claims = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).collect();
+    files.sort();
+    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "yaml")) {
+        let text = std::fs::read_to_string(path).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let value: serde_json::Value = serde::Deserialize::deserialize(doc).unwrap();
+            if value["kind"] != "TrainingJob" {
+                continue;
+            }
+            let job =
+                apply_job(&client, &ns, &value).await.unwrap_or_else(|e| panic!("{}: rejected: {e}", path.display()));
+            let name = job.name_any();
+            expected_pods.extend((0..job.spec.workers).map(|i| format!("{name}-worker-{i}")));
+            if job.spec.storage.existing_claim.is_none() {
+                expected_claims.push(format!("{name}-ckpt"));
+            }
+        }
+    }
+    assert!(expected_pods.len() >= 4, "the examples hold TrainingJobs");
+    expected_pods.sort();
+    expected_claims.sort();
+    wait_for(Duration::from_secs(60), "every example's workers", || async {
+        (names_of::<Pod>(&client, &ns).await == expected_pods).then_some(())
+    })
+    .await;
+    assert_eq!(names_of::<PersistentVolumeClaim>(&client, &ns).await, expected_claims);
+    let jobs: Vec<String> = expected_claims.iter().map(|c| c.trim_end_matches("-ckpt").to_string()).collect();
+    let mut services = jobs.clone();
+    services.sort();
+    assert_eq!(names_of::<Service>(&client, &ns).await, services);
+    let secrets: Vec<String> = services.iter().map(|j| format!("{j}-ssh")).collect();
+    assert_eq!(names_of::<Secret>(&client, &ns).await, secrets);
+    // No launcher: no worker is ready.
+    assert!(pods(&client, &ns, "launcher").await.is_empty());
+    delete_namespace(&client, &ns).await;
+}
