@@ -25,28 +25,37 @@ pub struct TrainingConfig {
     pub gradient_accumulation_steps: usize,
     /// Weight updates to run.
     pub steps: u64,
+    /// The optimizer and its hyperparameters (PyTorch's semantics).
     #[serde(default)]
     pub optimizer: OptimizerConfig,
     /// Weights (initializer names) that do not train.
     #[serde(default)]
     pub frozen_weights: Vec<String>,
+    /// The learning-rate schedule, with warmup.
     #[serde(default)]
     pub lr_schedule: LrSchedule,
     /// Global gradient-norm clipping threshold; 0 switches clipping off.
     #[serde(default)]
     pub grad_clip_norm: f64,
+    /// fp32, or fp16 / bf16 with fp32 master weights (CUDA backend).
     #[serde(default)]
     pub precision: Precision,
+    /// auto (CUDA when a GPU is present, else the CPU), cpu or cuda.
     #[serde(default)]
     pub device: DeviceKind,
+    /// Data × tensor × pipeline parallel sizes (their product is the MPI world size) and the ZeRO stage.
     #[serde(default)]
     pub parallelism: Parallelism,
+    /// Periodic evaluation on data.eval (off by default).
     #[serde(default)]
     pub evaluation: EvaluationConfig,
+    /// Periodic checkpoints in output.dir/checkpoints and where to resume from.
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// How often to log, TensorBoard events, and the progress endpoint's port.
     #[serde(default)]
     pub logging: LoggingConfig,
+    /// Where the run writes its outputs.
     #[serde(default)]
     pub output: OutputConfig,
 }
@@ -113,12 +122,15 @@ impl ModelSpec {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Gpt2Config {
+    /// Transformer blocks.
     pub layers: usize,
+    /// Attention heads per block (embed must be a multiple).
     pub heads: usize,
     /// Embedding width; a multiple of `heads`.
     pub embed: usize,
     /// Sequence length (and number of learned positions).
     pub seq_len: usize,
+    /// Vocabulary size (50257 for the GPT-2 BPE).
     #[serde(default = "d_vocab")]
     pub vocab: usize,
     /// Dropout probability on embeddings, attention output and MLP output (0 = none).
@@ -133,6 +145,7 @@ fn d_vocab() -> usize {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct SqueezeNetConfig {
+    /// Output classes.
     #[serde(default = "d_classes")]
     pub classes: usize,
     /// Height and width of the (square, 3-channel) input image.
@@ -150,9 +163,11 @@ fn d_image() -> usize {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct MlpConfig {
+    /// Input features.
     pub inputs: usize,
     /// Widths of the hidden layers (ReLU after each).
     pub hidden: Vec<usize>,
+    /// Output classes.
     pub classes: usize,
 }
 
@@ -199,7 +214,9 @@ pub enum LossKind {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DataConfig {
+    /// The training shards.
     pub train: DataSource,
+    /// The evaluation shards (needed when evaluation.every > 0).
     #[serde(default)]
     pub eval: Option<DataSource>,
     /// Shuffle the order of samples (token windows or sample records) with the seed.
@@ -216,6 +233,7 @@ fn d_true() -> bool {
 pub struct DataSource {
     /// A directory of shards, or one shard file.
     pub path: PathBuf,
+    /// tokens (llm.c .bin shards) or onnxSamples (ONNX Runtime .pb shards).
     pub format: DataFormat,
 }
 
@@ -231,21 +249,28 @@ pub enum DataFormat {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct OptimizerConfig {
+    /// sgd, adam, adamw or lamb.
     #[serde(default)]
     pub name: OptimizerName,
+    /// Peak learning rate.
     #[serde(default = "d_lr")]
     pub lr: f64,
+    /// Adam/LAMB first-moment decay.
     #[serde(default = "d_beta1")]
     pub beta1: f64,
+    /// Adam/LAMB second-moment decay.
     #[serde(default = "d_beta2")]
     pub beta2: f64,
+    /// Adam/LAMB denominator epsilon.
     #[serde(default = "d_eps")]
     pub epsilon: f64,
+    /// Weight decay (decoupled for adamw and lamb, L2 for sgd and adam).
     #[serde(default)]
     pub weight_decay: f64,
     /// SGD momentum.
     #[serde(default)]
     pub momentum: f64,
+    /// Nesterov momentum (sgd with a momentum only).
     #[serde(default)]
     pub nesterov: bool,
     /// Weights whose name contains one of these strings get no weight decay. Empty: the
@@ -297,6 +322,7 @@ pub enum OptimizerName {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LrSchedule {
+    /// constant, linear, polynomial, cosine or warmupStableDecay.
     #[serde(default)]
     pub name: ScheduleName,
     /// Updates of linear warmup from lr/warmupSteps to lr.
@@ -365,10 +391,13 @@ pub enum DeviceKind {
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Parallelism {
+    /// Data-parallel replicas.
     #[serde(default = "d_one")]
     pub data: usize,
+    /// Tensor-parallel (Megatron) shards per layer.
     #[serde(default = "d_one")]
     pub tensor: usize,
+    /// Pipeline stages.
     #[serde(default = "d_one")]
     pub pipeline: usize,
     /// ZeRO stage: 0 off, 1 optimizer state sharded, 2 gradients too.
