@@ -58,6 +58,20 @@ pub struct TrainingConfig {
     /// Where the run writes its outputs.
     #[serde(default)]
     pub output: OutputConfig,
+    /// Per-op timings of a range of steps, written as Chrome trace JSON (off by default).
+    #[serde(default)]
+    pub profiling: ProfilingConfig,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ProfilingConfig {
+    /// The first weight update to profile (counting from 1); 0 switches profiling off.
+    #[serde(default)]
+    pub from_step: u64,
+    /// The last weight update to profile (inclusive).
+    #[serde(default)]
+    pub to_step: u64,
 }
 
 fn d_seed() -> u64 {
@@ -645,6 +659,16 @@ impl TrainingConfig {
         }
         if self.checkpoint.keep == 0 {
             return bad("checkpoint.keep", "must be at least 1".into());
+        }
+        let prof = &self.profiling;
+        if prof.from_step > 0 && (prof.to_step < prof.from_step || prof.to_step > self.steps) {
+            return bad(
+                "profiling.toStep",
+                format!(
+                    "must be in [profiling.fromStep ({}), steps ({})], not {}",
+                    prof.from_step, self.steps, prof.to_step
+                ),
+            );
         }
         if self.logging.every == 0 {
             return bad("logging.every", "must be at least 1".into());

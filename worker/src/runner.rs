@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::graph::ir::Dim;
 use crate::models::{self, Model};
 use crate::monitor::endpoint::Endpoint;
+use crate::monitor::profile::Trace;
 use crate::monitor::Metrics;
 use crate::optim::{schedule::learning_rate, Update};
 use crate::session::{Session, SessionOptions};
@@ -203,6 +204,7 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         ep.update(|r| r.step = start_step);
         tracing::info!(addr = %ep.addr, "serving /progress and /metrics");
     }
+    let mut profiling = (cfg.profiling.from_step > 0).then(|| Trace::new(0));
     let mut pending = Some(first);
     let mut first_loss = f64::NAN;
     let mut last_loss = f64::NAN;
@@ -218,7 +220,21 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             });
         }
         let lr = learning_rate(&cfg.lr_schedule, cfg.optimizer.lr, step, cfg.steps);
+        let profiled = profiling.is_some() && (cfg.profiling.from_step..=cfg.profiling.to_step).contains(&(step + 1));
+        if profiled {
+            session.train.profile = Some(Vec::new());
+        }
         let r = session.step(&batches, lr, cfg.grad_clip_norm, crate::rng::mix(cfg.seed ^ (step + 1)))?;
+        if let (true, Some(trace)) = (profiled, profiling.as_mut()) {
+            let timings = session.train.profile.take().unwrap_or_default();
+            trace.step(step + 1, t0, t0.elapsed());
+            trace.ops(step + 1, &session.train.graph, &timings);
+            if step + 1 == cfg.profiling.to_step {
+                let path = cfg.output.dir.join("profile.json");
+                trace.write(&path)?;
+                tracing::info!(path = %path.display(), steps = ?(cfg.profiling.from_step..=cfg.profiling.to_step), "profile written");
+            }
+        }
         if !r.loss.is_finite() {
             return Err(Error::Runtime(format!(
                 "step {}: the loss is {} (diverged); lower optimizer.lr or set gradClipNorm",

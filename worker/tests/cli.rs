@@ -119,3 +119,61 @@ fn corrupt_inputs_exit_3_and_name_the_file() {
     assert!(stderr(&o).contains("bad.onnx"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `profiling: {fromStep, toStep}` writes a Chrome trace with a span per profiled step and the
+/// ops of the training graph inside it; `logging.port` serves the progress while training.
+#[test]
+fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
+    let dir = scratch("profile");
+    setup(&dir);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port_set = format!("logging.port={port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+        .args(["train", "--config", "train.yaml", "--quiet", "--set", "profiling={fromStep: 2, toStep: 3}"])
+        .args(["--set", &port_set, "--set", "steps=40"])
+        .current_dir(&dir)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Read /progress while the run goes on.
+    let mut progress = None;
+    for _ in 0..600 {
+        if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            use std::io::{Read, Write};
+            s.write_all(b"GET /progress HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            let mut text = String::new();
+            let _ = s.read_to_string(&mut text);
+            if let Some(body) = text.split("\r\n\r\n").nth(1) {
+                let v: serde_json::Value = serde_json::from_str(body).unwrap();
+                if v["step"].as_u64().unwrap_or(0) > 0 {
+                    progress = Some(v);
+                    break;
+                }
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let status = child.wait().unwrap();
+    assert!(status.success());
+    let progress = progress.expect("the progress endpoint answered during training");
+    assert_eq!(progress["totalSteps"], 40);
+    assert!(progress["loss"].as_f64().is_some() && progress["etaSeconds"].as_f64().is_some(), "{progress}");
+
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("out/profile.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let spans: Vec<&serde_json::Value> = events.iter().filter(|e| e["cat"] == "step").collect();
+    assert_eq!(spans.iter().map(|e| e["args"]["step"].as_u64().unwrap()).collect::<Vec<_>>(), [2, 3]);
+    for span in spans {
+        let (start, end) = (span["ts"].as_f64().unwrap(), span["ts"].as_f64().unwrap() + span["dur"].as_f64().unwrap());
+        let step = &span["args"]["step"];
+        let ops: Vec<&serde_json::Value> =
+            events.iter().filter(|e| e["cat"] == "op" && e["args"]["step"] == *step).collect();
+        assert!(ops.len() > 20, "step {step}: {} ops", ops.len());
+        assert!(ops.iter().any(|e| e["name"] == "MatMul" || e["name"] == "Gemm"), "no GEMM among the ops");
+        for op in ops {
+            let ts = op["ts"].as_f64().unwrap();
+            assert!(ts >= start && ts + op["dur"].as_f64().unwrap() <= end + 1.0, "op outside its step: {op}");
+        }
+    }
+}

@@ -19,8 +19,18 @@ pub struct Executor<B: Backend> {
     pub plan: Plan,
     arena: B::Buffer,
     persistent: HashMap<ValueId, B::Buffer>,
-    /// Per-step wall time of the last run, when profiling.
-    pub profile: Option<Vec<Duration>>,
+    /// When Some, every run appends the timing of each op it launches (the runner turns them
+    /// into a Chrome trace); None costs nothing.
+    pub profile: Option<Vec<OpTiming>>,
+}
+
+/// One op's launch, timed to completion (the backend is synchronized after it).
+#[derive(Clone, Debug)]
+pub struct OpTiming {
+    /// Index into the graph's nodes.
+    pub node: usize,
+    pub start: Instant,
+    pub duration: Duration,
 }
 
 impl<B: Backend> Executor<B> {
@@ -109,11 +119,11 @@ impl<B: Backend> Executor<B> {
                 .map_err(|e| Error::Corrupt(format!("{}: {e}", node.describe())))?;
             if let Some(t0) = t0 {
                 self.backend.synchronize().map_err(Error::Runtime)?;
-                times.push(t0.elapsed());
+                times.push(OpTiming { node: i, start: t0, duration: t0.elapsed() });
             }
         }
-        if profiling {
-            self.profile = Some(times);
+        if let Some(profile) = &mut self.profile {
+            profile.extend(times);
         }
         Ok(())
     }

@@ -3,6 +3,7 @@
 //! the live `/progress` and `/metrics` endpoint (`endpoint`).
 
 pub mod endpoint;
+pub mod profile;
 pub mod tensorboard;
 
 use crate::error::{Error, Result};
