@@ -81,9 +81,19 @@ test: deps k8s
 # a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, measured in the same run.
 # .ci/bench-deps.sh installs that peer in .venv-bench/ (torch from PyPI: about 3 GB, for this
 # target only). The figures land in target/bench-summary.json for docs/PERFORMANCE.md.
-bench: deps
+#
+# The operator's bench (operator/benches/reconcile.rs): 100 TrainingJobs × 8 workers against a
+# control plane started here, next to Kubeflow's MPI Operator built from its Go module source
+# (e2e/mpi-operator/build.sh) on the same API server; figures in target/bench-operator.json.
+bench: deps k8s
 	bash .ci/bench-deps.sh
 	TENSORFLEET_BENCH_PYTHON=$(CURDIR)/.venv-bench/bin/python $(CARGO) bench -p tensorfleet-worker --bench '*'
+	mpi="$$(bash e2e/mpi-operator/build.sh | tail -n 1)"; \
+	cluster="$$(mktemp -d /tmp/tensorfleet-bench-cluster.XXXXXX)"; \
+	trap 'bash e2e/control-plane/down.sh "$$cluster"' EXIT; \
+	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
+	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
+		$(CARGO) bench -p tensorfleet-operator --bench reconcile
 
 # Needs a Docker engine; the development machines and CI have none, so this is not built there.
 images:

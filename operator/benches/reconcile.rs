@@ -21,6 +21,7 @@
 
 use futures::{stream, StreamExt, TryStreamExt};
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PersistentVolumeClaim, Pod, Secret, Service, ServiceAccount};
 use k8s_openapi::api::flowcontrol::v1::FlowSchema;
 use k8s_openapi::api::rbac::v1::ClusterRoleBinding;
@@ -105,7 +106,8 @@ async fn run() -> Result<()> {
 
     print_table(&contenders, &results);
     let json = report(&contenders, &results);
-    let path = target_dir().join("bench-operator.json");
+    let target = target_dir();
+    let path = target.canonicalize().unwrap_or(target).join("bench-operator.json");
     let text = serde_json::to_string_pretty(&json).map_err(|e| e.to_string())?;
     std::fs::write(&path, text + "\n").map_err(|e| format!("{}: {e}", path.display()))?;
     eprintln!("bench reconcile: wrote {}", path.display());
@@ -278,15 +280,21 @@ impl Running {
         }
     }
 
-    /// Its own count of API requests (tensorfleet only), summed over methods.
-    fn own_request_count(&self) -> Option<u64> {
+    /// What tensorfleet counts itself (the MPI Operator exports no request counter).
+    fn own_metrics(&self) -> Option<OwnMetrics> {
         let (_, body) = http_get(self.http_port?, "/metrics")?;
-        let total = body
-            .lines()
-            .filter(|l| l.starts_with("tensorfleet_operator_api_requests_total{"))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>();
-        Some(total as u64)
+        let mut own = OwnMetrics::default();
+        for line in body.lines() {
+            let Some((series, value)) = line.rsplit_once(' ') else { continue };
+            let Ok(value) = value.parse::<f64>() else { continue };
+            if let Some(labels) = series.strip_prefix("tensorfleet_operator_api_requests_total{") {
+                let method = labels.trim_start_matches("method=\"").trim_end_matches("\"}");
+                own.requests_by_method.insert(method.to_string(), value as u64);
+            } else if series == "tensorfleet_operator_reconciles_total" {
+                own.reconciles = value as u64;
+            }
+        }
+        Some(own)
     }
 
     /// Peak resident memory (VmHWM) in MiB and CPU time (user + system) in seconds.
@@ -316,15 +324,23 @@ impl Drop for Running {
 
 // ---- one measurement ---------------------------------------------------------------------------
 
+#[derive(Debug, Default)]
+struct OwnMetrics {
+    requests_by_method: BTreeMap<String, u64>,
+    reconciles: u64,
+}
+
 #[derive(Debug)]
 struct Measured {
     submit_s: f64,
     children_s: f64,
     all_children_s: f64,
+    /// The operator's requests (leader election apart) when the children existed, and settled.
     requests_at_children: u64,
     requests_settled: u64,
     settled_after_s: f64,
-    own_count_settled: Option<u64>,
+    lease_requests: u64,
+    own: Option<OwnMetrics>,
     peak_rss_mib: f64,
     cpu_s: f64,
     counted: String,
@@ -397,29 +413,31 @@ async fn measure_in(cluster: &Cluster, contender: &Contender, ns: &str, work: &P
             all_children_s = Some(start.elapsed().as_secs_f64());
         }
     }
-    let requests_at_children = flow.count(cluster).await?;
+    let requests_at_children = flow.count(cluster).await?.work;
 
-    // Settled: the operator's request count holds still for SETTLE_QUIET (status updates done).
+    // Settled: the operator's request count (leader election apart) holds still for
+    // SETTLE_QUIET: the status updates that follow the children are done.
     let settle_start = Instant::now();
     let (mut last, mut last_change) = (requests_at_children, Instant::now());
     while last_change.elapsed() < SETTLE_QUIET && settle_start.elapsed() < SETTLE_MAX {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let now = flow.count(cluster).await?;
+        let now = flow.count(cluster).await?.work;
         if now != last {
             (last, last_change) = (now, Instant::now());
         }
     }
-    let own_count_settled = operator.own_request_count();
-    let requests_settled = flow.count(cluster).await?;
+    let own = operator.own_metrics();
+    let settled = flow.count(cluster).await?;
     let (peak_rss_mib, cpu_s) = operator.memory_and_cpu()?;
     Ok(Measured {
         submit_s,
         children_s: children_s.unwrap_or_default(),
         all_children_s: all_children_s.unwrap_or_default(),
         requests_at_children,
-        requests_settled,
+        requests_settled: settled.work,
         settled_after_s: (last_change - start).as_secs_f64(),
-        own_count_settled,
+        lease_requests: settled.leases,
+        own,
         peak_rss_mib,
         cpu_s,
         counted: contender.counted(),
@@ -488,12 +506,21 @@ async fn watch_children(
 
 // ---- counting an operator's requests -----------------------------------------------------------
 
-/// The operator's own ServiceAccount (cluster-admin), a kubeconfig for it, and a FlowSchema that
-/// matches only it, so the API server counts its requests apart from everyone else's.
+/// The operator's own ServiceAccount (cluster-admin), a kubeconfig for it, and two FlowSchemas
+/// that match only it, so the API server counts its requests apart from everyone else's: one for
+/// its Leases (leader election, a fixed cost whatever the jobs), one for everything else.
 struct FlowCounter {
-    flow_schema: String,
     kubeconfig: PathBuf,
-    baseline: u64,
+    requests_flow: String,
+    leases_flow: String,
+    baseline: Requests,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Requests {
+    /// Everything but leader election.
+    work: u64,
+    leases: u64,
 }
 
 impl FlowCounter {
@@ -513,72 +540,89 @@ impl FlowCounter {
             .create(&PostParams::default(), &binding)
             .await
             .map_err(|e| format!("creating ClusterRoleBinding {ns}: {e}"))?;
-        // Precedence 2 comes right after `exempt` (1); the exempt level keeps the flow from being
-        // queued, as the admin's requests are not.
-        let everything = json!([{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": true, "namespaces": ["*"]}]);
-        let flow_schema: FlowSchema = from_json(json!({
-            "metadata": {"name": ns},
-            "spec": {
-                "matchingPrecedence": 2,
-                "priorityLevelConfiguration": {"name": "exempt"},
-                "rules": [{
-                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {"namespace": ns, "name": "operator"}}],
-                    "resourceRules": everything,
-                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]
-                }]
-            }
-        }))?;
-        Api::<FlowSchema>::all(client.clone())
-            .create(&PostParams::default(), &flow_schema)
-            .await
-            .map_err(|e| format!("creating FlowSchema {ns}: {e}"))?;
+        let counter = FlowCounter {
+            kubeconfig: work.join("kubeconfig"),
+            requests_flow: ns.to_string(),
+            leases_flow: format!("{ns}-leases"),
+            baseline: Requests::default(),
+        };
+        // Precedences 2 and 3 come right after `exempt` (1); the exempt priority level keeps the
+        // operator's requests from being queued, as the admin's are not.
+        let subjects = json!([{"kind": "ServiceAccount", "serviceAccount": {"namespace": ns, "name": "operator"}}]);
+        let leases = json!({
+            "subjects": subjects,
+            "resourceRules": [{"verbs": ["*"], "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                "namespaces": ["*"]}]
+        });
+        let everything = json!({
+            "subjects": subjects,
+            "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"], "clusterScope": true,
+                "namespaces": ["*"]}],
+            "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]
+        });
+        for (name, precedence, rule) in [(&counter.leases_flow, 2, leases), (&counter.requests_flow, 3, everything)] {
+            let flow_schema: FlowSchema = from_json(json!({
+                "metadata": {"name": name},
+                "spec": {"matchingPrecedence": precedence, "priorityLevelConfiguration": {"name": "exempt"},
+                    "rules": [rule]}
+            }))?;
+            Api::<FlowSchema>::all(client.clone())
+                .create(&PostParams::default(), &flow_schema)
+                .await
+                .map_err(|e| format!("creating FlowSchema {name}: {e}"))?;
+        }
 
-        let request: Value = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+        let request = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
             "spec": {"expirationSeconds": 7200}});
         let token: Value = Api::<ServiceAccount>::namespaced(client.clone(), ns)
             .create_subresource("token", "operator", &PostParams::default(), &request)
             .await
             .map_err(|e| format!("requesting a token for {ns}/operator: {e}"))?;
         let token = token["status"]["token"].as_str().ok_or("TokenRequest without status.token")?;
-        let kubeconfig = work.join("kubeconfig");
-        std::fs::write(&kubeconfig, cluster.kubeconfig_for_token(token))
-            .map_err(|e| format!("{}: {e}", kubeconfig.display()))?;
+        std::fs::write(&counter.kubeconfig, cluster.kubeconfig_for_token(token))
+            .map_err(|e| format!("{}: {e}", counter.kubeconfig.display()))?;
 
-        // The API server picks the FlowSchema up asynchronously: probe as the account until the
-        // flow counts a request, and count from there.
-        let as_operator = Cluster::connect(&kubeconfig.to_string_lossy()).await?.client;
-        let mut counter = FlowCounter { flow_schema: ns.to_string(), kubeconfig, baseline: 0 };
+        // The API server picks FlowSchemas up asynchronously: probe both flows as the account
+        // until each has counted a request, and count from there.
+        let as_operator = Cluster::connect(&counter.kubeconfig.to_string_lossy()).await?.client;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let _ = Api::<Namespace>::all(as_operator.clone()).get(ns).await;
+            let _ = Api::<Namespace>::all(as_operator.clone()).get_opt(ns).await;
+            let _ = Api::<Lease>::namespaced(as_operator.clone(), ns).get_opt("bench-probe").await;
             let n = counter.count(cluster).await?;
-            if n > 0 {
-                counter.baseline = n;
-                return Ok(counter);
+            if n.work > 0 && n.leases > 0 {
+                return Ok(FlowCounter { baseline: n, ..counter });
             }
             if Instant::now() > deadline {
-                return Err(format!("the API server did not count requests in FlowSchema {ns} within 30 s"));
+                return Err(format!("the API server did not count requests in FlowSchemas {ns}* within 30 s"));
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
 
     /// Requests the operator sent since it was set up.
-    async fn count(&self, cluster: &Cluster) -> Result<u64> {
+    async fn count(&self, cluster: &Cluster) -> Result<Requests> {
         let metrics = cluster.apiserver_metrics().await?;
-        let label = format!("flow_schema=\"{}\"", self.flow_schema);
-        let n: f64 = metrics
-            .lines()
-            .filter(|l| l.starts_with("apiserver_flowcontrol_dispatched_requests_total{") && l.contains(&label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
-        Ok((n as u64).saturating_sub(self.baseline))
+        let dispatched = |flow: &str| {
+            let label = format!("flow_schema=\"{flow}\"");
+            let n: f64 = metrics
+                .lines()
+                .filter(|l| l.starts_with("apiserver_flowcontrol_dispatched_requests_total{") && l.contains(&label))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            n as u64
+        };
+        Ok(Requests {
+            work: dispatched(&self.requests_flow).saturating_sub(self.baseline.work),
+            leases: dispatched(&self.leases_flow).saturating_sub(self.baseline.leases),
+        })
     }
 }
 
 async fn delete_identity(client: &kube::Client, ns: &str) {
     let dp = DeleteParams::default();
     let _ = Api::<FlowSchema>::all(client.clone()).delete(ns, &dp).await;
+    let _ = Api::<FlowSchema>::all(client.clone()).delete(&format!("{ns}-leases"), &dp).await;
     let _ = Api::<ClusterRoleBinding>::all(client.clone()).delete(ns, &dp).await;
 }
 
@@ -699,10 +743,19 @@ fn print_table(contenders: &[Contender], results: &BTreeMap<&str, Measured>) {
     println!("children: {WORKERS} worker pods + <job>-config + <job>-ssh + Service <job> of every job, from the first submit");
     println!("all+1: also tensorfleet's PVC <job>-ckpt / the MPI Operator's launcher Job <job>-launcher");
     println!("API req/job: the operator's requests until the children existed (and once it settled), per job,");
-    println!("  counted by the API server in a FlowSchema matching only the operator's ServiceAccount");
+    println!("  counted by the API server in a FlowSchema matching only the operator's ServiceAccount;");
+    println!("  leader election apart:");
     for c in contenders {
-        if let Some(own) = results.get(c.key()).and_then(|m| m.own_count_settled) {
-            println!("  cross-check: {} counted {own} requests itself", c.label());
+        let Some(m) = results.get(c.key()) else { continue };
+        println!("  {}: {} Lease requests in {:.0} s", c.label(), m.lease_requests, m.settled_after_s);
+        if let Some(own) = &m.own {
+            let total: u64 = own.requests_by_method.values().sum();
+            println!(
+                "  {}: its own counter says {total} requests {:?} in {} reconciles",
+                c.label(),
+                own.requests_by_method,
+                own.reconciles
+            );
         }
     }
 }
@@ -715,8 +768,10 @@ fn report(contenders: &[Contender], results: &BTreeMap<&str, Measured>) -> Value
         "method": {
             "time": "seconds from the first create to the moment the bench's watches had seen every counted child",
             "apiRequests": "apiserver_flowcontrol_dispatched_requests_total of a FlowSchema matching only the \
-                operator's ServiceAccount (a watch counts once), from the operator's start",
-            "settled": "once the operator's request count held still for 5 s after the children existed",
+                operator's ServiceAccount (a watch counts once), from the operator's start; its Lease requests \
+                (leader election) in a FlowSchema of their own, reported apart",
+            "settled": "once the operator's request count held still for 5 s after the children existed \
+                (at most 120 s after)",
             "memory": "VmHWM of the operator process, read before it is stopped",
         },
     });
@@ -734,7 +789,9 @@ fn report(contenders: &[Contender], results: &BTreeMap<&str, Measured>) -> Value
             "apiRequestsSettled": m.requests_settled,
             "apiRequestsPerJobSettled": round(m.requests_settled as f64 / JOBS as f64),
             "settledAfterSeconds": round(m.settled_after_s),
-            "ownRequestCount": m.own_count_settled,
+            "leaseRequests": m.lease_requests,
+            "ownRequestsByMethod": m.own.as_ref().map(|o| &o.requests_by_method),
+            "ownReconciles": m.own.as_ref().map(|o| o.reconciles),
             "peakRssMiB": round(m.peak_rss_mib),
             "cpuSeconds": round(m.cpu_s),
         });
