@@ -16,7 +16,8 @@
 //! API requests: each operator runs as its own ServiceAccount, and a FlowSchema matching only that
 //! account puts its requests in their own API Priority and Fairness flow, whose
 //! `apiserver_flowcontrol_dispatched_requests_total` counts every request it sent (a watch counts
-//! once, when it opens). The same method for both; tensorfleet's own
+//! once, when it opens). Its Lease requests (leader election, which the MPI Operator always runs)
+//! go to a second FlowSchema and are reported apart. The same method for both; tensorfleet's own
 //! `tensorfleet_operator_api_requests_total` is reported next to it as a cross-check.
 
 use futures::{stream, StreamExt, TryStreamExt};
@@ -354,6 +355,10 @@ async fn measure(cluster: &Cluster, contender: &Contender) -> Result<Measured> {
     let result = measure_in(cluster, contender, &ns, &work).await;
     delete_identity(&cluster.client, &ns).await;
     delete_namespace(&cluster.client, &ns).await;
+    // The operator's log stays for a failed run (the error names it).
+    if result.is_ok() {
+        let _ = std::fs::remove_dir_all(&work);
+    }
     result
 }
 
