@@ -27,6 +27,53 @@ const PROGRESS_PERIOD: Duration = Duration::from_secs(10);
 /// How soon to look again while pods of an old attempt are still terminating.
 const TERMINATING_PERIOD: Duration = Duration::from_secs(2);
 
+/// The pod events that can change a decision: phase, readiness, IP, a terminated container,
+/// deletion, attempt. Others (the scheduler's PodScheduled=False on a pending pod, a status
+/// heartbeat) would only wake the job to find nothing to do; they are dropped here. Deletions
+/// always pass.
+pub fn pod_triggers(
+    pods: Api<Pod>,
+    config: kube::runtime::watcher::Config,
+) -> impl futures::Stream<Item = Result<Pod, kube::runtime::watcher::Error>> + Send + 'static {
+    use futures::StreamExt;
+    use kube::runtime::{watcher, WatchStreamExt};
+    let mut seen: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
+    watcher(pods, config).default_backoff().filter_map(move |event| {
+        let trigger = match event {
+            Ok(watcher::Event::Apply(pod)) | Ok(watcher::Event::InitApply(pod)) => {
+                let state = pod_state(&pod);
+                (seen.insert(pod.uid().unwrap_or_default(), state) != Some(state)).then_some(Ok(pod))
+            }
+            Ok(watcher::Event::Delete(pod)) => {
+                seen.remove(&pod.uid().unwrap_or_default());
+                Some(Ok(pod))
+            }
+            Ok(watcher::Event::Init | watcher::Event::InitDone) => None,
+            Err(e) => Some(Err(e)),
+        };
+        futures::future::ready(trigger)
+    })
+}
+
+/// A hash of what reconcile reads from a pod.
+fn pod_state(pod: &Pod) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    status::phase(pod).hash(&mut h);
+    status::is_ready(pod).hash(&mut h);
+    pod.metadata.deletion_timestamp.is_some().hash(&mut h);
+    pod.labels().get(labels::ATTEMPT).hash(&mut h);
+    if let Some(st) = &pod.status {
+        st.pod_ip.hash(&mut h);
+        st.reason.hash(&mut h);
+        for cs in st.container_statuses.iter().flatten() {
+            let t = cs.state.as_ref().and_then(|s| s.terminated.as_ref());
+            t.map(|t| (t.exit_code, t.reason.clone(), t.message.clone())).hash(&mut h);
+        }
+    }
+    h.finish()
+}
+
 /// What every reconcile needs.
 pub struct Context {
     pub client: kube::Client,

@@ -142,7 +142,7 @@ async fn run(args: Args) -> Result<(), String> {
         };
         let (jobs, pods, services, configs) = api(&client);
         Controller::new(jobs, watcher::Config::default())
-            .owns(pods, children.clone())
+            .owns_stream(controller::pod_triggers(pods, children.clone()))
             .owns(services, children.clone())
             .owns(configs, children.clone())
             .shutdown_on_signal()
