@@ -20,6 +20,9 @@
 //! go to a second FlowSchema and are reported apart. The same method for both; tensorfleet's own
 //! `tensorfleet_operator_api_requests_total` is reported next to it as a cross-check.
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
 use futures::{stream, StreamExt, TryStreamExt};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -201,23 +204,8 @@ impl Contender {
     /// A job manifest with WORKERS workers of one slot each.
     fn job_manifest(&self, name: &str) -> Value {
         match self {
-            Contender::Tensorfleet { .. } => json!({
-                "apiVersion": "tensorfleet.dev/v1alpha1",
-                "kind": "TrainingJob",
-                "metadata": {"name": name},
-                "spec": {
-                    "image": "tensorfleet/worker:bench",
-                    "workers": WORKERS,
-                    "slotsPerWorker": 1,
-                    "training": {
-                        "model": {"gpt2": {"layers": 2, "heads": 2, "embed": 64, "seqLen": 64}},
-                        "data": {"train": {"path": "train", "format": "tokens"}},
-                        "batchSize": 4,
-                        "steps": 20,
-                        "parallelism": {"data": WORKERS}
-                    }
-                }
-            }),
+            // The same small job the operator's tests apply.
+            Contender::Tensorfleet { .. } => common::job_manifest(name, WORKERS as i32),
             // The MPI Operator's own example (examples/v2beta1/pi), with WORKERS workers.
             Contender::MpiOperator { .. } => json!({
                 "apiVersion": "kubeflow.org/v2beta1",
