@@ -11,12 +11,17 @@ VENV_PYTHON := $(CURDIR)/.venv/bin/python
 DEMO_CONFIG := examples/local/quickstart.yaml
 DEMO_CORPUS := examples/local/data/corpus.txt
 DEMO_TOKENS := examples/local/data/tokens
+# The SqueezeNet and imported-ONNX demos: a drawn image set and a CNN written by Python scripts.
+SQUEEZENET_CONFIG := examples/local/squeezenet.yaml
+ONNX_CONFIG := examples/local/custom-onnx.yaml
+DEMO_SHAPES := examples/local/data/shapes
+DEMO_CNN := examples/local/data/cnn.onnx
 
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data test bench images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test bench images clean
 
 deps:
 	bash .ci/deps.sh
@@ -59,6 +64,24 @@ $(DEMO_TOKENS):
 	$(CARGO) run --release -p tensorfleet-worker -- prepare-data \
 		--input $(DEMO_CORPUS) --output $(DEMO_TOKENS) --val-fraction 0.1
 
+# SqueezeNet 1.1 (builtin) on the shapes set; docs/EXAMPLES.md says what to expect.
+demo-squeezenet: deps demo-shapes
+	$(CARGO) run --release -p tensorfleet-worker -- train --config $(SQUEEZENET_CONFIG) --set checkpoint.resume=never
+
+# An imported ONNX model (no loss in it; the config attaches one) on the same set.
+demo-onnx: deps demo-shapes $(DEMO_CNN)
+	$(CARGO) run --release -p tensorfleet-worker -- train --config $(ONNX_CONFIG) --set checkpoint.resume=never
+
+# Draws the shapes set once (sample shards, train/ and val/), when $(DEMO_SHAPES) does not
+# exist; delete it to redo. The venv comes from deps (numpy, onnx).
+demo-shapes: $(DEMO_SHAPES)
+
+$(DEMO_SHAPES):
+	$(VENV_PYTHON) examples/local/data/make_shapes.py --output $(DEMO_SHAPES)
+
+$(DEMO_CNN):
+	$(VENV_PYTHON) examples/local/data/make_cnn.py --output $(DEMO_CNN)
+
 # The node tests are the ONNX backend suite shipped inside the venv's onnx package. The
 # operator's tests run against a real control plane started here for the duration of the run.
 test: deps k8s
@@ -77,10 +100,13 @@ test: deps k8s
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 		$(CARGO) test --workspace --release
 
-# Criterion benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak, and
-# a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, measured in the same run.
-# .ci/bench-deps.sh installs that peer in .venv-bench/ (torch from PyPI: about 3 GB, for this
-# target only). The figures land in target/bench-summary.json for docs/PERFORMANCE.md.
+# Criterion benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak,
+# a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, and checkpoint and
+# data-loader throughput next to the disk's own rate and NumPy's memmap loader, each peer
+# measured in the same run.
+# .ci/bench-deps.sh installs the Python peers in .venv-bench/ (torch from PyPI: about 3 GB, and
+# numpy; for this target only). The figures land in target/bench-summary.json for
+# docs/PERFORMANCE.md.
 #
 # The operator's bench (operator/benches/reconcile.rs): 100 TrainingJobs × 8 workers against a
 # control plane started here, next to Kubeflow's MPI Operator built from its Go module source
@@ -103,7 +129,7 @@ images:
 	docker build --target operator --tag $(IMAGE_PREFIX)/operator:$(IMAGE_TAG) .
 	docker build --target worker --tag $(IMAGE_PREFIX)/worker:$(IMAGE_TAG) .
 
-# Build outputs and run outputs; the venv and the demo's tokens are rebuilt by the next make.
+# Build outputs and run outputs; the venv and the demos' data are rebuilt by the next make.
 clean:
 	$(CARGO) clean
-	rm -rf .venv out examples/local/out $(DEMO_TOKENS)
+	rm -rf .venv out examples/local/out $(DEMO_TOKENS) $(DEMO_SHAPES) $(DEMO_CNN)

@@ -106,7 +106,7 @@ fn benches() -> Vec<Bench> {
 /// The model built as `make demo` builds it, differentiated and planned for `batch`.
 fn session(b: &Bench, batch: &BTreeMap<String, Tensor>) -> Session<CpuBackend> {
     let model = models::load(&b.spec, 0).unwrap_or_else(|e| panic!("{}: building the model: {e}", b.name));
-    let opts = SessionOptions { update: ADAMW, disabled_passes: vec![], frozen: vec![], no_decay: vec![] };
+    let opts = SessionOptions::new(ADAMW);
     Session::new(Arc::new(CpuBackend::new()), &model, batch, 1, &opts)
         .unwrap_or_else(|e| panic!("{}: planning the training step: {e}", b.name))
 }

@@ -28,9 +28,13 @@ pub struct TrainingConfig {
     /// The optimizer and its hyperparameters (PyTorch's semantics).
     #[serde(default)]
     pub optimizer: OptimizerConfig,
-    /// Weights (initializer names) that do not train.
+    /// Weights (initializer names) that do not train (ONNX Runtime's weights_not_to_train).
     #[serde(default)]
     pub frozen_weights: Vec<String>,
+    /// Only these weights (initializer names) train; empty: every float initializer not in
+    /// frozenWeights (ONNX Runtime's weights_to_train).
+    #[serde(default)]
+    pub weights_to_train: Vec<String>,
     /// The learning-rate schedule, with warmup.
     #[serde(default)]
     pub lr_schedule: LrSchedule,
@@ -40,6 +44,14 @@ pub struct TrainingConfig {
     /// fp32, or fp16 / bf16 with fp32 master weights (CUDA backend).
     #[serde(default)]
     pub precision: Precision,
+    /// The fp16 loss scale; 0 = dynamic (starts at 2^16, halves and skips the step on an
+    /// overflow, doubles after 2000 clean steps, within [1, 2^24]). fp32 and bf16 use none.
+    #[serde(default)]
+    pub loss_scale: f64,
+    /// Activations recomputed in the backward pass instead of kept from the forward pass:
+    /// none, gelu (the MLP's GELU outputs) or layer (everything inside a transformer block).
+    #[serde(default)]
+    pub recompute: Recompute,
     /// auto (CUDA when a GPU is present, else the CPU), cpu or cuda.
     #[serde(default)]
     pub device: DeviceKind,
@@ -291,6 +303,38 @@ pub struct OptimizerConfig {
     /// default rule, no decay for weights of rank below 2 (biases, normalization scales).
     #[serde(default)]
     pub no_decay: Vec<String>,
+    /// Per-weight hyperparameters, like PyTorch's parameter groups (ONNX Runtime's per-weight
+    /// optimizer attributes): a weight takes the first group with a matching pattern, and the
+    /// keys a group sets replace the ones above for it.
+    #[serde(default)]
+    pub groups: Vec<ParamGroup>,
+}
+
+/// Hyperparameters for the weights whose names contain one of `weights`.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ParamGroup {
+    /// Name patterns: substrings of initializer names, or `*` for every weight.
+    pub weights: Vec<String>,
+    /// Multiplies the scheduled learning rate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epsilon: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub momentum: Option<f64>,
+}
+
+impl ParamGroup {
+    pub fn matches(&self, weight: &str) -> bool {
+        self.weights.iter().any(|p| p == "*" || weight.contains(p.as_str()))
+    }
 }
 
 fn d_lr() -> f64 {
@@ -318,6 +362,7 @@ impl Default for OptimizerConfig {
             momentum: 0.0,
             nesterov: false,
             no_decay: vec![],
+            groups: vec![],
         }
     }
 }
@@ -394,6 +439,15 @@ pub enum Precision {
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
+pub enum Recompute {
+    #[default]
+    None,
+    Gelu,
+    Layer,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
 pub enum DeviceKind {
     /// CUDA when a GPU is present, else the CPU.
     #[default]
@@ -417,11 +471,33 @@ pub struct Parallelism {
     /// ZeRO stage: 0 off, 1 optimizer state sharded, 2 gradients too.
     #[serde(default)]
     pub zero: u8,
+    /// Combine data-parallel gradients with Adasum instead of averaging them.
+    #[serde(default)]
+    pub adasum: bool,
+    /// Collectives on GPUs go through NCCL; false sends them through MPI (host copies).
+    #[serde(default = "d_true")]
+    pub nccl: bool,
+    /// Seconds a collective may wait for the other ranks before this rank gives up and exits
+    /// (a dead or hung peer must not hang the job forever).
+    #[serde(default = "d_collective_timeout")]
+    pub timeout_seconds: u64,
+}
+
+fn d_collective_timeout() -> u64 {
+    600
 }
 
 impl Default for Parallelism {
     fn default() -> Self {
-        Parallelism { data: 1, tensor: 1, pipeline: 1, zero: 0 }
+        Parallelism {
+            data: 1,
+            tensor: 1,
+            pipeline: 1,
+            zero: 0,
+            adasum: false,
+            nccl: true,
+            timeout_seconds: d_collective_timeout(),
+        }
     }
 }
 
@@ -434,6 +510,9 @@ pub struct EvaluationConfig {
     /// Batches per evaluation.
     #[serde(default = "d_eval_batches")]
     pub batches: usize,
+    /// Samples per evaluation batch and data-parallel rank (default: batchSize).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_size: Option<usize>,
 }
 
 fn d_eval_batches() -> usize {
@@ -453,6 +532,9 @@ pub struct CheckpointConfig {
     /// damaged one is skipped with a warning); `never`; or the path of one checkpoint.
     #[serde(default = "d_resume")]
     pub resume: String,
+    /// Where checkpoints go (default: output.dir/checkpoints; relative to the outputs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
 }
 
 fn d_resume() -> String {
@@ -465,11 +547,11 @@ fn d_keep() -> usize {
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        CheckpointConfig { every: 0, keep: d_keep(), resume: d_resume() }
+        CheckpointConfig { every: 0, keep: d_keep(), resume: d_resume(), dir: None }
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LoggingConfig {
     /// Log every this many updates.
@@ -482,6 +564,23 @@ pub struct LoggingConfig {
     /// operator sets it to the TrainingJob's spec.progressPort.
     #[serde(default)]
     pub port: u16,
+    /// Where TensorBoard events go (default: output.dir/tensorboard; relative to the outputs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensorboard_dir: Option<PathBuf>,
+    /// Weights whose value and gradient histograms are logged to TensorBoard at each logged
+    /// step: initializer names, or `*` for all.
+    #[serde(default)]
+    pub histograms: Vec<String>,
+    /// Weights whose value and gradient L2 norms are logged to TensorBoard: names, or `*`.
+    #[serde(default)]
+    pub norms: Vec<String>,
+    /// Further scalar values of the training graph (by name) logged beside the loss.
+    #[serde(default)]
+    pub scalars: Vec<String>,
+    /// The device's peak FLOP/s, in TFLOP/s, that model FLOPs utilization (MFU) is measured
+    /// against; 0 = the GPU's known dense peak for the precision (none on the CPU, so no MFU).
+    #[serde(default)]
+    pub peak_tflops: f64,
 }
 
 fn d_log_every() -> u64 {
@@ -490,7 +589,16 @@ fn d_log_every() -> u64 {
 
 impl Default for LoggingConfig {
     fn default() -> Self {
-        LoggingConfig { every: 1, tensorboard: true, port: 0 }
+        LoggingConfig {
+            every: 1,
+            tensorboard: true,
+            port: 0,
+            tensorboard_dir: None,
+            histograms: vec![],
+            norms: vec![],
+            scalars: vec![],
+            peak_tflops: 0.0,
+        }
     }
 }
 
@@ -500,6 +608,14 @@ pub struct OutputConfig {
     /// Where metrics.jsonl, checkpoints/ and model.onnx go (relative to the configuration file).
     #[serde(default = "d_out")]
     pub dir: PathBuf,
+    /// Also save the model with its loss attached, before differentiation, as ONNX (for
+    /// inspection; relative to the outputs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_with_loss: Option<PathBuf>,
+    /// Also save the training graph (forward, loss, gradients, after fusion) as ONNX, for
+    /// inspection in Netron; fused and gradient ops are in the `dev.tensorfleet` domain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training_graph: Option<PathBuf>,
 }
 
 fn d_out() -> PathBuf {
@@ -508,7 +624,7 @@ fn d_out() -> PathBuf {
 
 impl Default for OutputConfig {
     fn default() -> Self {
-        OutputConfig { dir: d_out() }
+        OutputConfig { dir: d_out(), model_with_loss: None, training_graph: None }
     }
 }
 
@@ -587,11 +703,37 @@ impl TrainingConfig {
             fix(&mut e.path, inputs);
         }
         fix(&mut self.output.dir, outputs);
+        for p in [
+            &mut self.checkpoint.dir,
+            &mut self.logging.tensorboard_dir,
+            &mut self.output.model_with_loss,
+            &mut self.output.training_graph,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            fix(p, outputs);
+        }
         if !matches!(self.checkpoint.resume.as_str(), "auto" | "never")
             && Path::new(&self.checkpoint.resume).is_relative()
         {
             self.checkpoint.resume = outputs.join(&self.checkpoint.resume).display().to_string();
         }
+    }
+
+    /// Where checkpoints go: checkpoint.dir, else output.dir/checkpoints.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint.dir.clone().unwrap_or_else(|| self.output.dir.join("checkpoints"))
+    }
+
+    /// Where TensorBoard events go: logging.tensorboardDir, else output.dir/tensorboard.
+    pub fn tensorboard_dir(&self) -> PathBuf {
+        self.logging.tensorboard_dir.clone().unwrap_or_else(|| self.output.dir.join("tensorboard"))
+    }
+
+    /// Samples per evaluation batch and data-parallel rank.
+    pub fn eval_batch_size(&self) -> usize {
+        self.evaluation.batch_size.unwrap_or(self.batch_size)
     }
 
     /// Checks what the types cannot: ranges and combinations. Messages name the key.
@@ -627,6 +769,37 @@ impl TrainingConfig {
         if self.optimizer.nesterov && (self.optimizer.name != OptimizerName::Sgd || self.optimizer.momentum == 0.0) {
             return bad("optimizer.nesterov", "needs optimizer.name sgd with a momentum".into());
         }
+        for (i, g) in self.optimizer.groups.iter().enumerate() {
+            let key = |k: &str| format!("optimizer.groups[{i}].{k}");
+            if g.weights.is_empty() || g.weights.iter().any(|p| p.is_empty()) {
+                return bad(&key("weights"), "give at least one non-empty name pattern (or '*')".into());
+            }
+            for (k, v) in [("beta1", g.beta1), ("beta2", g.beta2), ("momentum", g.momentum)] {
+                if let Some(v) = v.filter(|v| !(0.0..1.0).contains(v)) {
+                    return bad(&key(k), format!("must be in [0, 1), not {v}"));
+                }
+            }
+            for (k, v) in [("lrScale", g.lr_scale), ("weightDecay", g.weight_decay)] {
+                if let Some(v) = v.filter(|v| !(*v >= 0.0 && v.is_finite())) {
+                    return bad(&key(k), format!("must be a non-negative number, not {v}"));
+                }
+            }
+            if let Some(e) = g.epsilon.filter(|e| *e <= 0.0) {
+                return bad(&key("epsilon"), format!("must be positive, not {e}"));
+            }
+        }
+        if let Some(w) = self.weights_to_train.iter().find(|w| self.frozen_weights.contains(w)) {
+            return bad("weightsToTrain", format!("'{w}' is also in frozenWeights"));
+        }
+        if !(self.loss_scale >= 0.0 && self.loss_scale.is_finite()) {
+            return bad("lossScale", format!("must be a non-negative number (0 = dynamic), not {}", self.loss_scale));
+        }
+        if self.evaluation.batch_size == Some(0) {
+            return bad("evaluation.batchSize", "must be at least 1".into());
+        }
+        if !(self.logging.peak_tflops >= 0.0 && self.logging.peak_tflops.is_finite()) {
+            return bad("logging.peakTflops", "must be a non-negative number (0 = the GPU's known peak)".into());
+        }
         if self.grad_clip_norm < 0.0 {
             return bad("gradClipNorm", "must not be negative (0 switches clipping off)".into());
         }
@@ -650,6 +823,15 @@ impl TrainingConfig {
         }
         if p.zero > 2 {
             return bad("parallelism.zero", format!("stage {} does not exist (0, 1 or 2)", p.zero));
+        }
+        if p.adasum && p.zero > 0 {
+            return bad(
+                "parallelism.adasum",
+                "Adasum combines whole gradients; it does not run with ZeRO (parallelism.zero > 0)".into(),
+            );
+        }
+        if p.timeout_seconds == 0 {
+            return bad("parallelism.timeoutSeconds", "must be at least 1".into());
         }
         if self.evaluation.every > 0 && self.data.eval.is_none() {
             return bad("evaluation.every", "needs data.eval".into());

@@ -94,10 +94,30 @@ fn output_types(g: &Graph) -> BTreeMap<ValueId, (DType, Vec<Dim>)> {
     out
 }
 
+/// The model with its loss attached, as training starts (ONNX Runtime's "model with loss
+/// function"): the forward graph, the label inputs, and the loss as the first output.
+pub fn loss_graph(model: &Model) -> Result<Graph> {
+    let forward = inference_graph(model, &BTreeMap::new())?;
+    let mut g = model.graph.clone();
+    g.outputs = std::iter::once(model.loss).chain(model.outputs.iter().copied()).collect();
+    // The forward outputs keep their value ids in the inference graph, and so their types.
+    g.output_types.extend(forward.output_types);
+    g.output_types.entry(model.loss).or_insert((DType::F32, vec![]));
+    Ok(g)
+}
+
 /// Writes the inference model to `path` (atomically: a temporary file, then a rename).
 pub fn write(model: &Model, weights: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
-    let g = inference_graph(model, weights)?;
-    let proto = to_model(&g, "tensorfleet");
+    write_graph(&inference_graph(model, weights)?, path)
+}
+
+/// Writes any graph as an ONNX model (atomically), e.g. the model with its loss or the
+/// training graph for inspection; internal ops are in the tensorfleet domain.
+pub fn write_graph(g: &Graph, path: &Path) -> Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::Runtime(format!("{}: {e}", dir.display())))?;
+    }
+    let proto = to_model(g, "tensorfleet");
     let tmp = path.with_extension("onnx.tmp");
     crate::onnx::save_model(&proto, &tmp)?;
     std::fs::rename(&tmp, path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))

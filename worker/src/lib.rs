@@ -14,6 +14,8 @@ pub mod backend;
 #[cfg(feature = "engine")]
 pub mod checkpoint;
 #[cfg(feature = "engine")]
+pub mod comm;
+#[cfg(feature = "engine")]
 pub mod exec;
 #[cfg(feature = "engine")]
 pub mod export;

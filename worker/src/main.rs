@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use tensorfleet_worker::config::TrainingConfig;
 use tensorfleet_worker::error::{Error, Result};
+use tensorfleet_worker::monitor::console::ConsoleMode;
 use tensorfleet_worker::{checkpoint, export, inspect, models, prepare, runner};
 
 #[derive(Parser)]
@@ -14,6 +15,10 @@ use tensorfleet_worker::{checkpoint, export, inspect, models, prepare, runner};
     about = "Trains ONNX graphs: the rank program of a tensorfleet TrainingJob"
 )]
 struct Cli {
+    /// text, or json for one JSON object per log line (log collectors); json also replaces
+    /// the progress bar with per-step log lines.
+    #[arg(long, global = true, default_value = "text", value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -27,7 +32,7 @@ enum Command {
         /// Override a key: --set optimizer.lr=3e-4 (repeatable).
         #[arg(long = "set", value_name = "KEY.PATH=VALUE")]
         set: Vec<String>,
-        /// Only structured logs, no per-step lines.
+        /// No per-step output (no progress bar, no step log lines).
         #[arg(long)]
         quiet: bool,
     },
@@ -61,7 +66,12 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train { config, set, quiet } => {
             let cfg = TrainingConfig::load(&config, &set)?;
-            let s = runner::train(&cfg, quiet)?;
+            let console = match (quiet, cli.log_format.as_str()) {
+                (true, _) => ConsoleMode::Quiet,
+                (false, "json") => ConsoleMode::Log,
+                (false, _) => ConsoleMode::Auto,
+            };
+            let s = runner::train(&cfg, console)?;
             if s.start_step == s.steps {
                 println!("nothing to train: the newest checkpoint is at step {} of {}", s.start_step, s.steps);
             } else if s.start_step > 0 {
@@ -77,7 +87,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("  model:       {}", s.model.display());
             if cfg.logging.tensorboard {
-                println!("  tensorboard: tensorboard --logdir {}", cfg.output.dir.join("tensorboard").display());
+                println!("  tensorboard: tensorboard --logdir {}", cfg.tensorboard_dir().display());
             }
             Ok(())
         }
@@ -99,13 +109,19 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
-    tracing_subscriber::fmt()
+    let cli = Cli::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TENSORFLEET_LOG").unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
-        .init();
-    if let Err(e) = run(Cli::parse()) {
+        // Colour codes only for a person at a terminal, not in pod logs or files.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match cli.log_format.as_str() {
+        "json" => logs.json().init(),
+        _ => logs.init(),
+    }
+    if let Err(e) = run(cli) {
         eprintln!("error: {e}");
         std::process::exit(e.exit_code());
     }

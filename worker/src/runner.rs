@@ -3,19 +3,21 @@
 
 use crate::backend::cpu::CpuBackend;
 use crate::checkpoint;
+use crate::comm::{CommOptions, Layout, World};
 use crate::config::{DeviceKind, ModelConfig, OptimizerName, Precision, TrainingConfig};
-use crate::data::{self, Batch, Feeds};
+use crate::data::{self, Batch, Batching, Feeds, Partition};
 use crate::error::{Error, Result};
 use crate::graph::ir::Dim;
 use crate::models::{self, Model};
+use crate::monitor::console::{Console, ConsoleMode, StepLine};
 use crate::monitor::endpoint::Endpoint;
 use crate::monitor::profile::Trace;
-use crate::monitor::Metrics;
+use crate::monitor::{Metrics, StepLog, Watched};
 use crate::optim::{schedule::learning_rate, Update};
 use crate::session::{Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Where a run's outputs went.
 #[derive(Debug)]
@@ -83,18 +85,20 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
     Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label }, seq))
 }
 
-fn check_world(cfg: &TrainingConfig) -> Result<()> {
+/// What this build can run of the configuration, checked before anything heavy starts.
+fn check_supported(cfg: &TrainingConfig) -> Result<()> {
     let p = &cfg.parallelism;
-    let world = p.data * p.tensor * p.pipeline;
-    if world != 1 {
+    if p.tensor > 1 || p.pipeline > 1 {
         return Err(Error::Config(format!(
-            "parallelism: data×tensor×pipeline = {world}, but this process runs alone (world size 1); multi-rank training needs mpirun with {world} ranks and the MPI build"
+            "parallelism: tensor ({}) and pipeline ({}) parallelism are not implemented yet; use data parallelism",
+            p.tensor, p.pipeline
         )));
     }
     if p.zero > 0 {
-        return Err(Error::Config(
-            "parallelism.zero: ZeRO shards over data-parallel ranks; it needs parallelism.data > 1".into(),
-        ));
+        return Err(Error::Config("parallelism.zero: ZeRO is not implemented yet; use parallelism.zero: 0".into()));
+    }
+    if p.adasum {
+        return Err(Error::Config("parallelism.adasum: Adasum is not implemented yet; leave it false".into()));
     }
     match cfg.device {
         DeviceKind::Cuda => {
@@ -139,24 +143,57 @@ fn find_resume(cfg: &TrainingConfig, dir: &std::path::Path) -> Result<Option<Res
     }
 }
 
-/// Runs the whole training described by `cfg`. `quiet` silences the per-step console lines.
-pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
-    check_world(cfg)?;
+/// Whether a watched-weight list (logging.histograms / logging.norms) names `weight`.
+fn watches(list: &[String], weight: &str) -> bool {
+    list.iter().any(|w| w == "*" || w == weight)
+}
+
+/// Every name in logging.histograms and logging.norms must be a trained weight (or `*`).
+fn check_watched(cfg: &TrainingConfig, weights: &[String]) -> Result<()> {
+    for (key, list) in [("logging.histograms", &cfg.logging.histograms), ("logging.norms", &cfg.logging.norms)] {
+        if let Some(w) = list.iter().find(|w| *w != "*" && !weights.contains(w)) {
+            return Err(Error::Config(format!("{key}: '{w}' is not a trained weight of the model")));
+        }
+    }
+    Ok(())
+}
+
+/// The peak FLOP/s MFU is measured against: logging.peakTflops, else unknown on the CPU.
+fn peak_flops(cfg: &TrainingConfig) -> Option<f64> {
+    (cfg.logging.peak_tflops > 0.0).then_some(cfg.logging.peak_tflops * 1e12)
+}
+
+/// Runs the whole training described by `cfg` as one rank of the world mpirun started (or
+/// alone); `console` says what a watching person sees. Rank 0 writes every output: metrics,
+/// TensorBoard events, checkpoints, the profile and the exported model.
+pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
+    let world = World::init(&CommOptions { collective_timeout: Duration::from_secs(cfg.parallelism.timeout_seconds) })?;
+    let p = &cfg.parallelism;
+    let layout = Layout::new(p.data, p.tensor, p.pipeline, world.size())?;
+    check_supported(cfg)?;
+    let groups = world.parallel_groups(layout)?;
+    let leader = world.rank() == 0;
     let backend = Arc::new(CpuBackend::new());
     let model = models::load(&cfg.model, cfg.seed)?;
+    if let Some(path) = cfg.output.model_with_loss.as_ref().filter(|_| leader) {
+        crate::export::write_graph(&crate::export::loss_graph(&model)?, path)?;
+        tracing::info!(path = %path.display(), "model with loss written");
+    }
     let (feeds, seq_len) = match cfg.data.train.format {
         crate::config::DataFormat::Tokens => token_feeds(cfg, &model)?,
         crate::config::DataFormat::OnnxSamples => (Feeds { token_input: String::new(), token_label: String::new() }, 0),
     };
-    let mut train_data =
-        data::open(&cfg.data.train, "data.train", cfg.batch_size, seq_len, &feeds, cfg.data.shuffle, cfg.seed)?;
+    let partition = Partition { index: groups.coords.dp, count: layout.data };
+    let batching = Batching { batch: cfg.batch_size, seq_len, shuffle: cfg.data.shuffle, seed: cfg.seed, partition };
+    let mut train_data = data::open(&cfg.data.train, "data.train", batching, &feeds)?;
     let mut eval_data = match &cfg.data.eval {
         Some(src) if cfg.evaluation.every > 0 => {
-            Some(data::open(src, "data.eval", cfg.batch_size, seq_len, &feeds, false, cfg.seed)?)
+            let b = Batching { batch: cfg.eval_batch_size(), shuffle: false, ..batching };
+            Some(data::open(src, "data.eval", b, &feeds)?)
         }
         _ => None,
     };
-    let ckpt_dir = cfg.output.dir.join("checkpoints");
+    let ckpt_dir = cfg.checkpoint_dir();
     let resumed = find_resume(cfg, &ckpt_dir)?;
     if let Some((manifest, _, path)) = &resumed {
         train_data.seek(&manifest.data)?;
@@ -167,10 +204,15 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         update: update_of(cfg),
         disabled_passes: vec![],
         frozen: cfg.frozen_weights.clone(),
+        trainable: cfg.weights_to_train.clone(),
         no_decay: cfg.optimizer.no_decay.clone(),
+        groups: cfg.optimizer.groups.clone(),
+        scalars: cfg.logging.scalars.clone(),
+        recompute: cfg.recompute,
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
+    check_watched(cfg, &session.weight_names())?;
     let (arena, persistent) = session.memory();
     tracing::info!(
         backend = %crate::backend::Backend::name(&*backend),
@@ -180,6 +222,10 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         build_ms = t_build.elapsed().as_millis() as u64,
         "training graph planned"
     );
+    if let Some(path) = cfg.output.training_graph.as_ref().filter(|_| leader) {
+        crate::export::write_graph(&session.train.graph, path)?;
+        tracing::info!(path = %path.display(), "training graph written");
+    }
 
     std::fs::create_dir_all(&cfg.output.dir)
         .map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
@@ -191,29 +237,41 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         }
         None => 0,
     };
-    let mut metrics =
-        if resumed.is_some() { Metrics::resume(&metrics_path, start_step)? } else { Metrics::create(&metrics_path)? };
-    if cfg.logging.tensorboard {
-        metrics = metrics.with_tensorboard(&cfg.output.dir.join("tensorboard"))?;
+    session.join_data_parallel(groups.data)?;
+    // Only rank 0 reports; the other ranks train silently beside it.
+    let mut metrics = match (leader, &resumed) {
+        (false, _) => None,
+        (true, Some(_)) => Some(Metrics::resume(&metrics_path, start_step)?),
+        (true, None) => Some(Metrics::create(&metrics_path)?),
+    };
+    if let (Some(m), true) = (metrics.take(), cfg.logging.tensorboard) {
+        metrics = Some(m.with_tensorboard(&cfg.tensorboard_dir())?);
     }
     let endpoint = match cfg.logging.port {
         0 => None,
+        _ if !leader => None,
         port => Some(Endpoint::serve(std::net::SocketAddr::from(([0, 0, 0, 0], port)), cfg.steps)?),
     };
     if let Some(ep) = &endpoint {
         ep.update(|r| r.step = start_step);
         tracing::info!(addr = %ep.addr, "serving /progress and /metrics");
     }
-    let mut profiling = (cfg.profiling.from_step > 0).then(|| Trace::new(0));
+    let console = Console::new(if leader { console } else { ConsoleMode::Quiet }, start_step, cfg.steps);
+    let unit = if seq_len > 0 { "tok" } else { "samples" };
+    let peak = peak_flops(cfg);
+    let watched = |w: &str| watches(&cfg.logging.histograms, w) || watches(&cfg.logging.norms, w);
+    let mut profiling = (leader && cfg.profiling.from_step > 0).then(|| Trace::new(world.rank()));
     let mut pending = Some(first);
     let mut first_loss = f64::NAN;
     let mut last_loss = f64::NAN;
     let start = Instant::now();
-    let items = train_data.items_per_batch() * cfg.gradient_accumulation_steps;
+    let micro_batches = cfg.gradient_accumulation_steps;
+    let items = train_data.items_per_batch() * micro_batches * partition.count;
+    let flops_per_step = session.flops_per_batch * (micro_batches * partition.count) as f64;
     for step in start_step..cfg.steps {
         let t0 = Instant::now();
-        let mut batches = Vec::with_capacity(cfg.gradient_accumulation_steps);
-        for _ in 0..cfg.gradient_accumulation_steps {
+        let mut batches = Vec::with_capacity(micro_batches);
+        for _ in 0..micro_batches {
             batches.push(match pending.take() {
                 Some(b) => b,
                 None => train_data.next_batch()?,
@@ -224,7 +282,9 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
         if profiled {
             session.train.profile = Some(Vec::new());
         }
-        let r = session.step(&batches, lr, cfg.grad_clip_norm, crate::rng::mix(cfg.seed ^ (step + 1)))?;
+        // Each data-parallel replica draws its own dropout masks.
+        let seed = crate::rng::mix(cfg.seed ^ (step + 1)) ^ groups.coords.dp as u64;
+        let r = session.step(&batches, lr, cfg.grad_clip_norm, seed)?;
         if let (true, Some(trace)) = (profiled, profiling.as_mut()) {
             let timings = session.train.profile.take().unwrap_or_default();
             trace.step(step + 1, t0, t0.elapsed());
@@ -247,10 +307,34 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             first_loss = r.loss;
         }
         last_loss = r.loss;
-        let dt = t0.elapsed().as_secs_f64();
-        if n % cfg.logging.every == 0 || n == cfg.steps {
-            let rate = items as f64 / dt.max(1e-9);
-            metrics.step(n, r.loss, lr, r.grad_norm, rate, start.elapsed().as_secs_f64())?;
+        let dt = t0.elapsed().as_secs_f64().max(1e-9);
+        if let (Some(metrics), true) = (metrics.as_mut(), n % cfg.logging.every == 0 || n == cfg.steps) {
+            let rate = items as f64 / dt;
+            let flops = flops_per_step / dt;
+            let mfu = peak.map(|p| flops / p);
+            metrics.step(&StepLog {
+                step: n,
+                loss: r.loss,
+                lr,
+                grad_norm: r.grad_norm,
+                items_per_sec: rate,
+                elapsed_sec: start.elapsed().as_secs_f64(),
+                mfu,
+                loss_scale: None,
+                graph_scalars: &r.scalars,
+            })?;
+            let watched: Vec<Watched> = session
+                .weights_and_gradients(watched)?
+                .into_iter()
+                .map(|(name, value, grad)| Watched {
+                    histogram: watches(&cfg.logging.histograms, &name),
+                    norm: watches(&cfg.logging.norms, &name),
+                    name,
+                    value,
+                    grad,
+                })
+                .collect();
+            metrics.weights(n, &watched)?;
             if let Some(ep) = &endpoint {
                 let per_step = start.elapsed().as_secs_f64() / (n - start_step) as f64;
                 ep.update(|p| {
@@ -259,19 +343,14 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
                     p.learning_rate = Some(lr);
                     p.grad_norm = Some(r.grad_norm);
                     p.tokens_per_second = Some(rate);
+                    p.flops_per_second = (flops > 0.0).then_some(flops);
+                    p.mfu = mfu;
                     p.eta_seconds = Some(per_step * (cfg.steps - n) as f64);
                 });
             }
-            if !quiet {
-                eprintln!(
-                    "step {n:>5}/{} | loss {:.4} | lr {lr:.2e} | grad norm {:.3} | {:.0} {}/s",
-                    cfg.steps,
-                    r.loss,
-                    r.grad_norm,
-                    rate,
-                    if seq_len > 0 { "tok" } else { "samples" }
-                );
-            }
+            let line =
+                StepLine { step: n, total: cfg.steps, loss: r.loss, lr, grad_norm: r.grad_norm, rate, unit, mfu };
+            console.step(&line);
         }
         if let Some(ev) = eval_data.as_mut() {
             if n % cfg.evaluation.every == 0 || n == cfg.steps {
@@ -279,16 +358,16 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
                 let batches: Vec<Batch> =
                     (0..cfg.evaluation.batches).map(|_| ev.next_batch()).collect::<Result<_>>()?;
                 let loss = session.evaluate(&batches)?;
-                metrics.eval(n, loss)?;
+                if let Some(m) = metrics.as_mut() {
+                    m.eval(n, loss)?;
+                }
                 if let Some(ep) = &endpoint {
                     ep.update(|p| p.eval_loss = Some(loss));
                 }
-                if !quiet {
-                    eprintln!("step {n:>5}/{} | eval loss {loss:.4}", cfg.steps);
-                }
+                console.eval(n, loss);
             }
         }
-        if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
+        if leader && cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
             let path =
                 checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.state()?, cfg.checkpoint.keep)?;
             tracing::info!(path = %path.display(), "checkpoint written");
@@ -297,8 +376,11 @@ pub fn train(cfg: &TrainingConfig, quiet: bool) -> Result<Summary> {
             }
         }
     }
+    console.finish();
     let model_path = cfg.output.dir.join("model.onnx");
-    crate::export::write(&model, &session.weights()?, &model_path)?;
+    if leader {
+        crate::export::write(&model, &session.weights()?, &model_path)?;
+    }
     Ok(Summary {
         start_step,
         steps: cfg.steps,

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
-use tensorfleet_worker::config::{Gpt2Config, ModelSpec, SqueezeNetConfig};
+use tensorfleet_worker::config::{Gpt2Config, ModelSpec, ParamGroup, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::rng::Rng;
@@ -12,7 +12,7 @@ use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::Tensor;
 
 fn options(update: Update) -> SessionOptions {
-    SessionOptions { update, disabled_passes: vec![], frozen: vec![], no_decay: vec![] }
+    SessionOptions::new(update)
 }
 
 const ADAM: Update = Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.0, decoupled: true };
@@ -122,10 +122,9 @@ fn lamb_trains_and_frozen_weights_stay_put() {
     .into_iter()
     .collect();
     let opts = SessionOptions {
-        update: Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 },
-        disabled_passes: vec![],
         frozen: vec!["wpe".into()],
         no_decay: vec!["bias".into(), "ln_".into()],
+        ..SessionOptions::new(Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 })
     };
     let wpe_before = model.graph.initializers[&model.graph.find("wpe").unwrap()].clone();
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
@@ -140,7 +139,89 @@ fn lamb_trains_and_frozen_weights_stay_put() {
     assert!(!w.contains_key("wpe"), "a frozen weight is not a trained weight");
     assert_eq!(s.train.fetch(s.train.graph.find("wpe").unwrap()).unwrap(), wpe_before);
 
-    let bad = SessionOptions { frozen: vec!["no_such_weight".into()], ..opts };
+    let bad = SessionOptions { frozen: vec!["no_such_weight".into()], ..opts.clone() };
     let e = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &bad).err().unwrap();
     assert!(e.to_string().contains("frozenWeights") && e.to_string().contains("no_such_weight"), "{e}");
+
+    // Per-weight hyperparameters: a group with lrScale 0 holds the MLP's weights still while
+    // the rest trains; weightsToTrain trains exactly the weights it names.
+    let held = ParamGroup { weights: vec!["mlp".into()], lr_scale: Some(0.0), ..Default::default() };
+    let grouped = SessionOptions { groups: vec![held], ..opts.clone() };
+    let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &grouped).unwrap();
+    let before = s.weights().unwrap();
+    s.step(std::slice::from_ref(&batch), 0.1, 1.0, 0).unwrap();
+    let after = s.weights().unwrap();
+    for (name, w) in &before {
+        assert_eq!(name.contains("mlp"), after[name] == *w, "{name}: only the lrScale-0 group stays put");
+    }
+    let only = SessionOptions { trainable: vec!["wte".into()], frozen: vec![], ..opts.clone() };
+    let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &only).unwrap();
+    assert_eq!(s.weights().unwrap().keys().collect::<Vec<_>>(), ["wte"]);
+    let stray = ParamGroup { weights: vec!["attention_typo".into()], ..Default::default() };
+    let bad = SessionOptions { groups: vec![ParamGroup::default(), stray], ..opts };
+    let e = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &bad).err().unwrap();
+    assert!(e.to_string().contains("optimizer.groups[1].weights") && e.to_string().contains("attention_typo"), "{e}");
+}
+
+/// The model FLOPs MFU is measured with: for GPT-2, the counted GEMMs give nanoGPT's (PaLM's)
+/// closed form, 6·(12·L·C² + C·V) + 12·L·T·C per token (the weights in products; attention
+/// counted in full); dropout does not change it.
+#[test]
+fn gpt2_model_flops_match_the_closed_form() {
+    let (layers, heads, embed, seq, vocab, batch) = (2, 2, 32, 16, 96, 3);
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers, heads, embed, seq_len: seq, vocab, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let model = models::load(&spec, 0).unwrap();
+    let ids: Vec<i64> = (0..batch * seq).map(|i| (i % vocab) as i64).collect();
+    let batch_tensors: BTreeMap<String, Tensor> = [
+        ("input_ids".to_string(), Tensor::from_vec(&[batch, seq], ids.clone())),
+        ("labels".to_string(), Tensor::from_vec(&[batch, seq], ids)),
+    ]
+    .into_iter()
+    .collect();
+    let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch_tensors, 1, &options(ADAM)).unwrap();
+    let (l, c, t, v) = (layers as f64, embed as f64, seq as f64, vocab as f64);
+    let per_token = 6.0 * (12.0 * l * c * c + c * v) + 12.0 * l * t * c;
+    assert_eq!(s.flops_per_batch, per_token * (batch * seq) as f64);
+}
+
+/// Recomputing GELU outputs or whole transformer blocks in the backward pass changes memory,
+/// not numbers: per-step losses and final weights are bit-identical (dropout on, so the
+/// recomputed dropouts must draw the same masks), and the planned arena shrinks.
+#[test]
+fn recompute_saves_memory_and_changes_nothing_else() {
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 3, heads: 2, embed: 32, seq_len: 32, vocab: 64, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let model = models::load(&spec, 5).unwrap();
+    let mut rng = Rng::new(2);
+    let ids: Vec<i64> = (0..4 * 33).map(|_| rng.below(64) as i64).collect();
+    let rows =
+        |off: usize| -> Vec<i64> { (0..4).flat_map(|b| ids[b * 33 + off..b * 33 + off + 32].to_vec()).collect() };
+    let batch: BTreeMap<String, Tensor> = [
+        ("input_ids".to_string(), Tensor::from_vec(&[4, 32], rows(0))),
+        ("labels".to_string(), Tensor::from_vec(&[4, 32], rows(1))),
+    ]
+    .into_iter()
+    .collect();
+    let run = |mode: Recompute| {
+        let opts = SessionOptions { recompute: mode, ..options(ADAM) };
+        let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
+        let losses: Vec<f64> =
+            (0..4).map(|k| s.step(std::slice::from_ref(&batch), 1e-2, 1.0, k).unwrap().loss).collect();
+        (losses, s.weights().unwrap(), s.memory().0)
+    };
+    let (losses, weights, arena) = run(Recompute::None);
+    for mode in [Recompute::Gelu, Recompute::Layer] {
+        let (l, w, a) = run(mode);
+        assert_eq!(l, losses, "{mode:?}: per-step losses");
+        assert!(w == weights, "{mode:?}: final weights");
+        assert!(a < arena, "{mode:?}: arena {a} bytes, without recompute {arena}");
+    }
+    let (_, _, layer) = run(Recompute::Layer);
+    let (_, _, gelu) = run(Recompute::Gelu);
+    assert!(layer < gelu, "a whole block saves more than its GELU: {layer} vs {gelu}");
 }

@@ -130,7 +130,7 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
     let port_set = format!("logging.port={port}");
     let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
         .args(["train", "--config", "train.yaml", "--quiet", "--set", "profiling={fromStep: 2, toStep: 3}"])
-        .args(["--set", &port_set, "--set", "steps=40"])
+        .args(["--set", &port_set, "--set", "steps=40", "--set", "logging.peakTflops=0.5"])
         .current_dir(&dir)
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -158,6 +158,9 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
     let progress = progress.expect("the progress endpoint answered during training");
     assert_eq!(progress["totalSteps"], 40);
     assert!(progress["loss"].as_f64().is_some() && progress["etaSeconds"].as_f64().is_some(), "{progress}");
+    // MFU: the graph's model FLOPs per second over the configured peak.
+    let (flops, mfu) = (progress["flopsPerSecond"].as_f64().unwrap(), progress["mfu"].as_f64().unwrap());
+    assert!(flops > 0.0 && (mfu - flops / 0.5e12).abs() <= 1e-12 * flops, "{progress}");
 
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("out/profile.json")).unwrap()).unwrap();
@@ -176,4 +179,123 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
             assert!(ts >= start && ts + op["dur"].as_f64().unwrap() <= end + 1.0, "op outside its step: {op}");
         }
     }
+}
+
+/// The project's venv interpreter (`make test` sets TENSORFLEET_PYTHON); None skips, loudly.
+fn python() -> Option<String> {
+    let p = std::env::var("TENSORFLEET_PYTHON").ok().filter(|p| !p.is_empty());
+    if p.is_none() {
+        eprintln!("skipped: TENSORFLEET_PYTHON is not set (make test sets it to the project's venv)");
+    }
+    p
+}
+
+/// TensorBoard's own reader sees the scalars, the weight histograms and norms, and the graph
+/// scalars the configuration asks for; JSON logs carry one object per step; the model with its
+/// loss and the training graph are written as ONNX; evaluation runs at its own batch size.
+#[test]
+fn tensorboard_reads_what_the_run_logged() {
+    let Some(python) = python() else { return };
+    let dir = scratch("tb");
+    setup(&dir);
+    let o = worker(
+        &[
+            "train",
+            "--config",
+            "train.yaml",
+            "--log-format",
+            "json",
+            "--set",
+            "logging={histograms: [wte], norms: ['*'], scalars: [loss]}",
+            "--set",
+            "evaluation.batchSize=1",
+            "--set",
+            "output.modelWithLoss=with_loss.onnx",
+            "--set",
+            "output.trainingGraph=graphs/training.onnx",
+        ],
+        &dir,
+    );
+    assert!(o.status.success(), "train failed: {}", stderr(&o));
+    let logs: Vec<serde_json::Value> =
+        stderr(&o).lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    let steps: Vec<u64> = logs
+        .iter()
+        .filter(|l| l["fields"]["message"] == "step")
+        .map(|l| l["fields"]["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4]);
+
+    let metrics = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let losses: Vec<f64> = lines.iter().filter_map(|v| v["loss"].as_f64()).collect();
+    for v in lines.iter().filter(|v| v.get("loss").is_some()) {
+        assert_eq!(v["scalars"]["loss"], v["loss"], "the graph's loss value is the step's loss");
+    }
+    assert_eq!(lines.iter().filter(|v| v.get("evalLoss").is_some()).count(), 2);
+
+    let o = Command::new(&python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/oracle/read_tensorboard.py"))
+        .arg(dir.join("out/tensorboard"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "TensorBoard's reader failed: {}", stderr(&o));
+    let tb: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let series = |kind: &str, tag: &str| -> Vec<Vec<f64>> {
+        let rows = tb[kind][tag].as_array().unwrap_or_else(|| panic!("no {kind} '{tag}' in {tb}"));
+        rows.iter().map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()).collect()
+    };
+    let tb_losses: Vec<f64> = series("scalars", "train/loss").iter().map(|r| r[1]).collect();
+    assert_eq!(tb_losses, losses.iter().map(|&l| l as f32 as f64).collect::<Vec<_>>());
+    assert_eq!(series("scalars", "scalars/loss").len(), 4);
+    assert_eq!(series("scalars", "eval/loss").len(), 2);
+    // wte is [vocab, embed]: every element is counted, at every logged step.
+    let hist = series("histograms", "weights/wte");
+    assert_eq!(hist.iter().map(|r| r[0]).collect::<Vec<_>>(), [1.0, 2.0, 3.0, 4.0]);
+    for r in &hist {
+        let (num, min, max, sum_squares) = (r[1], r[2], r[3], r[5]);
+        assert_eq!(num, (50257 * 16) as f64);
+        assert!(min < 0.0 && max > 0.0 && r[6] > 1.0, "{r:?}");
+        // The norm logged for the same step is the histogram's sqrt(Σx²).
+        let norm = series("scalars", "norms/weights/wte").iter().find(|n| n[0] == r[0]).unwrap()[1];
+        assert!((norm - sum_squares.sqrt()).abs() <= 1e-5 * norm, "{norm} vs {}", sum_squares.sqrt());
+    }
+    assert_eq!(series("histograms", "gradients/wte").len(), 4);
+    assert!(tb["histograms"].get("weights/wpe").is_none(), "only the named weights get histograms");
+    assert_eq!(series("scalars", "norms/gradients/wpe").len(), 4, "'*' norms every weight");
+
+    // The model with its loss is valid ONNX; the training graph holds the gradient ops.
+    let check = "import onnx, sys\n\
+                 m = onnx.load(sys.argv[1]); onnx.checker.check_model(m, full_check=True)\n\
+                 t = onnx.load(sys.argv[2])\n\
+                 assert any(o.name == 'loss' for o in m.graph.output), 'loss is an output'\n\
+                 assert any(n.domain == 'dev.tensorfleet' for n in t.graph.node), 'gradient ops'\n\
+                 assert len(t.graph.node) > len(m.graph.node)\n";
+    let o = Command::new(&python)
+        .args(["-c", check])
+        .arg(dir.join("with_loss.onnx"))
+        .arg(dir.join("graphs/training.onnx"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// On a terminal the run shows a progress bar (here a pseudo-terminal from util-linux's
+/// `script`); without one, plain log lines and no bar (the other tests run without one).
+#[test]
+fn a_terminal_gets_a_progress_bar() {
+    let dir = scratch("bar");
+    setup(&dir);
+    let command =
+        format!("{} train --config train.yaml --set checkpoint.every=0", env!("CARGO_BIN_EXE_tensorfleet-worker"));
+    let o = Command::new("script").args(["-q", "-e", "-c", &command, "/dev/null"]).current_dir(&dir).output().unwrap();
+    let screen = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{screen}");
+    assert!(screen.contains("4/4") && screen.contains("loss ") && screen.contains("tok/s"), "{screen}");
+    assert!(!screen.contains(" step="), "no per-step log lines under the bar: {screen}");
+    let plain = worker(&["train", "--config", "train.yaml", "--set", "checkpoint.resume=never"], &dir);
+    let log = stderr(&plain);
+    assert!(log.contains("step") && log.contains("loss=") && !log.contains("4/4"), "{log}");
+    std::fs::remove_dir_all(&dir).ok();
 }

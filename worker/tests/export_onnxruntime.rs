@@ -23,12 +23,13 @@ fn python() -> Option<String> {
 
 fn check(name: &str, spec: ModelSpec, batch: BTreeMap<String, Tensor>) {
     let model = models::load(&spec, 9).unwrap();
-    let opts = SessionOptions {
-        update: Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.0, decoupled: true },
-        disabled_passes: vec![],
-        frozen: vec![],
-        no_decay: vec![],
-    };
+    let opts = SessionOptions::new(Update::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        epsilon: 1e-8,
+        weight_decay: 0.0,
+        decoupled: true,
+    });
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
     for k in 0..3 {
         s.step(std::slice::from_ref(&batch), 1e-3, 1.0, k).unwrap();

@@ -30,7 +30,7 @@ fn both(dir: &Path, config: serde_json::Value, extra_args: &[&str]) -> (Vec<f64>
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
     let cfg = TrainingConfig::load(&cfg_path, &[]).unwrap();
-    tensorfleet_worker::runner::train(&cfg, true).unwrap();
+    tensorfleet_worker::runner::train(&cfg, tensorfleet_worker::monitor::console::ConsoleMode::Quiet).unwrap();
     let ours: Vec<f64> = std::fs::read_to_string(dir.join("out/metrics.jsonl"))
         .unwrap()
         .lines()

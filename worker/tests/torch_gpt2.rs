@@ -82,12 +82,7 @@ fn trains_like_pytorch(file: &str, loss: LossConfig) {
     assert!(close(loss, e.loss, 1e-5), "{file}: loss {loss} vs PyTorch {}", e.loss);
 
     // Training: plain SGD on the same batch, step after step.
-    let opts = SessionOptions {
-        update: Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },
-        disabled_passes: vec![],
-        frozen: vec![],
-        no_decay: vec![],
-    };
+    let opts = SessionOptions::new(Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 });
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &e.batch, 1, &opts).unwrap();
     for (k, want) in e.sgd_losses.iter().enumerate() {
         let r = s.step(std::slice::from_ref(&e.batch), e.sgd_lr, 0.0, 0).unwrap();

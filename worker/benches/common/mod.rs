@@ -1,4 +1,4 @@
-//! What both bench binaries share: timing through criterion while keeping the samples, the
+//! What the bench binaries share: timing through criterion while keeping the samples, the
 //! machine description, and `target/bench-summary.json`, where each binary writes its section.
 
 #![allow(dead_code)] // each bench binary uses its own part of this module
@@ -26,6 +26,34 @@ impl Samples {
             self.calls.push((iters, d));
             d
         });
+    }
+
+    /// Like `iter`, but runs `setup` before each call of `routine` and times only the routine;
+    /// what the routine returns is dropped after its clock stops (freeing a large result is the
+    /// caller's cost, not the routine's).
+    pub fn iter_with_setup<R>(&mut self, b: &mut Bencher, mut setup: impl FnMut(), mut routine: impl FnMut() -> R) {
+        b.iter_custom(|iters| {
+            let mut d = Duration::ZERO;
+            for _ in 0..iters {
+                setup();
+                let t = Instant::now();
+                let out = routine();
+                d += t.elapsed();
+                drop(out);
+            }
+            self.calls.push((iters, d));
+            d
+        });
+    }
+
+    /// Mean seconds per iteration over the last `sample_size` calls: total time over total
+    /// iterations, the rate of a stream whose iterations differ (a loader that sometimes reads
+    /// a whole shard); `None` when the benchmark did not run.
+    pub fn mean_s(&self, sample_size: usize) -> Option<f64> {
+        let tail = &self.calls[self.calls.len().saturating_sub(sample_size)..];
+        let iters: u64 = tail.iter().map(|(n, _)| n).sum();
+        let secs: f64 = tail.iter().map(|(_, d)| d.as_secs_f64()).sum();
+        (iters > 0).then(|| secs / iters as f64)
     }
 
     /// Median seconds per iteration over the last `sample_size` calls; `None` when the

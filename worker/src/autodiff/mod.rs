@@ -6,6 +6,7 @@
 
 #[cfg(test)]
 mod gradcheck;
+pub mod recompute;
 pub mod rules;
 
 use crate::error::{Error, Result};

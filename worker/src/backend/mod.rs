@@ -78,4 +78,13 @@ pub trait Backend: Send + Sync {
 
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;
+
+    /// Lets `f` change an f32 value in host memory: the CPU hands over the value's own bytes; a
+    /// device would copy it to the host and back. Host collectives (MPI) reduce gradients
+    /// through it; device collectives (NCCL) will not need it.
+    fn with_host_f32(
+        &self,
+        x: Arg<Self::Buffer>,
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String>;
 }

@@ -65,7 +65,8 @@ pub fn save(
         step,
         data,
         seed: config.seed,
-        world_size: 1,
+        // Data-parallel replicas hold the same state, which rank 0 writes.
+        world_size: config.parallelism.data * config.parallelism.tensor * config.parallelism.pipeline,
         config: config.clone(),
         files: [(file, checksum(&bytes))].into_iter().collect(),
     };

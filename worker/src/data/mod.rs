@@ -59,20 +59,45 @@ pub fn shard_files(path: &Path, ext: &str, key: &str) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Opens the loader for a source. `batch` samples per batch; `seq_len` for token data.
-pub fn open(
-    src: &DataSource,
-    key: &str,
-    batch: usize,
-    seq_len: usize,
-    feeds: &Feeds,
-    shuffle: bool,
-    seed: u64,
-) -> Result<Box<dyn Loader>> {
+/// The share of the data one data-parallel rank reads: every global batch holds `count`
+/// rank batches, and rank `index` takes the `index`-th. So the ranks of one step together see
+/// exactly the samples a single process would see with a batch `count` times larger, which is
+/// what makes data parallelism equal to large-batch training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Partition {
+    pub index: usize,
+    pub count: usize,
+}
+
+impl Partition {
+    /// All of the data: a single data-parallel rank.
+    pub const WHOLE: Partition = Partition { index: 0, count: 1 };
+}
+
+/// How a loader cuts its data into batches.
+#[derive(Clone, Copy, Debug)]
+pub struct Batching {
+    /// Samples (token sequences) per batch of this rank.
+    pub batch: usize,
+    /// Sequence length of token data (unused for sample shards).
+    pub seq_len: usize,
+    /// Visit the data in a seeded permutation, a new one each epoch.
+    pub shuffle: bool,
+    pub seed: u64,
+    pub partition: Partition,
+}
+
+impl Batching {
+    /// Samples per global batch, over all data-parallel ranks.
+    pub fn global_batch(&self) -> usize {
+        self.batch * self.partition.count
+    }
+}
+
+/// Opens the loader for a source; `key` names the source's configuration key in messages.
+pub fn open(src: &DataSource, key: &str, batching: Batching, feeds: &Feeds) -> Result<Box<dyn Loader>> {
     Ok(match src.format {
-        DataFormat::Tokens => {
-            Box::new(tokens::TokenLoader::open(&src.path, key, batch, seq_len, feeds, shuffle, seed)?)
-        }
-        DataFormat::OnnxSamples => Box::new(samples::SampleLoader::open(&src.path, key, batch, shuffle, seed)?),
+        DataFormat::Tokens => Box::new(tokens::TokenLoader::open(&src.path, key, batching, feeds)?),
+        DataFormat::OnnxSamples => Box::new(samples::SampleLoader::open(&src.path, key, batching)?),
     })
 }

@@ -1,8 +1,10 @@
 //! ONNX Runtime sample shards (`*.pb`): each sample is a u32 LE byte count of the rest, then
 //! per tensor a u32 LE length and a serialized `TensorProto` named after the graph input it
-//! feeds. Tensors hold one sample; batches stack them on a new leading axis.
+//! feeds. Tensors hold one sample; batches stack them on a new leading axis. With D
+//! data-parallel ranks a global batch is D·B consecutive samples of the epoch's order, and
+//! rank r takes samples r·B..(r+1)·B of it.
 
-use super::{shard_files, Batch, Loader, Position};
+use super::{shard_files, Batch, Batching, Loader, Position};
 use crate::error::{Error, Result};
 use crate::onnx::proto::TensorProto;
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
@@ -74,21 +76,24 @@ pub fn write_shard(path: &Path, samples: &[Sample]) -> Result<()> {
 pub struct SampleLoader {
     samples: Vec<Sample>,
     order: Vec<usize>,
-    batch: usize,
-    shuffle: bool,
-    seed: u64,
+    batching: Batching,
     pos: Position,
 }
 
 impl SampleLoader {
-    pub fn open(path: &Path, key: &str, batch: usize, shuffle: bool, seed: u64) -> Result<SampleLoader> {
+    pub fn open(path: &Path, key: &str, batching: Batching) -> Result<SampleLoader> {
         let mut samples = Vec::new();
         for f in shard_files(path, "pb", key)? {
             samples.extend(read_shard(&f)?);
         }
-        if samples.len() < batch {
+        let global = batching.global_batch();
+        if samples.len() < global {
+            let ranks = match batching.partition.count {
+                1 => String::new(),
+                n => format!(" (batchSize {} × {n} data-parallel ranks)", batching.batch),
+            };
             return Err(Error::Config(format!(
-                "{key}: {} holds {} samples, fewer than one batch of {batch}",
+                "{key}: {} holds {} samples, fewer than one batch of {global}{ranks}",
                 path.display(),
                 samples.len()
             )));
@@ -100,15 +105,15 @@ impl SampleLoader {
                 return Err(Error::Corrupt(format!("{key}: sample {i} has tensors {these:?}, sample 0 has {first:?}")));
             }
         }
-        let mut l = SampleLoader { samples, order: vec![], batch, shuffle, seed, pos: Position::default() };
+        let mut l = SampleLoader { samples, order: vec![], batching, pos: Position::default() };
         l.order = l.epoch_order(0);
         Ok(l)
     }
 
     fn epoch_order(&self, epoch: u64) -> Vec<usize> {
         let mut o: Vec<usize> = (0..self.samples.len()).collect();
-        if self.shuffle {
-            Rng::new(crate::rng::mix(self.seed ^ 0x5A3) ^ epoch).shuffle(&mut o);
+        if self.batching.shuffle {
+            Rng::new(crate::rng::mix(self.batching.seed ^ 0x5A3) ^ epoch).shuffle(&mut o);
         }
         o
     }
@@ -116,18 +121,19 @@ impl SampleLoader {
 
 impl Loader for SampleLoader {
     fn next_batch(&mut self) -> Result<Batch> {
-        let per_epoch = self.samples.len() / self.batch;
+        let (mine, global) = (self.batching.batch, self.batching.global_batch());
+        let per_epoch = self.samples.len() / global;
         if self.pos.batch as usize >= per_epoch {
             self.pos = Position { epoch: self.pos.epoch + 1, batch: 0 };
             self.order = self.epoch_order(self.pos.epoch);
         }
-        let start = self.pos.batch as usize * self.batch;
-        let picked: Vec<&Sample> = self.order[start..start + self.batch].iter().map(|&i| &self.samples[i]).collect();
+        let start = self.pos.batch as usize * global + self.batching.partition.index * mine;
+        let picked: Vec<&Sample> = self.order[start..start + mine].iter().map(|&i| &self.samples[i]).collect();
         let mut batch = Batch::new();
         for (k, (name, t0)) in picked[0].iter().enumerate() {
-            let mut shape = vec![self.batch];
+            let mut shape = vec![mine];
             shape.extend_from_slice(t0.shape());
-            let mut bytes = Vec::with_capacity(t0.byte_len() * self.batch);
+            let mut bytes = Vec::with_capacity(t0.byte_len() * mine);
             for s in &picked {
                 bytes.extend_from_slice(s[k].1.bytes());
             }
@@ -149,13 +155,14 @@ impl Loader for SampleLoader {
     }
 
     fn items_per_batch(&self) -> usize {
-        self.batch
+        self.batching.batch
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::Partition;
 
     #[test]
     fn batches_stack_samples_and_damage_names_file_and_offset() {
@@ -171,7 +178,8 @@ mod tests {
             .collect();
         let path = dir.join("part.pb");
         write_shard(&path, &samples).unwrap();
-        let mut l = SampleLoader::open(&dir, "data.train", 2, false, 0).unwrap();
+        let batching = Batching { batch: 2, seq_len: 0, shuffle: false, seed: 0, partition: Partition::WHOLE };
+        let mut l = SampleLoader::open(&dir, "data.train", batching).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b["x"].shape(), &[2, 2]);
         assert_eq!(b["x"].as_slice::<f32>(), &[0.0, -0.0, 1.0, -1.0]);
@@ -187,6 +195,32 @@ mod tests {
         assert_eq!(e.exit_code(), 3);
         let msg = e.to_string();
         assert!(msg.contains("part.pb") && msg.contains("offset"), "{msg}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Three data-parallel ranks with batch B read the thirds of what one rank with batch 3B
+    /// reads, through shuffled epochs.
+    #[test]
+    fn data_parallel_ranks_split_the_global_batch() {
+        let dir = std::env::temp_dir().join(format!("tf-samples-dp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let samples: Vec<Sample> =
+            (0..20).map(|i| vec![("labels".to_string(), Tensor::from_vec(&[], vec![i as i64]))]).collect();
+        write_shard(&dir.join("part.pb"), &samples).unwrap();
+        let whole = Batching { batch: 6, seq_len: 0, shuffle: true, seed: 9, partition: Partition::WHOLE };
+        let mut single = SampleLoader::open(&dir, "data.train", whole).unwrap();
+        let mut ranks: Vec<SampleLoader> = (0..3)
+            .map(|index| {
+                let b = Batching { batch: 2, partition: Partition { index, count: 3 }, ..whole };
+                SampleLoader::open(&dir, "data.train", b).unwrap()
+            })
+            .collect();
+        for _ in 0..10 {
+            let want = single.next_batch().unwrap();
+            let joined: Vec<i64> =
+                ranks.iter_mut().flat_map(|r| r.next_batch().unwrap()["labels"].as_slice::<i64>().to_vec()).collect();
+            assert_eq!(joined, want["labels"].as_slice::<i64>());
+        }
         std::fs::remove_dir_all(&dir).ok();
     }
 }

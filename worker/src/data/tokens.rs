@@ -4,9 +4,10 @@
 //! A batch of B sequences of length T takes a window of B·T+1 consecutive tokens of one
 //! shard: input ids are its first B·T tokens, labels the same window shifted by one. Windows
 //! start every B·T tokens; an epoch visits every window of every shard once, in order or in a
-//! seeded permutation.
+//! seeded permutation. With D data-parallel ranks the windows are global batches of D·B·T
+//! tokens, and rank r reads rows r·B..(r+1)·B of each.
 
-use super::{shard_files, Batch, Feeds, Loader, Position};
+use super::{shard_files, Batch, Batching, Feeds, Loader, Position};
 use crate::error::{Error, Result};
 use crate::rng::Rng;
 use crate::tensor::Tensor;
@@ -85,10 +86,7 @@ pub struct TokenLoader {
     shards: Vec<ShardInfo>,
     /// (shard, window) pairs of one epoch, in visiting order.
     order: Vec<(usize, usize)>,
-    batch: usize,
-    seq_len: usize,
-    shuffle: bool,
-    seed: u64,
+    batching: Batching,
     pos: Position,
     /// The shard whose tokens are in memory.
     loaded: Option<(usize, Vec<u32>)>,
@@ -96,31 +94,24 @@ pub struct TokenLoader {
 }
 
 impl TokenLoader {
-    pub fn open(
-        path: &Path,
-        key: &str,
-        batch: usize,
-        seq_len: usize,
-        feeds: &Feeds,
-        shuffle: bool,
-        seed: u64,
-    ) -> Result<TokenLoader> {
+    pub fn open(path: &Path, key: &str, batching: Batching, feeds: &Feeds) -> Result<TokenLoader> {
         let shards: Vec<ShardInfo> =
             shard_files(path, "bin", key)?.iter().map(|p| read_header(p)).collect::<Result<_>>()?;
-        let span = batch * seq_len;
-        if shards.iter().all(|s| s.tokens < span + 1) {
+        let (global, seq_len) = (batching.global_batch(), batching.seq_len);
+        if shards.iter().all(|s| s.tokens < global * seq_len + 1) {
+            let ranks = match batching.partition.count {
+                1 => String::new(),
+                n => format!(" (batchSize {} × {n} data-parallel ranks)", batching.batch),
+            };
             return Err(Error::Config(format!(
-                "{key}: no shard in {} holds a batch of {batch}×{seq_len}+1 tokens; use smaller batches or more data",
+                "{key}: no shard in {} holds a batch of {global}{ranks}×{seq_len}+1 tokens; use smaller batches or more data",
                 path.display()
             )));
         }
         let mut l = TokenLoader {
             shards,
             order: vec![],
-            batch,
-            seq_len,
-            shuffle,
-            seed,
+            batching,
             pos: Position::default(),
             loaded: None,
             feeds: feeds.clone(),
@@ -129,16 +120,21 @@ impl TokenLoader {
         Ok(l)
     }
 
+    /// Tokens in one global batch window (without the extra label token).
+    fn span(&self) -> usize {
+        self.batching.global_batch() * self.batching.seq_len
+    }
+
     fn epoch_order(&self, epoch: u64) -> Vec<(usize, usize)> {
-        let span = self.batch * self.seq_len;
+        let span = self.span();
         let mut order: Vec<(usize, usize)> = self
             .shards
             .iter()
             .enumerate()
             .flat_map(|(s, info)| (0..info.tokens.saturating_sub(1) / span).map(move |w| (s, w)))
             .collect();
-        if self.shuffle {
-            Rng::new(crate::rng::mix(self.seed ^ 0xDA7A) ^ epoch).shuffle(&mut order);
+        if self.batching.shuffle {
+            Rng::new(crate::rng::mix(self.batching.seed ^ 0xDA7A) ^ epoch).shuffle(&mut order);
         }
         order
     }
@@ -155,10 +151,12 @@ impl Loader for TokenLoader {
             self.loaded = Some((shard, read_tokens(&self.shards[shard])?));
         }
         let tokens = &self.loaded.as_ref().expect("loaded above").1;
-        let span = self.batch * self.seq_len;
-        let w = &tokens[window * span..window * span + span + 1];
-        let shape = [self.batch, self.seq_len];
-        let ids = Tensor::from_vec(&shape, w[..span].iter().map(|&t| t as i64).collect());
+        let (batch, seq_len) = (self.batching.batch, self.batching.seq_len);
+        let mine = batch * seq_len;
+        let start = window * self.span() + self.batching.partition.index * mine;
+        let w = &tokens[start..start + mine + 1];
+        let shape = [batch, seq_len];
+        let ids = Tensor::from_vec(&shape, w[..mine].iter().map(|&t| t as i64).collect());
         let labels = Tensor::from_vec(&shape, w[1..].iter().map(|&t| t as i64).collect());
         self.pos.batch += 1;
         Ok([(self.feeds.token_input.clone(), ids), (self.feeds.token_label.clone(), labels)].into_iter().collect())
@@ -175,13 +173,14 @@ impl Loader for TokenLoader {
     }
 
     fn items_per_batch(&self) -> usize {
-        self.batch * self.seq_len
+        self.batching.batch * self.batching.seq_len
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::Partition;
 
     #[test]
     fn windows_follow_llm_c_and_damage_names_the_file() {
@@ -190,7 +189,8 @@ mod tests {
         let toks: Vec<u16> = (0..50).collect();
         write_shard(&dir.join("a.bin"), &toks).unwrap();
         let feeds = Feeds { token_input: "input_ids".into(), token_label: "labels".into() };
-        let mut l = TokenLoader::open(&dir, "data.train", 2, 4, &feeds, false, 0).unwrap();
+        let batching = Batching { batch: 2, seq_len: 4, shuffle: false, seed: 0, partition: Partition::WHOLE };
+        let mut l = TokenLoader::open(&dir, "data.train", batching, &feeds).unwrap();
         let b = l.next_batch().unwrap();
         assert_eq!(b["input_ids"].as_slice::<i64>(), &[0, 1, 2, 3, 4, 5, 6, 7]);
         assert_eq!(b["labels"].as_slice::<i64>(), &[1, 2, 3, 4, 5, 6, 7, 8]);
@@ -206,9 +206,42 @@ mod tests {
         let mut bytes = std::fs::read(dir.join("a.bin")).unwrap();
         bytes.truncate(bytes.len() - 3);
         std::fs::write(dir.join("a.bin"), &bytes).unwrap();
-        let e = TokenLoader::open(&dir, "data.train", 2, 4, &feeds, false, 0).err().unwrap();
+        let e = TokenLoader::open(&dir, "data.train", batching, &feeds).err().unwrap();
         assert_eq!(e.exit_code(), 3);
         assert!(e.to_string().contains("a.bin"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Two data-parallel ranks with batch B read, step by step, the two halves of what one
+    /// rank with batch 2B reads, through shuffled epochs.
+    #[test]
+    fn data_parallel_ranks_split_the_global_batch() {
+        let dir = std::env::temp_dir().join(format!("tf-tokens-dp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let toks: Vec<u16> = (0..200).collect();
+        write_shard(&dir.join("a.bin"), &toks).unwrap();
+        let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into() };
+        let whole = Batching { batch: 4, seq_len: 3, shuffle: true, seed: 5, partition: Partition::WHOLE };
+        let mut single = TokenLoader::open(&dir, "data.train", whole, &feeds).unwrap();
+        let mut ranks: Vec<TokenLoader> = (0..2)
+            .map(|index| {
+                let b = Batching { batch: 2, partition: Partition { index, count: 2 }, ..whole };
+                TokenLoader::open(&dir, "data.train", b, &feeds).unwrap()
+            })
+            .collect();
+        // 199 / 12 = 16 windows per epoch: 40 steps cross two epoch boundaries.
+        for _ in 0..40 {
+            let want = single.next_batch().unwrap();
+            let got: Vec<Batch> = ranks.iter_mut().map(|r| r.next_batch().unwrap()).collect();
+            for name in ["ids", "labels"] {
+                let joined: Vec<i64> = got.iter().flat_map(|b| b[name].as_slice::<i64>().to_vec()).collect();
+                assert_eq!(joined, want[name].as_slice::<i64>());
+            }
+            assert_eq!(ranks[1].position(), single.position());
+        }
+        let too_big = Batching { batch: 40, partition: Partition { index: 0, count: 2 }, ..whole };
+        let e = TokenLoader::open(&dir, "data.train", too_big, &feeds).err().unwrap();
+        assert!(e.to_string().contains("2 data-parallel ranks"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 }

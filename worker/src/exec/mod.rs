@@ -98,7 +98,9 @@ impl<B: Backend> Executor<B> {
                     seeded = Op::Dropout {
                         ratio: *ratio,
                         training: true,
-                        seed: crate::rng::mix(seed ^ crate::rng::mix(*s ^ i as u64)),
+                        // The node's own seed (autodiff::recompute::pin_dropout_seeds makes
+                        // it unique) and the run's: a recomputed clone draws the same mask.
+                        seed: crate::rng::mix(seed ^ crate::rng::mix(*s)),
                     };
                     &seeded
                 }

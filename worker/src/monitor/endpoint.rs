@@ -26,6 +26,12 @@ pub struct Report {
     /// Tokens per second for token data, samples per second otherwise.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_second: Option<f64>,
+    /// Model FLOPs per second (forward and backward GEMMs and convolutions, counted on the graph).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub flops_per_second: Option<f64>,
+    /// Model FLOPs utilization: flopsPerSecond over the device's peak (when the peak is known).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eta_seconds: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -109,6 +115,8 @@ fn prometheus(r: &Report) -> String {
     gauge("learning_rate", "Learning rate of the latest logged step", r.learning_rate);
     gauge("grad_norm", "Global gradient norm of the latest logged step", r.grad_norm);
     gauge("tokens_per_second", "Training throughput (samples per second for sample data)", r.tokens_per_second);
+    gauge("flops_per_second", "Model FLOPs per second of training", r.flops_per_second);
+    gauge("mfu", "Model FLOPs utilization (0..1) against the device's peak", r.mfu);
     gauge("eta_seconds", "Estimated seconds to the last step", r.eta_seconds);
     out
 }

@@ -1,6 +1,7 @@
 //! TensorBoard event files: `events.out.tfevents.<unix time>.<host>`, a sequence of records
 //! (u64 LE length, masked CRC-32C of the length, an `Event` protobuf, masked CRC-32C of it),
-//! the first carrying `file_version: "brain.Event:2"`, then one Event per logged scalar.
+//! the first carrying `file_version: "brain.Event:2"`, then one Event per logged step with its
+//! scalars, and one per step with the histograms (`HistogramProto`) of the watched weights.
 
 use crate::error::{Error, Result};
 use prost::Message;
@@ -31,6 +32,57 @@ pub struct SummaryValue {
     pub tag: String,
     #[prost(float, optional, tag = "2")]
     pub simple_value: Option<f32>,
+    #[prost(message, optional, tag = "5")]
+    pub histo: Option<HistogramProto>,
+}
+
+/// TensorBoard's histogram: bucket `i` counts the values in (bucket_limit[i-1], bucket_limit[i]].
+#[derive(Clone, PartialEq, Message)]
+pub struct HistogramProto {
+    #[prost(double, tag = "1")]
+    pub min: f64,
+    #[prost(double, tag = "2")]
+    pub max: f64,
+    #[prost(double, tag = "3")]
+    pub num: f64,
+    #[prost(double, tag = "4")]
+    pub sum: f64,
+    #[prost(double, tag = "5")]
+    pub sum_squares: f64,
+    #[prost(double, repeated, tag = "6")]
+    pub bucket_limit: Vec<f64>,
+    #[prost(double, repeated, tag = "7")]
+    pub bucket: Vec<f64>,
+}
+
+/// Equal-width buckets between the smallest and the largest value: enough to see a weight's
+/// spread drift over training, and the same number for every tensor whatever its scale.
+pub const HISTOGRAM_BUCKETS: usize = 30;
+
+impl HistogramProto {
+    pub fn of(values: &[f32]) -> HistogramProto {
+        let (mut min, mut max, mut sum, mut sum_squares) = (f64::INFINITY, f64::NEG_INFINITY, 0.0, 0.0);
+        for &v in values {
+            let v = v as f64;
+            min = min.min(v);
+            max = max.max(v);
+            sum += v;
+            sum_squares += v * v;
+        }
+        if values.is_empty() {
+            (min, max) = (0.0, 0.0);
+        }
+        let width = (max - min) / HISTOGRAM_BUCKETS as f64;
+        // A constant tensor gets one bucket at its value.
+        let n = if width > 0.0 { HISTOGRAM_BUCKETS } else { 1 };
+        let bucket_limit: Vec<f64> = (1..=n).map(|i| if i == n { max } else { min + width * i as f64 }).collect();
+        let mut bucket = vec![0.0; n];
+        for &v in values {
+            let i = if width > 0.0 { (((v as f64 - min) / width).ceil() as usize).saturating_sub(1) } else { 0 };
+            bucket[i.min(n - 1)] += 1.0;
+        }
+        HistogramProto { min, max, num: values.len() as f64, sum, sum_squares, bucket_limit, bucket }
+    }
 }
 
 /// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven.
@@ -98,8 +150,21 @@ impl EventWriter {
     pub fn scalars(&mut self, step: u64, values: &[(&str, f64)]) -> Result<()> {
         let value = values
             .iter()
-            .map(|(tag, v)| SummaryValue { tag: tag.to_string(), simple_value: Some(*v as f32) })
+            .map(|(tag, v)| SummaryValue { tag: tag.to_string(), simple_value: Some(*v as f32), histo: None })
             .collect();
+        self.summary(step, value)
+    }
+
+    /// Logs histograms (tag, values) at `step`.
+    pub fn histograms(&mut self, step: u64, values: &[(String, &[f32])]) -> Result<()> {
+        let value = values
+            .iter()
+            .map(|(tag, v)| SummaryValue { tag: tag.clone(), simple_value: None, histo: Some(HistogramProto::of(v)) })
+            .collect();
+        self.summary(step, value)
+    }
+
+    fn summary(&mut self, step: u64, value: Vec<SummaryValue>) -> Result<()> {
         self.write(&Event {
             wall_time: now(),
             step: step as i64,
@@ -157,6 +222,14 @@ mod tests {
         let s = ev[1].summary.as_ref().unwrap();
         assert_eq!((ev[1].step, s.value[0].tag.as_str(), s.value[0].simple_value), (1, "train/loss", Some(2.5)));
         assert_eq!(ev.len(), 3);
+        let h = HistogramProto::of(&[-1.0, 0.0, 0.5, 2.0]);
+        assert_eq!((h.min, h.max, h.num, h.sum, h.sum_squares), (-1.0, 2.0, 4.0, 1.5, 5.25));
+        assert_eq!(h.bucket.len(), HISTOGRAM_BUCKETS);
+        assert_eq!(h.bucket.iter().sum::<f64>(), 4.0);
+        assert_eq!((h.bucket[0], h.bucket[HISTOGRAM_BUCKETS - 1]), (1.0, 1.0), "the ends land in the end buckets");
+        assert_eq!(*h.bucket_limit.last().unwrap(), 2.0);
+        let flat = HistogramProto::of(&[3.0; 5]);
+        assert_eq!((flat.bucket.clone(), flat.bucket_limit.clone()), (vec![5.0], vec![3.0]));
         let mut bytes = std::fs::read(&path).unwrap();
         let n = bytes.len();
         bytes[n - 6] ^= 1;

@@ -7,6 +7,7 @@
 pub mod schedule;
 
 use crate::backend::StepHyper;
+use crate::config::ParamGroup;
 use crate::tensor::TensorViewMut;
 use rayon::prelude::*;
 
@@ -29,6 +30,32 @@ impl Update {
         match self {
             Update::Sgd { momentum, .. } => (*momentum != 0.0) as usize,
             Update::Adam { .. } | Update::Lamb { .. } => 2,
+        }
+    }
+
+    /// The update with the keys a parameter group sets replacing this one's; a key the
+    /// optimizer does not have (momentum for Adam) is ignored.
+    pub fn with_group(&self, g: &ParamGroup) -> Update {
+        let or = |v: Option<f64>, d: f32| v.map_or(d, |v| v as f32);
+        match *self {
+            Update::Sgd { momentum, nesterov, weight_decay } => Update::Sgd {
+                momentum: or(g.momentum, momentum),
+                nesterov,
+                weight_decay: or(g.weight_decay, weight_decay),
+            },
+            Update::Adam { beta1, beta2, epsilon, weight_decay, decoupled } => Update::Adam {
+                beta1: or(g.beta1, beta1),
+                beta2: or(g.beta2, beta2),
+                epsilon: or(g.epsilon, epsilon),
+                weight_decay: or(g.weight_decay, weight_decay),
+                decoupled,
+            },
+            Update::Lamb { beta1, beta2, epsilon, weight_decay } => Update::Lamb {
+                beta1: or(g.beta1, beta1),
+                beta2: or(g.beta2, beta2),
+                epsilon: or(g.epsilon, epsilon),
+                weight_decay: or(g.weight_decay, weight_decay),
+            },
         }
     }
 

@@ -91,6 +91,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn with_host_f32(
+        &self,
+        x: Arg<CpuBuffer>,
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        f(view_mut(&x).as_mut_slice::<f32>())
+    }
+
     fn sum_squares(&self, x: Arg<CpuBuffer>) -> Result<f64, String> {
         // Partial sums collected in order, then added in order: the same bits on every run,
         // whichever thread finished first (resumed runs must repeat the clipping exactly).

@@ -1,0 +1,130 @@
+//! The local demos (examples/local, docs/EXAMPLES.md) keep working: each configuration, copied
+//! unchanged next to a tiny copy of its data made by the same scripts and commands as `make
+//! demo`, `make demo-squeezenet` and `make demo-onnx`, trains for a few steps and evaluates.
+//! The copies keep the configurations' relative paths, so a configuration that no longer
+//! matches the layout its data scripts write fails here.
+//!
+//! The SqueezeNet and imported-ONNX demos draw their data with Python (numpy and onnx): they
+//! need `TENSORFLEET_PYTHON` (`make test` sets it to the project's venv); without it they say
+//! they are skipped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use tensorfleet_worker::config::TrainingConfig;
+
+/// The steps each demo runs here: enough to see an update and an evaluation after it.
+const STEPS: u64 = 2;
+
+fn python() -> Option<String> {
+    std::env::var("TENSORFLEET_PYTHON").ok().filter(|p| !p.is_empty())
+}
+
+fn examples() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/local")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tf-examples-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("data")).unwrap();
+    d
+}
+
+fn check(what: &str, o: Output) {
+    assert!(
+        o.status.success(),
+        "{what} failed ({}):\n{}{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+fn worker(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(dir).output().unwrap()
+}
+
+/// Runs one of examples/local/data's scripts with its default image size and class count (the
+/// ones the configurations are written for), as the Makefile does.
+fn script(name: &str, args: &[&str], dir: &Path) {
+    let python = python().expect("checked by the caller");
+    let o = Command::new(&python).arg(examples().join("data").join(name)).args(args).current_dir(dir).output().unwrap();
+    check(name, o);
+}
+
+/// Copies the example configuration `name` into `dir`, trains it for `STEPS` updates from the
+/// start, and checks that every update logged a finite loss and that the evaluation ran.
+fn train(name: &str, dir: &Path, extra: &[&str]) {
+    std::fs::copy(examples().join(name), dir.join(name)).unwrap();
+    let steps = format!("steps={STEPS}");
+    let mut args = vec!["train", "--config", name, "--quiet", "--set", &steps];
+    // Warmup longer than the run is a configuration error; evaluate after every update and
+    // log every one; start from scratch as `make demo*` does.
+    for set in ["lrSchedule.warmupSteps=0", "evaluation.every=1", "evaluation.batches=1", "logging.every=1"] {
+        args.extend(["--set", set]);
+    }
+    args.extend(["--set", "checkpoint.resume=never"]);
+    for set in extra {
+        args.extend(["--set", set]);
+    }
+    check(&format!("train {name}"), worker(&args, dir));
+
+    // The configuration's own output.dir, resolved against its directory as the worker does.
+    let out = TrainingConfig::load(&dir.join(name), &[]).unwrap().output.dir;
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let losses: Vec<(u64, f64)> = lines
+        .iter()
+        .filter_map(|v| Some((v["step"].as_u64()?, v.get("loss")?.as_f64()?)))
+        .filter(|(_, loss)| loss.is_finite() && *loss > 0.0)
+        .collect();
+    assert_eq!(losses.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (1..=STEPS).collect::<Vec<_>>(), "{metrics}");
+    let evals = lines.iter().filter(|v| v.get("evalLoss").and_then(|e| e.as_f64()).is_some_and(f64::is_finite));
+    assert_eq!(evals.count() as u64, STEPS, "one evaluation per update: {metrics}");
+    assert!(out.join("model.onnx").exists(), "{name}: no model.onnx exported");
+    eprintln!("{name}: {losses:?}");
+}
+
+/// The GPT-2 quickstart on token shards of the committed corpus, made by prepare-data.
+#[test]
+fn quickstart_gpt2_trains() {
+    let dir = scratch("gpt2");
+    let corpus = examples().join("data/corpus.txt");
+    let o = worker(
+        &["prepare-data", "--input", corpus.to_str().unwrap(), "--output", "data/tokens", "--val-fraction", "0.1"],
+        &dir,
+    );
+    check("prepare-data", o);
+    train("quickstart.yaml", &dir, &["batchSize=2"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A scratch directory with a tiny shapes set in data/shapes, drawn as `make demo-shapes` draws
+/// the full one; None, and the test is skipped, without `TENSORFLEET_PYTHON`.
+fn with_shapes(name: &str) -> Option<PathBuf> {
+    if python().is_none() {
+        eprintln!("skipped: TENSORFLEET_PYTHON is not set");
+        return None;
+    }
+    let dir = scratch(name);
+    // Several shards per split, so the directory of shards is read, not just one file.
+    script("make_shapes.py", &["--output", "data/shapes", "--train", "16", "--val", "8", "--shard-size", "6"], &dir);
+    Some(dir)
+}
+
+/// Builtin SqueezeNet on the drawn shapes set (sample shards).
+#[test]
+fn squeezenet_on_shapes_trains() {
+    let Some(dir) = with_shapes("squeezenet") else { return };
+    train("squeezenet.yaml", &dir, &["batchSize=4"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The imported CNN (onnx.helper, no loss) with the loss the configuration attaches.
+#[test]
+fn imported_onnx_on_shapes_trains() {
+    let Some(dir) = with_shapes("onnx") else { return };
+    script("make_cnn.py", &["--output", "data/cnn.onnx"], &dir);
+    train("custom-onnx.yaml", &dir, &["batchSize=4"]);
+    std::fs::remove_dir_all(&dir).ok();
+}

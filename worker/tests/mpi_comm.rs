@@ -1,0 +1,365 @@
+//! The communication layer under a real `mpirun`: collectives give exact results on every rank,
+//! the parallel layout's groups reduce only among their members, and a rank that dies or hangs
+//! ends the job promptly with a non-zero exit instead of hanging it.
+//!
+//! Each test runs twice over: in the test process it starts `mpirun` on this same test binary,
+//! asking for just this test; in the ranks mpirun starts (marked by `RANK_MODE` in their
+//! environment) the same function runs the MPI side. mpirun must be installed (`make deps`).
+#![cfg(feature = "mpi")]
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Command, ExitStatus, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tensorfleet_worker::comm::{Axis, Collective, CommOptions, Layout, ProcessGroup, ReduceOp, World};
+
+/// Set in the environment of the ranks mpirun starts.
+const RANK_MODE: &str = "TENSORFLEET_TEST_MPI_RANK";
+/// The parallel layout a rank should build, as "data,tensor,pipeline".
+const LAYOUT: &str = "TENSORFLEET_TEST_LAYOUT";
+
+/// One mpirun at a time: they share two cores with each other and the timing checks below.
+static MPIRUN: Mutex<()> = Mutex::new(());
+
+fn is_rank() -> bool {
+    std::env::var_os(RANK_MODE).is_some()
+}
+
+fn mpirun_path() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).map(|d| d.join("mpirun")).find(|p| p.is_file()).unwrap_or_else(|| {
+        panic!("mpirun is not on PATH: these tests run the worker under OpenMPI; run `make deps` to install it")
+    })
+}
+
+struct Run {
+    status: ExitStatus,
+    output: String,
+    elapsed: Duration,
+}
+
+impl Run {
+    fn assert_every_rank_passed(&self, test: &str, np: usize) {
+        assert!(self.status.success(), "mpirun -np {np} {test} failed ({}):\n{}", self.status, self.output);
+        // A filter that matched nothing would pass too: each rank must have run the test.
+        // (The summary line, since the ranks' "test ... ok" lines interleave.)
+        let passed = self.output.matches("test result: ok. 1 passed;").count();
+        assert_eq!(passed, np, "{np} ranks should each have passed {test}:\n{}", self.output);
+    }
+}
+
+/// Runs `test` of this binary as `np` ranks under mpirun and waits at most `deadline`.
+fn mpirun(test: &str, np: usize, env: &[(&str, &str)], deadline: Duration) -> Run {
+    let mpirun = mpirun_path();
+    let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|e| e.into_inner());
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let mut cmd = Command::new(mpirun);
+    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
+        .arg(exe)
+        .args(["--exact", test, "--nocapture", "--test-threads", "1"])
+        .env(RANK_MODE, "1")
+        // The test machines run as root, which OpenMPI refuses unless told twice.
+        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("starting mpirun");
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = Vec::new();
+            let _ = r.read_to_end(&mut s);
+            String::from_utf8_lossy(&s).into_owned()
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("waiting for mpirun") {
+            break s;
+        }
+        if started.elapsed() > deadline {
+            // SIGTERM lets mpirun take its ranks down with it; SIGKILL only if it will not go.
+            let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+            std::thread::sleep(Duration::from_secs(5));
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "mpirun -np {np} {test} still running after {deadline:?}:\n{}\n{}",
+                out.join().unwrap(),
+                err.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let elapsed = started.elapsed();
+    let output = format!("{}{}", out.join().unwrap(), err.join().unwrap());
+    Run { status, output, elapsed }
+}
+
+/// How long a healthy test may take, startup included, before it counts as hung.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The ranks' watchdog in tests that expect no failure: only there to turn a bug into a failure.
+fn world() -> World {
+    World::init(&CommOptions { collective_timeout: Duration::from_secs(30) }).expect("joining the MPI world")
+}
+
+/// Rank `r`'s value at index `i`: quarters below 2^12, so sums over a few ranks are exact in
+/// f32 in any order, and averages over 2 or 4 ranks are exact too.
+fn value(r: usize, i: usize) -> f32 {
+    ((i % 1000) as f32) * 0.25 + (r as f32 + 1.0) * ((i % 7) as f32 + 1.0)
+}
+
+fn sum_over(ranks: impl Iterator<Item = usize> + Clone, len: usize) -> Vec<f32> {
+    (0..len).map(|i| ranks.clone().map(|r| value(r, i)).sum()).collect()
+}
+
+/// Exact equality, reported as the first differing index rather than a dump of both buffers.
+#[track_caller]
+fn assert_same(got: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(expected).position(|(a, b)| a != b) {
+        let wrong = got.iter().zip(expected).filter(|(a, b)| a != b).count();
+        panic!(
+            "{what}: {wrong} of {} values differ; the first at {i}: {} instead of {}",
+            got.len(),
+            got[i],
+            expected[i]
+        );
+    }
+}
+
+#[test]
+fn all_reduce_sums_and_averages_exactly_on_every_rank() {
+    let test = "all_reduce_sums_and_averages_exactly_on_every_rank";
+    if !is_rank() {
+        for np in [2, 4] {
+            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
+        }
+        return;
+    }
+    let w = world();
+    let g = w.world_group();
+    assert_eq!((g.rank(), g.size()), (w.rank(), w.size()));
+    // Small, large (past MPI's eager limit) and small again: the in-place scratch buffer grows
+    // once and is reused.
+    for len in [5, 1 << 20, 3] {
+        let mut x: Vec<f32> = (0..len).map(|i| value(w.rank(), i)).collect();
+        g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        let sum = sum_over(0..w.size(), len);
+        assert_same(&x, &sum, &format!("sum of {len} values on rank {}", w.rank()));
+
+        let mut y: Vec<f32> = (0..len).map(|i| value(w.rank(), i)).collect();
+        g.all_reduce(&mut y, ReduceOp::Average).unwrap();
+        let average: Vec<f32> = sum.iter().map(|s| s / w.size() as f32).collect();
+        assert_same(&y, &average, &format!("average of {len} values on rank {}", w.rank()));
+    }
+    let mut z = [w.rank() as f64 + 0.5];
+    g.all_reduce(&mut z, ReduceOp::Average).unwrap();
+    let n = w.size() as f64;
+    assert_eq!(z[0], (n * (n - 1.0) / 2.0 + 0.5 * n) / n);
+    g.barrier().unwrap();
+}
+
+#[test]
+fn reduce_scatter_and_all_gather_round_trip() {
+    let test = "reduce_scatter_and_all_gather_round_trip";
+    if !is_rank() {
+        for np in [2, 4] {
+            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
+        }
+        return;
+    }
+    let w = world();
+    let g = w.world_group();
+    let (n, chunk) = (w.size(), 1001);
+    let send: Vec<f32> = (0..n * chunk).map(|i| value(w.rank(), i)).collect();
+    let sum = sum_over(0..n, n * chunk);
+
+    let mut mine = vec![0.0f32; chunk];
+    g.reduce_scatter(&send, &mut mine, ReduceOp::Sum).unwrap();
+    assert_same(&mine, &sum[w.rank() * chunk..][..chunk], &format!("rank {}'s chunk of the sum", w.rank()));
+    let mut whole = vec![0.0f32; n * chunk];
+    g.all_gather(&mine, &mut whole).unwrap();
+    assert_same(&whole, &sum, &format!("rank {} after all_gather", w.rank()));
+
+    g.reduce_scatter(&send, &mut mine, ReduceOp::Average).unwrap();
+    let expected: Vec<f32> = sum[w.rank() * chunk..][..chunk].iter().map(|s| s / n as f32).collect();
+    assert_same(&mine, &expected, &format!("rank {}'s chunk of the average", w.rank()));
+
+    // A wrong length is caught before any rank enters MPI, identically on every rank.
+    let e = g.reduce_scatter(&send, &mut vec![0.0f32; chunk + 1], ReduceOp::Sum).unwrap_err().to_string();
+    assert!(e.contains(&format!("reduce_scatter on group 'world' (rank {} of {n}", w.rank())), "{e}");
+    g.barrier().unwrap();
+}
+
+#[test]
+fn broadcast_from_a_non_zero_root() {
+    let test = "broadcast_from_a_non_zero_root";
+    if !is_rank() {
+        for np in [2, 4] {
+            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
+        }
+        return;
+    }
+    let w = world();
+    let g = w.world_group();
+    let root = w.size() - 1;
+    let theirs: Vec<f32> = (0..300_000).map(|i| value(root, i)).collect();
+    let mut buf = if w.rank() == root { theirs.clone() } else { vec![-1.0; theirs.len()] };
+    g.broadcast(&mut buf, root).unwrap();
+    assert_same(&buf, &theirs, &format!("rank {} after the broadcast from rank {root}", w.rank()));
+}
+
+#[test]
+fn send_and_recv_around_a_ring() {
+    let test = "send_and_recv_around_a_ring";
+    if !is_rank() {
+        for np in [2, 4] {
+            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
+        }
+        return;
+    }
+    let w = world();
+    let g = w.world_group();
+    let (r, n) = (w.rank(), w.size());
+    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+    // Large enough that a blocking send waits for its receiver.
+    let len = 1 << 18;
+    let mine: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+    let from_prev: Vec<f32> = (0..len).map(|i| value(prev, i)).collect();
+
+    let mut got = vec![0.0f32; len];
+    g.send_recv(&mine, next, &mut got, prev).unwrap();
+    assert_same(&got, &from_prev, &format!("rank {r} from rank {prev} by send_recv"));
+
+    // Plain send and recv, ordered so that blocking sends cannot deadlock (even sizes only).
+    let mut got = vec![0.0f32; len];
+    if r % 2 == 0 {
+        g.send(&mine, next).unwrap();
+        g.recv(&mut got, prev).unwrap();
+    } else {
+        g.recv(&mut got, prev).unwrap();
+        g.send(&mine, next).unwrap();
+    }
+    assert_same(&got, &from_prev, &format!("rank {r} from rank {prev} by send and recv"));
+
+    // A message shorter than the receiver expects is an error that says so.
+    if r == 0 {
+        g.send(&[1.0f32, 2.0, 3.0], 1).unwrap();
+    } else if r == 1 {
+        let e = g.recv(&mut [0.0f32; 4], 0).unwrap_err().to_string();
+        assert!(e.contains("rank 0 sent 3 values, expected 4"), "{e}");
+    }
+    g.barrier().unwrap();
+}
+
+#[test]
+fn layout_groups_reduce_only_among_their_members() {
+    let test = "layout_groups_reduce_only_among_their_members";
+    if !is_rank() {
+        for layout in ["2,2,1", "1,2,2", "4,1,1"] {
+            mpirun(test, 4, &[(LAYOUT, layout)], DEADLINE).assert_every_rank_passed(test, 4);
+        }
+        return;
+    }
+    let w = world();
+    // One node: every rank is local, in world order, as mpirun numbered them.
+    assert_eq!((w.local_rank(), w.local_size()), (w.rank(), w.size()));
+    assert_eq!(std::env::var("OMPI_COMM_WORLD_LOCAL_RANK").unwrap(), w.rank().to_string());
+
+    let sizes: Vec<usize> = std::env::var(LAYOUT).unwrap().split(',').map(|s| s.parse().unwrap()).collect();
+    let wrong = w.parallel_groups(Layout { data: sizes[0] * 2, tensor: sizes[1], pipeline: sizes[2] });
+    assert!(wrong.err().unwrap().to_string().contains("but the world has 4 rank(s)"));
+
+    let layout = Layout::new(sizes[0], sizes[1], sizes[2], w.size()).unwrap();
+    let groups = w.parallel_groups(layout).unwrap();
+    assert_eq!(groups.coords, layout.coords(w.rank()));
+    for axis in Axis::ALL {
+        let g = groups.get(axis);
+        let members = layout.group(axis, w.rank());
+        assert_eq!(g.members(), members);
+        assert_eq!(g.size(), layout.size(axis));
+        assert_eq!(g.rank(), groups.coords.on(axis), "{axis:?} group rank of world rank {}", w.rank());
+
+        // Each member contributes its world rank's values: the sum is over the members alone.
+        let len = 10;
+        let mut x: Vec<f32> = (0..len).map(|i| value(w.rank(), i)).collect();
+        g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+        assert_same(&x, &sum_over(members.iter().copied(), len), &format!("{axis:?} group {members:?}"));
+
+        // Group ranks address members: receive from the previous member of the group.
+        if g.size() > 1 {
+            let (r, n) = (g.rank(), g.size());
+            let mut got = [0.0f32; 1];
+            g.send_recv(&[w.rank() as f32], (r + 1) % n, &mut got, (r + n - 1) % n).unwrap();
+            assert_eq!(got[0], members[(r + n - 1) % n] as f32);
+        }
+    }
+    w.world_group().barrier().unwrap();
+}
+
+/// Rank 1 is killed by SIGKILL in the middle of a run of all-reduces; mpirun must notice and
+/// take the others down, whatever collective they are blocked in.
+#[test]
+fn a_killed_rank_ends_the_job_promptly() {
+    let test = "a_killed_rank_ends_the_job_promptly";
+    if !is_rank() {
+        for np in [2, 4] {
+            let run = mpirun(test, np, &[], DEADLINE);
+            assert!(!run.status.success(), "mpirun -np {np} succeeded with a killed rank:\n{}", run.output);
+            assert!(run.elapsed < Duration::from_secs(30), "took {:?}:\n{}", run.elapsed, run.output);
+        }
+        return;
+    }
+    // A long timeout: what must end this job is mpirun seeing the rank die, not the watchdog.
+    let w = World::init(&CommOptions { collective_timeout: Duration::from_secs(120) }).unwrap();
+    let g = w.world_group();
+    let mut x = vec![1.0f32; 1 << 16];
+    for step in 0.. {
+        if w.rank() == 1 && step == 20 {
+            let pid = std::process::id().to_string();
+            let _ = Command::new("kill").args(["-KILL", &pid]).status();
+            std::thread::sleep(Duration::from_secs(60));
+        }
+        g.all_reduce(&mut x, ReduceOp::Average).unwrap();
+    }
+}
+
+/// Rank 1 sleeps instead of joining an all-reduce: the others must give up after the collective
+/// timeout, say which collective, group and rank they were stuck in, and exit with code 1.
+#[test]
+fn a_hung_rank_times_its_peers_out() {
+    let test = "a_hung_rank_times_its_peers_out";
+    const TIMEOUT: Duration = Duration::from_secs(2);
+    if !is_rank() {
+        for np in [2, 4] {
+            let run = mpirun(test, np, &[], DEADLINE);
+            assert_eq!(run.status.code(), Some(1), "mpirun -np {np} should exit 1 (retryable):\n{}", run.output);
+            assert!(
+                run.output.contains("collective timeout: all_reduce on group 'world' (rank "),
+                "mpirun -np {np}: no timeout message:\n{}",
+                run.output
+            );
+            // The timeout, plus MPI start-up and tear-down on a loaded machine.
+            assert!(run.elapsed < TIMEOUT + Duration::from_secs(15), "took {:?}:\n{}", run.elapsed, run.output);
+        }
+        return;
+    }
+    let w = World::init(&CommOptions { collective_timeout: TIMEOUT }).unwrap();
+    let g = w.world_group();
+    assert_eq!(w.watchdog().unwrap().timeout(), TIMEOUT);
+    let mut x = vec![1.0f32; 1000];
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    if w.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(60));
+    }
+    g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+    panic!("rank {} got through an all-reduce that rank 1 never joined", w.rank());
+}
