@@ -54,14 +54,22 @@ pub fn read_header(path: &Path) -> Result<ShardInfo> {
     Ok(ShardInfo { path: path.to_path_buf(), tokens, token_bytes })
 }
 
-/// Reads all tokens of a shard as u32.
-pub fn read_tokens(info: &ShardInfo) -> Result<Vec<u32>> {
-    let bytes =
-        std::fs::read(&info.path).map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
-    let body = &bytes[HEADER_BYTES..];
+/// Reads `count` tokens of a shard from token `start` on, as u32 (as llm.c's loader does: a
+/// positioned read per batch, so a shuffled order costs no more than a sequential one).
+pub fn read_window(file: &std::fs::File, info: &ShardInfo, start: usize, count: usize) -> Result<Vec<u32>> {
+    use std::os::unix::fs::FileExt;
+    let offset = HEADER_BYTES + start * info.token_bytes;
+    let mut bytes = vec![0u8; count * info.token_bytes];
+    file.read_exact_at(&mut bytes, offset as u64).map_err(|e| {
+        Error::Corrupt(format!(
+            "token shard {}: reading {} bytes at offset {offset}: {e}",
+            info.path.display(),
+            bytes.len()
+        ))
+    })?;
     Ok(match info.token_bytes {
-        2 => body.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
-        _ => body.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+        2 => bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).collect(),
+        _ => bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
     })
 }
 
@@ -88,8 +96,8 @@ pub struct TokenLoader {
     order: Vec<(usize, usize)>,
     batching: Batching,
     pos: Position,
-    /// The shard whose tokens are in memory.
-    loaded: Option<(usize, Vec<u32>)>,
+    /// Open shard files, opened on first use.
+    files: Vec<Option<std::fs::File>>,
     feeds: Feeds,
 }
 
@@ -108,12 +116,13 @@ impl TokenLoader {
                 path.display()
             )));
         }
+        let n_shards = shards.len();
         let mut l = TokenLoader {
             shards,
             order: vec![],
             batching,
             pos: Position::default(),
-            loaded: None,
+            files: (0..n_shards).map(|_| None).collect(),
             feeds: feeds.clone(),
         };
         l.order = l.epoch_order(0);
@@ -147,14 +156,17 @@ impl Loader for TokenLoader {
             self.order = self.epoch_order(self.pos.epoch);
         }
         let (shard, window) = self.order[self.pos.batch as usize];
-        if self.loaded.as_ref().is_none_or(|(s, _)| *s != shard) {
-            self.loaded = Some((shard, read_tokens(&self.shards[shard])?));
+        let info = &self.shards[shard];
+        if self.files[shard].is_none() {
+            let f = std::fs::File::open(&info.path)
+                .map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
+            self.files[shard] = Some(f);
         }
-        let tokens = &self.loaded.as_ref().expect("loaded above").1;
         let (batch, seq_len) = (self.batching.batch, self.batching.seq_len);
         let mine = batch * seq_len;
         let start = window * self.span() + self.batching.partition.index * mine;
-        let w = &tokens[start..start + mine + 1];
+        let file = self.files[shard].as_ref().expect("opened above");
+        let w = read_window(file, info, start, mine + 1)?;
         let shape = [batch, seq_len];
         let ids = Tensor::from_vec(&shape, w[..mine].iter().map(|&t| t as i64).collect());
         let labels = Tensor::from_vec(&shape, w[1..].iter().map(|&t| t as i64).collect());
