@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{round, Samples};
+use common::{round, run_peer, Samples, PYTHON_VAR};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use std::collections::BTreeMap;
@@ -29,7 +29,7 @@ use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use tensorfleet_worker::checkpoint;
 use tensorfleet_worker::config::{DataFormat, DataSource, Gpt2Config, ModelSpec, TrainingConfig};
@@ -40,7 +40,6 @@ use tensorfleet_worker::session::OPTIMIZER_PREFIX;
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 const SAMPLE_SIZE: usize = 10;
-const PYTHON_VAR: &str = "TENSORFLEET_BENCH_PYTHON";
 const DIR_VAR: &str = "TENSORFLEET_BENCH_IO_DIR";
 /// Rates are in decimal megabytes, as disks are sold and `dd` reports them.
 const MB: f64 = 1e6;
@@ -370,20 +369,12 @@ fn numpy_peer(python: Option<&OsStr>, shards: &[PathBuf], sizes: &Sizes) -> Resu
     let python = python.ok_or(format!("{PYTHON_VAR} not set"))?;
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/benches/io_peer.py");
     println!("NumPy peer: {} {script}", python.to_string_lossy());
-    let out = Command::new(python)
-        .arg(script)
+    let mut cmd = Command::new(python);
+    cmd.arg(script)
         .args(["--batch", &sizes.batch.to_string(), "--seq", &sizes.seq.to_string()])
         .args(["--seconds", &sizes.peer_seconds.to_string()])
-        .args(shards)
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("could not run {} ({PYTHON_VAR}): {e}", python.to_string_lossy()))?;
-    if !out.status.success() {
-        return Err(format!("{script} failed ({}); `make bench` creates .venv-bench", out.status));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).map_err(|e| format!("{script} printed no JSON result ({e}): {last:?}"))
+        .args(shards);
+    run_peer(cmd, script)
 }
 
 /// A token loader's run: its mean rate, and every batch's seconds.

@@ -9,11 +9,11 @@
 
 mod common;
 
-use common::{round, Samples};
+use common::{round, run_peer, Samples, PYTHON_VAR};
 use criterion::{Criterion, SamplingMode, Throughput};
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 use tensorfleet_worker::backend::cpu::CpuBackend;
@@ -30,7 +30,6 @@ const SAMPLE_SIZE: usize = 10;
 const LR: f64 = 1e-4;
 const CLIP: f64 = 0.0;
 const ADAMW: Update = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
-const PYTHON_VAR: &str = "TENSORFLEET_BENCH_PYTHON";
 
 /// A benchmarked configuration; `name` is also the key prefix of the peer's JSON.
 struct Bench {
@@ -125,17 +124,7 @@ fn pytorch_run(python: &OsStr, names: &[&str], policy: Option<&str>) -> Result<s
     }
     let label = policy_label(policy);
     println!("PyTorch peer: {} {script} (OMP_WAIT_POLICY {label})", python.to_string_lossy());
-    let out = cmd
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("could not run {} ({PYTHON_VAR}): {e}", python.to_string_lossy()))?;
-    if !out.status.success() {
-        return Err(format!("{script} failed ({}); `make bench` creates .venv-bench", out.status));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    let mut v: serde_json::Value =
-        serde_json::from_str(last).map_err(|e| format!("{script} printed no JSON result ({e}): {last:?}"))?;
+    let mut v = run_peer(cmd, script)?;
     v["omp_wait_policy"] = label.into();
     Ok(v)
 }

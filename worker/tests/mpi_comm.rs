@@ -7,8 +7,9 @@
 //! environment) the same function runs the MPI side. mpirun must be installed (`make deps`).
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -24,13 +25,6 @@ static MPIRUN: Mutex<()> = Mutex::new(());
 
 fn is_rank() -> bool {
     std::env::var_os(RANK_MODE).is_some()
-}
-
-fn mpirun_path() -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path).map(|d| d.join("mpirun")).find(|p| p.is_file()).unwrap_or_else(|| {
-        panic!("mpirun is not on PATH: these tests run the worker under OpenMPI; run `make deps` to install it")
-    })
 }
 
 struct Run {
@@ -51,17 +45,12 @@ impl Run {
 
 /// Runs `test` of this binary as `np` ranks under mpirun and waits at most `deadline`.
 fn mpirun(test: &str, np: usize, env: &[(&str, &str)], deadline: Duration) -> Run {
-    let mpirun = mpirun_path();
     let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|e| e.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
-    let mut cmd = Command::new(mpirun);
-    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &np.to_string()])
-        .arg(exe)
+    let mut cmd = common::mpirun(np);
+    cmd.arg(exe)
         .args(["--exact", test, "--nocapture", "--test-threads", "1"])
         .env(RANK_MODE, "1")
-        // The test machines run as root, which OpenMPI refuses unless told twice.
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -105,6 +94,18 @@ fn mpirun(test: &str, np: usize, env: &[(&str, &str)], deadline: Duration) -> Ru
 /// How long a healthy test may take, startup included, before it counts as hung.
 const DEADLINE: Duration = Duration::from_secs(60);
 
+/// In the test process: runs `test` as 2 and as 4 ranks, checks that every rank passed, and
+/// returns true (the caller is done). In a rank: false, and the caller runs the MPI side.
+fn launched_on_2_and_4(test: &str) -> bool {
+    if is_rank() {
+        return false;
+    }
+    for np in [2, 4] {
+        mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
+    }
+    true
+}
+
 /// The ranks' watchdog in tests that expect no failure: only there to turn a bug into a failure.
 fn world() -> World {
     World::init(&CommOptions { collective_timeout: Duration::from_secs(30) }).expect("joining the MPI world")
@@ -138,10 +139,7 @@ fn assert_same(got: &[f32], expected: &[f32], what: &str) {
 #[test]
 fn all_reduce_sums_and_averages_exactly_on_every_rank() {
     let test = "all_reduce_sums_and_averages_exactly_on_every_rank";
-    if !is_rank() {
-        for np in [2, 4] {
-            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
-        }
+    if launched_on_2_and_4(test) {
         return;
     }
     let w = world();
@@ -170,10 +168,7 @@ fn all_reduce_sums_and_averages_exactly_on_every_rank() {
 #[test]
 fn reduce_scatter_and_all_gather_round_trip() {
     let test = "reduce_scatter_and_all_gather_round_trip";
-    if !is_rank() {
-        for np in [2, 4] {
-            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
-        }
+    if launched_on_2_and_4(test) {
         return;
     }
     let w = world();
@@ -202,10 +197,7 @@ fn reduce_scatter_and_all_gather_round_trip() {
 #[test]
 fn broadcast_from_a_non_zero_root() {
     let test = "broadcast_from_a_non_zero_root";
-    if !is_rank() {
-        for np in [2, 4] {
-            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
-        }
+    if launched_on_2_and_4(test) {
         return;
     }
     let w = world();
@@ -220,10 +212,7 @@ fn broadcast_from_a_non_zero_root() {
 #[test]
 fn send_and_recv_around_a_ring() {
     let test = "send_and_recv_around_a_ring";
-    if !is_rank() {
-        for np in [2, 4] {
-            mpirun(test, np, &[], DEADLINE).assert_every_rank_passed(test, np);
-        }
+    if launched_on_2_and_4(test) {
         return;
     }
     let w = world();

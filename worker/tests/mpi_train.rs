@@ -3,6 +3,8 @@
 //! weights within 1e-4), because each rank reads its half of every global batch and the
 //! gradients are averaged before the update.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use tensorfleet_worker::checkpoint;
@@ -28,26 +30,12 @@ fn check(o: &Output, what: &str) {
 
 /// `tensorfleet-worker train` under mpirun with `np` ranks, as the launcher pod runs it.
 fn mpirun_train(dir: &Path, np: usize, sets: &[&str]) -> Output {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let mpirun = std::env::split_paths(&path).map(|d| d.join("mpirun")).find(|p| p.is_file()).unwrap_or_else(|| {
-        panic!("mpirun is not on PATH: data-parallel training runs under OpenMPI; run `make deps` to install it")
-    });
-    let mut cmd = Command::new(mpirun);
-    cmd.args(["--oversubscribe", "--bind-to", "none", "-np", &np.to_string(), WORKER]).args([
-        "train",
-        "--config",
-        "train.yaml",
-        "--quiet",
-    ]);
+    let mut cmd = common::mpirun(np);
+    cmd.arg(WORKER).args(["train", "--config", "train.yaml", "--quiet"]);
     for s in sets {
         cmd.args(["--set", s]);
     }
-    cmd.current_dir(dir)
-        .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap()
+    cmd.current_dir(dir).stdin(Stdio::null()).output().unwrap()
 }
 
 fn train_alone(dir: &Path, sets: &[&str]) -> Output {

@@ -161,3 +161,21 @@ pub fn round(x: f64, digits: i32) -> f64 {
     let p = 10f64.powi(digits);
     (x * p).round() / p
 }
+
+/// The interpreter of the Python peers (`make bench` points it at .venv-bench).
+pub const PYTHON_VAR: &str = "TENSORFLEET_BENCH_PYTHON";
+
+/// Runs a Python peer (`cmd`, running `script`) and returns the JSON object on the last line
+/// it prints, or why there is none. The peer's stderr goes to the bench's.
+pub fn run_peer(mut cmd: std::process::Command, script: &str) -> Result<serde_json::Value, String> {
+    let out = cmd
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("could not run {script} ({PYTHON_VAR}): {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{script} failed ({}); `make bench` creates .venv-bench", out.status));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(last).map_err(|e| format!("{script} printed no JSON result ({e}): {last:?}"))
+}
