@@ -21,7 +21,7 @@
 
 mod common;
 
-use common::{round, run_peer, Samples, PYTHON_VAR};
+use common::{round, run_peer, Samples, WorkDir, PYTHON_VAR};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode, Throughput};
 use std::collections::BTreeMap;
@@ -104,29 +104,6 @@ fn sizes(measuring: bool) -> Sizes {
 
 // ---------------------------------------------------------------------------------------------
 // The directory and the page cache
-
-/// A directory of the bench's own, removed when dropped (also when a benchmark panics: a failed
-/// run must not leave gigabytes in target/).
-struct WorkDir(PathBuf);
-
-impl WorkDir {
-    fn create() -> WorkDir {
-        let base = std::env::var_os(DIR_VAR)
-            .map(PathBuf::from)
-            .unwrap_or_else(|| common::summary_path().parent().unwrap_or(Path::new(".")).to_path_buf());
-        let dir = base.join(format!("bench-io-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {} ({DIR_VAR}): {e}", dir.display()));
-        WorkDir(dir)
-    }
-}
-
-impl Drop for WorkDir {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_dir_all(&self.0) {
-            eprintln!("io bench: could not remove {}: {e}", self.0.display());
-        }
-    }
-}
 
 /// The filesystem `dir` is on, from /proc/self/mounts: "ext4 on /dev/vda".
 fn filesystem(dir: &Path) -> Option<String> {
@@ -241,6 +218,8 @@ fn bench_checkpoints(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &S
     let plain = dir.join("plain.bin");
     let state = training_state(&sizes.gpt2);
     let cfg = training_config(&sizes.gpt2, &dir.join("tokens"));
+    // One process: the world is this rank alone.
+    let alone = tensorfleet_worker::comm::World::solo().world_group();
     // The bytes `save` writes, for the plain peer to write as many.
     let encoded = checkpoint::safetensors::encode(&state);
     let bytes = encoded.len();
@@ -261,7 +240,7 @@ fn bench_checkpoints(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &S
     group.bench_function("checkpoint_save", |b| {
         save.iter(b, || {
             step += 1;
-            let path = checkpoint::save(&ckpt_dir, step, Position::default(), &cfg, &state, 1).expect("save");
+            let path = checkpoint::save(&ckpt_dir, step, Position::default(), &cfg, &state, 1, &alone).expect("save");
             latest = Some(path);
         })
     });
@@ -271,7 +250,8 @@ fn bench_checkpoints(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &S
 
     // When the save benchmark was filtered out, the load benchmark still needs a checkpoint.
     let latest = latest.unwrap_or_else(|| {
-        checkpoint::save(&ckpt_dir, 1, Position::default(), &cfg, &state, 1).expect("save for the load benchmark")
+        checkpoint::save(&ckpt_dir, 1, Position::default(), &cfg, &state, 1, &alone)
+            .expect("save for the load benchmark")
     });
     let ckpt_files: Vec<PathBuf> = ["manifest.json", "rank_0.safetensors"].iter().map(|f| latest.join(f)).collect();
     if !plain.exists() {
@@ -607,7 +587,8 @@ fn main() {
     let measuring = common::measuring();
     let load_before = common::load_avg_1m();
     let sizes = sizes(measuring);
-    let dir = WorkDir::create();
+    let dir = WorkDir::create("io", std::env::var_os(DIR_VAR).map(PathBuf::from))
+        .unwrap_or_else(|e| panic!("{e} ({DIR_VAR})"));
     let mut c = Criterion::default().configure_from_args();
     let mut group = c.benchmark_group("io");
     group.sample_size(SAMPLE_SIZE).sampling_mode(SamplingMode::Flat);

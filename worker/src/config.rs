@@ -447,6 +447,18 @@ pub enum Recompute {
 }
 
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+pub enum PipelineSchedule {
+    /// One forward, one backward (PipeDream-Flush, Megatron's default): at most `stages - stage`
+    /// micro-batches in flight per stage.
+    #[default]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// Every micro-batch's forward, then every backward: all micro-batches in flight.
+    #[serde(rename = "gpipe")]
+    Gpipe,
+}
+
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub enum DeviceKind {
     /// CUDA when a GPU is present, else the CPU.
@@ -471,6 +483,14 @@ pub struct Parallelism {
     /// ZeRO stage: 0 off, 1 optimizer state sharded, 2 gradients too.
     #[serde(default)]
     pub zero: u8,
+    /// The order in which pipeline stages run the micro-batches' forward and backward passes.
+    #[serde(default)]
+    pub schedule: PipelineSchedule,
+    /// Where the pipeline's stages meet, as ONNX Runtime's cut edges: one list of value names per
+    /// cut (`pipeline - 1` lists); the cut falls just after the last of them is computed. Empty:
+    /// cuts placed automatically, balancing the stages' FLOPs.
+    #[serde(default)]
+    pub pipeline_cuts: Vec<Vec<String>>,
     /// Combine data-parallel gradients with Adasum instead of averaging them.
     #[serde(default)]
     pub adasum: bool,
@@ -494,6 +514,8 @@ impl Default for Parallelism {
             tensor: 1,
             pipeline: 1,
             zero: 0,
+            schedule: PipelineSchedule::default(),
+            pipeline_cuts: vec![],
             adasum: false,
             nccl: true,
             timeout_seconds: d_collective_timeout(),
@@ -829,6 +851,20 @@ impl TrainingConfig {
                 "parallelism.adasum",
                 "Adasum combines whole gradients; it does not run with ZeRO (parallelism.zero > 0)".into(),
             );
+        }
+        if !p.pipeline_cuts.is_empty() && p.pipeline_cuts.len() + 1 != p.pipeline {
+            return bad(
+                "parallelism.pipelineCuts",
+                format!(
+                    "{} cut(s) make {} stages, but parallelism.pipeline is {}",
+                    p.pipeline_cuts.len(),
+                    p.pipeline_cuts.len() + 1,
+                    p.pipeline
+                ),
+            );
+        }
+        if let Some(i) = p.pipeline_cuts.iter().position(|c| c.is_empty()) {
+            return bad(&format!("parallelism.pipelineCuts[{i}]"), "names no value".into());
         }
         if p.timeout_seconds == 0 {
             return bad("parallelism.timeoutSeconds", "must be at least 1".into());

@@ -31,6 +31,8 @@ pub mod monitor;
 pub mod onnx;
 #[cfg(feature = "engine")]
 pub mod optim;
+#[cfg(feature = "engine")]
+pub mod parallel;
 #[cfg(feature = "cli")]
 pub mod prepare;
 #[cfg(feature = "engine")]

@@ -14,7 +14,7 @@ use crate::monitor::endpoint::Endpoint;
 use crate::monitor::profile::Trace;
 use crate::monitor::{Metrics, StepLog, Watched};
 use crate::optim::{schedule::learning_rate, Update};
-use crate::session::{Session, SessionOptions};
+use crate::session::{PipelineOptions, Session, SessionOptions};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,14 +88,25 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
 /// What this build can run of the configuration, checked before anything heavy starts.
 fn check_supported(cfg: &TrainingConfig) -> Result<()> {
     let p = &cfg.parallelism;
-    if p.tensor > 1 || p.pipeline > 1 {
+    if p.tensor > 1 {
         return Err(Error::Config(format!(
-            "parallelism: tensor ({}) and pipeline ({}) parallelism are not implemented yet; use data parallelism",
-            p.tensor, p.pipeline
+            "parallelism.tensor ({}): tensor parallelism is not implemented yet; use data or pipeline parallelism",
+            p.tensor
         )));
     }
-    if p.zero > 0 {
-        return Err(Error::Config("parallelism.zero: ZeRO is not implemented yet; use parallelism.zero: 0".into()));
+    if p.zero == 2 && p.pipeline > 1 {
+        // Stage 2 reduces every micro-batch's gradient at once, which would have to happen in
+        // the middle of the pipeline's schedule (DeepSpeed refuses the pair too).
+        return Err(Error::Config(
+            "parallelism.zero: ZeRO-2 does not run with pipeline parallelism; use zero: 1 with pipeline > 1".into(),
+        ));
+    }
+    if p.zero > 0 && cfg.optimizer.name == OptimizerName::Lamb {
+        return Err(Error::Config(
+            "parallelism.zero: LAMB's trust ratio needs each weight whole, which ZeRO splits; use adam, adamw or sgd \
+             with ZeRO, or parallelism.zero: 0"
+                .into(),
+        ));
     }
     if p.adasum {
         return Err(Error::Config("parallelism.adasum: Adasum is not implemented yet; leave it false".into()));
@@ -112,6 +123,25 @@ fn check_supported(cfg: &TrainingConfig) -> Result<()> {
         return Err(Error::Config(
             format!("precision: {:?} needs the CUDA backend; the CPU trains in fp32", cfg.precision).to_lowercase(),
         ));
+    }
+    Ok(())
+}
+
+/// A checkpoint continues this run only if its global batch is this run's: its data position
+/// counts global batches. (The layout may differ: another data-parallel size reshards.)
+fn check_resumable(cfg: &TrainingConfig, m: &checkpoint::Manifest, path: &std::path::Path) -> Result<()> {
+    let global = |c: &TrainingConfig| c.batch_size * c.parallelism.data * c.gradient_accumulation_steps;
+    if global(&m.config) != global(cfg) {
+        return Err(Error::Config(format!(
+            "checkpoint.resume: {} was trained with a global batch of {} (batchSize {} × parallelism.data {} × \
+             gradientAccumulationSteps {}), this run's is {}; keep the global batch when resuming",
+            path.display(),
+            global(&m.config),
+            m.config.batch_size,
+            m.config.parallelism.data,
+            m.config.gradient_accumulation_steps,
+            global(cfg)
+        )));
     }
     Ok(())
 }
@@ -196,6 +226,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     let ckpt_dir = cfg.checkpoint_dir();
     let resumed = find_resume(cfg, &ckpt_dir)?;
     if let Some((manifest, _, path)) = &resumed {
+        check_resumable(cfg, manifest, path)?;
         train_data.seek(&manifest.data)?;
         tracing::info!(path = %path.display(), step = manifest.step, "resuming");
     }
@@ -209,6 +240,14 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         groups: cfg.optimizer.groups.clone(),
         scalars: cfg.logging.scalars.clone(),
         recompute: cfg.recompute,
+        pipeline: (p.pipeline > 1).then(|| PipelineOptions {
+            stage: groups.coords.pp,
+            stages: p.pipeline,
+            cuts: p.pipeline_cuts.clone(),
+            schedule: p.schedule,
+        }),
+        zero: p.zero,
+        report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
@@ -230,6 +269,9 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     std::fs::create_dir_all(&cfg.output.dir)
         .map_err(|e| Error::Runtime(format!("output.dir {}: {e}", cfg.output.dir.display())))?;
     let metrics_path = cfg.output.dir.join("metrics.jsonl");
+    let world_group = world.world_group();
+    let coords = groups.coords;
+    session.join(groups.data, groups.pipeline)?;
     let start_step = match &resumed {
         Some((manifest, tensors, path)) => {
             session.load_state(tensors, &format!("checkpoint {}", path.display()))?;
@@ -237,7 +279,6 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         }
         None => 0,
     };
-    session.join_data_parallel(groups.data)?;
     // Only rank 0 reports; the other ranks train silently beside it.
     let mut metrics = match (leader, &resumed) {
         (false, _) => None,
@@ -283,7 +324,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
             session.train.profile = Some(Vec::new());
         }
         // Each data-parallel replica draws its own dropout masks.
-        let seed = crate::rng::mix(cfg.seed ^ (step + 1)) ^ groups.coords.dp as u64;
+        let seed = crate::rng::mix(cfg.seed ^ (step + 1)) ^ coords.dp as u64;
         let r = session.step(&batches, lr, cfg.grad_clip_norm, seed)?;
         if let (true, Some(trace)) = (profiled, profiling.as_mut()) {
             let timings = session.train.profile.take().unwrap_or_default();
@@ -311,7 +352,8 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         if let (Some(metrics), true) = (metrics.as_mut(), n % cfg.logging.every == 0 || n == cfg.steps) {
             let rate = items as f64 / dt;
             let flops = flops_per_step / dt;
-            let mfu = peak.map(|p| flops / p);
+            // Each rank's device has the peak: the world's share is the utilization.
+            let mfu = peak.map(|p| flops / (p * world.size() as f64));
             metrics.step(&StepLog {
                 step: n,
                 loss: r.loss,
@@ -367,10 +409,13 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
                 console.eval(n, loss);
             }
         }
-        if leader && cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
+        if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
+            let state = session.state()?;
             let path =
-                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &session.state()?, cfg.checkpoint.keep)?;
-            tracing::info!(path = %path.display(), "checkpoint written");
+                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &state, cfg.checkpoint.keep, &world_group)?;
+            if leader {
+                tracing::info!(path = %path.display(), "checkpoint written");
+            }
             if let Some(ep) = &endpoint {
                 ep.update(|p| p.latest_checkpoint = Some(path.display().to_string()));
             }
@@ -378,8 +423,11 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     }
     console.finish();
     let model_path = cfg.output.dir.join("model.onnx");
-    if leader {
-        crate::export::write(&model, &session.weights()?, &model_path)?;
+    // Every stage's weights meet on rank 0, which exports the whole model.
+    if let Some(weights) = session.gather_weights()? {
+        if leader {
+            crate::export::write(&model, &weights, &model_path)?;
+        }
     }
     Ok(Summary {
         start_step,

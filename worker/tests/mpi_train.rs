@@ -1,7 +1,12 @@
-//! Data-parallel training under a real `mpirun`: two ranks with batch B train exactly like one
-//! process with batch 2B (per-step losses within 1e-5 relative, evaluation losses too, final
-//! weights within 1e-4), because each rank reads its half of every global batch and the
-//! gradients are averaged before the update.
+//! Parallel training under a real `mpirun`, each layout against the single process it must
+//! equal (per-step losses within 1e-5 relative, evaluation losses too, final weights within
+//! 1e-4):
+//! - data parallel: two ranks with batch B train exactly like one process with batch 2B, since
+//!   each rank reads its half of every global batch and the gradients are averaged;
+//! - ZeRO-1 and ZeRO-2 exactly like plain data parallelism;
+//! - pipeline parallel (1F1B and GPipe) exactly like no pipeline, dropout included;
+//! - data × pipeline over four ranks;
+//! - a checkpoint written under one layout resumes under another.
 
 mod common;
 
@@ -75,46 +80,194 @@ fn assert_close(what: &str, a: &[(u64, f64)], b: &[(u64, f64)]) {
     }
 }
 
-#[test]
-fn two_data_parallel_ranks_equal_one_process_with_twice_the_batch() {
-    let dir = scratch("dp");
+/// Token shards of a small repeated text in `dir/tokens/{train,val}`.
+fn prepare_tokens(dir: &Path) {
     std::fs::write(dir.join("text.txt"), "The fox saw the owl and the owl saw the fox by the river. ".repeat(300))
         .unwrap();
     let o = Command::new(WORKER)
         .args(["prepare-data", "--input", "text.txt", "--output", "tokens", "--val-fraction", "0.2"])
-        .current_dir(&dir)
+        .current_dir(dir)
         .output()
         .unwrap();
     check(&o, "prepare-data");
+}
+
+/// A small GPT-2 run of 6 updates with accumulation, clipping, a schedule, evaluation at 3 and
+/// 6 and checkpoints at 3 and 6; `extra` adds YAML lines.
+fn write_config(dir: &Path, micro_batches: usize, extra: &str) {
     std::fs::write(
         dir.join("train.yaml"),
-        "model: {gpt2: {layers: 2, heads: 2, embed: 32, seqLen: 16, vocab: 50257}}\n\
-         data: {train: {path: tokens/train, format: tokens}, eval: {path: tokens/val, format: tokens}}\n\
-         gradientAccumulationSteps: 2\nsteps: 6\ngradClipNorm: 1.0\n\
-         optimizer: {name: adamw, lr: 0.003, weightDecay: 0.1}\nlrSchedule: {name: cosine, warmupSteps: 2}\n\
-         evaluation: {every: 3, batches: 2}\ncheckpoint: {every: 6}\n",
+        format!(
+            "model: {{gpt2: {{layers: 2, heads: 2, embed: 32, seqLen: 16, vocab: 50257}}}}\n\
+             data: {{train: {{path: tokens/train, format: tokens}}, eval: {{path: tokens/val, format: tokens}}}}\n\
+             gradientAccumulationSteps: {micro_batches}\nsteps: 6\ngradClipNorm: 1.0\n\
+             optimizer: {{name: adamw, lr: 0.003, weightDecay: 0.1}}\nlrSchedule: {{name: cosine, warmupSteps: 2}}\n\
+             evaluation: {{every: 3, batches: 2}}\ncheckpoint: {{every: 3, keep: 2}}\n{extra}"
+        ),
     )
     .unwrap();
+}
+
+/// Every weight of two checkpoints agrees within 1e-4 (relative to values above 1).
+fn assert_same_weights(a: &Path, b: &Path) {
+    let (_, w1) = checkpoint::load(a).unwrap();
+    let (_, w2) = checkpoint::load(b).unwrap();
+    let weights: Vec<&String> = w1.keys().filter(|n| !n.starts_with("optimizer/")).collect();
+    assert_eq!(weights, w2.keys().filter(|n| !n.starts_with("optimizer/")).collect::<Vec<_>>());
+    for name in weights {
+        let (x, y) = (w1[name].as_slice::<f32>(), w2[name].as_slice::<f32>());
+        let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs() / p.abs().max(1.0)).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-4, "weight '{name}' differs by {worst}");
+    }
+}
+
+/// Both runs logged the same losses and evaluation losses, and ended with the same weights.
+fn assert_same_run(dir: &Path, got: &str, want: &str) {
+    let (train, eval) = losses(&dir.join(got));
+    let (want_train, want_eval) = losses(&dir.join(want));
+    assert_eq!(want_train.len(), 6);
+    assert_close(&format!("{got}: loss"), &train, &want_train);
+    assert_eq!(want_eval.len(), 2);
+    assert_close(&format!("{got}: evalLoss"), &eval, &want_eval);
+    assert_same_weights(
+        &dir.join(format!("{got}/checkpoints/checkpoint_6")),
+        &dir.join(format!("{want}/checkpoints/checkpoint_6")),
+    );
+}
+
+#[test]
+fn two_data_parallel_ranks_equal_one_process_with_twice_the_batch() {
+    let dir = scratch("dp");
+    prepare_tokens(&dir);
+    write_config(&dir, 2, "");
     check(&train_alone(&dir, &["batchSize=4", "output.dir=single"]), "the single-process run");
     let o = mpirun_train(&dir, 2, &["batchSize=2", "parallelism.data=2", "output.dir=dp2"]);
     check(&o, "mpirun -np 2");
-
-    let (single, single_eval) = losses(&dir.join("single"));
-    let (dp, dp_eval) = losses(&dir.join("dp2"));
-    assert_eq!(single.len(), 6);
-    assert_close("loss", &dp, &single);
-    assert_eq!(single_eval.len(), 2);
-    assert_close("evalLoss", &dp_eval, &single_eval);
-
-    let (m1, w1) = checkpoint::load(&dir.join("single/checkpoints/checkpoint_6")).unwrap();
-    let (m2, w2) = checkpoint::load(&dir.join("dp2/checkpoints/checkpoint_6")).unwrap();
+    assert_same_run(&dir, "dp2", "single");
+    let (m1, _) = checkpoint::load(&dir.join("single/checkpoints/checkpoint_6")).unwrap();
+    let (m2, _) = checkpoint::load(&dir.join("dp2/checkpoints/checkpoint_6")).unwrap();
     assert_eq!((m1.world_size, m2.world_size), (1, 2));
     assert_eq!(m1.data, m2.data, "both stand at the same global batch");
-    for (name, a) in w1.iter().filter(|(n, _)| !n.starts_with("optimizer/")) {
-        let (a, b) = (a.as_slice::<f32>(), w2[name].as_slice::<f32>());
-        let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs() / x.abs().max(1.0)).fold(0.0f32, f32::max);
-        assert!(worst <= 1e-4, "weight '{name}' differs by {worst}");
+
+    // ZeRO-1 and ZeRO-2 train like plain data parallelism, and each rank writes its own shard
+    // of the optimizer state.
+    for zero in [1, 2] {
+        let out = format!("zero{zero}");
+        let o = mpirun_train(
+            &dir,
+            2,
+            &["batchSize=2", "parallelism.data=2", &format!("parallelism.zero={zero}"), &format!("output.dir={out}")],
+        );
+        check(&o, &format!("ZeRO-{zero}"));
+        assert_same_run(&dir, &out, "dp2");
+        let (m, state) = checkpoint::load(&dir.join(format!("{out}/checkpoints/checkpoint_6"))).unwrap();
+        assert_eq!(m.files.len(), 2, "both ranks wrote a file: {:?}", m.files.keys());
+        assert_eq!(m.layout.zero, zero);
+        let (_, plain) = checkpoint::load(&dir.join("dp2/checkpoints/checkpoint_6")).unwrap();
+        for (name, t) in plain.iter().filter(|(n, _)| n.starts_with("optimizer/") && *n != "optimizer/step") {
+            let (x, y) = (t.as_slice::<f32>(), state[name].as_slice::<f32>());
+            assert_eq!(x.len(), y.len(), "{name}");
+            let worst = x.iter().zip(y).map(|(p, q)| (p - q).abs() / p.abs().max(1e-3)).fold(0.0f32, f32::max);
+            assert!(worst <= 1e-3, "ZeRO-{zero}: optimizer state '{name}' differs by {worst}");
+        }
     }
+
+    // Resharding: ZeRO-1's checkpoint at step 3, written by two ranks, continues in one process
+    // (same global batch) exactly as the two ranks went on.
+    let resume = "checkpoint.resume=zero1/checkpoints/checkpoint_3";
+    check(&train_alone(&dir, &["batchSize=4", "output.dir=resharded", resume]), "the resharded resume");
+    let (resumed, _) = losses(&dir.join("resharded"));
+    let (zero1, _) = losses(&dir.join("zero1"));
+    assert_eq!(resumed.iter().map(|x| x.0).collect::<Vec<_>>(), [4, 5, 6]);
+    assert_close("resharded loss", &resumed, &zero1[3..]);
+    assert_same_weights(&dir.join("resharded/checkpoints/checkpoint_6"), &dir.join("zero1/checkpoints/checkpoint_6"));
+
+    // A different global batch cannot continue the run: its data position would mean other data.
+    let o = train_alone(&dir, &["batchSize=2", "output.dir=wrong", resume]);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("global batch"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two pipeline stages, with either schedule, train like one process: the same dropout masks,
+/// losses, evaluation losses, final weights and exported model.
+#[test]
+fn two_pipeline_stages_equal_one_process() {
+    let dir = scratch("pp");
+    prepare_tokens(&dir);
+    // Four micro-batches: 1F1B's warm-up, steady state and drain all run. Dropout on.
+    write_config(&dir, 4, "");
+    let dropout = "model.gpt2.dropout=0.1";
+    check(&train_alone(&dir, &["batchSize=2", "output.dir=single", dropout]), "the single-process run");
+    for schedule in ["1f1b", "gpipe"] {
+        let out = format!("pp2-{schedule}");
+        let o = mpirun_train(
+            &dir,
+            2,
+            &[
+                "batchSize=2",
+                "parallelism.pipeline=2",
+                &format!("parallelism.schedule={schedule}"),
+                &format!("output.dir={out}"),
+                dropout,
+            ],
+        );
+        check(&o, &format!("mpirun -np 2, pipeline {schedule}"));
+        assert_same_run(&dir, &out, "single");
+    }
+    // The exported model joins the stages: the same initializers as the single run's export.
+    let read = |out: &str| {
+        let proto = tensorfleet_worker::onnx::load_model(&dir.join(out).join("model.onnx")).unwrap();
+        tensorfleet_worker::graph::onnx_io::from_model(&proto, out).unwrap()
+    };
+    let (a, b) = (read("single"), read("pp2-1f1b"));
+    assert_eq!(a.initializers.len(), b.initializers.len());
+    for (v, t) in &a.initializers {
+        let name = a.name_of(*v);
+        let u = &b.initializers[&b.find(name).unwrap_or_else(|| panic!("the export lacks '{name}'"))];
+        if t.dtype() == tensorfleet_worker::tensor::DType::F32 {
+            let worst =
+                t.as_slice::<f32>().iter().zip(u.as_slice::<f32>()).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-4, "exported '{name}' differs by {worst}");
+        }
+    }
+    // Explicit cuts (ONNX Runtime's cut edges) give the same run.
+    let o = mpirun_train(
+        &dir,
+        2,
+        &[
+            "batchSize=2",
+            "parallelism.pipeline=2",
+            "parallelism.pipelineCuts=[[h.0.mlp.residual]]",
+            "output.dir=cut",
+            dropout,
+        ],
+    );
+    check(&o, "mpirun -np 2, explicit cut");
+    assert_same_run(&dir, "cut", "single");
+    // (The balanced cut above falls just before the LM head, which has most of the FLOPs at this
+    // width, leaving the last stage only the tied embedding, which the first stage writes.)
+    let (m, _) = checkpoint::load(&dir.join("cut/checkpoints/checkpoint_6")).unwrap();
+    assert_eq!(m.files.len(), 2, "each stage wrote its own weights: {:?}", m.files.keys());
+    assert_eq!(m.layout.pipeline, 2);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Four ranks as two data-parallel replicas of a two-stage pipeline (with ZeRO-1) train like one
+/// process with the replicas' batches together.
+#[test]
+fn data_times_pipeline_over_four_ranks_equals_one_process() {
+    let dir = scratch("dp-pp");
+    prepare_tokens(&dir);
+    write_config(&dir, 2, "");
+    check(&train_alone(&dir, &["batchSize=4", "output.dir=single"]), "the single-process run");
+    let o = mpirun_train(
+        &dir,
+        4,
+        &["batchSize=2", "parallelism.data=2", "parallelism.pipeline=2", "parallelism.zero=1", "output.dir=dp2pp2"],
+    );
+    check(&o, "mpirun -np 4, data 2 × pipeline 2");
+    assert_same_run(&dir, "dp2pp2", "single");
     std::fs::remove_dir_all(&dir).ok();
 }
 

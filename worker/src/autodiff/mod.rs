@@ -103,6 +103,22 @@ impl Builder<'_> {
 /// value, in the order of `params`. A parameter the loss does not depend on is an error
 /// naming it (it would never train).
 pub fn gradients(g: &mut Graph, loss: ValueId, params: &[ValueId]) -> Result<Vec<ValueId>> {
+    let grads = gradients_of(g, loss, params)?;
+    params
+        .iter()
+        .zip(grads)
+        .map(|(&p, dp)| {
+            dp.ok_or_else(|| {
+                Error::Config(format!("weight '{}' does not affect the loss; freeze it or remove it", g.name_of(p)))
+            })
+        })
+        .collect()
+}
+
+/// Like [`gradients`], for any values `wrt` (a pipeline stage's received activations too);
+/// `None` for a value the loss does not depend on.
+pub fn gradients_of(g: &mut Graph, loss: ValueId, wrt: &[ValueId]) -> Result<Vec<Option<ValueId>>> {
+    let params = wrt;
     let n_forward = g.nodes.len();
     // Which values depend on a parameter (only those need gradients).
     let mut requires = vec![false; g.values.len()];
@@ -157,12 +173,5 @@ pub fn gradients(g: &mut Graph, loss: ValueId, params: &[ValueId]) -> Result<Vec
             requires.resize(b.g.values.len(), false);
         }
     }
-    params
-        .iter()
-        .map(|&p| {
-            grad[p].ok_or_else(|| {
-                Error::Config(format!("weight '{}' does not affect the loss; freeze it or remove it", b.g.name_of(p)))
-            })
-        })
-        .collect()
+    Ok(params.iter().map(|&p| grad[p]).collect())
 }

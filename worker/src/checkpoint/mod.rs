@@ -1,16 +1,33 @@
-//! Checkpoints: `checkpoint_<step>/` holding `manifest.json` (step, data position, settings,
-//! per-file checksums) and `rank_<r>.safetensors` (weights and optimizer state). A checkpoint is
-//! written under a temporary name and renamed when complete, so a directory named
+//! Checkpoints: `checkpoint_<step>/` holding `manifest.json` (step, data position, layout,
+//! settings, per-file checksums) and one `rank_<r>.safetensors` per rank that has something to
+//! keep (weights and optimizer state). A checkpoint is written under a temporary name and
+//! renamed, by rank 0, once every rank's file is complete, so a directory named
 //! `checkpoint_<step>` is always whole; only the newest `keep` are kept.
+//!
+//! Each rank writes only what it holds: a pipeline stage its weights, a ZeRO shard its pieces
+//! of the optimizer state, named `<tensor>@<first element>` (a 1-D run of the flattened tensor).
+//! Loading reads every rank's file and joins the pieces, so a checkpoint resumes under any
+//! layout (another data-parallel size, ZeRO or not, other pipeline stages).
 
 pub mod safetensors;
 
+use crate::comm::{Collective, HostGroup, ProcessGroup};
 use crate::data::Position;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// The parallel layout a checkpoint was written under.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct LayoutRecord {
+    pub data: usize,
+    pub tensor: usize,
+    pub pipeline: usize,
+    pub zero: u8,
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
@@ -21,27 +38,37 @@ pub struct Manifest {
     pub data: Position,
     pub seed: u64,
     pub world_size: usize,
+    /// The layout that wrote it (absent in checkpoints from before layouts were recorded).
+    #[serde(default)]
+    pub layout: LayoutRecord,
     /// The configuration that trained it (export rebuilds the model from it).
     pub config: crate::config::TrainingConfig,
     /// File name → FNV-1a 64 checksum (hex) of its bytes.
     pub files: BTreeMap<String, String>,
 }
 
-/// FNV-1a, 64-bit: cheap and enough to notice a torn or damaged file.
+/// FNV-1a, 64-bit, in hex: cheap and enough to notice a torn or damaged file.
 pub fn checksum(bytes: &[u8]) -> String {
+    format!("{:016x}", checksum_u64(bytes))
+}
+
+fn checksum_u64(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in bytes {
         h ^= b as u64;
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    format!("{h:016x}")
+    h
 }
 
 fn io(path: &Path, e: std::io::Error) -> Error {
     Error::Runtime(format!("{}: {e}", path.display()))
 }
 
-/// Writes checkpoint `step` of rank 0 into `dir` and prunes old ones; returns its path.
+/// Writes checkpoint `step` into `dir` and prunes old ones; returns its path. Every rank of
+/// `world` calls it at the same step with its own `tensors` (`Session::state`); a rank whose
+/// tensors hold nothing but `optimizer/step` (a data-parallel replica without ZeRO) writes no
+/// file.
 pub fn save(
     dir: &Path,
     step: u64,
@@ -49,37 +76,62 @@ pub fn save(
     config: &crate::config::TrainingConfig,
     tensors: &BTreeMap<String, Tensor>,
     keep: usize,
+    world: &HostGroup,
 ) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+    let rank = world.rank();
     let final_dir = dir.join(format!("checkpoint_{step}"));
     let tmp = dir.join(format!(".checkpoint_{step}.tmp"));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+    if rank == 0 {
+        std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
+        }
+        std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
     }
-    std::fs::create_dir_all(&tmp).map_err(|e| io(&tmp, e))?;
-    let bytes = safetensors::encode(tensors);
-    let file = "rank_0.safetensors".to_string();
-    write_synced(&tmp.join(&file), &bytes)?;
-    let manifest = Manifest {
-        format: "tensorfleet-checkpoint-v1".into(),
-        step,
-        data,
-        seed: config.seed,
-        // Data-parallel replicas hold the same state, which rank 0 writes.
-        world_size: config.parallelism.data * config.parallelism.tensor * config.parallelism.pipeline,
-        config: config.clone(),
-        files: [(file, checksum(&bytes))].into_iter().collect(),
-    };
-    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Runtime(e.to_string()))?;
-    write_synced(&tmp.join("manifest.json"), &text)?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, e))?;
+    world.barrier()?;
+    let file = format!("rank_{rank}.safetensors");
+    // (wrote a file, checksum's high and low 32 bits): exact in f64, so one all-gather
+    // tells rank 0 every file's checksum.
+    let mut mine = [0f64; 3];
+    if rank == 0 || tensors.len() > 1 {
+        let bytes = safetensors::encode(tensors);
+        write_synced(&tmp.join(&file), &bytes)?;
+        let sum = checksum_u64(&bytes);
+        mine = [1.0, (sum >> 32) as f64, (sum & 0xffff_ffff) as f64];
     }
-    std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
-    if let Ok(d) = std::fs::File::open(dir) {
-        d.sync_all().ok();
+    let mut all = vec![0f64; 3 * world.size()];
+    world.all_gather(&mine[..], &mut all[..])?;
+    if rank == 0 {
+        let files = all
+            .chunks(3)
+            .enumerate()
+            .filter(|(_, c)| c[0] == 1.0)
+            .map(|(r, c)| (format!("rank_{r}.safetensors"), format!("{:016x}", ((c[1] as u64) << 32) | c[2] as u64)))
+            .collect();
+        let p = &config.parallelism;
+        let manifest = Manifest {
+            format: "tensorfleet-checkpoint-v2".into(),
+            step,
+            data,
+            seed: config.seed,
+            world_size: world.size(),
+            layout: LayoutRecord { data: p.data, tensor: p.tensor, pipeline: p.pipeline, zero: p.zero },
+            config: config.clone(),
+            files,
+        };
+        let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Runtime(e.to_string()))?;
+        write_synced(&tmp.join("manifest.json"), &text)?;
+        if final_dir.exists() {
+            std::fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, e))?;
+        }
+        std::fs::rename(&tmp, &final_dir).map_err(|e| io(&final_dir, e))?;
+        if let Ok(d) = std::fs::File::open(dir) {
+            d.sync_all().ok();
+        }
+        prune(dir, keep)?;
     }
-    prune(dir, keep)?;
+    // When save returns, on any rank, the checkpoint is complete.
+    world.barrier()?;
     Ok(final_dir)
 }
 
@@ -114,16 +166,47 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
-/// Reads and verifies a checkpoint: its manifest and rank 0's tensors.
+/// Reads and verifies a checkpoint: its manifest, and every rank's tensors joined into one
+/// state (pieces `<name>@<start>` joined into a flat `<name>`).
 pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
     let corrupt = |what: String| Error::Corrupt(format!("checkpoint {}: {what}", dir.display()));
     let text = std::fs::read(dir.join("manifest.json")).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
-    let file = "rank_0.safetensors";
-    let bytes = std::fs::read(dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
-    if m.files.get(file) != Some(&checksum(&bytes)) {
-        return Err(corrupt(format!("{file}: the checksum does not match the manifest")));
+    if m.files.is_empty() {
+        return Err(corrupt("manifest.json lists no files".into()));
     }
-    let tensors = safetensors::decode(&bytes).map_err(|e| corrupt(format!("{file}: {e}")))?;
-    Ok((m, tensors))
+    let mut whole = BTreeMap::new();
+    let mut pieces: BTreeMap<String, Vec<(usize, Tensor, String)>> = BTreeMap::new();
+    for (file, sum) in &m.files {
+        let bytes = std::fs::read(dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        if *sum != checksum(&bytes) {
+            return Err(corrupt(format!("{file}: the checksum does not match the manifest")));
+        }
+        for (name, t) in safetensors::decode(&bytes).map_err(|e| corrupt(format!("{file}: {e}")))? {
+            match name.rsplit_once('@').and_then(|(base, start)| Some((base, start.parse::<usize>().ok()?))) {
+                Some((base, start)) => pieces.entry(base.to_string()).or_default().push((start, t, file.clone())),
+                None => {
+                    whole.insert(name, t);
+                }
+            }
+        }
+    }
+    for (name, mut parts) in pieces {
+        parts.sort_by_key(|p| p.0);
+        let mut flat: Vec<f32> = Vec::new();
+        for (start, t, file) in &parts {
+            if *start != flat.len() {
+                return Err(corrupt(format!(
+                    "'{name}': the piece in {file} starts at element {start}, but the pieces before it end at {}",
+                    flat.len()
+                )));
+            }
+            if t.dtype() != crate::tensor::DType::F32 {
+                return Err(corrupt(format!("'{name}@{start}' in {file} is {}, not f32", t.dtype())));
+            }
+            flat.extend_from_slice(t.as_slice::<f32>());
+        }
+        whole.insert(name, Tensor::from_vec(&[flat.len()], flat));
+    }
+    Ok((m, whole))
 }

@@ -88,9 +88,31 @@ impl<B: Backend> Executor<B> {
 
     /// Runs every step once. `seed` varies random ops (dropout) from run to run.
     pub fn run(&mut self, seed: u64) -> Result<()> {
+        self.run_where(seed, |_| true)
+    }
+
+    /// The nodes that compute `values`: the part of the graph a pipeline stage runs to produce
+    /// its activations for the next stage, ahead of its backward pass.
+    pub fn nodes_computing(&self, values: &[ValueId]) -> Vec<bool> {
+        let producers = self.graph.producers();
+        let mut needed = vec![false; self.graph.nodes.len()];
+        let mut stack: Vec<ValueId> = values.to_vec();
+        while let Some(v) = stack.pop() {
+            if let Some(n) = producers[v] {
+                if !needed[n] {
+                    needed[n] = true;
+                    stack.extend(self.graph.nodes[n].inputs.iter().flatten().copied());
+                }
+            }
+        }
+        needed
+    }
+
+    /// Runs the steps of the nodes `selected` picks, in plan order.
+    pub fn run_where(&mut self, seed: u64, selected: impl Fn(usize) -> bool) -> Result<()> {
         let profiling = self.profile.is_some();
         let mut times = Vec::new();
-        for &i in &self.plan.steps {
+        for &i in self.plan.steps.iter().filter(|&&i| selected(i)) {
             let node = &self.graph.nodes[i];
             let seeded;
             let op = match &node.op {

@@ -1,0 +1,729 @@
+//! A training session: a model bound to the batch shapes, differentiated, fused and planned
+//! on a backend, with the optimizer state beside it. `step` runs one weight update over the
+//! micro-batches of gradient accumulation; `evaluate` runs the forward graph with dropout off.
+//!
+//! Under parallelism a session is one rank's share of the training (DESIGN.md, "Parallelism"):
+//! - data parallel: gradients averaged over the replicas before the update (`join`);
+//! - ZeRO (`sharded`): gradients reduce-scattered, each replica updating its shard of the
+//!   weights with its shard of the optimizer state, the updated weights all-gathered;
+//! - pipeline (`stage`): the session trains one stage of the model, exchanging activations and
+//!   their gradients with its neighbours in the order of a schedule.
+
+mod sharded;
+mod stage;
+
+use crate::autodiff;
+use crate::backend::{Arg, Backend, StepHyper};
+use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
+use crate::config::{ParamGroup, PipelineSchedule, Recompute};
+use crate::error::{Error, Result};
+use crate::exec::Executor;
+use crate::graph::fuse;
+use crate::graph::infer::{bind, Bindings};
+use crate::graph::ir::{Graph, Meta, ValueId};
+use crate::models::Model;
+use crate::optim::Update;
+use crate::tensor::{DType, Tensor};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+/// The shape of each input of a batch, by name.
+type BatchShapes = BTreeMap<String, Vec<usize>>;
+
+/// Checkpointed optimizer tensors are named under this prefix; weights keep their own names.
+pub const OPTIMIZER_PREFIX: &str = "optimizer/";
+
+/// What the session needs to know beyond the model.
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    pub update: Update,
+    /// Fusion passes to leave out.
+    pub disabled_passes: Vec<String>,
+    /// Names of float initializers that do not train.
+    pub frozen: Vec<String>,
+    /// When not empty, only these initializers train.
+    pub trainable: Vec<String>,
+    /// Weights whose name contains one of these get no weight decay; empty: rank below 2.
+    pub no_decay: Vec<String>,
+    /// Per-weight hyperparameters: the first matching group's keys replace `update`'s.
+    pub groups: Vec<ParamGroup>,
+    /// Scalar values of the training graph, by name, that each step reports beside the loss.
+    pub scalars: Vec<String>,
+    /// Forward values computed again in the backward pass instead of kept.
+    pub recompute: Recompute,
+    /// Train one stage of a pipeline instead of the whole model.
+    pub pipeline: Option<PipelineOptions>,
+    /// ZeRO stage (parallelism.zero): 1 shards the optimizer state over the data-parallel
+    /// replicas, 2 the gradients too. Takes effect in `join`.
+    pub zero: u8,
+    /// Keep each step's averaged gradient where `weights_and_gradients` can read it (under
+    /// ZeRO that costs an all-gather per step).
+    pub report_gradients: bool,
+}
+
+/// Which pipeline stage a session trains, and how.
+#[derive(Clone, Debug)]
+pub struct PipelineOptions {
+    pub stage: usize,
+    pub stages: usize,
+    /// parallelism.pipelineCuts; empty: balanced automatically.
+    pub cuts: Vec<Vec<String>>,
+    pub schedule: PipelineSchedule,
+}
+
+impl SessionOptions {
+    /// Every float32 initializer trains with `update`, decayed by the default rule.
+    pub fn new(update: Update) -> SessionOptions {
+        SessionOptions {
+            update,
+            disabled_passes: vec![],
+            frozen: vec![],
+            trainable: vec![],
+            no_decay: vec![],
+            groups: vec![],
+            scalars: vec![],
+            recompute: Recompute::None,
+            pipeline: None,
+            zero: 0,
+            report_gradients: false,
+        }
+    }
+}
+
+/// A trainable weight and its device-side companions.
+struct Param<B: Backend> {
+    value: ValueId,
+    grad: ValueId,
+    update: Update,
+    /// Multiplies the scheduled learning rate (optimizer.groups[].lrScale).
+    lr_scale: f64,
+    /// Optimizer state (momentum, or Adam's moments).
+    state: Vec<B::Buffer>,
+    /// The sum of micro-batch gradients, when accumulating.
+    accum: Option<B::Buffer>,
+    /// This stage is the first that holds the weight: it counts it in the gradient norm and
+    /// writes it to checkpoints.
+    owner: bool,
+}
+
+pub struct StepResult {
+    /// Mean loss over the micro-batches, before the update.
+    pub loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The values SessionOptions::scalars names, each a mean over the micro-batches.
+    pub scalars: Vec<(String, f64)>,
+}
+
+pub struct Session<B: Backend> {
+    pub train: Executor<B>,
+    /// The evaluation executor, planned on first use for the shapes of the evaluation batches
+    /// (which need not be the training batches').
+    eval: Option<(BatchShapes, Executor<B>)>,
+    /// The model's forward graph and loss, unbound, with what evaluation binds it with.
+    forward: Graph,
+    variables: HashSet<ValueId>,
+    disabled_passes: Vec<String>,
+    params: Vec<Param<B>>,
+    loss: ValueId,
+    eval_loss: ValueId,
+    inputs: BTreeMap<String, ValueId>,
+    /// The scalar values a step reports (SessionOptions::scalars).
+    scalars: Vec<(String, ValueId)>,
+    /// Model FLOPs of one micro-batch's forward and backward pass (graph::flops).
+    pub flops_per_batch: f64,
+    /// The data-parallel group whose gradients, losses and evaluation losses are averaged
+    /// with this rank's (None: this rank trains alone).
+    data_parallel: Option<HostGroup>,
+    /// The pipeline group: the ranks training the other stages of this replica.
+    pipeline: Option<HostGroup>,
+    /// This rank's stage, when the model is cut into stages.
+    stage: Option<stage::StagePart>,
+    zero_stage: u8,
+    /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
+    zero: Option<sharded::Shard<B>>,
+    /// Trained weights of the whole model by name (of every stage), for validation and export.
+    all_weights: Vec<(String, Meta)>,
+    report_gradients: bool,
+    /// Weight updates done.
+    pub step: u64,
+}
+
+/// The input shapes of a batch, as bindings for a graph.
+fn bindings_for(g: &Graph, batch: &BTreeMap<String, Tensor>, variables: &HashSet<ValueId>) -> Result<Bindings> {
+    let mut b = Bindings { variables: variables.clone(), ..Default::default() };
+    for d in &g.inputs {
+        let name = g.name_of(d.value);
+        let t = batch.get(name).ok_or_else(|| {
+            let have: Vec<&String> = batch.keys().collect();
+            Error::Config(format!("graph input '{name}' is not provided by the data (the data provides {have:?})"))
+        })?;
+        if t.dtype() != d.dtype {
+            return Err(Error::Config(format!("graph input '{name}' is {} but the data gives {}", d.dtype, t.dtype())));
+        }
+        if d.dims.len() == t.shape().len() {
+            for (dim, &n) in d.dims.iter().zip(t.shape()) {
+                match dim {
+                    crate::graph::ir::Dim::Named(s) => {
+                        b.dims.insert(s.clone(), n);
+                    }
+                    crate::graph::ir::Dim::Fixed(f) if *f != n => {
+                        return Err(Error::Config(format!(
+                            "graph input '{name}' has shape {:?}; the data gives {:?}",
+                            d.dims,
+                            t.shape()
+                        )))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        b.shapes.insert(d.value, t.shape().to_vec());
+    }
+    Ok(b)
+}
+
+impl<B: Backend> Session<B> {
+    /// Builds the training graph for batches shaped like `sample` and plans it on `backend`:
+    /// the whole model's, or the stage's that `opts.pipeline` names.
+    pub fn new(
+        backend: Arc<B>,
+        model: &Model,
+        sample: &BTreeMap<String, Tensor>,
+        accumulation: usize,
+        opts: &SessionOptions,
+    ) -> Result<Session<B>> {
+        let g = &model.graph;
+        for (key, names) in [("frozenWeights", &opts.frozen), ("weightsToTrain", &opts.trainable)] {
+            for f in names {
+                if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
+                    return Err(Error::Config(format!("{key}: '{f}' is not a weight (initializer) of the model")));
+                }
+            }
+        }
+        // float32 initializers train; other float types (a float64 constant, say) stay as they are.
+        let params: Vec<ValueId> = g
+            .float_initializers()
+            .into_iter()
+            .filter(|&v| {
+                let name = g.name_of(v);
+                g.initializers[&v].dtype() == DType::F32
+                    && !opts.frozen.iter().any(|f| f == name)
+                    && (opts.trainable.is_empty() || opts.trainable.iter().any(|f| f == name))
+            })
+            .collect();
+        if params.is_empty() {
+            return Err(Error::Config("the model has no trainable weights (float32 initializers)".into()));
+        }
+        for (i, group) in opts.groups.iter().enumerate() {
+            if let Some(p) = group
+                .weights
+                .iter()
+                .find(|p| !params.iter().any(|&v| p.as_str() == "*" || g.name_of(v).contains(p.as_str())))
+            {
+                return Err(Error::Config(format!(
+                    "optimizer.groups[{i}].weights: '{p}' matches no trainable weight of the model"
+                )));
+            }
+        }
+        let variables: HashSet<ValueId> = params.iter().copied().collect();
+        let bindings = bindings_for(g, sample, &variables)?;
+
+        // The forward graph in training mode, each dropout with its own seed (so that a
+        // recomputed clone, or a pipeline stage's second forward pass, draws the same mask).
+        let mut bound = bind(g, &bindings, true)?;
+        autodiff::recompute::pin_dropout_seeds(&mut bound);
+        for name in &opts.scalars {
+            bound.find(name).filter(|&v| bound.meta(v).is_some_and(|m| m.numel() == 1)).ok_or_else(|| {
+                Error::Config(format!("logging.scalars: '{name}' is not a scalar value of the training graph"))
+            })?;
+        }
+        let all_weights: Vec<(String, Meta)> =
+            params.iter().map(|&v| (g.name_of(v).to_string(), bound.meta(v).cloned().expect("bound"))).collect();
+        // This rank's part: the whole graph, or a stage with its boundary.
+        let (mut train, loss, mut part, stage_weights) = match &opts.pipeline {
+            None => (bound, model.loss, None, vec![params.clone()]),
+            Some(p) => stage::cut(bound, model.loss, p, &params)?,
+        };
+        let held: Vec<ValueId> = params.iter().copied().filter(|v| train.initializers.contains_key(v)).collect();
+        if held.is_empty() {
+            return Err(Error::Config(format!(
+                "pipeline stage {} holds no trainable weight; move parallelism.pipelineCuts",
+                opts.pipeline.as_ref().map_or(0, |p| p.stage)
+            )));
+        }
+        let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
+
+        // Backward: gradients of the weights, and of the activations the stage received.
+        let n_forward = train.nodes.len();
+        let wrt: Vec<ValueId> = held.iter().chain(&receives).copied().collect();
+        let mut all_grads = autodiff::gradients_of(&mut train, loss, &wrt)?;
+        let input_grads = all_grads.split_off(held.len());
+        let grads: Vec<ValueId> = held
+            .iter()
+            .zip(all_grads)
+            .map(|(&p, dp)| {
+                dp.ok_or_else(|| {
+                    Error::Config(format!("weight '{}' does not affect the loss; freeze it or remove it", g.name_of(p)))
+                })
+            })
+            .collect::<Result<_>>()?;
+        autodiff::recompute::apply(&mut train, n_forward, opts.recompute)?;
+        // A pipeline stage reports the scalars it computes; the others come from other stages.
+        let computed = train.producers();
+        let scalars: Vec<(String, ValueId)> = opts
+            .scalars
+            .iter()
+            .filter_map(|name| Some((name.clone(), train.find(name).filter(|&v| computed[v].is_some())?)))
+            .collect();
+        // Gradients are outputs too: the optimizer reads them after each run; so are the
+        // reported scalars and the activations a stage sends, which keeps fusion from folding
+        // them away.
+        let sends: Vec<ValueId> = part.as_ref().map_or(vec![], |p| p.sends.clone());
+        train.outputs = std::iter::once(loss)
+            .chain(grads.iter().copied())
+            .chain(input_grads.iter().flatten().copied())
+            .chain(scalars.iter().map(|&(_, v)| v))
+            .chain(sends.iter().copied())
+            .collect();
+        fuse::run(&mut train, &opts.disabled_passes);
+        let train = Executor::new(backend.clone(), train, &[])?;
+        if let Some(p) = part.as_mut() {
+            p.plan(&train, input_grads);
+        }
+
+        // Model FLOPs count on the whole forward graph as the model states it, before fusion.
+        let mut forward = g.clone();
+        forward.outputs = vec![model.loss];
+        let flops_per_batch = crate::graph::flops::training(&bind(&forward, &bindings, false)?);
+
+        let mut ps = Vec::new();
+        for (&value, &grad) in held.iter().zip(&grads) {
+            let meta = train.graph.meta(value).cloned().expect("bound");
+            // Weight decay applies to matrices (and convolution kernels), not to biases and
+            // normalization weights (the PyTorch/Megatron convention), unless name patterns say.
+            let name = train.graph.name_of(value);
+            let decays = if opts.no_decay.is_empty() {
+                meta.shape.len() >= 2
+            } else {
+                !opts.no_decay.iter().any(|pat| name.contains(pat.as_str()))
+            };
+            let base = if decays { opts.update } else { opts.update.without_decay() };
+            let group = opts.groups.iter().find(|gr| gr.matches(name));
+            let update = group.map_or(base, |gr| base.with_group(gr));
+            let lr_scale = group.and_then(|gr| gr.lr_scale).unwrap_or(1.0);
+            let alloc = || backend.alloc(meta.bytes()).map_err(Error::Runtime);
+            // Under ZeRO the optimizer state is a shard, allocated when the replicas are known.
+            let state_count = if opts.zero > 0 { 0 } else { update.state_count() };
+            let state = (0..state_count).map(|_| alloc()).collect::<Result<Vec<_>>>()?;
+            let accum = if accumulation > 1 && opts.zero < 2 { Some(alloc()?) } else { None };
+            let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
+            let owner = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
+            ps.push(Param { value, grad, update, lr_scale, state, accum, owner });
+        }
+        // Batch inputs only: a stage's received activations and their gradients are fed apart.
+        let inputs = train
+            .graph
+            .inputs
+            .iter()
+            .filter(|d| g.inputs.iter().any(|m| m.value == d.value))
+            .map(|d| (train.graph.name_of(d.value).to_string(), d.value))
+            .collect();
+        Ok(Session {
+            train,
+            eval: None,
+            forward,
+            variables,
+            disabled_passes: opts.disabled_passes.clone(),
+            params: ps,
+            loss,
+            eval_loss: model.loss,
+            inputs,
+            scalars,
+            flops_per_batch,
+            data_parallel: None,
+            pipeline: None,
+            stage: part,
+            zero_stage: opts.zero,
+            zero: None,
+            all_weights,
+            report_gradients: opts.report_gradients,
+            step: 0,
+        })
+    }
+
+    /// Trains as one rank of `data` × `pipeline` (groups of one when alone): the weights start
+    /// from data-parallel rank 0's (call before loading a checkpoint), every update averages
+    /// the replicas' gradients, and under ZeRO this rank keeps its shard of the state.
+    pub fn join(&mut self, data: HostGroup, pipeline: HostGroup) -> Result<()> {
+        let stages = self.stage.as_ref().map_or(1, |p| p.count);
+        if pipeline.size() != stages {
+            return Err(Error::Runtime(format!(
+                "the session trains one of {stages} pipeline stage(s), but {} has {} rank(s)",
+                crate::comm::describe(&pipeline),
+                pipeline.size()
+            )));
+        }
+        if data.size() > 1 {
+            for p in &self.params {
+                let arg = self.train.arg(p.value);
+                self.train
+                    .backend
+                    .with_host_f32(arg, &mut |w| data.broadcast(w, 0).map_err(|e| e.to_string()))
+                    .map_err(Error::Runtime)?;
+            }
+        }
+        if self.zero_stage > 0 {
+            self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
+        }
+        self.data_parallel = (data.size() > 1).then_some(data);
+        self.pipeline = (stages > 1).then_some(pipeline);
+        Ok(())
+    }
+
+    /// Averages `values` over the data-parallel replicas (a no-op alone).
+    fn average_over_replicas(&self, values: &mut [f64]) -> Result<()> {
+        match &self.data_parallel {
+            Some(group) => group.all_reduce(values, ReduceOp::Average),
+            None => Ok(()),
+        }
+    }
+
+    /// Sums `values` over the pipeline's stages (a no-op without stages): each stage gives
+    /// what it computed (the last stage the loss) and zeros for the rest.
+    fn sum_over_stages(&self, values: &mut [f64]) -> Result<()> {
+        match &self.pipeline {
+            Some(group) => group.all_reduce(values, ReduceOp::Sum),
+            None => Ok(()),
+        }
+    }
+
+    fn feed(ex: &Executor<B>, inputs: &BTreeMap<String, ValueId>, batch: &BTreeMap<String, Tensor>) -> Result<()> {
+        for (name, &v) in inputs {
+            let t = batch.get(name).ok_or_else(|| Error::Config(format!("the data provides no '{name}'")))?;
+            ex.feed(v, t)?;
+        }
+        Ok(())
+    }
+
+    fn scalar(t: &Tensor) -> f64 {
+        t.to_f64_vec().first().copied().unwrap_or(f64::NAN)
+    }
+
+    /// After micro-batch `k` of `n`'s backward pass: adds its loss (where the graph computes
+    /// the model's: `has_loss`) and scalars to the sums, and its gradients to the accumulated
+    /// ones.
+    fn collect_micro_batch(&mut self, k: usize, n: usize, has_loss: bool, sums: &mut [f64]) -> Result<()> {
+        if has_loss {
+            sums[0] += Self::scalar(&self.train.fetch(self.loss)?);
+        }
+        for (i, &(_, v)) in self.scalars.iter().enumerate() {
+            sums[1 + i] += Self::scalar(&self.train.fetch(v)?);
+        }
+        if self.zero_stage == 2 {
+            // ZeRO-2 keeps no whole accumulated gradient: each micro-batch's is reduce-scattered
+            // at once and only this rank's shard accumulates (as DeepSpeed's stage 2 does).
+            return self.accumulate_gradient_shard(k, n);
+        }
+        if n > 1 {
+            // Σ over micro-batches of grad/n: the gradient of the mean loss.
+            for p in &self.params {
+                let g = self.train.arg(p.grad);
+                let acc = Arg { buf: p.accum.as_ref().expect("allocated when accumulating"), offset: 0, meta: g.meta };
+                let keep = if k == 0 { 0.0 } else { 1.0 };
+                self.train.backend.accumulate(acc, keep, g, 1.0 / n as f32).map_err(Error::Runtime)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// One weight update over `batches` (one per micro-batch). `lr` is this update's learning
+    /// rate, `clip` the global grad-norm threshold (0 = off), `seed` varies dropout.
+    pub fn step(&mut self, batches: &[BTreeMap<String, Tensor>], lr: f64, clip: f64, seed: u64) -> Result<StepResult> {
+        if self.zero_stage > 0 && self.zero.is_none() {
+            return Err(Error::Runtime("parallelism.zero: the session must join its data-parallel group first".into()));
+        }
+        let n = batches.len();
+        // The loss, then each reported scalar, summed over the micro-batches.
+        let mut sums = vec![0.0; 1 + self.scalars.len()];
+        if self.stage.is_some() {
+            self.run_pipeline(batches, seed, &mut sums)?;
+        } else {
+            for (k, batch) in batches.iter().enumerate() {
+                Self::feed(&self.train, &self.inputs, batch)?;
+                self.train.run(crate::rng::mix(seed ^ k as u64))?;
+                self.collect_micro_batch(k, n, true, &mut sums)?;
+            }
+        }
+        // A weight held by several stages (a tied embedding) gets the sum of their gradients.
+        self.sum_shared_gradients()?;
+        // Data parallelism: every replica's gradient becomes the replicas' mean, the gradient
+        // of the loss over the global batch, so that the updates below agree everywhere.
+        match self.zero_stage {
+            0 => {
+                if let Some(group) = &self.data_parallel {
+                    for p in &self.params {
+                        let grad = self.grad_of(p);
+                        self.train
+                            .backend
+                            .with_host_f32(grad, &mut |g| {
+                                group.all_reduce(g, ReduceOp::Average).map_err(|e| e.to_string())
+                            })
+                            .map_err(Error::Runtime)?;
+                    }
+                }
+            }
+            1 => self.reduce_scatter_gradients()?,
+            _ => {} // ZeRO-2 reduced each micro-batch already
+        }
+        // Per-stage values: the scalars this stage computed, the loss on the last stage.
+        let mut means: Vec<f64> = sums.iter().map(|s| s / n as f64).collect();
+        let names: Vec<String> = self.scalars.iter().map(|(name, _)| name.clone()).collect();
+        self.sum_over_stages(&mut means)?;
+        self.average_over_replicas(&mut means)?;
+        let scalars = names.into_iter().zip(means[1..].iter().copied()).collect();
+
+        // The global gradient norm: every weight once, over all stages and shards.
+        let mut sq = [self.local_sum_squares()?];
+        self.sum_over_stages(&mut sq)?;
+        let grad_norm = sq[0].sqrt();
+        // torch.nn.utils.clip_grad_norm_: scale by max/(norm+1e-6) when that is below 1.
+        let grad_scale = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+        self.step += 1;
+        if self.zero.is_some() {
+            self.update_shard(lr, grad_scale)?;
+        } else {
+            for p in &self.params {
+                let hyper = StepHyper { lr: (lr * p.lr_scale) as f32, step: self.step, grad_scale: grad_scale as f32 };
+                let meta: &Meta = self.train.graph.meta(p.value).expect("bound");
+                let state: Vec<Arg<B::Buffer>> = p.state.iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
+                self.train
+                    .backend
+                    .optimizer_step(&p.update, hyper, self.train.arg(p.value), self.grad_of(p), &state)
+                    .map_err(Error::Runtime)?;
+            }
+        }
+        Ok(StepResult { loss: means[0], grad_norm, scalars })
+    }
+
+    /// Σ g² over the gradients this rank counts: its weights (a shared one on its first stage
+    /// only), or under ZeRO its shard, summed over the data-parallel replicas.
+    fn local_sum_squares(&self) -> Result<f64> {
+        if let Some(z) = &self.zero {
+            let mut sq = [z.sum_squares(&self.params)];
+            if let Some(group) = &self.data_parallel {
+                group.all_reduce(&mut sq[..], ReduceOp::Sum)?;
+            }
+            return Ok(sq[0]);
+        }
+        let mut sq = 0.0;
+        for p in self.params.iter().filter(|p| p.owner) {
+            sq += self.train.backend.sum_squares(self.grad_of(p)).map_err(Error::Runtime)?;
+        }
+        Ok(sq)
+    }
+
+    /// Sums the gradients of weights several stages hold over the pipeline group. Every stage
+    /// takes part for every shared weight, in one order, a stage without it giving zeros.
+    fn sum_shared_gradients(&self) -> Result<()> {
+        let (Some(group), Some(part)) = (&self.pipeline, &self.stage) else { return Ok(()) };
+        for (name, meta) in &part.shared {
+            match self.params.iter().find(|p| self.train.graph.name_of(p.value) == name) {
+                Some(p) => {
+                    let grad = self.grad_of(p);
+                    self.train
+                        .backend
+                        .with_host_f32(grad, &mut |g| group.all_reduce(g, ReduceOp::Sum).map_err(|e| e.to_string()))
+                        .map_err(Error::Runtime)?;
+                }
+                None => group.all_reduce(&mut vec![0f32; meta.numel()][..], ReduceOp::Sum)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a parameter's gradient for the update is: the accumulator, or the graph's output.
+    fn grad_of<'a>(&'a self, p: &'a Param<B>) -> Arg<'a, B::Buffer> {
+        let g = self.train.arg(p.grad);
+        match &p.accum {
+            Some(buf) => Arg { buf, offset: 0, meta: g.meta },
+            None => g,
+        }
+    }
+
+    /// Mean loss of the forward graph (dropout off) over `batches`, with the current weights
+    /// (over the data-parallel replicas' batches too).
+    pub fn evaluate(&mut self, batches: &[BTreeMap<String, Tensor>]) -> Result<f64> {
+        let Some(first) = batches.first() else { return Ok(f64::NAN) };
+        let shapes: BatchShapes = first.iter().map(|(k, t)| (k.clone(), t.shape().to_vec())).collect();
+        if self.eval.as_ref().is_none_or(|(planned, _)| *planned != shapes) {
+            // Forward + loss in inference mode (dropout off), fused like the training graph; a
+            // pipeline stage's part of it, cut where the training graph was.
+            let mut g = bind(&self.forward, &bindings_for(&self.forward, first, &self.variables)?, false)?;
+            if let Some(part) = &self.stage {
+                g = part.eval_graph(g, self.eval_loss)?;
+            }
+            fuse::run(&mut g, &self.disabled_passes);
+            self.eval = Some((shapes, Executor::new(self.train.backend.clone(), g, &[])?));
+        }
+        let eval = &mut self.eval.as_mut().expect("planned above").1;
+        for p in &self.params {
+            let w = self.train.fetch(p.value)?;
+            eval.feed(p.value, &w)?;
+        }
+        let mut total = [0.0];
+        for b in batches {
+            Self::feed(eval, &self.inputs, b)?;
+            match (&self.stage, &self.pipeline) {
+                (Some(part), Some(group)) => {
+                    part.recv_activations(eval, group)?;
+                    eval.run(0)?;
+                    part.send_activations(eval, group)?;
+                    if part.is_last() {
+                        total[0] += Self::scalar(&eval.fetch(self.eval_loss)?);
+                    }
+                }
+                _ => {
+                    eval.run(0)?;
+                    total[0] += Self::scalar(&eval.fetch(self.eval_loss)?);
+                }
+            }
+        }
+        self.sum_over_stages(&mut total)?;
+        let mut mean = [total[0] / batches.len() as f64];
+        self.average_over_replicas(&mut mean)?;
+        Ok(mean[0])
+    }
+
+    /// This rank's trained weights whose names `select` picks, with the gradient of the last
+    /// step (averaged over micro-batches and replicas, before clipping). A pipeline stage has
+    /// its own weights only; ZeRO keeps whole gradients only with `report_gradients`.
+    pub fn weights_and_gradients(&self, select: impl Fn(&str) -> bool) -> Result<Vec<(String, Tensor, Tensor)>> {
+        let mut out = Vec::new();
+        for (i, p) in self.params.iter().enumerate() {
+            let name = self.train.graph.name_of(p.value);
+            if select(name) {
+                let grad = match &self.zero {
+                    Some(z) => z.reported_gradient(i, self.train.graph.meta(p.value).expect("bound"))?,
+                    None => self.train.backend.download(self.grad_of(p)).map_err(Error::Runtime)?,
+                };
+                out.push((name.to_string(), self.train.fetch(p.value)?, grad));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Names of the trained weights of the whole model (of every pipeline stage).
+    pub fn weight_names(&self) -> Vec<String> {
+        self.all_weights.iter().map(|(name, _)| name.clone()).collect()
+    }
+
+    /// This rank's trainable weights by name (its stage's, under pipeline parallelism).
+    pub fn weights(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.params
+            .iter()
+            .map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?)))
+            .collect()
+    }
+
+    /// Every trained weight of the model, on the rank that holds the first pipeline stage of
+    /// data-parallel replica 0 (None elsewhere): the other stages send theirs to it. Every rank
+    /// calls it, at the same point.
+    pub fn gather_weights(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
+        let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
+        match (&self.stage, &self.pipeline) {
+            (Some(part), Some(group)) if replica0 => part.gather_weights(self, group),
+            _ if replica0 => self.weights().map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// What this rank writes into a checkpoint, by name (`checkpoint` assembles the ranks'
+    /// files into one state):
+    /// - the weights its stage is first to hold, by data-parallel replica 0;
+    /// - their optimizer state as `optimizer/<name>/<k>`; under ZeRO every replica writes its
+    ///   shard's pieces, as `optimizer/<name>/<k>@<first element>`;
+    /// - `optimizer/step`.
+    pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut out = BTreeMap::new();
+        let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
+        for p in self.params.iter().filter(|p| p.owner && replica0) {
+            let name = self.train.graph.name_of(p.value);
+            out.insert(name.to_string(), self.train.fetch(p.value)?);
+            let meta = self.train.graph.meta(p.value).expect("bound");
+            for (k, buf) in p.state.iter().enumerate() {
+                let t = self.train.backend.download(Arg { buf, offset: 0, meta }).map_err(Error::Runtime)?;
+                out.insert(format!("{OPTIMIZER_PREFIX}{name}/{k}"), t);
+            }
+        }
+        if let Some(z) = &self.zero {
+            for (key, t) in z.state_pieces(self)? {
+                out.insert(key, t);
+            }
+        }
+        out.insert(format!("{OPTIMIZER_PREFIX}step"), Tensor::from_vec(&[1], vec![self.step as i64]));
+        Ok(out)
+    }
+
+    /// Restores this rank's part of a state the ranks' `state` saved (assembled: every weight
+    /// and optimizer tensor whole); `origin` names the checkpoint in errors. The layout may
+    /// differ from the one that saved it: any data-parallel size, ZeRO or not.
+    pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>, origin: &str) -> Result<()> {
+        let missing = |what: &str| Error::Corrupt(format!("{origin}: '{what}' is missing"));
+        for p in &self.params {
+            let name = self.train.graph.name_of(p.value).to_string();
+            let meta = self.train.graph.meta(p.value).expect("bound").clone();
+            let w = state.get(&name).ok_or_else(|| missing(&name))?;
+            if w.dtype() != meta.dtype || w.shape() != meta.shape {
+                return Err(Error::Corrupt(format!(
+                    "{origin}: weight '{name}' is {}{:?}; the model's is {}{:?}",
+                    w.dtype(),
+                    w.shape(),
+                    meta.dtype,
+                    meta.shape
+                )));
+            }
+            self.train.feed(p.value, w)?;
+            for (k, buf) in p.state.iter().enumerate() {
+                let t = optimizer_state(state, &name, k, &meta, origin)?;
+                self.train.backend.upload(&t, Arg { buf, offset: 0, meta: &meta }).map_err(Error::Runtime)?;
+            }
+        }
+        if let Some(mut z) = self.zero.take() {
+            let loaded = z.load(self, state, origin);
+            self.zero = Some(z);
+            loaded?;
+        }
+        let step =
+            state.get(&format!("{OPTIMIZER_PREFIX}step")).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied());
+        self.step = step.ok_or_else(|| missing("optimizer/step"))? as u64;
+        Ok(())
+    }
+
+    /// Planned bytes: the training arena, and persistent weights/inputs.
+    pub fn memory(&self) -> (usize, usize) {
+        (self.train.plan.arena_bytes, self.train.plan.persistent_bytes)
+    }
+}
+
+/// Optimizer state `k` of weight `name` from an assembled checkpoint state, shaped like the
+/// weight (a state that ZeRO saved in pieces comes back flat).
+fn optimizer_state(
+    state: &BTreeMap<String, Tensor>,
+    name: &str,
+    k: usize,
+    meta: &Meta,
+    origin: &str,
+) -> Result<Tensor> {
+    let key = format!("{OPTIMIZER_PREFIX}{name}/{k}");
+    let t = state.get(&key).ok_or_else(|| Error::Corrupt(format!("{origin}: '{key}' is missing")))?;
+    if t.numel() != meta.numel() || t.dtype() != DType::F32 {
+        return Err(Error::Corrupt(format!(
+            "{origin}: '{key}' is {}{:?}, not f32 of {:?}",
+            t.dtype(),
+            t.shape(),
+            meta.shape
+        )));
+    }
+    Ok(Tensor::from_vec(&meta.shape, t.as_slice::<f32>().to_vec()))
+}

@@ -1,0 +1,321 @@
+//! A session that trains one pipeline stage (`parallel::pipeline` cuts the graph,
+//! `parallel::schedule` orders the work).
+//!
+//! A stage's training graph is its forward part plus the backward pass of a stand-in loss: on
+//! the last stage the model's loss; elsewhere Σ_v sum(v ⊙ dv) over the activations v it sends,
+//! with dv the gradient the next stage returns for v (a graph input), whose gradient with
+//! respect to v is exactly dv. Its outputs include the gradients of the activations it
+//! received, which go back to the previous stage.
+//!
+//! A micro-batch's forward pass runs only the nodes that compute the activations to send, and
+//! its backward pass runs the whole training graph, computing the forward part again: a stage
+//! keeps only its received activations between the two (GPipe's re-materialization at stage
+//! boundaries), at the cost of one more forward pass on every stage but the last.
+
+use super::Session;
+use crate::autodiff::Builder;
+use crate::backend::Backend;
+use crate::comm::{Collective, HostGroup};
+use crate::config::PipelineSchedule;
+use crate::error::{Error, Result};
+use crate::exec::Executor;
+use crate::graph::ir::{Dim, Graph, InputDecl, Meta, ValueId};
+use crate::graph::op::{Binary, Op, Reduce};
+use crate::parallel::pipeline;
+use crate::parallel::schedule::{self, Action};
+use crate::tensor::{DType, Tensor};
+use std::collections::BTreeMap;
+
+/// This rank's stage and its boundary.
+pub(super) struct StagePart {
+    pub index: usize,
+    pub count: usize,
+    schedule: PipelineSchedule,
+    /// Where the stages meet, as value names (the evaluation graph is cut at the same places).
+    cuts: Vec<Vec<String>>,
+    /// Activations from the previous stage (graph inputs), in message order.
+    pub receives: Vec<ValueId>,
+    /// The gradient of each received activation (None: the stage's loss does not depend on it,
+    /// so zeros go back).
+    input_grads: Vec<Option<ValueId>>,
+    /// Activations for the next stage, in message order.
+    pub sends: Vec<ValueId>,
+    /// The gradients of `sends` that the next stage returns (graph inputs).
+    send_grads: Vec<ValueId>,
+    /// Nodes of the training graph a micro-batch's forward pass runs.
+    forward_nodes: Vec<bool>,
+    /// Trained weights held by more than one stage, by name: their gradients are summed.
+    pub shared: Vec<(String, Meta)>,
+    /// Every stage's trained weights that it is first to hold, by name (export gathers them).
+    owned: Vec<Vec<(String, Meta)>>,
+}
+
+/// What `cut` gives the session: the stage's forward graph, its loss, its boundary, and the
+/// trained weights each stage holds.
+pub(super) type Cut = (Graph, ValueId, Option<StagePart>, Vec<Vec<ValueId>>);
+
+/// The graph, loss and boundary of stage `opts.stage` of `bound` (the forward graph in
+/// training mode), and the trained weights (of `params`) each stage holds.
+pub(super) fn cut(bound: Graph, loss: ValueId, opts: &super::PipelineOptions, params: &[ValueId]) -> Result<Cut> {
+    let cuts =
+        if opts.cuts.is_empty() { pipeline::balanced_cuts(&bound, loss, opts.stages)? } else { opts.cuts.clone() };
+    let mut stages = pipeline::split(&bound, loss, &cuts)?;
+    if stages.len() != opts.stages {
+        return Err(Error::Config(format!(
+            "parallelism.pipelineCuts make {} stages, but parallelism.pipeline is {}",
+            stages.len(),
+            opts.stages
+        )));
+    }
+    let held: Vec<Vec<ValueId>> = stages
+        .iter()
+        .map(|s| params.iter().copied().filter(|v| s.graph.initializers.contains_key(v)).collect())
+        .collect();
+    let meta = |v: ValueId| bound.meta(v).cloned().expect("bound");
+    let named = |v: ValueId| (bound.name_of(v).to_string(), meta(v));
+    let first_holder = |v: ValueId| held.iter().position(|h| h.contains(&v));
+    let shared =
+        params.iter().copied().filter(|v| held.iter().filter(|h| h.contains(v)).count() > 1).map(named).collect();
+    let owned = (0..stages.len())
+        .map(|s| held[s].iter().copied().filter(|&v| first_holder(v) == Some(s)).map(named).collect())
+        .collect();
+    let stage = stages.swap_remove(opts.stage);
+    let mut g = stage.graph;
+    let mut send_grads = Vec::new();
+    let stage_loss = if let Some(last) = stage.loss {
+        last
+    } else {
+        // The stand-in loss Σ_v sum(v ⊙ dv).
+        let mut b = Builder { g: &mut g };
+        let mut total: Option<ValueId> = None;
+        for &v in &stage.sends {
+            let m = b.meta(v);
+            let dv = b.g.fresh(&format!("{}:grad_from_next_stage", b.g.name_of(v)));
+            b.g.values[dv].meta = Some(m.clone());
+            let dims = m.shape.iter().map(|&d| Dim::Fixed(d)).collect();
+            b.g.inputs.push(InputDecl { value: dv, dtype: DType::F32, dims });
+            let name = b.g.name_of(dv).to_string();
+            let dot = b.emit1(&format!("{name}.mul"), Op::Binary(Binary::Mul), &[v, dv])?;
+            let axes = Some((0..m.shape.len() as i64).collect());
+            let reduce = Op::ReduceOp { kind: Reduce::Sum, axes, keepdims: false, noop_with_empty_axes: false };
+            let sum = b.emit1(&format!("{name}.sum"), reduce, &[dot])?;
+            total = Some(match total {
+                None => sum,
+                Some(t) => b.emit1(&format!("{name}.total"), Op::Binary(Binary::Add), &[t, sum])?,
+            });
+            send_grads.push(dv);
+        }
+        total.ok_or_else(|| {
+            Error::Config(format!("pipeline stage {} sends nothing to the next stage; move the cuts", opts.stage))
+        })?
+    };
+    let part = StagePart {
+        index: opts.stage,
+        count: opts.stages,
+        schedule: opts.schedule,
+        cuts,
+        receives: stage.receives,
+        input_grads: vec![],
+        sends: stage.sends,
+        send_grads,
+        forward_nodes: vec![],
+        shared,
+        owned,
+    };
+    Ok((g, stage_loss, Some(part), held))
+}
+
+/// The values' data, end to end: one message.
+fn pack(ex: &Executor<impl Backend>, values: &[Option<ValueId>], like: &[ValueId]) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for (v, &shape_of) in values.iter().zip(like) {
+        match v {
+            Some(v) => out.extend_from_slice(ex.fetch(*v)?.as_slice::<f32>()),
+            None => out.resize(out.len() + ex.graph.meta(shape_of).expect("bound").numel(), 0.0),
+        }
+    }
+    Ok(out)
+}
+
+/// Feeds a message into the graph inputs `values`.
+fn unpack(ex: &Executor<impl Backend>, values: &[ValueId], flat: &[f32]) -> Result<()> {
+    let mut at = 0;
+    for &v in values {
+        let meta = ex.graph.meta(v).expect("bound");
+        let n = meta.numel();
+        ex.feed(v, &Tensor::from_vec(&meta.shape, flat[at..at + n].to_vec()))?;
+        at += n;
+    }
+    Ok(())
+}
+
+fn message_len(g: &Graph, values: &[ValueId]) -> usize {
+    values.iter().map(|&v| g.meta(v).expect("bound").numel()).sum()
+}
+
+impl StagePart {
+    pub fn is_last(&self) -> bool {
+        self.index + 1 == self.count
+    }
+
+    /// Records what the planned training graph computes: the gradients of the received
+    /// activations, and the nodes a forward pass runs.
+    pub fn plan(&mut self, train: &Executor<impl Backend>, input_grads: Vec<Option<ValueId>>) {
+        self.input_grads = input_grads;
+        self.forward_nodes = train.nodes_computing(&self.sends);
+    }
+
+    /// This stage's part of the evaluation graph (bound in inference mode), cut where the
+    /// training graph was.
+    pub fn eval_graph(&self, bound: Graph, loss: ValueId) -> Result<Graph> {
+        Ok(pipeline::split(&bound, loss, &self.cuts)?.swap_remove(self.index).graph)
+    }
+
+    /// Feeds the previous stage's activations into `ex` (nothing on the first stage).
+    pub fn recv_activations(&self, ex: &Executor<impl Backend>, group: &HostGroup) -> Result<()> {
+        if self.index > 0 {
+            let mut flat = vec![0f32; message_len(&ex.graph, &self.receives)];
+            group.recv(&mut flat[..], self.index - 1)?;
+            unpack(ex, &self.receives, &flat)?;
+        }
+        Ok(())
+    }
+
+    /// Sends the activations `ex` computed to the next stage (nothing on the last stage).
+    pub fn send_activations(&self, ex: &Executor<impl Backend>, group: &HostGroup) -> Result<()> {
+        if !self.is_last() {
+            let sends: Vec<Option<ValueId>> = self.sends.iter().map(|&v| Some(v)).collect();
+            group.send(&pack(ex, &sends, &self.sends)?[..], self.index + 1)?;
+        }
+        Ok(())
+    }
+
+    /// Collects every stage's weights on stage 0: each later stage sends the weights it is
+    /// first to hold, in name order.
+    pub fn gather_weights<B: Backend>(
+        &self,
+        session: &Session<B>,
+        group: &HostGroup,
+    ) -> Result<Option<BTreeMap<String, Tensor>>> {
+        if self.index > 0 {
+            for p in session.params.iter().filter(|p| p.owner) {
+                let w = session.train.fetch(p.value)?;
+                group.send(w.as_slice::<f32>(), 0)?;
+            }
+            return Ok(None);
+        }
+        let mut out = session.weights()?;
+        for (s, weights) in self.owned.iter().enumerate().skip(1) {
+            for (name, meta) in weights {
+                let mut buf = vec![0f32; meta.numel()];
+                group.recv(&mut buf[..], s)?;
+                out.insert(name.clone(), Tensor::from_vec(&meta.shape, buf));
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
+impl<B: Backend> Session<B> {
+    /// One step's forward and backward passes of every micro-batch on this stage, in the
+    /// schedule's order; adds the loss (last stage) and scalars to `sums`, and accumulates the
+    /// gradients as the whole model's session would.
+    pub(super) fn run_pipeline(
+        &mut self,
+        batches: &[BTreeMap<String, Tensor>],
+        seed: u64,
+        sums: &mut [f64],
+    ) -> Result<()> {
+        let part = self.stage.take().expect("a pipeline session has a stage");
+        let result = self.run_schedule(&part, batches, seed, sums);
+        self.stage = Some(part);
+        result
+    }
+
+    fn run_schedule(
+        &mut self,
+        part: &StagePart,
+        batches: &[BTreeMap<String, Tensor>],
+        seed: u64,
+        sums: &mut [f64],
+    ) -> Result<()> {
+        let Some(group) = self.pipeline.take() else {
+            return Err(Error::Runtime("a pipeline stage must join its pipeline group before training".into()));
+        };
+        let result = self.run_actions(part, &group, batches, seed, sums);
+        self.pipeline = Some(group);
+        result
+    }
+
+    fn run_actions(
+        &mut self,
+        part: &StagePart,
+        group: &HostGroup,
+        batches: &[BTreeMap<String, Tensor>],
+        seed: u64,
+        sums: &mut [f64],
+    ) -> Result<()> {
+        let n = batches.len();
+        let (prev, next) = (part.index.wrapping_sub(1), part.index + 1);
+        let in_len = message_len(&self.train.graph, &part.receives);
+        let out_len = message_len(&self.train.graph, &part.sends);
+        // Per micro-batch: received activations (kept until its backward pass), activations to
+        // send, gradients received for them, gradients to send back.
+        let mut acts: Vec<Vec<f32>> = vec![vec![]; n];
+        let mut outs: Vec<Vec<f32>> = vec![vec![]; n];
+        let mut grads_in: Vec<Vec<f32>> = vec![vec![]; n];
+        let mut grads_out: Vec<Vec<f32>> = vec![vec![]; n];
+        for action in schedule::actions(part.schedule, part.index, part.count, n) {
+            match action {
+                Action::RecvForward(mb) => {
+                    acts[mb] = vec![0.0; in_len];
+                    group.recv(&mut acts[mb][..], prev)?;
+                }
+                Action::Forward(mb) => {
+                    Self::feed(&self.train, &self.inputs, &batches[mb])?;
+                    unpack(&self.train, &part.receives, &acts[mb])?;
+                    let seed = crate::rng::mix(seed ^ mb as u64);
+                    if part.is_last() {
+                        // The loss is here: forward and backward in one run.
+                        self.train.run(seed)?;
+                        self.collect_micro_batch(mb, n, part.is_last(), sums)?;
+                        grads_out[mb] = pack(&self.train, &part.input_grads, &part.receives)?;
+                        acts[mb] = vec![];
+                    } else {
+                        let nodes = &part.forward_nodes;
+                        self.train.run_where(seed, |i| nodes[i])?;
+                        let sends: Vec<Option<ValueId>> = part.sends.iter().map(|&v| Some(v)).collect();
+                        outs[mb] = pack(&self.train, &sends, &part.sends)?;
+                    }
+                }
+                Action::SendForward(mb) => group.send(&std::mem::take(&mut outs[mb])[..], next)?,
+                Action::RecvBackward(mb) => {
+                    grads_in[mb] = vec![0.0; out_len];
+                    group.recv(&mut grads_in[mb][..], next)?;
+                }
+                Action::Backward(mb) => {
+                    if !part.is_last() {
+                        Self::feed(&self.train, &self.inputs, &batches[mb])?;
+                        unpack(&self.train, &part.receives, &std::mem::take(&mut acts[mb]))?;
+                        unpack(&self.train, &part.send_grads, &std::mem::take(&mut grads_in[mb]))?;
+                        self.train.run(crate::rng::mix(seed ^ mb as u64))?;
+                        self.collect_micro_batch(mb, n, part.is_last(), sums)?;
+                        if part.index > 0 {
+                            grads_out[mb] = pack(&self.train, &part.input_grads, &part.receives)?;
+                        }
+                    }
+                }
+                Action::SendBackward(mb) => group.send(&std::mem::take(&mut grads_out[mb])[..], prev)?,
+                Action::SendForwardRecvBackward { send, recv } => {
+                    grads_in[recv] = vec![0.0; out_len];
+                    group.send_recv(&std::mem::take(&mut outs[send])[..], next, &mut grads_in[recv][..], next)?;
+                }
+                Action::SendBackwardRecvForward { send, recv } => {
+                    acts[recv] = vec![0.0; in_len];
+                    group.send_recv(&std::mem::take(&mut grads_out[send])[..], prev, &mut acts[recv][..], prev)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
