@@ -468,7 +468,7 @@ pub enum DeviceKind {
     Cuda,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Parallelism {
     /// Data-parallel replicas.
@@ -491,6 +491,10 @@ pub struct Parallelism {
     /// cuts placed automatically, balancing the stages' FLOPs.
     #[serde(default)]
     pub pipeline_cuts: Vec<Vec<String>>,
+    /// MiB of gradients per data-parallel all-reduce (PyTorch DDP's `bucket_cap_mb`): buckets
+    /// start as soon as the backward pass has finished their gradients.
+    #[serde(default = "d_bucket_mb")]
+    pub bucket_mb: f64,
     /// Combine data-parallel gradients with Adasum instead of averaging them.
     #[serde(default)]
     pub adasum: bool,
@@ -501,6 +505,10 @@ pub struct Parallelism {
     /// (a dead or hung peer must not hang the job forever).
     #[serde(default = "d_collective_timeout")]
     pub timeout_seconds: u64,
+}
+
+fn d_bucket_mb() -> f64 {
+    25.0
 }
 
 fn d_collective_timeout() -> u64 {
@@ -516,6 +524,7 @@ impl Default for Parallelism {
             zero: 0,
             schedule: PipelineSchedule::default(),
             pipeline_cuts: vec![],
+            bucket_mb: d_bucket_mb(),
             adasum: false,
             nccl: true,
             timeout_seconds: d_collective_timeout(),
@@ -865,6 +874,9 @@ impl TrainingConfig {
         }
         if let Some(i) = p.pipeline_cuts.iter().position(|c| c.is_empty()) {
             return bad(&format!("parallelism.pipelineCuts[{i}]"), "names no value".into());
+        }
+        if !(p.bucket_mb > 0.0 && p.bucket_mb.is_finite()) {
+            return bad("parallelism.bucketMb", format!("must be a positive number of MiB, not {}", p.bucket_mb));
         }
         if p.timeout_seconds == 0 {
             return bad("parallelism.timeoutSeconds", "must be at least 1".into());

@@ -248,6 +248,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         }),
         zero: p.zero,
         report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
+        bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
@@ -330,6 +331,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
             let timings = session.train.profile.take().unwrap_or_default();
             trace.step(step + 1, t0, t0.elapsed());
             trace.ops(step + 1, &session.train.graph, &timings);
+            trace.comm(step + 1, session.comm_spans());
             if step + 1 == cfg.profiling.to_step {
                 let path = cfg.output.dir.join("profile.json");
                 trace.write(&path)?;

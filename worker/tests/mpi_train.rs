@@ -141,9 +141,40 @@ fn two_data_parallel_ranks_equal_one_process_with_twice_the_batch() {
     prepare_tokens(&dir);
     write_config(&dir, 2, "");
     check(&train_alone(&dir, &["batchSize=4", "output.dir=single"]), "the single-process run");
-    let o = mpirun_train(&dir, 2, &["batchSize=2", "parallelism.data=2", "output.dir=dp2"]);
+    // Small buckets, and step 2 profiled: the all-reduces start while the backward pass runs.
+    let o = mpirun_train(
+        &dir,
+        2,
+        &[
+            "batchSize=2",
+            "parallelism.data=2",
+            "parallelism.bucketMb=0.01",
+            "profiling.fromStep=2",
+            "profiling.toStep=2",
+            "output.dir=dp2",
+        ],
+    );
     check(&o, "mpirun -np 2");
     assert_same_run(&dir, "dp2", "single");
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("dp2/profile.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let spans = |cat: &str| -> Vec<(f64, f64)> {
+        events
+            .iter()
+            .filter(|e| e["cat"] == cat)
+            .map(|e| (e["ts"].as_f64().unwrap(), e["ts"].as_f64().unwrap() + e["dur"].as_f64().unwrap()))
+            .collect()
+    };
+    let (comm, ops) = (spans("comm"), spans("op"));
+    assert!(comm.len() >= 3, "several buckets: {comm:?}");
+    let backward_end = ops.iter().map(|s| s.1).fold(0.0, f64::max);
+    let first_start = comm.iter().map(|s| s.0).fold(f64::MAX, f64::min);
+    let ops_after = ops.iter().filter(|s| s.0 > first_start).count();
+    assert!(
+        first_start < backward_end && ops_after > 0,
+        "the first all-reduce ({first_start} µs) starts before the backward pass ends ({backward_end} µs)"
+    );
     let (m1, _) = checkpoint::load(&dir.join("single/checkpoints/checkpoint_6")).unwrap();
     let (m2, _) = checkpoint::load(&dir.join("dp2/checkpoints/checkpoint_6")).unwrap();
     assert_eq!((m1.world_size, m2.world_size), (1, 2));

@@ -19,7 +19,7 @@ pub mod world;
 
 pub use solo::SoloGroup;
 pub use topology::{Axis, Coords, Layout};
-pub use world::{CommOptions, HostGroup, ParallelGroups, World};
+pub use world::{CommOptions, DetachedHostGroup, HostGroup, ParallelGroups, World};
 
 use crate::error::{Error, Result};
 

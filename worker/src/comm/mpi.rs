@@ -19,7 +19,6 @@ use ::mpi::topology::{Color, SimpleCommunicator};
 use ::mpi::traits::*;
 use ::mpi::Threading;
 use std::cell::RefCell;
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,7 +40,7 @@ pub struct MpiRuntime {
 
 /// What MPI says about this process at start-up.
 pub struct MpiStart {
-    pub runtime: Rc<MpiRuntime>,
+    pub runtime: Arc<MpiRuntime>,
     pub rank: usize,
     pub size: usize,
     /// Rank and size among the ranks sharing this node's memory.
@@ -56,7 +55,9 @@ pub fn start(collective_timeout: Duration) -> Result<MpiStart> {
     let (universe, threading) = ::mpi::initialize_with_threading(Threading::Multiple).ok_or_else(|| {
         Error::Runtime("MPI was already initialised in this process: the world can be started only once".into())
     })?;
-    let runtime = Rc::new(MpiRuntime { _universe: universe, threading });
+    // An Arc, not an Rc: a group detached to a communication thread holds it too.
+    #[allow(clippy::arc_with_non_send_sync)]
+    let runtime = Arc::new(MpiRuntime { _universe: universe, threading });
     let world = SimpleCommunicator::world();
     let (rank, size) = (world.rank() as usize, world.size() as usize);
     // Ranks that share memory are the ranks on this node; their order follows the world's.
@@ -96,7 +97,7 @@ pub struct MpiGroup {
     /// The send side of an in-place all-reduce (rsmpi has no `MPI_IN_PLACE`): grown to the
     /// largest buffer once, then reused. Words of 8 bytes keep any float element aligned.
     scratch: RefCell<Vec<u64>>,
-    _runtime: Rc<MpiRuntime>,
+    runtime: Arc<MpiRuntime>,
 }
 
 impl MpiGroup {
@@ -140,10 +141,31 @@ impl MpiGroup {
             place: Arc::from(""),
             watchdog: start.watchdog.clone(),
             scratch: RefCell::new(Vec::new()),
-            _runtime: start.runtime.clone(),
+            runtime: start.runtime.clone(),
         };
         g.place = describe(&g).into();
         g
+    }
+
+    /// A duplicate of this group for another thread (collective over the group), when MPI
+    /// runs with `MPI_THREAD_MULTIPLE`; None at a lower threading level, where only one thread
+    /// may call MPI.
+    pub fn detach(&self) -> Option<DetachedGroup> {
+        if self.runtime.threading != Threading::Multiple {
+            return None;
+        }
+        let mut g = MpiGroup {
+            comm: self.comm.duplicate(),
+            name: self.name.clone(),
+            rank: self.rank,
+            members: self.members.clone(),
+            place: Arc::from(""),
+            watchdog: self.watchdog.clone(),
+            scratch: RefCell::new(Vec::new()),
+            runtime: self.runtime.clone(),
+        };
+        g.place = describe(&g).into();
+        Some(DetachedGroup(g))
     }
 
     fn enter(&self, op: &'static str) -> Option<InCollective<'_>> {
@@ -180,6 +202,23 @@ impl MpiGroup {
 
     fn peer(&self, rank: usize) -> ::mpi::topology::Process<'_> {
         self.comm.process_at_rank(rank as i32)
+    }
+}
+
+/// A group on its own duplicate communicator, on its way to the one thread that will use it
+/// (the data-parallel gradient all-reduce overlapping the backward pass).
+pub struct DetachedGroup(MpiGroup);
+
+// SAFETY: MPI runs with MPI_THREAD_MULTIPLE (`detach` checks), so any thread may call it; the
+// communicator is a fresh duplicate that only the receiving thread uses; the scratch buffer
+// moves with the group; the runtime is shared through an Arc, and MPI is finalised only when
+// its last holder is gone.
+unsafe impl Send for DetachedGroup {}
+
+impl DetachedGroup {
+    /// The group, for the thread that received it.
+    pub fn into_group(self) -> MpiGroup {
+        self.0
     }
 }
 

@@ -188,6 +188,35 @@ pub enum HostGroup {
     Mpi(MpiGroup),
 }
 
+/// A host group on its way to another thread (see `HostGroup::detach`).
+pub enum DetachedHostGroup {
+    #[cfg(feature = "mpi")]
+    Mpi(super::mpi::DetachedGroup),
+}
+
+impl DetachedHostGroup {
+    /// The group, for the thread that received it.
+    pub fn into_group(self) -> HostGroup {
+        match self {
+            #[cfg(feature = "mpi")]
+            DetachedHostGroup::Mpi(g) => HostGroup::Mpi(g.into_group()),
+        }
+    }
+}
+
+impl HostGroup {
+    /// A duplicate of this group that another thread can own (collective over the group), for
+    /// communication that overlaps computation; None for a group of one, or where MPI does not
+    /// let several threads call it.
+    pub fn detach(&self) -> Option<DetachedHostGroup> {
+        match self {
+            HostGroup::Solo(_) => None,
+            #[cfg(feature = "mpi")]
+            HostGroup::Mpi(g) => g.detach().map(DetachedHostGroup::Mpi),
+        }
+    }
+}
+
 /// Calls the same method on whichever group this is.
 macro_rules! dispatch {
     ($self:ident, $g:ident => $call:expr) => {

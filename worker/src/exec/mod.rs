@@ -110,6 +110,18 @@ impl<B: Backend> Executor<B> {
 
     /// Runs the steps of the nodes `selected` picks, in plan order.
     pub fn run_where(&mut self, seed: u64, selected: impl Fn(usize) -> bool) -> Result<()> {
+        self.run_observed(seed, selected, &mut |_, _| Ok(()))
+    }
+
+    /// Like `run_where`, calling `after(self, node)` once each node's step has run: where the
+    /// data-parallel gradient all-reduce starts on the gradients the backward pass has
+    /// finished, while it goes on.
+    pub fn run_observed(
+        &mut self,
+        seed: u64,
+        selected: impl Fn(usize) -> bool,
+        after: &mut dyn FnMut(&Executor<B>, usize) -> Result<()>,
+    ) -> Result<()> {
         let profiling = self.profile.is_some();
         let mut times = Vec::new();
         for &i in self.plan.steps.iter().filter(|&&i| selected(i)) {
@@ -145,6 +157,7 @@ impl<B: Backend> Executor<B> {
                 self.backend.synchronize().map_err(Error::Runtime)?;
                 times.push(OpTiming { node: i, start: t0, duration: t0.elapsed() });
             }
+            after(self, i)?;
         }
         if let Some(profile) = &mut self.profile {
             profile.extend(times);

@@ -1,5 +1,6 @@
 //! Per-op profiles as Chrome trace JSON (the Trace Event Format that chrome://tracing and
-//! Perfetto read): one complete event ("ph": "X") per op launch, grouped under a span per step.
+//! Perfetto read): one complete event ("ph": "X") per op launch, grouped under a span per step,
+//! and one per data-parallel all-reduce on a track of its own.
 
 use crate::error::{Error, Result};
 use crate::exec::OpTiming;
@@ -45,11 +46,24 @@ impl Trace {
         }
     }
 
+    /// The data-parallel all-reduces of `step`, on their own track: where they overlap the
+    /// backward pass's ops.
+    pub fn comm(&mut self, step: u64, spans: &[crate::session::CommSpan]) {
+        for s in spans {
+            let ts = self.micros(s.start);
+            self.events.push(json!({
+                "name": "all_reduce", "cat": "comm", "ph": "X", "ts": ts, "dur": s.duration.as_secs_f64() * 1e6,
+                "pid": self.rank, "tid": 2, "args": {"step": step, "bucket": s.bucket, "bytes": s.bytes},
+            }));
+        }
+    }
+
     pub fn write(&self, path: &Path) -> Result<()> {
         let mut events = vec![
             json!({"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": format!("rank {}", self.rank)}}),
             json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "steps"}}),
             json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 1, "args": {"name": "ops"}}),
+            json!({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 2, "args": {"name": "data-parallel all-reduce"}}),
         ];
         events.extend(self.events.iter().cloned());
         let doc = json!({"traceEvents": events, "displayTimeUnit": "ms"});

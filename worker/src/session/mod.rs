@@ -3,14 +3,18 @@
 //! micro-batches of gradient accumulation; `evaluate` runs the forward graph with dropout off.
 //!
 //! Under parallelism a session is one rank's share of the training (DESIGN.md, "Parallelism"):
-//! - data parallel: gradients averaged over the replicas before the update (`join`);
+//! - data parallel: gradients averaged over the replicas before the update (`join`), in
+//!   buckets all-reduced while the backward pass still runs (`overlap`);
 //! - ZeRO (`sharded`): gradients reduce-scattered, each replica updating its shard of the
 //!   weights with its shard of the optimizer state, the updated weights all-gathered;
 //! - pipeline (`stage`): the session trains one stage of the model, exchanging activations and
 //!   their gradients with its neighbours in the order of a schedule.
 
+mod overlap;
 mod sharded;
 mod stage;
+
+pub use overlap::CommSpan;
 
 use crate::autodiff;
 use crate::backend::{Arg, Backend, StepHyper};
@@ -59,6 +63,8 @@ pub struct SessionOptions {
     /// Keep each step's averaged gradient where `weights_and_gradients` can read it (under
     /// ZeRO that costs an all-gather per step).
     pub report_gradients: bool,
+    /// Bytes of gradients per data-parallel all-reduce (parallelism.bucketMb).
+    pub bucket_bytes: usize,
 }
 
 /// Which pipeline stage a session trains, and how.
@@ -86,6 +92,7 @@ impl SessionOptions {
             pipeline: None,
             zero: 0,
             report_gradients: false,
+            bucket_bytes: 25 << 20,
         }
     }
 }
@@ -140,8 +147,11 @@ pub struct Session<B: Backend> {
     /// This rank's stage, when the model is cut into stages.
     stage: Option<stage::StagePart>,
     zero_stage: u8,
+    bucket_bytes: usize,
     /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
     zero: Option<sharded::Shard<B>>,
+    /// The gradient all-reduce overlapping the backward pass (plain data parallelism).
+    overlap: Option<overlap::Overlap>,
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
     report_gradients: bool,
@@ -345,7 +355,9 @@ impl<B: Backend> Session<B> {
             pipeline: None,
             stage: part,
             zero_stage: opts.zero,
+            bucket_bytes: opts.bucket_bytes,
             zero: None,
+            overlap: None,
             all_weights,
             report_gradients: opts.report_gradients,
             step: 0,
@@ -375,6 +387,14 @@ impl<B: Backend> Session<B> {
         }
         if self.zero_stage > 0 {
             self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
+        } else if self.stage.is_none() {
+            // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
+            // all-reduce after the schedule.)
+            if let Some(detached) = data.detach() {
+                let o = overlap::Overlap::new(self, detached, self.bucket_bytes)?;
+                tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");
+                self.overlap = Some(o);
+            }
         }
         self.data_parallel = (data.size() > 1).then_some(data);
         self.pipeline = (stages > 1).then_some(pipeline);
@@ -414,12 +434,23 @@ impl<B: Backend> Session<B> {
     /// the model's: `has_loss`) and scalars to the sums, and its gradients to the accumulated
     /// ones.
     fn collect_micro_batch(&mut self, k: usize, n: usize, has_loss: bool, sums: &mut [f64]) -> Result<()> {
+        self.collect_losses(has_loss, sums)?;
+        self.accumulate(k, n)
+    }
+
+    /// Adds the run's loss (where it computes the model's) and scalars to `sums`.
+    fn collect_losses(&self, has_loss: bool, sums: &mut [f64]) -> Result<()> {
         if has_loss {
             sums[0] += Self::scalar(&self.train.fetch(self.loss)?);
         }
         for (i, &(_, v)) in self.scalars.iter().enumerate() {
             sums[1 + i] += Self::scalar(&self.train.fetch(v)?);
         }
+        Ok(())
+    }
+
+    /// Adds micro-batch `k` of `n`'s gradients to the accumulated ones.
+    fn accumulate(&mut self, k: usize, n: usize) -> Result<()> {
         if self.zero_stage == 2 {
             // ZeRO-2 keeps no whole accumulated gradient: each micro-batch's is reduce-scattered
             // at once and only this rank's shard accumulates (as DeepSpeed's stage 2 does).
@@ -451,8 +482,23 @@ impl<B: Backend> Session<B> {
         } else {
             for (k, batch) in batches.iter().enumerate() {
                 Self::feed(&self.train, &self.inputs, batch)?;
-                self.train.run(crate::rng::mix(seed ^ k as u64))?;
-                self.collect_micro_batch(k, n, true, &mut sums)?;
+                let seed = crate::rng::mix(seed ^ k as u64);
+                match self.overlap.as_mut() {
+                    Some(overlap) if k + 1 == n => {
+                        // The last micro-batch: each bucket's all-reduce starts as soon as the
+                        // backward pass has finished its gradients.
+                        let scale = (n > 1).then_some(1.0 / n as f32);
+                        let params = &self.params;
+                        self.train
+                            .run_observed(seed, |_| true, &mut |ex, node| overlap.node_done(ex, params, node, scale))?;
+                        overlap.finish(&self.train, &self.params)?;
+                        self.collect_losses(true, &mut sums)?;
+                    }
+                    _ => {
+                        self.train.run(seed)?;
+                        self.collect_micro_batch(k, n, true, &mut sums)?;
+                    }
+                }
             }
         }
         // A weight held by several stages (a tied embedding) gets the sum of their gradients.
@@ -460,6 +506,7 @@ impl<B: Backend> Session<B> {
         // Data parallelism: every replica's gradient becomes the replicas' mean, the gradient
         // of the loss over the global batch, so that the updates below agree everywhere.
         match self.zero_stage {
+            0 if self.overlap.is_some() && self.stage.is_none() => {} // reduced during backward
             0 => {
                 if let Some(group) = &self.data_parallel {
                     for p in &self.params {
@@ -544,11 +591,13 @@ impl<B: Backend> Session<B> {
 
     /// Where a parameter's gradient for the update is: the accumulator, or the graph's output.
     fn grad_of<'a>(&'a self, p: &'a Param<B>) -> Arg<'a, B::Buffer> {
-        let g = self.train.arg(p.grad);
-        match &p.accum {
-            Some(buf) => Arg { buf, offset: 0, meta: g.meta },
-            None => g,
-        }
+        overlap::gradient(&self.train, p)
+    }
+
+    /// The gradient all-reduces of the last step, as they overlapped the backward pass (none
+    /// without plain data parallelism).
+    pub fn comm_spans(&self) -> &[CommSpan] {
+        self.overlap.as_ref().map_or(&[], |o| &o.spans)
     }
 
     /// Mean loss of the forward graph (dropout off) over `batches`, with the current weights

@@ -1,0 +1,186 @@
+//! The data-parallel gradient all-reduce, overlapped with the backward pass (as PyTorch DDP's
+//! gradient buckets and Horovod's background thread do it).
+//!
+//! The weights are grouped into buckets of about `bucket_bytes` (parallelism.bucketMb) in the order the backward pass
+//! finishes their gradients (the last layer's first). While the executor runs the last
+//! micro-batch's backward pass, each bucket whose gradients are all computed is copied out and
+//! handed to a communication thread, which all-reduces it on its own duplicate of the
+//! data-parallel communicator; the executor goes on with the next ops meanwhile. After the run
+//! the session waits for every bucket and copies the averages back. Micro-batches before the
+//! last only accumulate: no communication until the update.
+
+use super::{Param, Session};
+use crate::backend::{Arg, Backend};
+use crate::comm::{Collective, DetachedHostGroup, ReduceOp};
+use crate::error::{Error, Result};
+use crate::exec::Executor;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// One bucket's all-reduce as the communication thread ran it.
+#[derive(Clone, Debug)]
+pub struct CommSpan {
+    pub bucket: usize,
+    pub bytes: usize,
+    pub start: Instant,
+    pub duration: Duration,
+}
+
+/// A bucket back from the communication thread: its index, the averaged gradients, the span.
+type Reply = (usize, Vec<f32>, Result<CommSpan>);
+
+pub(super) struct Overlap {
+    /// Each bucket's weights (indices into the session's params), in the order laid out.
+    buckets: Vec<Vec<usize>>,
+    /// For each node of the training graph, the buckets whose last gradient it computes.
+    ready: Vec<Vec<usize>>,
+    requests: Option<mpsc::Sender<(usize, Vec<f32>)>>,
+    replies: mpsc::Receiver<Reply>,
+    thread: Option<JoinHandle<()>>,
+    in_flight: usize,
+    /// The last step's all-reduces, for the profile.
+    pub spans: Vec<CommSpan>,
+}
+
+/// Where the update reads a weight's gradient: its accumulator, or the graph's output.
+pub(super) fn gradient<'a, B: Backend>(ex: &'a Executor<B>, p: &'a Param<B>) -> Arg<'a, B::Buffer> {
+    let g = ex.arg(p.grad);
+    match &p.accum {
+        Some(buf) => Arg { buf, offset: 0, meta: g.meta },
+        None => g,
+    }
+}
+
+impl Overlap {
+    /// Buckets of about `bucket_bytes` for `session`'s weights, and the thread that
+    /// all-reduces them on `group`.
+    pub fn new<B: Backend>(session: &Session<B>, group: DetachedHostGroup, bucket_bytes: usize) -> Result<Overlap> {
+        let ex = &session.train;
+        let producers = ex.graph.producers();
+        let position: std::collections::HashMap<usize, usize> =
+            ex.plan.steps.iter().enumerate().map(|(pos, &node)| (node, pos)).collect();
+        let last = ex.plan.steps.len().saturating_sub(1);
+        // (position of the step that finishes the gradient, its node, weight index)
+        let mut order: Vec<(usize, usize, usize)> = session
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let node = producers[ex.plan.root[p.grad]].filter(|n| position.contains_key(n));
+                node.map_or((last, ex.plan.steps.last().copied().unwrap_or(0), i), |n| (position[&n], n, i))
+            })
+            .collect();
+        order.sort();
+        let mut buckets: Vec<Vec<usize>> = Vec::new();
+        let mut ready = vec![Vec::new(); ex.graph.nodes.len()];
+        let mut bytes = 0;
+        for (k, &(_, node, i)) in order.iter().enumerate() {
+            if buckets.is_empty() || bytes >= bucket_bytes {
+                buckets.push(Vec::new());
+                bytes = 0;
+            }
+            buckets.last_mut().expect("pushed").push(i);
+            bytes += ex.graph.meta(session.params[i].value).expect("bound").bytes();
+            // A bucket is ready when its last weight's gradient is.
+            let closes = bytes >= bucket_bytes || k + 1 == order.len();
+            if closes {
+                ready[node].push(buckets.len() - 1);
+            }
+        }
+        let (requests, work) = mpsc::channel::<(usize, Vec<f32>)>();
+        let (done, replies) = mpsc::channel::<Reply>();
+        let thread = std::thread::Builder::new()
+            .name("dp-allreduce".into())
+            .spawn(move || {
+                let group = group.into_group();
+                for (bucket, mut flat) in work {
+                    let start = Instant::now();
+                    let r = group.all_reduce(&mut flat[..], ReduceOp::Average);
+                    let span = CommSpan { bucket, bytes: flat.len() * 4, start, duration: start.elapsed() };
+                    if done.send((bucket, flat, r.map(|_| span))).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::Runtime(format!("cannot start the all-reduce thread: {e}")))?;
+        Ok(Overlap {
+            buckets,
+            ready,
+            requests: Some(requests),
+            replies,
+            thread: Some(thread),
+            in_flight: 0,
+            spans: Vec::new(),
+        })
+    }
+
+    /// Called after each node of the last micro-batch's run: starts the all-reduce of every
+    /// bucket `node` completes. `scale`, when accumulating, adds this micro-batch's gradient
+    /// (times `scale`) to the accumulator first.
+    pub fn node_done<B: Backend>(
+        &mut self,
+        ex: &Executor<B>,
+        params: &[Param<B>],
+        node: usize,
+        scale: Option<f32>,
+    ) -> Result<()> {
+        for &b in &self.ready[node] {
+            let mut flat = Vec::new();
+            for &i in &self.buckets[b] {
+                let p = &params[i];
+                if let (Some(scale), Some(acc)) = (scale, &p.accum) {
+                    let g = ex.arg(p.grad);
+                    let acc = Arg { buf: acc, offset: 0, meta: g.meta };
+                    ex.backend.accumulate(acc, 1.0, g, scale).map_err(Error::Runtime)?;
+                }
+                ex.backend
+                    .with_host_f32(gradient(ex, p), &mut |g| {
+                        flat.extend_from_slice(g);
+                        Ok(())
+                    })
+                    .map_err(Error::Runtime)?;
+            }
+            let requests = self.requests.as_ref().expect("open until dropped");
+            requests.send((b, flat)).map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
+            self.in_flight += 1;
+        }
+        Ok(())
+    }
+
+    /// Waits for every bucket started and copies the averaged gradients back.
+    pub fn finish<B: Backend>(&mut self, ex: &Executor<B>, params: &[Param<B>]) -> Result<()> {
+        self.spans.clear();
+        while self.in_flight > 0 {
+            let (b, flat, span) =
+                self.replies.recv().map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
+            self.in_flight -= 1;
+            self.spans.push(span?);
+            let mut at = 0;
+            for &i in &self.buckets[b] {
+                ex.backend
+                    .with_host_f32(gradient(ex, &params[i]), &mut |g| {
+                        g.copy_from_slice(&flat[at..at + g.len()]);
+                        at += g.len();
+                        Ok(())
+                    })
+                    .map_err(Error::Runtime)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+}
+
+impl Drop for Overlap {
+    fn drop(&mut self) {
+        // Closing the request channel ends the thread's loop; join it before MPI can go away.
+        self.requests.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
