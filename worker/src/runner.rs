@@ -108,9 +108,6 @@ fn check_supported(cfg: &TrainingConfig) -> Result<()> {
                 .into(),
         ));
     }
-    if p.adasum {
-        return Err(Error::Config("parallelism.adasum: Adasum is not implemented yet; leave it false".into()));
-    }
     match cfg.device {
         DeviceKind::Cuda => {
             return Err(Error::Config(
@@ -249,6 +246,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         zero: p.zero,
         report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
+        adasum: p.adasum,
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;

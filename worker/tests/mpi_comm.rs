@@ -352,3 +352,43 @@ fn a_hung_rank_times_its_peers_out() {
     g.all_reduce(&mut x, ReduceOp::Sum).unwrap();
     panic!("rank {} got through an all-reduce that rank 1 never joined", w.rank());
 }
+
+/// Adasum over 2 and 4 ranks: every rank ends with the binary tree of pairwise combinations
+/// that one process computes from all ranks' gradients (lower rank first at each level), to
+/// the bit, tensor by tensor.
+#[test]
+fn adasum_gives_every_rank_the_pairwise_tree() {
+    if launched_on_2_and_4("adasum_gives_every_rank_the_pairwise_tree") {
+        return;
+    }
+    use tensorfleet_worker::parallel::adasum;
+    let world = world();
+    let group = world.world_group();
+    let (np, rank) = (group.size(), group.rank());
+    // Two tensors of different lengths, differing per rank (neither parallel nor orthogonal).
+    let lens = [5usize, 9];
+    let grads = |r: usize| -> Vec<Vec<f32>> {
+        lens.iter()
+            .enumerate()
+            .map(|(t, &n)| (0..n).map(|i| value(r, i * (t + 2)) - 3.0 * r as f32).collect())
+            .collect()
+    };
+    let mut mine = grads(rank);
+    let mut views: Vec<&mut [f32]> = mine.iter_mut().map(|g| &mut g[..]).collect();
+    adasum::all_reduce(&group, &mut views).unwrap();
+    // The same tree in one process: level by level, pairs (r, r + d) combined into r.
+    let mut all: Vec<Vec<Vec<f32>>> = (0..np).map(grads).collect();
+    let mut d = 1;
+    while d < np {
+        for r in (0..np).step_by(2 * d) {
+            let higher = all[r + d].clone();
+            for (a, b) in all[r].iter_mut().zip(&higher) {
+                adasum::combine(a, b);
+            }
+        }
+        d *= 2;
+    }
+    for (t, expected) in all[0].iter().enumerate() {
+        assert_same(&mine[t], expected, &format!("tensor {t} on rank {rank} of {np}"));
+    }
+}

@@ -3,7 +3,7 @@
 //! 1e-4):
 //! - data parallel: two ranks with batch B train exactly like one process with batch 2B, since
 //!   each rank reads its half of every global batch and the gradients are averaged;
-//! - ZeRO-1 and ZeRO-2 exactly like plain data parallelism;
+//! - ZeRO-1 and ZeRO-2 exactly like plain data parallelism; Adasum trains;
 //! - pipeline parallel (1F1B and GPipe) exactly like no pipeline, dropout included;
 //! - data × pipeline over four ranks;
 //! - a checkpoint written under one layout resumes under another.
@@ -202,6 +202,21 @@ fn two_data_parallel_ranks_equal_one_process_with_twice_the_batch() {
             assert!(worst <= 1e-3, "ZeRO-{zero}: optimizer state '{name}' differs by {worst}");
         }
     }
+
+    // Adasum instead of the mean: it trains, and differently (the two halves' gradients are
+    // neither equal nor orthogonal). Its combination itself is checked exactly in mpi_comm.rs.
+    let o =
+        mpirun_train(&dir, 2, &["batchSize=2", "parallelism.data=2", "parallelism.adasum=true", "output.dir=adasum"]);
+    check(&o, "Adasum");
+    let (adasum, _) = losses(&dir.join("adasum"));
+    let (dp2, _) = losses(&dir.join("dp2"));
+    assert_eq!(adasum.len(), 6);
+    assert!(adasum.iter().all(|l| l.1.is_finite()) && adasum[5].1 < adasum[0].1, "{adasum:?}");
+    assert!((adasum[0].1 - dp2[0].1).abs() <= 1e-5 * dp2[0].1, "the first loss comes before any update");
+    assert!(adasum[1..].iter().zip(&dp2[1..]).any(|(a, m)| (a.1 - m.1).abs() > 1e-6), "Adasum is not the mean");
+    let o = mpirun_train(&dir, 3, &["batchSize=2", "parallelism.data=3", "parallelism.adasum=true", "output.dir=ada3"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("power of two"), "{}", String::from_utf8_lossy(&o.stderr));
 
     // Resharding: ZeRO-1's checkpoint at step 3, written by two ranks, continues in one process
     // (same global batch) exactly as the two ranks went on.

@@ -65,6 +65,8 @@ pub struct SessionOptions {
     pub report_gradients: bool,
     /// Bytes of gradients per data-parallel all-reduce (parallelism.bucketMb).
     pub bucket_bytes: usize,
+    /// Combine the replicas' gradients with Adasum instead of averaging them.
+    pub adasum: bool,
 }
 
 /// Which pipeline stage a session trains, and how.
@@ -93,6 +95,7 @@ impl SessionOptions {
             zero: 0,
             report_gradients: false,
             bucket_bytes: 25 << 20,
+            adasum: false,
         }
     }
 }
@@ -148,6 +151,7 @@ pub struct Session<B: Backend> {
     stage: Option<stage::StagePart>,
     zero_stage: u8,
     bucket_bytes: usize,
+    adasum: bool,
     /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
     zero: Option<sharded::Shard<B>>,
     /// The gradient all-reduce overlapping the backward pass (plain data parallelism).
@@ -356,6 +360,7 @@ impl<B: Backend> Session<B> {
             stage: part,
             zero_stage: opts.zero,
             bucket_bytes: opts.bucket_bytes,
+            adasum: opts.adasum,
             zero: None,
             overlap: None,
             all_weights,
@@ -385,9 +390,16 @@ impl<B: Backend> Session<B> {
                     .map_err(Error::Runtime)?;
             }
         }
+        if self.adasum && !data.size().is_power_of_two() {
+            return Err(Error::Config(format!(
+                "parallelism.adasum: Adasum combines replicas in pairs, so parallelism.data must be a power of two, \
+                 not {}",
+                data.size()
+            )));
+        }
         if self.zero_stage > 0 {
             self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
-        } else if self.stage.is_none() {
+        } else if self.stage.is_none() && !self.adasum {
             // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
             // all-reduce after the schedule.)
             if let Some(detached) = data.detach() {
@@ -507,6 +519,7 @@ impl<B: Backend> Session<B> {
         // of the loss over the global batch, so that the updates below agree everywhere.
         match self.zero_stage {
             0 if self.overlap.is_some() && self.stage.is_none() => {} // reduced during backward
+            0 if self.adasum => self.adasum_gradients()?,
             0 => {
                 if let Some(group) = &self.data_parallel {
                     for p in &self.params {
@@ -551,6 +564,35 @@ impl<B: Backend> Session<B> {
             }
         }
         Ok(StepResult { loss: means[0], grad_norm, scalars })
+    }
+
+    /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`).
+    fn adasum_gradients(&self) -> Result<()> {
+        let Some(group) = &self.data_parallel else { return Ok(()) };
+        let copy_out = |p: &Param<B>| -> Result<Vec<f32>> {
+            let mut v = Vec::new();
+            self.train
+                .backend
+                .with_host_f32(self.grad_of(p), &mut |g| {
+                    v.extend_from_slice(g);
+                    Ok(())
+                })
+                .map_err(Error::Runtime)?;
+            Ok(v)
+        };
+        let mut grads: Vec<Vec<f32>> = self.params.iter().map(copy_out).collect::<Result<_>>()?;
+        let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
+        crate::parallel::adasum::all_reduce(group, &mut views)?;
+        for (p, g) in self.params.iter().zip(&grads) {
+            self.train
+                .backend
+                .with_host_f32(self.grad_of(p), &mut |dst| {
+                    dst.copy_from_slice(g);
+                    Ok(())
+                })
+                .map_err(Error::Runtime)?;
+        }
+        Ok(())
     }
 
     /// Σ g² over the gradients this rank counts: its weights (a shared one on its first stage
