@@ -247,11 +247,6 @@ impl<B: Backend> Session<B> {
         // recomputed clone, or a pipeline stage's second forward pass, draws the same mask).
         let mut bound = bind(g, &bindings, true)?;
         autodiff::recompute::pin_dropout_seeds(&mut bound);
-        for name in &opts.scalars {
-            bound.find(name).filter(|&v| bound.meta(v).is_some_and(|m| m.numel() == 1)).ok_or_else(|| {
-                Error::Config(format!("logging.scalars: '{name}' is not a scalar value of the training graph"))
-            })?;
-        }
         let all_weights: Vec<(String, Meta)> =
             params.iter().map(|&v| (g.name_of(v).to_string(), bound.meta(v).cloned().expect("bound"))).collect();
         // This rank's part: the whole graph, or a stage with its boundary.
@@ -284,12 +279,17 @@ impl<B: Backend> Session<B> {
             .collect::<Result<_>>()?;
         autodiff::recompute::apply(&mut train, n_forward, opts.recompute)?;
         // A pipeline stage reports the scalars it computes; the others come from other stages.
+        // (A stage's graph knows every forward value's name, and its own backward values.)
         let computed = train.producers();
-        let scalars: Vec<(String, ValueId)> = opts
-            .scalars
-            .iter()
-            .filter_map(|name| Some((name.clone(), train.find(name).filter(|&v| computed[v].is_some())?)))
-            .collect();
+        let mut scalars: Vec<(String, ValueId)> = Vec::new();
+        for name in &opts.scalars {
+            let v = train.find(name).filter(|&v| train.meta(v).is_some_and(|m| m.numel() == 1)).ok_or_else(|| {
+                Error::Config(format!("logging.scalars: '{name}' is not a scalar value of the training graph"))
+            })?;
+            if part.is_none() || computed.get(v).is_some_and(|p| p.is_some()) {
+                scalars.push((name.clone(), v));
+            }
+        }
         // Gradients are outputs too: the optimizer reads them after each run; so are the
         // reported scalars and the activations a stage sends, which keeps fusion from folding
         // them away.
