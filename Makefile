@@ -100,10 +100,11 @@ test: deps k8s
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 		$(CARGO) test --workspace --release
 
-# Criterion benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak,
-# a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, and checkpoint and
-# data-loader throughput next to the disk's own rate and NumPy's memmap loader, each peer
-# measured in the same run.
+# Benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak,
+# a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, checkpoint and
+# data-loader throughput next to the disk's own rate and NumPy's memmap loader, and (comm.rs,
+# under mpirun) all-reduce bandwidth next to raw MPI_Allreduce in C with the step time of two
+# data-parallel ranks next to one process, each peer measured in the same run.
 # .ci/bench-deps.sh installs the Python peers in .venv-bench/ (torch from PyPI: about 3 GB, and
 # numpy; for this target only). The figures land in target/bench-summary.json for
 # docs/PERFORMANCE.md.

@@ -167,15 +167,40 @@ pub const PYTHON_VAR: &str = "TENSORFLEET_BENCH_PYTHON";
 
 /// Runs a Python peer (`cmd`, running `script`) and returns the JSON object on the last line
 /// it prints, or why there is none. The peer's stderr goes to the bench's.
-pub fn run_peer(mut cmd: std::process::Command, script: &str) -> Result<serde_json::Value, String> {
-    let out = cmd
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| format!("could not run {script} ({PYTHON_VAR}): {e}"))?;
+pub fn run_peer(cmd: std::process::Command, script: &str) -> Result<serde_json::Value, String> {
+    run_json(cmd, script).map_err(|e| format!("{e} ({PYTHON_VAR}; `make bench` creates .venv-bench)"))
+}
+
+/// Runs a peer program (`cmd`, named `what` in errors) and returns the JSON object on the last
+/// line it prints, or why there is none. The peer's stderr goes to the bench's.
+pub fn run_json(mut cmd: std::process::Command, what: &str) -> Result<serde_json::Value, String> {
+    let out = cmd.stderr(std::process::Stdio::inherit()).output().map_err(|e| format!("could not run {what}: {e}"))?;
     if !out.status.success() {
-        return Err(format!("{script} failed ({}); `make bench` creates .venv-bench", out.status));
+        return Err(format!("{what} failed ({})", out.status));
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).map_err(|e| format!("{script} printed no JSON result ({e}): {last:?}"))
+    serde_json::from_str(last).map_err(|e| format!("{what} printed no JSON result ({e}): {last:?}"))
+}
+
+/// A directory of a bench's own, removed when dropped (also when a benchmark panics: a failed
+/// run must not leave gigabytes in target/).
+pub struct WorkDir(pub PathBuf);
+
+impl WorkDir {
+    /// `bench-<name>-<pid>` under `base`, or under target/ (next to the summary) without one.
+    pub fn create(name: &str, base: Option<PathBuf>) -> Result<WorkDir, String> {
+        let base = base.unwrap_or_else(|| summary_path().parent().unwrap_or(Path::new(".")).to_path_buf());
+        let dir = base.join(format!("bench-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        Ok(WorkDir(dir))
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            eprintln!("bench: could not remove {}: {e}", self.0.display());
+        }
+    }
 }

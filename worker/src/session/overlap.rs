@@ -72,21 +72,28 @@ impl Overlap {
             })
             .collect();
         order.sort();
+        // A bucket is closed before a weight that would take it past the cap (a weight larger
+        // than the cap gets a bucket of its own), and is ready once its last weight's gradient
+        // is: the node computing it.
         let mut buckets: Vec<Vec<usize>> = Vec::new();
         let mut ready = vec![Vec::new(); ex.graph.nodes.len()];
         let mut bytes = 0;
-        for (k, &(_, node, i)) in order.iter().enumerate() {
-            if buckets.is_empty() || bytes >= bucket_bytes {
+        let mut last_node = 0;
+        for &(_, node, i) in &order {
+            let size = ex.graph.meta(session.params[i].value).expect("bound").bytes();
+            if buckets.is_empty() || (bytes > 0 && bytes + size > bucket_bytes) {
+                if !buckets.is_empty() {
+                    ready[last_node].push(buckets.len() - 1);
+                }
                 buckets.push(Vec::new());
                 bytes = 0;
             }
             buckets.last_mut().expect("pushed").push(i);
-            bytes += ex.graph.meta(session.params[i].value).expect("bound").bytes();
-            // A bucket is ready when its last weight's gradient is.
-            let closes = bytes >= bucket_bytes || k + 1 == order.len();
-            if closes {
-                ready[node].push(buckets.len() - 1);
-            }
+            bytes += size;
+            last_node = node;
+        }
+        if !buckets.is_empty() {
+            ready[last_node].push(buckets.len() - 1);
         }
         let (requests, work) = mpsc::channel::<(usize, Vec<f32>)>();
         let (done, replies) = mpsc::channel::<Reply>();
