@@ -53,7 +53,8 @@ impl Trace {
             let ts = self.micros(s.start);
             self.events.push(json!({
                 "name": "all_reduce", "cat": "comm", "ph": "X", "ts": ts, "dur": s.duration.as_secs_f64() * 1e6,
-                "pid": self.rank, "tid": 2, "args": {"step": step, "bucket": s.bucket, "bytes": s.bytes},
+                "pid": self.rank, "tid": 2,
+                "args": {"step": step, "bucket": s.bucket, "bytes": s.bytes, "queuedTs": self.micros(s.queued)},
             }));
         }
     }

@@ -23,6 +23,9 @@ use std::time::{Duration, Instant};
 pub struct CommSpan {
     pub bucket: usize,
     pub bytes: usize,
+    /// When the backward pass handed the bucket over.
+    pub queued: Instant,
+    /// When the communication thread began its all-reduce (later, if it had to wait for a core).
     pub start: Instant,
     pub duration: Duration,
 }
@@ -35,7 +38,7 @@ pub(super) struct Overlap {
     buckets: Vec<Vec<usize>>,
     /// For each node of the training graph, the buckets whose last gradient it computes.
     ready: Vec<Vec<usize>>,
-    requests: Option<mpsc::Sender<(usize, Vec<f32>)>>,
+    requests: Option<mpsc::Sender<(usize, Vec<f32>, Instant)>>,
     replies: mpsc::Receiver<Reply>,
     thread: Option<JoinHandle<()>>,
     in_flight: usize,
@@ -95,16 +98,16 @@ impl Overlap {
         if !buckets.is_empty() {
             ready[last_node].push(buckets.len() - 1);
         }
-        let (requests, work) = mpsc::channel::<(usize, Vec<f32>)>();
+        let (requests, work) = mpsc::channel::<(usize, Vec<f32>, Instant)>();
         let (done, replies) = mpsc::channel::<Reply>();
         let thread = std::thread::Builder::new()
             .name("dp-allreduce".into())
             .spawn(move || {
                 let group = group.into_group();
-                for (bucket, mut flat) in work {
+                for (bucket, mut flat, queued) in work {
                     let start = Instant::now();
                     let r = group.all_reduce(&mut flat[..], ReduceOp::Average);
-                    let span = CommSpan { bucket, bytes: flat.len() * 4, start, duration: start.elapsed() };
+                    let span = CommSpan { bucket, bytes: flat.len() * 4, queued, start, duration: start.elapsed() };
                     if done.send((bucket, flat, r.map(|_| span))).is_err() {
                         break;
                     }
@@ -149,7 +152,9 @@ impl Overlap {
                     .map_err(Error::Runtime)?;
             }
             let requests = self.requests.as_ref().expect("open until dropped");
-            requests.send((b, flat)).map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
+            requests
+                .send((b, flat, Instant::now()))
+                .map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
             self.in_flight += 1;
         }
         Ok(())
