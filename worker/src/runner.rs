@@ -284,8 +284,10 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         (true, Some(_)) => Some(Metrics::resume(&metrics_path, start_step)?),
         (true, None) => Some(Metrics::create(&metrics_path)?),
     };
-    if let (Some(m), true) = (metrics.take(), cfg.logging.tensorboard) {
-        metrics = Some(m.with_tensorboard(&cfg.tensorboard_dir())?);
+    if cfg.logging.tensorboard {
+        if let Some(m) = metrics.take() {
+            metrics = Some(m.with_tensorboard(&cfg.tensorboard_dir())?);
+        }
     }
     let endpoint = match cfg.logging.port {
         0 => None,
