@@ -10,7 +10,7 @@
 //! accumulation buffers. (The executor's arena still holds one micro-batch's whole gradient
 //! while the backward pass runs.)
 
-use super::{optimizer_state, Session, OPTIMIZER_PREFIX};
+use super::{optimizer_state, read_f32, write_f32, Session, OPTIMIZER_PREFIX};
 use crate::backend::{Arg, Backend, StepHyper};
 use crate::comm::{Collective, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
@@ -131,13 +131,7 @@ impl<B: Backend> Session<B> {
         let mut flat = vec![0f32; layout.padded()];
         for (i, p) in self.params.iter().enumerate() {
             let dst = &mut flat[layout.offsets[i]..layout.offsets[i] + layout.lens[i]];
-            self.train
-                .backend
-                .with_host_f32(self.grad_of(p), &mut |g| {
-                    dst.copy_from_slice(g);
-                    Ok(())
-                })
-                .map_err(Error::Runtime)?;
+            read_f32(&*self.train.backend, self.grad_of(p), dst)?;
         }
         Ok(flat)
     }
@@ -195,23 +189,12 @@ impl<B: Backend> Session<B> {
             let grad = Arg { buf: &z.grad_device, offset: piece.at * 4, meta };
             let state: Vec<Arg<B::Buffer>> = z.state[i].iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
             backend.optimizer_step(&p.update, hyper, weight, grad, &state).map_err(Error::Runtime)?;
-            let dst = &mut mine[piece.at..piece.at + piece.len];
-            backend
-                .with_host_f32(weight, &mut |w| {
-                    dst.copy_from_slice(w);
-                    Ok(())
-                })
-                .map_err(Error::Runtime)?;
+            read_f32(&**backend, weight, &mut mine[piece.at..piece.at + piece.len])?;
         }
         let whole = self.all_gather(&mine)?;
         for (i, p) in self.params.iter().enumerate() {
             let src = &whole[z.layout.offsets[i]..z.layout.offsets[i] + z.layout.lens[i]];
-            backend
-                .with_host_f32(self.train.arg(p.value), &mut |w| {
-                    w.copy_from_slice(src);
-                    Ok(())
-                })
-                .map_err(Error::Runtime)?;
+            write_f32(&**backend, self.train.arg(p.value), src)?;
         }
         if self.report_gradients {
             let reported = self.all_gather(&z.grad)?;
