@@ -240,7 +240,9 @@ fn bench_checkpoints(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &S
     group.bench_function("checkpoint_save", |b| {
         save.iter(b, || {
             step += 1;
-            let path = checkpoint::save(&ckpt_dir, step, Position::default(), &cfg, &state, 1, &alone).expect("save");
+            let path =
+                checkpoint::save(&ckpt_dir, step, Position::default(), &cfg, &state, &Default::default(), 1, &alone)
+                    .expect("save");
             latest = Some(path);
         })
     });
@@ -250,7 +252,7 @@ fn bench_checkpoints(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &S
 
     // When the save benchmark was filtered out, the load benchmark still needs a checkpoint.
     let latest = latest.unwrap_or_else(|| {
-        checkpoint::save(&ckpt_dir, 1, Position::default(), &cfg, &state, 1, &alone)
+        checkpoint::save(&ckpt_dir, 1, Position::default(), &cfg, &state, &Default::default(), 1, &alone)
             .expect("save for the load benchmark")
     });
     let ckpt_files: Vec<PathBuf> = ["manifest.json", "rank_0.safetensors"].iter().map(|f| latest.join(f)).collect();

@@ -14,7 +14,7 @@ use crate::monitor::endpoint::Endpoint;
 use crate::monitor::profile::Trace;
 use crate::monitor::{Metrics, StepLog, Watched};
 use crate::optim::{schedule::learning_rate, Update};
-use crate::session::{PipelineOptions, Session, SessionOptions};
+use crate::session::{PipelineOptions, Session, SessionOptions, TensorPlace};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,12 +88,6 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
 /// What this build can run of the configuration, checked before anything heavy starts.
 fn check_supported(cfg: &TrainingConfig) -> Result<()> {
     let p = &cfg.parallelism;
-    if p.tensor > 1 {
-        return Err(Error::Config(format!(
-            "parallelism.tensor ({}): tensor parallelism is not implemented yet; use data or pipeline parallelism",
-            p.tensor
-        )));
-    }
     if p.zero == 2 && p.pipeline > 1 {
         // Stage 2 reduces every micro-batch's gradient at once, which would have to happen in
         // the middle of the pipeline's schedule (DeepSpeed refuses the pair too).
@@ -247,6 +241,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
         adasum: p.adasum,
+        tensor: (p.tensor > 1).then_some(TensorPlace { rank: groups.coords.tp, size: p.tensor }),
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
@@ -270,7 +265,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     let metrics_path = cfg.output.dir.join("metrics.jsonl");
     let world_group = world.world_group();
     let coords = groups.coords;
-    session.join(groups.data, groups.pipeline)?;
+    session.join(groups.data, groups.tensor, groups.pipeline)?;
     let start_step = match &resumed {
         Some((manifest, tensors, path)) => {
             session.load_state(tensors, &format!("checkpoint {}", path.display()))?;
@@ -413,8 +408,16 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         }
         if cfg.checkpoint.every > 0 && n % cfg.checkpoint.every == 0 {
             let state = session.state()?;
-            let path =
-                checkpoint::save(&ckpt_dir, n, train_data.position(), cfg, &state, cfg.checkpoint.keep, &world_group)?;
+            let path = checkpoint::save(
+                &ckpt_dir,
+                n,
+                train_data.position(),
+                cfg,
+                &state,
+                session.tensor_splits(),
+                cfg.checkpoint.keep,
+                &world_group,
+            )?;
             if leader {
                 tracing::info!(path = %path.display(), "checkpoint written");
             }

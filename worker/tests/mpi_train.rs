@@ -6,6 +6,9 @@
 //! - ZeRO-1 and ZeRO-2 exactly like plain data parallelism; Adasum trains;
 //! - pipeline parallel (1F1B and GPipe) exactly like no pipeline, dropout included;
 //! - data × pipeline over four ranks;
+//! - tensor parallel (Megatron's column/row pairs, vocab-parallel embedding and loss) exactly
+//!   like no tensor parallelism, for the builtin GPT-2 (dropout on) and a GPT-2 exported from
+//!   PyTorch; data × tensor and pipeline × tensor over four ranks;
 //! - a checkpoint written under one layout resumes under another.
 
 mod common;
@@ -234,6 +237,26 @@ fn two_data_parallel_ranks_equal_one_process_with_twice_the_batch() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The exported models of two runs hold the same initializers (within 1e-4).
+fn assert_same_export(dir: &Path, got: &str, want: &str) {
+    let read = |out: &str| {
+        let proto = tensorfleet_worker::onnx::load_model(&dir.join(out).join("model.onnx")).unwrap();
+        tensorfleet_worker::graph::onnx_io::from_model(&proto, out).unwrap()
+    };
+    let (a, b) = (read(want), read(got));
+    assert_eq!(a.initializers.len(), b.initializers.len());
+    for (v, t) in &a.initializers {
+        let name = a.name_of(*v);
+        let u = &b.initializers[&b.find(name).unwrap_or_else(|| panic!("{got}: the export lacks '{name}'"))];
+        assert_eq!(t.shape(), u.shape(), "{got}: exported '{name}'");
+        if t.dtype() == tensorfleet_worker::tensor::DType::F32 {
+            let worst =
+                t.as_slice::<f32>().iter().zip(u.as_slice::<f32>()).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(worst <= 1e-4, "{got}: exported '{name}' differs by {worst}");
+        }
+    }
+}
+
 /// Two pipeline stages, with either schedule, train like one process: the same dropout masks,
 /// losses, evaluation losses, final weights and exported model.
 #[test]
@@ -261,21 +284,7 @@ fn two_pipeline_stages_equal_one_process() {
         assert_same_run(&dir, &out, "single");
     }
     // The exported model joins the stages: the same initializers as the single run's export.
-    let read = |out: &str| {
-        let proto = tensorfleet_worker::onnx::load_model(&dir.join(out).join("model.onnx")).unwrap();
-        tensorfleet_worker::graph::onnx_io::from_model(&proto, out).unwrap()
-    };
-    let (a, b) = (read("single"), read("pp2-1f1b"));
-    assert_eq!(a.initializers.len(), b.initializers.len());
-    for (v, t) in &a.initializers {
-        let name = a.name_of(*v);
-        let u = &b.initializers[&b.find(name).unwrap_or_else(|| panic!("the export lacks '{name}'"))];
-        if t.dtype() == tensorfleet_worker::tensor::DType::F32 {
-            let worst =
-                t.as_slice::<f32>().iter().zip(u.as_slice::<f32>()).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
-            assert!(worst <= 1e-4, "exported '{name}' differs by {worst}");
-        }
-    }
+    assert_same_export(&dir, "pp2-1f1b", "single");
     // Explicit cuts (ONNX Runtime's cut edges) give the same run.
     let o = mpirun_train(
         &dir,
@@ -313,6 +322,111 @@ fn data_times_pipeline_over_four_ranks_equals_one_process() {
     );
     check(&o, "mpirun -np 4, data 2 × pipeline 2");
     assert_same_run(&dir, "dp2pp2", "single");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two tensor-parallel ranks train the builtin GPT-2 (dropout on, so the masks of the replicated
+/// region must agree) like one process: attention split by heads, the MLP by columns then rows,
+/// the embedding and the loss by vocabulary (50257 rows: an uneven split). Each rank writes its
+/// slices; the checkpoint resumes in one process, and the export is the whole model.
+#[test]
+fn two_tensor_parallel_ranks_equal_one_process() {
+    let dir = scratch("tp");
+    prepare_tokens(&dir);
+    write_config(&dir, 2, "");
+    let dropout = "model.gpt2.dropout=0.1";
+    check(&train_alone(&dir, &["batchSize=2", "output.dir=single", dropout]), "the single-process run");
+    let o = mpirun_train(&dir, 2, &["batchSize=2", "parallelism.tensor=2", "output.dir=tp2", dropout]);
+    check(&o, "mpirun -np 2, tensor 2");
+    assert_same_run(&dir, "tp2", "single");
+    assert_same_export(&dir, "tp2", "single");
+    let (m, _) = checkpoint::load(&dir.join("tp2/checkpoints/checkpoint_6")).unwrap();
+    assert_eq!(m.files.len(), 2, "each rank wrote its slices: {:?}", m.files.keys());
+    assert_eq!(m.layout.tensor, 2);
+    let split = |name: &str| m.tensor_splits.get(name).unwrap_or_else(|| panic!("'{name}' is not split"));
+    assert_eq!((split("h.0.attn.c_attn.weight").axis, split("h.0.attn.c_attn.weight").blocks), (1, 3));
+    assert_eq!((split("h.1.attn.c_proj.weight").axis, split("h.1.mlp.c_fc.bias").axis), (0, 0));
+    assert_eq!((split("wte").axis, split("wte").shape[0]), (0, 50257));
+    assert!(!m.tensor_splits.contains_key("wpe") && !m.tensor_splits.contains_key("h.0.ln_1.weight"));
+    // The tensor-parallel checkpoint at step 3 continues in one process, and one process's in two
+    // tensor-parallel ranks, as the runs went on.
+    let resume = |from: &str| format!("checkpoint.resume={from}/checkpoints/checkpoint_3");
+    check(&train_alone(&dir, &["batchSize=2", "output.dir=from-tp2", dropout, &resume("tp2")]), "resume alone");
+    let o = mpirun_train(
+        &dir,
+        2,
+        &["batchSize=2", "parallelism.tensor=2", "output.dir=to-tp2", dropout, &resume("single")],
+    );
+    check(&o, "resume in two tensor-parallel ranks");
+    let (single, _) = losses(&dir.join("single"));
+    for out in ["from-tp2", "to-tp2"] {
+        let (resumed, _) = losses(&dir.join(out));
+        assert_eq!(resumed.iter().map(|x| x.0).collect::<Vec<_>>(), [4, 5, 6], "{out}");
+        assert_close(&format!("{out}: loss"), &resumed, &single[3..]);
+        assert_same_weights(
+            &dir.join(format!("{out}/checkpoints/checkpoint_6")),
+            &dir.join("single/checkpoints/checkpoint_6"),
+        );
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The same pass shards a GPT-2 exported by PyTorch (nn.Linear weights behind Transposes, q/k/v
+/// split by a Split, GELU as a chain of Mul/Tanh, its own SoftmaxCrossEntropyLoss), which then
+/// trains like one process.
+#[test]
+fn tensor_parallelism_splits_a_gpt2_exported_by_pytorch() {
+    let dir = scratch("tp-torch");
+    // Token shards within the exported model's vocabulary of 96.
+    std::fs::create_dir_all(dir.join("tokens")).unwrap();
+    let tokens: Vec<u16> = (0..4096u32).map(|i| ((i * 7 + i / 13) % 96) as u16).collect();
+    tensorfleet_worker::data::tokens::write_shard(&dir.join("tokens/train_000.bin"), &tokens).unwrap();
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_gpt2/gpt2_tiny_with_loss.onnx");
+    std::fs::write(
+        dir.join("train.yaml"),
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{output: loss}}}}}}\n\
+             data: {{train: {{path: tokens, format: tokens}}}}\nbatchSize: 2\ngradientAccumulationSteps: 2\n\
+             steps: 6\noptimizer: {{name: adamw, lr: 0.003}}\ngradClipNorm: 1.0\ncheckpoint: {{every: 6}}\n",
+            model.display()
+        ),
+    )
+    .unwrap();
+    check(&train_alone(&dir, &["output.dir=single"]), "the single-process run");
+    check(&mpirun_train(&dir, 2, &["parallelism.tensor=2", "output.dir=tp2"]), "mpirun -np 2, tensor 2");
+    let ((single, _), (tp2, _)) = (losses(&dir.join("single")), losses(&dir.join("tp2")));
+    assert_eq!(single.len(), 6);
+    assert_close("loss", &tp2, &single);
+    assert_same_weights(&dir.join("tp2/checkpoints/checkpoint_6"), &dir.join("single/checkpoints/checkpoint_6"));
+    let (m, _) = checkpoint::load(&dir.join("tp2/checkpoints/checkpoint_6")).unwrap();
+    let split = &m.tensor_splits["transformer.h.0.attn.c_attn.weight"];
+    assert_eq!((split.axis, split.blocks), (0, 3), "nn.Linear's [out, in] weight splits its rows");
+    assert!(m.tensor_splits.contains_key("transformer.wte.weight"), "{:?}", m.tensor_splits.keys());
+    assert!(m.tensor_splits.contains_key("transformer.h.1.mlp.c_proj.weight"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Four ranks as data × tensor (also with ZeRO-1) and as pipeline × tensor train like one process.
+#[test]
+fn tensor_parallelism_with_data_and_pipeline_over_four_ranks_equals_one_process() {
+    let dir = scratch("tp-4");
+    prepare_tokens(&dir);
+    write_config(&dir, 2, "");
+    check(&train_alone(&dir, &["batchSize=4", "output.dir=single"]), "the single-process run");
+    for (out, sets) in [
+        ("dp2tp2", vec!["batchSize=2", "parallelism.data=2", "parallelism.tensor=2"]),
+        ("dp2tp2zero1", vec!["batchSize=2", "parallelism.data=2", "parallelism.tensor=2", "parallelism.zero=1"]),
+        ("pp2tp2", vec!["batchSize=4", "parallelism.pipeline=2", "parallelism.tensor=2"]),
+    ] {
+        let mut sets = sets.clone();
+        let o = format!("output.dir={out}");
+        sets.push(&o);
+        check(&mpirun_train(&dir, 4, &sets), &format!("mpirun -np 4, {out}"));
+        assert_same_run(&dir, out, "single");
+    }
+    assert_same_export(&dir, "pp2tp2", "single");
+    let (m, _) = checkpoint::load(&dir.join("dp2tp2zero1/checkpoints/checkpoint_6")).unwrap();
+    assert_eq!(m.files.len(), 4, "every rank wrote its slice of its ZeRO shard: {:?}", m.files.keys());
     std::fs::remove_dir_all(&dir).ok();
 }
 

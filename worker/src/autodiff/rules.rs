@@ -303,6 +303,34 @@ pub fn backward(
             vec![Some(b.emit1(&name, op, &ins)?), None, None]
         }
         Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
+        // Megatron's conjugate pair: a sum over the group passes its (replicated) gradient
+        // through; a copy into the group sums its ranks' partial gradients.
+        Op::AllReduce { op: crate::comm::ReduceOp::Sum } => vec![Some(dy)],
+        Op::AllReduce { .. } => vec![None],
+        Op::TensorParallelCopy => {
+            vec![Some(b.emit1(&name, Op::AllReduce { op: crate::comm::ReduceOp::Sum }, &[dy])?)]
+        }
+        Op::ShardGather { start } => {
+            let rows = shape_of(b, x(0))[0];
+            vec![Some(b.emit1(&name, Op::ShardGatherGrad { start: *start, rows }, &[dy, x(1)])?), None]
+        }
+        // The row maxima get no gradient: the loss does not depend on the shift they make.
+        Op::VocabShardCrossEntropy { start, ignore_index } => {
+            let dt = match dys.get(1).copied().flatten() {
+                Some(dt) => dt,
+                None => {
+                    let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+                    b.expand(&format!("{name}_zeros"), zero, &shape_of(b, dy))
+                }
+            };
+            let op = Op::VocabShardCrossEntropyGrad { start: *start, ignore_index: *ignore_index };
+            vec![Some(b.emit1(&name, op, &[dy, dt, x(0), x(1), x(2)])?), None, None]
+        }
+        Op::VocabParallelLoss { reduction, ignore_index } => {
+            let op = Op::VocabParallelLossGrad { reduction: *reduction, ignore_index: *ignore_index };
+            let d = b.emit(&name, op, &[dy, x(0), x(2)], 2)?;
+            vec![Some(d[0]), Some(d[1]), None]
+        }
         _ => return Err(no_rule(node, "exists for this op")),
     })
 }

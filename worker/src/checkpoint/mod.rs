@@ -5,15 +5,20 @@
 //! `checkpoint_<step>` is always whole; only the newest `keep` are kept.
 //!
 //! Each rank writes only what it holds: a pipeline stage its weights, a ZeRO shard its pieces
-//! of the optimizer state, named `<tensor>@<first element>` (a 1-D run of the flattened tensor).
-//! Loading reads every rank's file and joins the pieces, so a checkpoint resumes under any
-//! layout (another data-parallel size, ZeRO or not, other pipeline stages).
+//! of the optimizer state, named `<tensor>@<first element>` (a 1-D run of the flattened tensor),
+//! a tensor-parallel rank its slices of the split weights and their state, named
+//! `<tensor>#tp<rank>` (how each weight is split is in the manifest's `tensorSplits`).
+//! Loading reads every rank's file and joins the pieces, then the slices, so a checkpoint
+//! resumes under any layout (another data-parallel or tensor-parallel size, ZeRO or not, other
+//! pipeline stages).
 
 pub mod safetensors;
 
 use crate::comm::{Collective, HostGroup, ProcessGroup};
 use crate::data::Position;
 use crate::error::{Error, Result};
+use crate::parallel::tensor::TensorSplit;
+use crate::session::OPTIMIZER_PREFIX;
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -45,6 +50,21 @@ pub struct Manifest {
     pub config: crate::config::TrainingConfig,
     /// File name → FNV-1a 64 checksum (hex) of its bytes.
     pub files: BTreeMap<String, String>,
+    /// How each weight that tensor parallelism split is divided (the slices `<name>#tp<r>`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub tensor_splits: BTreeMap<String, TensorSplit>,
+}
+
+/// Marks a tensor-parallel rank's slice in a tensor's name: `<name>#tp<rank>`.
+pub const SLICE_MARK: &str = "#tp";
+
+/// The weight a state key belongs to: the key itself, or `<w>` of `optimizer/<w>/<k>`; None
+/// for `optimizer/step`.
+pub fn weight_of_key(key: &str) -> Option<&str> {
+    match key.strip_prefix(OPTIMIZER_PREFIX) {
+        None => Some(key),
+        Some(rest) => rest.rsplit_once('/').filter(|(_, k)| k.parse::<usize>().is_ok()).map(|(w, _)| w),
+    }
 }
 
 /// FNV-1a, 64-bit, in hex: cheap and enough to notice a torn or damaged file.
@@ -66,15 +86,17 @@ fn io(path: &Path, e: std::io::Error) -> Error {
 }
 
 /// Writes checkpoint `step` into `dir` and prunes old ones; returns its path. Every rank of
-/// `world` calls it at the same step with its own `tensors` (`Session::state`); a rank whose
-/// tensors hold nothing but `optimizer/step` (a data-parallel replica without ZeRO) writes no
-/// file.
+/// `world` calls it at the same step with its own `tensors` (`Session::state`) and the same
+/// `splits` (`Session::tensor_splits`); a rank whose tensors hold nothing but `optimizer/step`
+/// (a data-parallel replica without ZeRO) writes no file.
+#[allow(clippy::too_many_arguments)]
 pub fn save(
     dir: &Path,
     step: u64,
     data: Position,
     config: &crate::config::TrainingConfig,
     tensors: &BTreeMap<String, Tensor>,
+    splits: &BTreeMap<String, TensorSplit>,
     keep: usize,
     world: &HostGroup,
 ) -> Result<PathBuf> {
@@ -118,6 +140,7 @@ pub fn save(
             layout: LayoutRecord { data: p.data, tensor: p.tensor, pipeline: p.pipeline, zero: p.zero },
             config: config.clone(),
             files,
+            tensor_splits: splits.clone(),
         };
         let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Runtime(e.to_string()))?;
         write_synced(&tmp.join("manifest.json"), &text)?;
@@ -208,5 +231,33 @@ pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
         }
         whole.insert(name, Tensor::from_vec(&[flat.len()], flat));
     }
+    join_slices(&m, &mut whole).map_err(|e| corrupt(e.to_string()))?;
     Ok((m, whole))
+}
+
+/// Replaces the tensor-parallel ranks' slices `<key>#tp<r>` with the whole `<key>`.
+fn join_slices(m: &Manifest, state: &mut BTreeMap<String, Tensor>) -> Result<()> {
+    let keys: Vec<String> = state.keys().filter(|k| k.contains(SLICE_MARK)).cloned().collect();
+    let mut slices: BTreeMap<String, BTreeMap<usize, Tensor>> = BTreeMap::new();
+    for key in keys {
+        let t = state.remove(&key).expect("listed above");
+        let (base, rank) = key.rsplit_once(SLICE_MARK).expect("listed above");
+        let rank = rank.parse::<usize>().map_err(|_| Error::Corrupt(format!("'{key}': not a slice name")))?;
+        slices.entry(base.to_string()).or_default().insert(rank, t);
+    }
+    let size = m.layout.tensor.max(1);
+    for (base, parts) in slices {
+        let split = weight_of_key(&base).and_then(|w| m.tensor_splits.get(w)).ok_or_else(|| {
+            Error::Corrupt(format!("'{base}' is written in slices, but the manifest's tensorSplits does not say how"))
+        })?;
+        if parts.len() != size || parts.keys().copied().ne(0..size) {
+            return Err(Error::Corrupt(format!(
+                "'{base}': slices of tensor-parallel ranks {:?} are here; the layout has {size}",
+                parts.keys().collect::<Vec<_>>()
+            )));
+        }
+        let parts: Vec<Tensor> = parts.into_values().collect();
+        state.insert(base.clone(), split.join(&parts).map_err(|e| Error::Corrupt(format!("'{base}': {e}")))?);
+    }
+    Ok(())
 }

@@ -29,6 +29,8 @@ pub enum ReduceOp {
     Sum,
     /// The sum divided by the group size (data-parallel gradients, evaluation losses).
     Average,
+    /// The largest value (a vocab-parallel softmax's row maxima).
+    Max,
 }
 
 /// Who is in a group and where this process sits in it.

@@ -251,6 +251,14 @@ fn average<T: HostElement>(buf: &mut [T], size: usize) {
     }
 }
 
+/// MPI's operation for a reduction (an average is a sum, divided afterwards).
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Sum | ReduceOp::Average => SystemOperation::sum(),
+        ReduceOp::Max => SystemOperation::max(),
+    }
+}
+
 impl<T: HostElement> Collective<[T]> for MpiGroup {
     fn all_reduce(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
         self.count("all_reduce", buf.len())?;
@@ -263,7 +271,7 @@ impl<T: HostElement> Collective<[T]> for MpiGroup {
         send.copy_from_slice(buf);
         {
             let _in = self.enter("all_reduce");
-            self.comm.all_reduce_into(&*send, buf, SystemOperation::sum());
+            self.comm.all_reduce_into(&*send, buf, system_op(op));
         }
         if op == ReduceOp::Average {
             average(buf, self.size());
@@ -276,7 +284,7 @@ impl<T: HostElement> Collective<[T]> for MpiGroup {
         self.count("reduce_scatter", send.len())?;
         {
             let _in = self.enter("reduce_scatter");
-            self.comm.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+            self.comm.reduce_scatter_block_into(send, recv, system_op(op));
         }
         if op == ReduceOp::Average {
             average(recv, self.size());

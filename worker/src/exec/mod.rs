@@ -4,12 +4,14 @@
 pub mod plan;
 
 use crate::backend::{Arg, Backend};
+use crate::comm::{Collective, HostGroup};
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, ValueId};
 use crate::graph::op::Op;
 use crate::tensor::Tensor;
 use plan::{Place, Plan};
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,6 +24,9 @@ pub struct Executor<B: Backend> {
     /// When Some, every run appends the timing of each op it launches (the runner turns them
     /// into a Chrome trace); None costs nothing.
     pub profile: Option<Vec<OpTiming>>,
+    /// The tensor-parallel group that the graph's `AllReduce` ops reduce over (tensor
+    /// parallelism's collectives run between the kernels, in graph order, on every rank).
+    pub tensor_group: Option<Rc<HostGroup>>,
 }
 
 /// One op's launch, timed to completion (the backend is synchronized after it).
@@ -45,7 +50,7 @@ impl<B: Backend> Executor<B> {
                 persistent.insert(v, backend.alloc(bytes).map_err(Error::Runtime)?);
             }
         }
-        let ex = Executor { backend, graph, plan, arena, persistent, profile: None };
+        let ex = Executor { backend, graph, plan, arena, persistent, profile: None, tensor_group: None };
         for (v, t) in &ex.graph.initializers {
             ex.backend.upload(t, ex.arg(*v)).map_err(Error::Runtime)?;
         }
@@ -153,6 +158,15 @@ impl<B: Backend> Executor<B> {
             self.backend
                 .launch(op, &inputs, &outputs)
                 .map_err(|e| Error::Corrupt(format!("{}: {e}", node.describe())))?;
+            if let Op::AllReduce { op } = op {
+                // The backend copied the value into place; the group reduces it there.
+                let group = self.tensor_group.as_ref().ok_or_else(|| {
+                    Error::Runtime(format!("{}: the executor has no tensor-parallel group", node.describe()))
+                })?;
+                self.backend
+                    .with_host_f32(outputs[0], &mut |v| group.all_reduce(v, *op).map_err(|e| e.to_string()))
+                    .map_err(Error::Runtime)?;
+            }
             if let Some(t0) = t0 {
                 self.backend.synchronize().map_err(Error::Runtime)?;
                 times.push(OpTiming { node: i, start: t0, duration: t0.elapsed() });

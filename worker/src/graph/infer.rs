@@ -648,6 +648,36 @@ pub fn infer_node(
         Op::LayerNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
         Op::SoftmaxCrossEntropyLossGrad { .. } => (op, vec![m(1)?.clone()]),
         Op::GatherGrad { data_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)]),
+        Op::AllReduce { .. } | Op::TensorParallelCopy => (op, same(0)?),
+        Op::ShardGather { .. } => {
+            let (table, ids) = (m(0)?, m(1)?);
+            if table.shape.len() != 2 || ids.dtype.is_float() {
+                return Err(err(node, "needs a [rows, C] table and integer ids"));
+            }
+            let mut shape = ids.shape.clone();
+            shape.push(table.shape[1]);
+            (op, vec![Meta::new(table.dtype, &shape)])
+        }
+        Op::ShardGatherGrad { rows, .. } => {
+            let dy = m(0)?;
+            let c = *dy.shape.last().ok_or_else(|| err(node, "dY has no axes"))?;
+            (op.clone(), vec![Meta::new(dy.dtype, &[*rows, c])])
+        }
+        Op::VocabShardCrossEntropy { .. } => {
+            let scores = m(0)?;
+            if scores.shape.len() != 2 || m(1)?.shape != scores.shape[..1] || m(2)?.shape != scores.shape[..1] {
+                return Err(err(node, "needs scores [N, V], labels [N] and row maxima [N]"));
+            }
+            let rows = Meta::new(scores.dtype, &scores.shape[..1]);
+            (op, vec![rows.clone(), rows])
+        }
+        Op::VocabShardCrossEntropyGrad { .. } => (op, vec![m(2)?.clone()]),
+        Op::VocabParallelLoss { reduction, .. } => {
+            let rows = m(0)?;
+            let shape: &[usize] = if *reduction == LossReduction::None { &rows.shape } else { &[] };
+            (op.clone(), vec![Meta::new(rows.dtype, shape)])
+        }
+        Op::VocabParallelLossGrad { .. } => (op, vec![m(1)?.clone(), m(1)?.clone()]),
         Op::SliceGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
         Op::ConvGrad { .. } => {
             let (x, w) = (m(1)?, m(2)?);

@@ -333,6 +333,48 @@ pub enum Op {
         trans_b: bool,
         activation: Option<Unary>,
     },
+
+    // ---- tensor parallelism (`parallel::tensor`); the executor runs the collectives ----
+    /// Megatron's `g`: the value combined by `op` over the tensor-parallel group (a sum completes
+    /// a row-parallel product's partial sums). Its gradient passes through unchanged.
+    AllReduce {
+        op: crate::comm::ReduceOp,
+    },
+    /// Megatron's `f`: the identity, whose gradient is summed over the tensor-parallel group.
+    TensorParallelCopy,
+    /// table [R, C] (rows `start..start + R` of the whole table), ids -> [ids.., C]: the rows
+    /// of the ids in range, zeros for the others.
+    ShardGather {
+        start: i64,
+    },
+    /// dY, ids -> dTable [rows, C]: dY scatter-added at the ids in range.
+    ShardGatherGrad {
+        start: i64,
+        rows: usize,
+    },
+    /// scores [N, Vr] (classes `start..start + Vr` of the whole), labels [N], max [N] (over all
+    /// classes) -> Σ_j exp(x_j − max) [N], and x[label] − max where the label is in this slice
+    /// (0 elsewhere, and where it is ignored).
+    VocabShardCrossEntropy {
+        start: i64,
+        ignore_index: Option<i64>,
+    },
+    /// dΣexp, dTarget, scores, labels, max -> dScores.
+    VocabShardCrossEntropyGrad {
+        start: i64,
+        ignore_index: Option<i64>,
+    },
+    /// Σexp [N], target [N], labels [N] -> the cross-entropy (ln Σexp − target) reduced over
+    /// the rows whose label is not ignored.
+    VocabParallelLoss {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
+    /// dLoss, Σexp, labels -> dΣexp, dTarget.
+    VocabParallelLossGrad {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
 }
 
 /// The ONNX op types `Op::from_onnx` accepts, for error messages and reports.
@@ -680,6 +722,14 @@ impl Op {
             Op::PoolGrad { .. } => internal("PoolGrad"),
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
+            Op::AllReduce { .. } => internal("AllReduce"),
+            Op::TensorParallelCopy => internal("TensorParallelCopy"),
+            Op::ShardGather { .. } => internal("ShardGather"),
+            Op::ShardGatherGrad { .. } => internal("ShardGatherGrad"),
+            Op::VocabShardCrossEntropy { .. } => internal("VocabShardCrossEntropy"),
+            Op::VocabShardCrossEntropyGrad { .. } => internal("VocabShardCrossEntropyGrad"),
+            Op::VocabParallelLoss { .. } => internal("VocabParallelLoss"),
+            Op::VocabParallelLossGrad { .. } => internal("VocabParallelLossGrad"),
         }
     }
 
@@ -736,13 +786,28 @@ impl Op {
             Op::BatchNorm { epsilon, momentum, training } => {
                 vec![f("epsilon", *epsilon), f("momentum", *momentum), i("training_mode", *training as i64)]
             }
-            Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
+            Op::SoftmaxCrossEntropyLoss { reduction, ignore_index }
+            | Op::VocabParallelLoss { reduction, ignore_index }
+            | Op::VocabParallelLossGrad { reduction, ignore_index } => {
                 let r = match reduction {
                     LossReduction::Mean => "mean",
                     LossReduction::Sum => "sum",
                     LossReduction::None => "none",
                 };
                 let mut v = vec![("reduction".to_string(), AttrValue::Str(r.into()))];
+                if let Some(ii) = ignore_index {
+                    v.push(i("ignore_index", *ii));
+                }
+                v
+            }
+            Op::AllReduce { op } => {
+                vec![("op".into(), AttrValue::Str(format!("{op:?}").to_lowercase()))]
+            }
+            Op::ShardGather { start } => vec![i("start", *start)],
+            Op::ShardGatherGrad { start, rows } => vec![i("start", *start), i("rows", *rows as i64)],
+            Op::VocabShardCrossEntropy { start, ignore_index }
+            | Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
+                let mut v = vec![i("start", *start)];
                 if let Some(ii) = ignore_index {
                     v.push(i("ignore_index", *ii));
                 }

@@ -8,7 +8,11 @@
 //! - ZeRO (`sharded`): gradients reduce-scattered, each replica updating its shard of the
 //!   weights with its shard of the optimizer state, the updated weights all-gathered;
 //! - pipeline (`stage`): the session trains one stage of the model, exchanging activations and
-//!   their gradients with its neighbours in the order of a schedule.
+//!   their gradients with its neighbours in the order of a schedule;
+//! - tensor parallel (`parallel::tensor`): the bound forward graph is sharded Megatron-style
+//!   before anything else, so the session trains this rank's slices of the split weights; the
+//!   executors run the graph's all-reduces over the tensor-parallel group. A replicated weight
+//!   gets the same gradient on every tensor-parallel rank and counts once, on rank 0.
 
 mod overlap;
 mod sharded;
@@ -27,8 +31,10 @@ use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::Update;
+use crate::parallel::tensor::TensorSplit;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};
+use std::rc::Rc;
 use std::sync::Arc;
 
 /// The shape of each input of a batch, by name.
@@ -67,6 +73,15 @@ pub struct SessionOptions {
     pub bucket_bytes: usize,
     /// Combine the replicas' gradients with Adasum instead of averaging them.
     pub adasum: bool,
+    /// This rank's place in its tensor-parallel group (None: no tensor parallelism).
+    pub tensor: Option<TensorPlace>,
+}
+
+/// Rank `rank` of a tensor-parallel group of `size` (parallelism.tensor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorPlace {
+    pub rank: usize,
+    pub size: usize,
 }
 
 /// Which pipeline stage a session trains, and how.
@@ -96,6 +111,7 @@ impl SessionOptions {
             report_gradients: false,
             bucket_bytes: 25 << 20,
             adasum: false,
+            tensor: None,
         }
     }
 }
@@ -111,8 +127,11 @@ struct Param<B: Backend> {
     state: Vec<B::Buffer>,
     /// The sum of micro-batch gradients, when accumulating.
     accum: Option<B::Buffer>,
-    /// This stage is the first that holds the weight: it counts it in the gradient norm and
-    /// writes it to checkpoints.
+    /// This stage is the first that holds the weight (it sends it for export).
+    first_stage: bool,
+    /// This rank counts the weight in the gradient norm and writes it to checkpoints: its first
+    /// stage does, on tensor-parallel rank 0 unless the weight is split (then every rank writes
+    /// its slice).
     owner: bool,
 }
 
@@ -159,6 +178,11 @@ pub struct Session<B: Backend> {
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
     report_gradients: bool,
+    /// Tensor parallelism: this rank's place, and how each split weight is divided.
+    tensor: Option<TensorPlace>,
+    splits: BTreeMap<String, TensorSplit>,
+    /// The tensor-parallel group (after `join`, when tensor parallelism is on).
+    tensor_group: Option<Rc<HostGroup>>,
     /// Weight updates done.
     pub step: u64,
 }
@@ -249,8 +273,19 @@ impl<B: Backend> Session<B> {
         autodiff::recompute::pin_dropout_seeds(&mut bound);
         let all_weights: Vec<(String, Meta)> =
             params.iter().map(|&v| (g.name_of(v).to_string(), bound.meta(v).cloned().expect("bound"))).collect();
+        // Tensor parallelism splits the whole forward graph, before a pipeline cuts it.
+        let mut pipeline = opts.pipeline.clone();
+        let mut splits = BTreeMap::new();
+        if let Some(t) = opts.tensor {
+            // Balanced cuts are chosen on the unsplit graph, so that every tensor-parallel rank
+            // cuts alike (an uneven vocabulary split makes the ranks' FLOPs differ).
+            if let Some(p) = pipeline.as_mut().filter(|p| p.cuts.is_empty()) {
+                p.cuts = crate::parallel::pipeline::balanced_cuts(&bound, model.loss, p.stages)?;
+            }
+            splits = crate::parallel::tensor::shard(&mut bound, model.loss, t.rank, t.size)?;
+        }
         // This rank's part: the whole graph, or a stage with its boundary.
-        let (mut train, loss, mut part, stage_weights) = match &opts.pipeline {
+        let (mut train, loss, mut part, stage_weights) = match &pipeline {
             None => (bound, model.loss, None, vec![params.clone()]),
             Some(p) => stage::cut(bound, model.loss, p, &params)?,
         };
@@ -332,8 +367,9 @@ impl<B: Backend> Session<B> {
             let state = (0..state_count).map(|_| alloc()).collect::<Result<Vec<_>>>()?;
             let accum = if accumulation > 1 && opts.zero < 2 { Some(alloc()?) } else { None };
             let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
-            let owner = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
-            ps.push(Param { value, grad, update, lr_scale, state, accum, owner });
+            let first_stage = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
+            let owner = first_stage && (splits.contains_key(name) || opts.tensor.is_none_or(|t| t.rank == 0));
+            ps.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
         // Batch inputs only: a stage's received activations and their gradients are fed apart.
         let inputs = train
@@ -365,14 +401,31 @@ impl<B: Backend> Session<B> {
             overlap: None,
             all_weights,
             report_gradients: opts.report_gradients,
+            tensor: opts.tensor,
+            splits,
+            tensor_group: None,
             step: 0,
         })
     }
 
-    /// Trains as one rank of `data` × `pipeline` (groups of one when alone): the weights start
-    /// from data-parallel rank 0's (call before loading a checkpoint), every update averages
-    /// the replicas' gradients, and under ZeRO this rank keeps its shard of the state.
-    pub fn join(&mut self, data: HostGroup, pipeline: HostGroup) -> Result<()> {
+    /// Trains as one rank of `data` × `tensor` × `pipeline` (groups of one when alone): the
+    /// weights start from data-parallel rank 0's (call before loading a checkpoint), every
+    /// update averages the replicas' gradients, and under ZeRO this rank keeps its shard of the
+    /// state.
+    pub fn join(&mut self, data: HostGroup, tensor: HostGroup, pipeline: HostGroup) -> Result<()> {
+        let ranks = self.tensor.map_or(1, |t| t.size);
+        if tensor.size() != ranks || tensor.rank() != self.tensor.map_or(0, |t| t.rank) {
+            return Err(Error::Runtime(format!(
+                "the session was split for tensor-parallel rank {} of {ranks}, but this rank is in {}",
+                self.tensor.map_or(0, |t| t.rank),
+                crate::comm::describe(&tensor)
+            )));
+        }
+        if ranks > 1 {
+            let group = Rc::new(tensor);
+            self.train.tensor_group = Some(group.clone());
+            self.tensor_group = Some(group);
+        }
         let stages = self.stage.as_ref().map_or(1, |p| p.count);
         if pipeline.size() != stages {
             return Err(Error::Runtime(format!(
@@ -425,6 +478,14 @@ impl<B: Backend> Session<B> {
     /// what it computed (the last stage the loss) and zeros for the rest.
     fn sum_over_stages(&self, values: &mut [f64]) -> Result<()> {
         match &self.pipeline {
+            Some(group) => group.all_reduce(values, ReduceOp::Sum),
+            None => Ok(()),
+        }
+    }
+
+    /// Sums `values` over the tensor-parallel ranks (a no-op without tensor parallelism).
+    fn sum_over_tensor_ranks(&self, values: &mut [f64]) -> Result<()> {
+        match &self.tensor_group {
             Some(group) => group.all_reduce(values, ReduceOp::Sum),
             None => Ok(()),
         }
@@ -546,6 +607,7 @@ impl<B: Backend> Session<B> {
         // The global gradient norm: every weight once, over all stages and shards.
         let mut sq = [self.local_sum_squares()?];
         self.sum_over_stages(&mut sq)?;
+        self.sum_over_tensor_ranks(&mut sq)?;
         let grad_norm = sq[0].sqrt();
         // torch.nn.utils.clip_grad_norm_: scale by max/(norm+1e-6) when that is below 1.
         let grad_scale = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
@@ -641,11 +703,16 @@ impl<B: Backend> Session<B> {
             // Forward + loss in inference mode (dropout off), fused like the training graph; a
             // pipeline stage's part of it, cut where the training graph was.
             let mut g = bind(&self.forward, &bindings_for(&self.forward, first, &self.variables)?, false)?;
+            if let Some(t) = self.tensor {
+                crate::parallel::tensor::shard(&mut g, self.eval_loss, t.rank, t.size)?;
+            }
             if let Some(part) = &self.stage {
                 g = part.eval_graph(g, self.eval_loss)?;
             }
             fuse::run(&mut g, &self.disabled_passes);
-            self.eval = Some((shapes, Executor::new(self.train.backend.clone(), g, &[])?));
+            let mut ex = Executor::new(self.train.backend.clone(), g, &[])?;
+            ex.tensor_group = self.tensor_group.clone();
+            self.eval = Some((shapes, ex));
         }
         let eval = &mut self.eval.as_mut().expect("planned above").1;
         for p in &self.params {
@@ -712,11 +779,47 @@ impl<B: Backend> Session<B> {
     /// calls it, at the same point.
     pub fn gather_weights(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
         let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
-        match (&self.stage, &self.pipeline) {
-            (Some(part), Some(group)) if replica0 => part.gather_weights(self, group),
-            _ if replica0 => self.weights().map(Some),
-            _ => Ok(None),
+        let stages = match (&self.stage, &self.pipeline) {
+            (Some(part), Some(group)) if replica0 => part.gather_weights(self, group)?,
+            _ if replica0 => Some(self.weights()?),
+            _ => None,
+        };
+        // The first stage's tensor-parallel ranks (of replica 0) join their slices.
+        match (stages, &self.tensor_group) {
+            (Some(weights), Some(group)) => self.join_slices(weights, group).map(Some),
+            (weights, _) => Ok(weights),
         }
+    }
+
+    /// Every split weight of `weights` (this rank's slices) made whole from the tensor-parallel
+    /// ranks' slices, which every rank of `group` contributes in the same (name) order.
+    fn join_slices(
+        &self,
+        mut weights: BTreeMap<String, Tensor>,
+        group: &HostGroup,
+    ) -> Result<BTreeMap<String, Tensor>> {
+        let size = group.size();
+        for (name, t) in weights.iter_mut() {
+            let Some(split) = self.splits.get(name) else { continue };
+            // Slices may differ in length by a row (an uneven vocabulary): gathered padded.
+            let lens: Vec<usize> = (0..size).map(|r| split.local_shape(r, size).iter().product()).collect();
+            let longest = lens.iter().copied().max().unwrap_or(0);
+            let mut mine = t.as_slice::<f32>().to_vec();
+            mine.resize(longest, 0.0);
+            let mut all = vec![0f32; longest * size];
+            group.all_gather(&mine[..], &mut all[..])?;
+            let slices: Vec<Tensor> = (0..size)
+                .map(|r| Tensor::from_vec(&[lens[r]], all[r * longest..r * longest + lens[r]].to_vec()))
+                .collect();
+            *t = split.join(&slices)?;
+        }
+        Ok(weights)
+    }
+
+    /// How each split weight is divided among the tensor-parallel ranks (empty without tensor
+    /// parallelism): checkpoints record it, to join the ranks' slices.
+    pub fn tensor_splits(&self) -> &BTreeMap<String, TensorSplit> {
+        &self.splits
     }
 
     /// What this rank writes into a checkpoint, by name (`checkpoint` assembles the ranks'
@@ -742,14 +845,57 @@ impl<B: Backend> Session<B> {
                 out.insert(key, t);
             }
         }
+        if let Some(t) = self.tensor {
+            out = out.into_iter().map(|(key, v)| (self.slice_key(&key, t.rank), v)).collect();
+        }
         out.insert(format!("{OPTIMIZER_PREFIX}step"), Tensor::from_vec(&[1], vec![self.step as i64]));
         Ok(out)
+    }
+
+    /// A state key of a split weight marked with this rank's slice: `<name>#tp<rank>` (before
+    /// a ZeRO piece's `@<start>`); other keys as they are. `checkpoint::load` joins the slices.
+    fn slice_key(&self, key: &str, rank: usize) -> String {
+        let (base, piece) = match key.rsplit_once('@') {
+            Some((base, start)) if start.parse::<usize>().is_ok() => (base, &key[base.len()..]),
+            _ => (key, ""),
+        };
+        if crate::checkpoint::weight_of_key(base).is_some_and(|w| self.splits.contains_key(w)) {
+            format!("{base}{}{rank}{piece}", crate::checkpoint::SLICE_MARK)
+        } else {
+            key.to_string()
+        }
+    }
+
+    /// This rank's slices of an assembled (whole) state's split weights and their optimizer
+    /// state; everything else as it is.
+    fn slice_state(&self, state: &BTreeMap<String, Tensor>, t: TensorPlace) -> Result<BTreeMap<String, Tensor>> {
+        state
+            .iter()
+            .map(|(key, v)| {
+                let split = crate::checkpoint::weight_of_key(key).and_then(|w| self.splits.get(w));
+                Ok((
+                    key.clone(),
+                    match split {
+                        Some(split) => split.slice(v, t.rank, t.size)?,
+                        None => v.clone(),
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// Restores this rank's part of a state the ranks' `state` saved (assembled: every weight
     /// and optimizer tensor whole); `origin` names the checkpoint in errors. The layout may
     /// differ from the one that saved it: any data-parallel size, ZeRO or not.
     pub fn load_state(&mut self, state: &BTreeMap<String, Tensor>, origin: &str) -> Result<()> {
+        let sliced;
+        let state = match self.tensor {
+            Some(t) => {
+                sliced = self.slice_state(state, t).map_err(|e| Error::Corrupt(format!("{origin}: {e}")))?;
+                &sliced
+            }
+            None => state,
+        };
         let missing = |what: &str| Error::Corrupt(format!("{origin}: '{what}' is missing"));
         for p in &self.params {
             let name = self.train.graph.name_of(p.value).to_string();

@@ -198,7 +198,7 @@ impl StagePart {
         group: &HostGroup,
     ) -> Result<Option<BTreeMap<String, Tensor>>> {
         if self.index > 0 {
-            for p in session.params.iter().filter(|p| p.owner) {
+            for p in session.params.iter().filter(|p| p.first_stage) {
                 let w = session.train.fetch(p.value)?;
                 group.send(w.as_slice::<f32>(), 0)?;
             }

@@ -13,6 +13,7 @@ pub mod matmul;
 pub mod norm;
 pub mod random;
 pub mod shape;
+pub mod shard;
 
 use crate::graph::op::Op;
 use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
@@ -143,6 +144,25 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             conv::batch_norm(*epsilon, *momentum, *training, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)
         }
         Op::BatchNormGrad { epsilon } => conv::batch_norm_grad(*epsilon, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::ShardGather { start } => shard::gather(*start, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::ShardGatherGrad { start, .. } => shard::gather_grad(*start, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::VocabShardCrossEntropy { start, ignore_index } => {
+            shard::cross_entropy(*start, *ignore_index, &x(0)?, &x(1)?, &x(2)?, outputs)
+        }
+        Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
+            shard::cross_entropy_grad(*start, *ignore_index, [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?], &mut outputs[0])
+        }
+        Op::VocabParallelLoss { reduction, ignore_index } => {
+            shard::loss(*reduction, *ignore_index, &x(0)?, &x(1)?, &x(2)?, &mut outputs[0])
+        }
+        Op::VocabParallelLossGrad { reduction, ignore_index } => {
+            shard::loss_grad(*reduction, *ignore_index, &x(0)?, &x(1)?, &x(2)?, outputs)
+        }
+        // The executor runs these: a copy here, the collective around it.
+        Op::AllReduce { .. } | Op::TensorParallelCopy => {
+            outputs[0].bytes.copy_from_slice(x(0)?.bytes);
+            Ok(())
+        }
         Op::Constant { .. }
         | Op::Shape { .. }
         | Op::ConstantOfShape { .. }
