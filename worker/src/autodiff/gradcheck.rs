@@ -4,6 +4,7 @@
 
 use super::gradients;
 use crate::backend::cpu::CpuBackend;
+use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, ValueId};
@@ -72,12 +73,17 @@ fn check(name: &str, mut c: Case) {
     let grads = gradients(&mut train, loss, &c.params).unwrap_or_else(|e| panic!("{name}: {e}"));
     train.outputs = std::iter::once(loss).chain(grads.iter().copied()).collect();
     crate::graph::fuse::run(&mut train, &[]);
+    // Tensor parallelism's collectives run over a group of one: the rules and kernels around them
+    // are what is checked here (mpi_train.rs checks them across ranks).
+    let solo = || Some(std::rc::Rc::new(HostGroup::Solo(SoloGroup::new("tensor", 0))));
     let mut ex = Executor::new(backend.clone(), train, &[]).unwrap();
+    ex.tensor_group = solo();
     ex.run(1).unwrap();
     let analytic: Vec<Tensor> = grads.iter().map(|&g| ex.fetch(g).unwrap()).collect();
 
     let fwd = bind(&c.g, &bindings, true).unwrap();
     let mut fx = Executor::new(backend, fwd, &[]).unwrap();
+    fx.tensor_group = solo();
     let eps = 1e-2f32;
     for (pi, &p) in c.params.iter().enumerate() {
         let base = c.g.initializers[&p].clone();
@@ -249,6 +255,48 @@ fn softmax_layernorm_and_losses() {
             ins.push(b.constant("w", Tensor::from_vec(&[4], vec![0.5f32, 1.0, 2.0, 1.5])));
         }
         let y = b.g.op1("y", Op::SoftmaxCrossEntropyLoss { reduction, ignore_index: ignore }, &ins);
+        check(name, b.done(y));
+    }
+}
+
+#[test]
+fn tensor_parallel_ops() {
+    // Megatron's f and g around a product: the gradient flows through both.
+    let mut b = CaseBuilder::new(21);
+    let x = b.param("x", &[2, 3], -1.0, 1.0);
+    let w = b.param("w", &[3, 4], -1.0, 1.0);
+    let copy = b.g.op1("copy", Op::TensorParallelCopy, &[x]);
+    let y = b.g.op1("y", Op::MatMul, &[copy, w]);
+    let y = b.g.op1("sum", Op::AllReduce { op: ReduceOp::Sum }, &[y]);
+    check("TensorParallelCopy, AllReduce", b.done(y));
+
+    // Rows 2..6 of a table: ids outside them look up zeros and get no gradient.
+    let mut b = CaseBuilder::new(22);
+    let table = b.param("table", &[4, 3], -1.0, 1.0);
+    let ids = b.constant("ids", Tensor::from_vec(&[2, 3], vec![0i64, 2, 5, 3, 7, 5]));
+    let y = b.g.op1("y", Op::ShardGather { start: 2 }, &[table, ids]);
+    check("ShardGather", b.done(y));
+
+    // The vocab-parallel cross-entropy chain over one slice of 4 classes: classes 0..4, or
+    // 2..6 of a larger vocabulary. (Every label lies in the slice, as on the rank that holds it;
+    // the row maxima's shift cancels only between Σexp and the target, as across the ranks.)
+    for (name, start, labels, reduction) in [
+        ("vocab-parallel cross-entropy, mean", 0, [0i64, 3, 2, 1, 3], LossReduction::Mean),
+        ("vocab-parallel cross-entropy, a slice, sum", 2, [3, 5, 2, 4, 2], LossReduction::Sum),
+        ("vocab-parallel cross-entropy, none", 0, [1, 0, 2, 3, 3], LossReduction::None),
+    ] {
+        let mut b = CaseBuilder::new(23);
+        let x = b.param("scores", &[5, 4], -2.0, 2.0);
+        let l = b.constant("labels", Tensor::from_vec(&[5], labels.to_vec()));
+        let reduce =
+            Op::ReduceOp { kind: Reduce::Max, axes: Some(vec![1]), keepdims: false, noop_with_empty_axes: false };
+        let m = b.g.op1("max", reduce, &[x]);
+        let m = b.g.op1("max_all", Op::AllReduce { op: ReduceOp::Max }, &[m]);
+        let ignore_index = Some(2);
+        let parts = b.g.add_node("shard", Op::VocabShardCrossEntropy { start, ignore_index }, &[x, l, m], 2);
+        let se = b.g.op1("sum_exp", Op::AllReduce { op: ReduceOp::Sum }, &[parts[0]]);
+        let t = b.g.op1("target", Op::AllReduce { op: ReduceOp::Sum }, &[parts[1]]);
+        let y = b.g.op1("loss_", Op::VocabParallelLoss { reduction, ignore_index }, &[se, t, l]);
         check(name, b.done(y));
     }
 }
