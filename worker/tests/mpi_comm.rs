@@ -29,17 +29,26 @@ fn is_rank() -> bool {
 
 struct Run {
     status: ExitStatus,
+    /// mpirun's own output with every rank's copied in, interleaved as it came.
     output: String,
+    /// Each rank's stdout alone, in rank order (mpirun's `--output-filename`).
+    rank_stdout: Vec<String>,
     elapsed: Duration,
 }
 
 impl Run {
     fn assert_every_rank_passed(&self, test: &str, np: usize) {
         assert!(self.status.success(), "mpirun -np {np} {test} failed ({}):\n{}", self.status, self.output);
-        // A filter that matched nothing would pass too: each rank must have run the test.
-        // (The summary line, since the ranks' "test ... ok" lines interleave.)
-        let passed = self.output.matches("test result: ok. 1 passed;").count();
-        assert_eq!(passed, np, "{np} ranks should each have passed {test}:\n{}", self.output);
+        // A filter that matched nothing would pass too: each rank must have run the test. Read
+        // from each rank's own file: in the shared stream the ranks' lines interleave mid-line.
+        assert_eq!(self.rank_stdout.len(), np, "{np} ranks should each have written their output:\n{}", self.output);
+        for (rank, out) in self.rank_stdout.iter().enumerate() {
+            assert!(
+                out.contains("test result: ok. 1 passed;"),
+                "rank {rank} of {np} did not pass {test}:\n{out}\n--- all ranks:\n{}",
+                self.output
+            );
+        }
     }
 }
 
@@ -47,8 +56,12 @@ impl Run {
 fn mpirun(test: &str, np: usize, env: &[(&str, &str)], deadline: Duration) -> Run {
     let _one_at_a_time = MPIRUN.lock().unwrap_or_else(|e| e.into_inner());
     let exe = std::env::current_exe().expect("the test binary's path");
+    let rank_files = std::env::temp_dir().join(format!("tf-mpi-comm-{test}-{np}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&rank_files);
     let mut cmd = common::mpirun(np);
-    cmd.arg(exe)
+    cmd.arg("--output-filename")
+        .arg(&rank_files)
+        .arg(exe)
         .args(["--exact", test, "--nocapture", "--test-threads", "1"])
         .env(RANK_MODE, "1")
         .stdin(Stdio::null())
@@ -88,7 +101,13 @@ fn mpirun(test: &str, np: usize, env: &[(&str, &str)], deadline: Duration) -> Ru
     };
     let elapsed = started.elapsed();
     let output = format!("{}{}", out.join().unwrap(), err.join().unwrap());
-    Run { status, output, elapsed }
+    // OpenMPI 4 writes <dir>/<job>/rank.<r>/stdout, one job per mpirun.
+    let job = std::fs::read_dir(&rank_files).ok().and_then(|mut d| d.next()).and_then(|e| e.ok()).map(|e| e.path());
+    let rank_stdout = job
+        .map(|job| (0..np).map_while(|r| std::fs::read_to_string(job.join(format!("rank.{r}/stdout"))).ok()).collect())
+        .unwrap_or_default();
+    let _ = std::fs::remove_dir_all(&rank_files);
+    Run { status, output, rank_stdout, elapsed }
 }
 
 /// How long a healthy test may take, startup included, before it counts as hung.
