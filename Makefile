@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test bench images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench images clean
 
 deps:
 	bash .ci/deps.sh
@@ -98,7 +98,29 @@ test: deps k8s
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
 	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
-		$(CARGO) test --workspace --release
+		$(CARGO) test --workspace --release --exclude tensorfleet-e2e
+	$(MAKE) --no-print-directory e2e
+
+# The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): a control
+# plane, the node agent playing the kubelet for three nodes, and the operator installed with
+# helm, all started here (as root) and stopped at the end; the pods' files and logs stay in the
+# cluster's directory, which is printed. One scenario at a time: they share the machine.
+e2e: deps k8s
+	$(CARGO) build --workspace --release
+	cluster="$$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"; \
+	trap 'bash e2e/cluster/down.sh "$$cluster"; echo "e2e: logs of the cluster are in $$cluster" >&2' EXIT; \
+	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
+	TENSORFLEET_E2E_CLUSTER="$$cluster" $(CARGO) test --release -p tensorfleet-e2e -- --test-threads 1
+
+# The local cluster left running with the CPU quickstart training on it, for a person to
+# look at with kubectl (the command to use is printed); `make demo-cluster-down` stops it.
+DEMO_CLUSTER := /tmp/tensorfleet-demo-cluster
+demo-cluster: deps k8s
+	$(CARGO) build --workspace --release
+	bash e2e/cluster/demo.sh $(DEMO_CLUSTER)
+
+demo-cluster-down:
+	bash e2e/cluster/down.sh $(DEMO_CLUSTER)
 
 # Benchmarks (worker/benches/): GEMM GFLOP/s against the machine's measured peak,
 # a training step of GPT-2 and SqueezeNet next to PyTorch on the CPU, checkpoint and

@@ -10,7 +10,10 @@ started=${EPOCHREALTIME//[!0-9]/}  # microseconds
 # python3-venv: the venv of the test oracles (onnx, onnxruntime, numpy).
 # libopenmpi-dev, openmpi-bin, libclang-dev: MPI, and the libclang the mpi crate's bindgen needs.
 # openssl: certificates of the test control plane (e2e/control-plane/up.sh).
-APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev openssl)
+# openssh-server, openssh-client, iproute2: the local cluster's pods (e2e/cluster/): sshd in the
+# worker pods, ssh under the launcher's mpirun, and the pods' network namespaces and bridge.
+APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev openssl
+    openssh-server openssh-client iproute2)
 
 REQUIREMENTS=.ci/requirements.txt
 VENV=.venv

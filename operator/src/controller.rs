@@ -210,6 +210,12 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
         if status::succeeded(launcher) {
             st.set_phase("Succeeded", "LauncherSucceeded", "mpirun finished: every rank exited 0".into());
             st.completion_time = Some(status::now());
+            // Rank 0's endpoint closed with the run, after the last reading: every rank exiting
+            // 0 means every step was taken, so the progress is completed rather than left at
+            // the last poll (whose loss belonged to an earlier step, so it goes).
+            if let Some(p) = st.progress.as_mut() {
+                *p = progress::completed(p.total_steps);
+            }
             st.launcher = Some("Succeeded".into());
             publish(ctx, job, EventType::Normal, "Succeeded", "training finished".into()).await;
             write_status(ctx, job, &st, &old).await?;

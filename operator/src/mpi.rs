@@ -93,6 +93,11 @@ pub fn launcher_env(job: &TrainingJob) -> Vec<(String, String)> {
             env.push(("OMPI_ALLOW_RUN_AS_ROOT".into(), "1".into()));
             env.push(("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM".into(), "1".into()));
             env.push(("OMPI_MCA_plm_rsh_args".into(), ssh_args));
+            // OpenMPI cuts the hostfile's names at the first dot and would ssh to
+            // "<job>-worker-0", which only the full headless-Service name resolves
+            // (found by the local cluster's end-to-end test). The PRTE name is OpenMPI 5's.
+            env.push(("OMPI_MCA_orte_keep_fqdn_hostnames".into(), "true".into()));
+            env.push(("PRTE_MCA_prte_keep_fqdn_hostnames".into(), "1".into()));
         }
         MpiImplementation::Intel => env.push(("I_MPI_HYDRA_BOOTSTRAP_EXEC_EXTRA_ARGS".into(), ssh_args)),
         MpiImplementation::Mpich => env.push(("HYDRA_LAUNCHER_EXTRA_ARGS".into(), ssh_args)),

@@ -53,6 +53,18 @@ impl Report {
     }
 }
 
+/// The progress of a run that finished all `total_steps`.
+pub fn completed(total_steps: i64) -> Progress {
+    Progress {
+        step: total_steps,
+        total_steps,
+        eta_seconds: Some(0),
+        summary: format!("{total_steps}/{total_steps} (100%)"),
+        observed_at: Some(crate::status::now()),
+        ..Progress::default()
+    }
+}
+
 fn human_duration(seconds: i64) -> String {
     match seconds {
         s if s >= 3600 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),

@@ -198,5 +198,7 @@ mod tests {
         assert_eq!(c.command.as_ref().unwrap()[1], "/etc/tensorfleet/launch.sh");
         assert_eq!(c.termination_message_policy.as_deref(), Some("FallbackToLogsOnError"));
         assert!(c.env.as_ref().unwrap().iter().any(|e| e.name == "OMPI_MCA_plm_rsh_args"));
+        let keep_fqdn = c.env.as_ref().unwrap().iter().find(|e| e.name == "OMPI_MCA_orte_keep_fqdn_hostnames");
+        assert_eq!(keep_fqdn.and_then(|e| e.value.as_deref()), Some("true"));
     }
 }

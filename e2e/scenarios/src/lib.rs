@@ -1,0 +1,290 @@
+//! The harness of the end-to-end scenarios: a local cluster brought up by `e2e/cluster/up.sh`
+//! (control plane, node agent, the operator installed with helm) and reached through
+//! TENSORFLEET_E2E_CLUSTER, its directory. `make e2e` (and so `make test`) brings it up, runs
+//! the scenarios and takes it down. Everything a scenario does goes through the API server or
+//! kubectl, as a user's would; it reads results from the claim's directory on the host, which is
+//! where the provisioner keeps the volume.
+
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::ResourceExt;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use tensorfleet_operator::crd::TrainingJob;
+
+pub const CLUSTER_VAR: &str = "TENSORFLEET_E2E_CLUSTER";
+
+/// The repository's root.
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("the repository root")
+}
+
+pub struct Cluster {
+    pub client: kube::Client,
+    pub dir: PathBuf,
+    kubectl: PathBuf,
+}
+
+impl Cluster {
+    /// The cluster `make e2e` started. Panics with what to do when there is none: these tests
+    /// cannot run without it and must not pass without it.
+    pub async fn connect() -> Cluster {
+        let dir = std::env::var_os(CLUSTER_VAR).map(PathBuf::from).unwrap_or_else(|| {
+            panic!("{CLUSTER_VAR} is not set: run the scenarios with `make e2e` (as root), which brings up the local cluster")
+        });
+        let env = std::fs::read_to_string(dir.join("env")).unwrap_or_else(|e| panic!("{}/env: {e}", dir.display()));
+        let bin = env
+            .lines()
+            .find_map(|l| l.strip_prefix("TENSORFLEET_K8S_BIN="))
+            .unwrap_or_else(|| panic!("{}/env names no TENSORFLEET_K8S_BIN", dir.display()));
+        let kubeconfig_path = dir.join("kubeconfig");
+        let kubeconfig = Kubeconfig::read_from(&kubeconfig_path).expect("the cluster's kubeconfig");
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .expect("a client configuration");
+        let client = kube::Client::try_from(config).expect("a client");
+        Cluster { client, kubectl: PathBuf::from(bin).join("kubectl"), dir }
+    }
+
+    /// Runs kubectl against the cluster with `stdin`.
+    pub fn kubectl(&self, args: &[&str], stdin: Option<&str>) -> Output {
+        use std::io::Write;
+        let mut child = Command::new(&self.kubectl)
+            .args(args)
+            .current_dir(repo())
+            .env("KUBECONFIG", self.dir.join("kubeconfig"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("running kubectl");
+        let mut input = child.stdin.take().unwrap();
+        if let Some(text) = stdin {
+            input.write_all(text.as_bytes()).expect("writing to kubectl");
+        }
+        drop(input);
+        child.wait_with_output().expect("kubectl's output")
+    }
+
+    /// A fresh namespace for one scenario.
+    pub async fn namespace(&self, scenario: &str) -> String {
+        let name = format!("{scenario}-{}", std::process::id());
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        Api::<Namespace>::all(self.client.clone())
+            .create(&PostParams::default(), &ns)
+            .await
+            .expect("creating a namespace");
+        let sas: Api<k8s_openapi::api::core::v1::ServiceAccount> = Api::namespaced(self.client.clone(), &name);
+        wait_for(Duration::from_secs(60), "the namespace's default ServiceAccount", || async {
+            sas.get_opt("default").await.ok()?
+        })
+        .await;
+        name
+    }
+
+    /// The quickstart's data in the namespace, made as e2e/cluster/prepare-data.yaml says: a
+    /// claim `tensorfleet-data` filled with token shards by a pod that runs the worker image's
+    /// `prepare-data` on the repository's demo corpus.
+    pub async fn prepare_data(&self, ns: &str) {
+        let corpus = repo().join("examples/local/data/corpus.txt");
+        let from_file = format!("--from-file=corpus.txt={}", corpus.display());
+        for args in [
+            vec!["create", "configmap", "corpus", "-n", ns, from_file.as_str()],
+            vec!["apply", "-n", ns, "-f", "e2e/cluster/prepare-data.yaml"],
+        ] {
+            let out = self.kubectl(&args, None);
+            assert!(out.status.success(), "kubectl {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+        }
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let phase = wait_for(Duration::from_secs(120), "the prepare-data pod to finish", || async {
+            let p = pods.get("prepare-data").await.ok()?;
+            p.status?.phase.filter(|p| p == "Succeeded" || p == "Failed")
+        })
+        .await;
+        assert_eq!(phase, "Succeeded", "prepare-data failed:\n{}", self.diagnostics(ns).await);
+    }
+
+    /// Server-side applies a TrainingJob, as `kubectl apply --server-side` would.
+    pub async fn apply_job(&self, ns: &str, manifest: &Value) -> Result<TrainingJob, kube::Error> {
+        let api: Api<TrainingJob> = Api::namespaced(self.client.clone(), ns);
+        let name = manifest["metadata"]["name"].as_str().expect("a name").to_string();
+        api.patch(&name, &PatchParams::apply("tensorfleet-e2e").force(), &Patch::Apply(manifest)).await
+    }
+
+    pub async fn job(&self, ns: &str, name: &str) -> TrainingJob {
+        Api::<TrainingJob>::namespaced(self.client.clone(), ns).get(name).await.expect("reading the TrainingJob")
+    }
+
+    /// Polls the job until `check` says yes (calling it on every reading), or panics after
+    /// `timeout` with what the cluster looks like.
+    pub async fn wait_job(
+        &self,
+        ns: &str,
+        name: &str,
+        timeout: Duration,
+        what: &str,
+        mut check: impl FnMut(&TrainingJob) -> bool,
+    ) -> TrainingJob {
+        let api: Api<TrainingJob> = Api::namespaced(self.client.clone(), ns);
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(job) = api.get(name).await {
+                if check(&job) {
+                    return job;
+                }
+            }
+            if Instant::now() > deadline {
+                panic!("timed out after {timeout:?} waiting for {what}:\n{}", self.diagnostics(ns).await);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// The pods of the namespace by role label (`worker`, `launcher`).
+    pub async fn pods(&self, ns: &str, role: &str) -> Vec<Pod> {
+        let api: Api<Pod> = Api::namespaced(self.client.clone(), ns);
+        let lp = ListParams::default().labels(&format!("tensorfleet.dev/role={role}"));
+        let mut pods = api.list(&lp).await.expect("listing pods").items;
+        pods.sort_by_key(|p| p.name_any());
+        pods
+    }
+
+    /// The host directory behind a claim (the provisioner's hostPath volume).
+    pub async fn claim_dir(&self, ns: &str, claim: &str) -> PathBuf {
+        let pvc =
+            Api::<PersistentVolumeClaim>::namespaced(self.client.clone(), ns).get(claim).await.expect("the claim");
+        let volume = pvc.spec.and_then(|s| s.volume_name).expect("a bound claim");
+        let pv = Api::<PersistentVolume>::all(self.client.clone()).get(&volume).await.expect("the volume");
+        PathBuf::from(pv.spec.and_then(|s| s.host_path).expect("a hostPath volume").path)
+    }
+
+    /// The agent's directories of pod `name` in `ns`, oldest first (one per incarnation).
+    pub fn pod_dirs(&self, ns: &str, name: &str) -> Vec<PathBuf> {
+        let prefix = format!("{ns}_{name}_");
+        let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(self.dir.join("agent/pods"))
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+                    .map(|e| (e.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH), e.path()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        dirs.sort();
+        dirs.into_iter().map(|(_, p)| p).collect()
+    }
+
+    /// Everything logged by the containers of pod `name` (all incarnations, all starts).
+    pub fn pod_logs(&self, ns: &str, name: &str) -> String {
+        let mut text = String::new();
+        for dir in self.pod_dirs(ns, name) {
+            let Ok(containers) = std::fs::read_dir(dir.join("logs")) else { continue };
+            for c in containers.flatten() {
+                let Ok(files) = std::fs::read_dir(c.path()) else { continue };
+                let mut files: Vec<PathBuf> = files.flatten().map(|f| f.path()).collect();
+                files.sort();
+                for f in files {
+                    text.push_str(&std::fs::read_to_string(&f).unwrap_or_default());
+                }
+            }
+        }
+        text
+    }
+
+    /// What to look at when a scenario fails: the jobs, the pods and their logs' tails, and the
+    /// node agent's log.
+    pub async fn diagnostics(&self, ns: &str) -> String {
+        let text = |o: Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        let mut out = text(self.kubectl(&["get", "trainingjobs,pods,pvc", "-n", ns, "-o", "wide"], None));
+        out.push_str(&text(self.kubectl(&["get", "trainingjobs", "-n", ns, "-o", "yaml"], None)));
+        if let Ok(pods) = Api::<Pod>::namespaced(self.client.clone(), ns).list(&ListParams::default()).await {
+            for p in pods {
+                let logs = self.pod_logs(ns, &p.name_any());
+                let tail: Vec<&str> = logs.lines().rev().take(25).collect();
+                out.push_str(&format!("--- logs of {}:\n", p.name_any()));
+                for line in tail.into_iter().rev() {
+                    out.push_str(line);
+                    out.push('\n');
+                }
+            }
+        }
+        let agent = std::fs::read_to_string(self.dir.join("logs/node-agent.log")).unwrap_or_default();
+        out.push_str("--- node agent (tail):\n");
+        for line in agent.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev() {
+            out.push_str(line);
+            out.push('\n');
+        }
+        out
+    }
+
+    pub async fn delete_namespace(&self, ns: &str) {
+        let _ = Api::<Namespace>::all(self.client.clone()).delete(ns, &DeleteParams::default()).await;
+    }
+}
+
+/// examples/cpu-quickstart.yaml as a JSON value, renamed, with `training` merged over its
+/// spec.training (a JSON merge patch: objects merge, anything else replaces).
+pub fn quickstart(name: &str, training: Value) -> Value {
+    let text = std::fs::read_to_string(repo().join("examples/cpu-quickstart.yaml")).expect("the quickstart example");
+    let mut manifest: Value = serde_yaml::from_str(&text).expect("the quickstart example parses");
+    manifest["metadata"]["name"] = json!(name);
+    merge(&mut manifest["spec"]["training"], training);
+    manifest
+}
+
+/// JSON merge patch (RFC 7386) of `patch` into `target`.
+pub fn merge(target: &mut Value, patch: Value) {
+    match patch {
+        Value::Object(fields) => {
+            if !target.is_object() {
+                *target = json!({});
+            }
+            let object = target.as_object_mut().expect("made an object above");
+            for (k, v) in fields {
+                if v.is_null() {
+                    object.remove(&k);
+                } else {
+                    merge(object.entry(k).or_insert(Value::Null), v);
+                }
+            }
+        }
+        other => *target = other,
+    }
+}
+
+pub fn phase(job: &TrainingJob) -> &str {
+    job.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+}
+
+/// The lines of a metrics.jsonl.
+pub fn metrics(path: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    text.lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).expect("a JSON line")).collect()
+}
+
+/// The training loss of each logged step, the last logged value winning (a resumed run logs
+/// again the steps after its checkpoint).
+pub fn losses(metrics: &[Value]) -> std::collections::BTreeMap<u64, f64> {
+    metrics.iter().filter_map(|m| Some((m.get("step")?.as_u64()?, m.get("loss")?.as_f64()?))).collect()
+}
+
+/// Polls `check` until it returns Some, or panics naming what it waited for.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if Instant::now() > deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}

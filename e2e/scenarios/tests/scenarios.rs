@@ -1,0 +1,412 @@
+//! The end-to-end scenarios (issue 6) on the local cluster: the real operator (installed with
+//! helm, running as a pod), real sshd and mpirun between pods, the real worker. `make e2e` runs
+//! them one at a time (they share two cores).
+
+use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
+use kube::api::{Api, DeleteParams, ListParams};
+use serde_json::json;
+use std::time::Duration;
+use tensorfleet_e2e::{losses, metrics, phase, quickstart, Cluster};
+
+/// Long enough for a small job on two busy cores, short enough that a hang fails the run.
+const TRAINING: Duration = Duration::from_secs(600);
+
+/// Scenario 1: the CPU quickstart (2 worker pods × 2 slots, mpirun over ssh between pods) trains
+/// to Succeeded; its status shows progress while it runs; the claim holds the checkpoints, the
+/// TensorBoard events and the exported model.
+#[tokio::test]
+async fn cpu_quickstart_trains_to_succeeded_with_progress_and_outputs_on_the_claim() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("quickstart").await;
+    cluster.prepare_data(&ns).await;
+    // The example as shipped, with fewer steps (and periods to match) to fit CI's time.
+    let manifest = quickstart(
+        "cpu-quickstart",
+        json!({"steps": 30, "checkpoint": {"every": 10, "keep": 2}, "evaluation": {"every": 10, "batches": 2}, "logging": {"every": 1}}),
+    );
+    let out = cluster.kubectl(&["apply", "-n", &ns, "-f", "-"], Some(&manifest.to_string()));
+    assert!(out.status.success(), "kubectl apply: {}", String::from_utf8_lossy(&out.stderr));
+
+    let mut progress_while_running = None;
+    let job = cluster
+        .wait_job(&ns, "cpu-quickstart", TRAINING, "the quickstart to succeed", |job| {
+            let st = job.status.as_ref();
+            if phase(job) == "Running" {
+                if let Some(p) = st.and_then(|s| s.progress.as_ref()).filter(|p| p.step > 0 && p.step < p.total_steps) {
+                    progress_while_running.get_or_insert_with(|| p.summary.clone());
+                }
+            }
+            assert_ne!(phase(job), "Failed", "the quickstart failed: {:?}", st.and_then(|s| s.failure.clone()));
+            phase(job) == "Succeeded"
+        })
+        .await;
+    let status = job.status.clone().unwrap();
+    assert!(progress_while_running.is_some(), "no progress was shown while the job ran: {status:?}");
+    let progress = status.progress.clone().expect("a final progress");
+    assert_eq!((progress.step, progress.total_steps), (30, 30), "{progress:?}");
+    assert_eq!(status.restart_count, 0, "{status:?}");
+    assert!(status.latest_checkpoint.is_some(), "no checkpoint was reported: {status:?}");
+
+    // mpirun reached both worker pods over ssh with the job's key, and started 4 ranks.
+    for worker in ["cpu-quickstart-worker-0", "cpu-quickstart-worker-1"] {
+        let log = cluster.pod_logs(&ns, worker);
+        assert!(log.contains("Accepted publickey for root"), "{worker} saw no ssh login:\n{log}");
+    }
+    let launcher = cluster.pod_logs(&ns, "cpu-quickstart-launcher");
+    assert!(launcher.contains("starting 4 ranks"), "{launcher}");
+
+    // The claim: checkpoints (the newest 2 kept), metrics, TensorBoard events, the model.
+    let out_dir = cluster.claim_dir(&ns, "cpu-quickstart-ckpt").await.join("out");
+    let mut checkpoints: Vec<String> = std::fs::read_dir(out_dir.join("checkpoints"))
+        .expect("checkpoints on the claim")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    checkpoints.sort();
+    assert_eq!(checkpoints, ["checkpoint_20", "checkpoint_30"]);
+    let events = std::fs::read_dir(out_dir.join("tensorboard")).expect("TensorBoard events on the claim");
+    assert!(events.flatten().any(|e| e.file_name().to_string_lossy().starts_with("events.out.tfevents.")));
+    let model = std::fs::metadata(out_dir.join("model.onnx")).expect("the exported model on the claim");
+    assert!(model.len() > 1_000_000, "model.onnx is {} bytes", model.len());
+    let lines = metrics(&out_dir.join("metrics.jsonl"));
+    let per_step = losses(&lines);
+    assert_eq!(per_step.keys().copied().collect::<Vec<_>>(), (1..=30).collect::<Vec<u64>>());
+    assert!(per_step.values().all(|l| l.is_finite()));
+    assert!(per_step[&30] < per_step[&1], "the loss did not fall: {per_step:?}");
+    assert!(lines.iter().any(|m| m.get("evalLoss").is_some()), "no evaluation was logged");
+    cluster.delete_namespace(&ns).await;
+}
+
+/// Scenario 7: bad input. A manifest the schema rejects is refused by the API server with the
+/// field named; a job whose model file is corrupt fails at once (exit code 3, no restart) with
+/// the worker's own message in its status.
+#[tokio::test]
+async fn bad_input_is_refused_or_fails_fast_with_the_workers_message() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("bad-input").await;
+
+    let mut invalid = quickstart("invalid", json!({}));
+    invalid["spec"]["workers"] = json!(0);
+    let out = cluster.kubectl(&["apply", "-n", &ns, "-f", "-"], Some(&invalid.to_string()));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "workers: 0 was accepted");
+    assert!(stderr.contains("spec.workers"), "the error does not name the field: {stderr}");
+
+    // A model file that is not ONNX, mounted into the worker pods from a ConfigMap.
+    let configs: Api<ConfigMap> = Api::namespaced(cluster.client.clone(), &ns);
+    let bad_model: ConfigMap = serde_json::from_value(json!({
+        "metadata": {"name": "bad-model"}, "data": {"model.onnx": "this is not a protobuf ModelProto"}
+    }))
+    .unwrap();
+    configs.create(&Default::default(), &bad_model).await.expect("creating the ConfigMap");
+    cluster.prepare_data(&ns).await;
+    let mut manifest = quickstart(
+        "corrupt-model",
+        json!({"model": {"gpt2": null, "onnx": {"path": "/models/model.onnx", "loss": {"output": "loss"}}}, "steps": 20}),
+    );
+    manifest["spec"]["worker"] = json!({
+        "volumes": [{"name": "models", "configMap": {"name": "bad-model"}}],
+        "volumeMounts": [{"name": "models", "mountPath": "/models"}],
+    });
+    cluster.apply_job(&ns, &manifest).await.expect("the corrupt-model job is a valid manifest");
+    let job = cluster
+        .wait_job(&ns, "corrupt-model", TRAINING, "the corrupt-model job to fail", |job| {
+            assert_ne!(phase(job), "Succeeded", "a corrupt model trained");
+            phase(job) == "Failed"
+        })
+        .await;
+    let status = job.status.unwrap();
+    assert_eq!(status.restart_count, 0, "a corrupt model must not be retried: {status:?}");
+    let failure = status.failure.expect("the failure's cause");
+    assert_eq!(failure.exit_code, Some(3), "{failure:?}");
+    let message = failure.message;
+    assert!(
+        message.contains("/models/model.onnx"),
+        "the worker's message naming the file is not in the status: {message}"
+    );
+    cluster.delete_namespace(&ns).await;
+}
+
+/// Scenario 8: deleting a running job removes every child object; the claim stays with
+/// reclaimPolicy Retain (the default) and goes, with its directory, with Delete.
+#[tokio::test]
+async fn deleting_a_running_job_removes_its_children_and_keeps_the_claim_as_asked() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("delete").await;
+    cluster.prepare_data(&ns).await;
+    let jobs: Api<tensorfleet_operator::crd::TrainingJob> = Api::namespaced(cluster.client.clone(), &ns);
+    for (name, policy) in [("keep", "Retain"), ("drop", "Delete")] {
+        let mut manifest = quickstart(name, json!({"steps": 100000, "checkpoint": {"every": 0}}));
+        manifest["spec"]["storage"]["reclaimPolicy"] = json!(policy);
+        cluster.apply_job(&ns, &manifest).await.expect("applying the job");
+        cluster
+            .wait_job(&ns, name, TRAINING, "the job to be running with its launcher", |job| {
+                phase(job) == "Running"
+                    && job.status.as_ref().is_some_and(|s| s.progress.as_ref().is_some_and(|p| p.step > 0))
+            })
+            .await;
+        let claim_dir = cluster.claim_dir(&ns, &format!("{name}-ckpt")).await;
+        jobs.delete(name, &DeleteParams::default()).await.expect("deleting the job");
+
+        let selector =
+            ListParams::default().labels(&format!("{}={name}", tensorfleet_operator::resources::labels::JOB));
+        let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), &ns);
+        let services: Api<Service> = Api::namespaced(cluster.client.clone(), &ns);
+        let configs: Api<ConfigMap> = Api::namespaced(cluster.client.clone(), &ns);
+        let secrets: Api<Secret> = Api::namespaced(cluster.client.clone(), &ns);
+        tensorfleet_e2e::wait_for(Duration::from_secs(120), "the job's children to be gone", || async {
+            let left = pods.list(&selector).await.ok()?.items.len()
+                + services.list(&selector).await.ok()?.items.len()
+                + configs.list(&selector).await.ok()?.items.len()
+                + secrets.list(&selector).await.ok()?.items.len();
+            (left == 0).then_some(())
+        })
+        .await;
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(cluster.client.clone(), &ns);
+        let claim = format!("{name}-ckpt");
+        if policy == "Retain" {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            assert!(claims.get_opt(&claim).await.unwrap().is_some(), "the Retain claim was deleted");
+            assert!(claim_dir.is_dir(), "the Retain claim's data is gone");
+        } else {
+            tensorfleet_e2e::wait_for(Duration::from_secs(60), "the Delete claim and its volume to go", || async {
+                let gone = claims.get_opt(&claim).await.ok()?.is_none() && !claim_dir.exists();
+                gone.then_some(())
+            })
+            .await;
+        }
+    }
+    cluster.delete_namespace(&ns).await;
+}
+
+/// A job long enough to be caught mid-run: 60 steps, a checkpoint every 10.
+fn long_quickstart(name: &str) -> serde_json::Value {
+    quickstart(
+        name,
+        json!({"steps": 60, "checkpoint": {"every": 10, "keep": 3}, "evaluation": {"every": 0}, "logging": {"every": 1}, "lrSchedule": {"warmupSteps": 5}}),
+    )
+}
+
+/// Runs `name` to Succeeded without interference; its per-step losses are the reference.
+async fn uninterrupted_losses(cluster: &Cluster, ns: &str, name: &str) -> std::collections::BTreeMap<u64, f64> {
+    cluster.apply_job(ns, &long_quickstart(name)).await.expect("applying the reference job");
+    cluster.wait_job(ns, name, TRAINING, "the reference run to succeed", |j| phase(j) == "Succeeded").await;
+    let dir = cluster.claim_dir(ns, &format!("{name}-ckpt")).await;
+    losses(&metrics(&dir.join("out/metrics.jsonl")))
+}
+
+/// Scenario 3: killing a worker pod's processes mid-training restarts the gang (the job shows
+/// Restarting), training resumes from the newest checkpoint, and the final per-step losses are
+/// the uninterrupted run's.
+#[tokio::test]
+async fn a_killed_worker_restarts_the_gang_which_resumes_to_the_uninterrupted_losses() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("kill-worker").await;
+    cluster.prepare_data(&ns).await;
+    let reference = uninterrupted_losses(&cluster, &ns, "steady").await;
+
+    cluster.apply_job(&ns, &long_quickstart("crash")).await.expect("applying the job");
+    cluster
+        .wait_job(&ns, "crash", TRAINING, "a checkpoint to be written", |j| {
+            phase(j) == "Running" && j.status.as_ref().and_then(|s| s.progress.as_ref()).is_some_and(|p| p.step >= 12)
+        })
+        .await;
+    // What a crashed node or an OOM kill does: every process of the pod dies at once (the
+    // container's first process is sshd; the kernel takes its PID namespace, ranks included).
+    let dirs = cluster.pod_dirs(&ns, "crash-worker-1");
+    let pid_file = dirs.last().expect("the worker pod's directory").join("worker.pid");
+    let pid = std::fs::read_to_string(&pid_file).expect("the container's pid").trim().to_string();
+    let killed = std::process::Command::new("kill").args(["-KILL", &pid]).status().expect("kill");
+    assert!(killed.success(), "kill -KILL {pid} failed");
+
+    let mut saw_restarting = false;
+    let job = cluster
+        .wait_job(&ns, "crash", TRAINING, "the restarted job to succeed", |j| {
+            saw_restarting |= phase(j) == "Restarting";
+            assert_ne!(phase(j), "Failed", "the job failed instead of restarting: {:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    let status = job.status.unwrap();
+    assert!(saw_restarting, "the job never showed Restarting: {status:?}");
+    assert_eq!(status.restart_count, 1, "{status:?}");
+    let worker_log = cluster.pod_logs(&ns, "crash-worker-0");
+    let dir = cluster.claim_dir(&ns, "crash-ckpt").await;
+    let resumed = losses(&metrics(&dir.join("out/metrics.jsonl")));
+    assert_eq!(resumed.len(), 60, "steps logged: {:?}\n{worker_log}", resumed.keys());
+    for (step, loss) in &reference {
+        let got = resumed[step];
+        assert!(
+            (got - loss).abs() <= 1e-6 * loss.abs().max(1.0),
+            "step {step}: {got} after the restart, {loss} uninterrupted"
+        );
+    }
+    cluster.delete_namespace(&ns).await;
+}
+
+/// Scenario 5: restarting the operator mid-job (deleting its pod; the Deployment makes a new
+/// one) duplicates and orphans nothing, and the job completes.
+#[tokio::test]
+async fn restarting_the_operator_mid_job_duplicates_nothing_and_the_job_completes() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("operator-restart").await;
+    cluster.prepare_data(&ns).await;
+    cluster.apply_job(&ns, &long_quickstart("steady")).await.expect("applying the job");
+    cluster
+        .wait_job(&ns, "steady", TRAINING, "the job to be running", |j| {
+            phase(j) == "Running" && j.status.as_ref().and_then(|s| s.progress.as_ref()).is_some_and(|p| p.step >= 5)
+        })
+        .await;
+    let before: Vec<String> =
+        cluster.pods(&ns, "worker").await.iter().map(|p| p.metadata.uid.clone().unwrap()).collect();
+    let operators: Api<Pod> = Api::namespaced(cluster.client.clone(), "tensorfleet-system");
+    let lp = ListParams::default().labels("app.kubernetes.io/name=tensorfleet");
+    let old = operators.list(&lp).await.unwrap().items;
+    assert_eq!(old.len(), 1, "one operator pod expected");
+    operators
+        .delete(&old[0].metadata.name.clone().unwrap(), &DeleteParams::default())
+        .await
+        .expect("deleting the operator pod");
+
+    let job = cluster
+        .wait_job(&ns, "steady", TRAINING, "the job to succeed across the operator's restart", |j| {
+            assert_ne!(phase(j), "Failed", "{:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    let status = job.status.unwrap();
+    assert_eq!(status.restart_count, 0, "the operator's restart restarted the job: {status:?}");
+    let new = operators.list(&lp).await.unwrap().items;
+    assert!(new.iter().all(|p| p.metadata.uid != old[0].metadata.uid), "the operator pod was not replaced");
+    // The same worker pods throughout (none recreated), and exactly one launcher.
+    let after: Vec<String> =
+        cluster.pods(&ns, "worker").await.iter().map(|p| p.metadata.uid.clone().unwrap()).collect();
+    assert!(after.iter().all(|uid| before.contains(uid)), "worker pods were recreated: {before:?} → {after:?}");
+    let launchers = cluster.pods(&ns, "launcher").await;
+    assert_eq!(launchers.len(), 1, "{} launcher pods", launchers.len());
+    cluster.delete_namespace(&ns).await;
+}
+
+/// Scenario 6: suspending a running job deletes its pods; resuming brings them back, the
+/// active-deadline clock starts again, and the job completes.
+#[tokio::test]
+async fn suspend_then_resume_brings_the_pods_back_and_resets_the_deadline_clock() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("suspend").await;
+    cluster.prepare_data(&ns).await;
+    let mut manifest = long_quickstart("pausable");
+    manifest["spec"]["runPolicy"] = json!({"activeDeadlineSeconds": 600});
+    cluster.apply_job(&ns, &manifest).await.expect("applying the job");
+    let running = cluster
+        .wait_job(&ns, "pausable", TRAINING, "the job to be running", |j| {
+            phase(j) == "Running" && j.status.as_ref().and_then(|s| s.progress.as_ref()).is_some_and(|p| p.step >= 12)
+        })
+        .await;
+    let first_active = running.status.unwrap().active_since.expect("activeSince while running");
+
+    manifest["spec"]["runPolicy"]["suspend"] = json!(true);
+    cluster.apply_job(&ns, &manifest).await.expect("suspending");
+    cluster.wait_job(&ns, "pausable", Duration::from_secs(120), "Suspended", |j| phase(j) == "Suspended").await;
+    tensorfleet_e2e::wait_for(Duration::from_secs(120), "the suspended job's pods to go", || async {
+        let left = cluster.pods(&ns, "worker").await.len() + cluster.pods(&ns, "launcher").await.len();
+        (left == 0).then_some(())
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    manifest["spec"]["runPolicy"]["suspend"] = json!(false);
+    cluster.apply_job(&ns, &manifest).await.expect("resuming");
+    let resumed = cluster
+        .wait_job(&ns, "pausable", TRAINING, "the resumed job to run", |j| {
+            phase(j) == "Running" && j.status.as_ref().is_some_and(|s| s.active_since.is_some())
+        })
+        .await;
+    let second_active = resumed.status.unwrap().active_since.unwrap();
+    assert!(second_active.0 > first_active.0, "activeSince did not reset: {first_active:?} then {second_active:?}");
+    assert_eq!(cluster.pods(&ns, "worker").await.len(), 2);
+    let done = cluster
+        .wait_job(&ns, "pausable", TRAINING, "the resumed job to succeed", |j| {
+            assert_ne!(phase(j), "Failed", "{:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    // It resumed from its checkpoint (metrics.jsonl is appended to): step 1 was trained once.
+    let dir = cluster.claim_dir(&ns, "pausable-ckpt").await;
+    let lines = metrics(&dir.join("out/metrics.jsonl"));
+    assert_eq!(losses(&lines).len(), 60, "{:?}", done.status);
+    let first_steps = lines.iter().filter(|m| m.get("step") == Some(&json!(1)) && m.get("loss").is_some()).count();
+    assert_eq!(first_steps, 1, "the resumed job started over instead of from its checkpoint");
+    cluster.delete_namespace(&ns).await;
+}
+
+/// Scenario 4: killing the worker that holds rank 0 while it writes a checkpoint leaves a
+/// partial checkpoint behind (its temporary directory); the restarted gang never loads it,
+/// resumes from the checkpoint before, and ends with the uninterrupted run's losses.
+#[tokio::test]
+async fn a_worker_killed_while_writing_a_checkpoint_never_has_that_checkpoint_loaded() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("kill-in-checkpoint").await;
+    cluster.prepare_data(&ns).await;
+    let reference = uninterrupted_losses(&cluster, &ns, "steady").await;
+
+    cluster.apply_job(&ns, &long_quickstart("torn")).await.expect("applying the job");
+    cluster.wait_job(&ns, "torn", TRAINING, "the job to run", |j| phase(j) == "Running").await;
+    let checkpoints = cluster.claim_dir(&ns, "torn-ckpt").await.join("out/checkpoints");
+    let dirs = cluster.pod_dirs(&ns, "torn-worker-0");
+    let pid = std::fs::read_to_string(dirs.last().expect("the rank-0 pod's directory").join("worker.pid"))
+        .expect("the container's pid")
+        .trim()
+        .to_string();
+    // Watch for a checkpoint being written (its temporary directory, holding rank 0's tensors but
+    // no manifest yet) after the first complete one, and kill rank 0's pod right then.
+    let deadline = std::time::Instant::now() + TRAINING;
+    let torn_step = loop {
+        assert!(std::time::Instant::now() < deadline, "never caught a checkpoint being written");
+        let entries: Vec<String> = std::fs::read_dir(&checkpoints)
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default();
+        let complete = entries.iter().any(|e| e.starts_with("checkpoint_"));
+        let writing =
+            entries.iter().find_map(|e| e.strip_prefix(".checkpoint_")?.strip_suffix(".tmp").map(String::from));
+        if let (true, Some(step)) = (complete, writing) {
+            let tmp = checkpoints.join(format!(".checkpoint_{step}.tmp"));
+            if tmp.join("rank_0.safetensors").exists() && !tmp.join("manifest.json").exists() {
+                let killed = std::process::Command::new("kill").args(["-KILL", &pid]).status().expect("kill");
+                assert!(killed.success());
+                break step;
+            }
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    };
+    assert!(
+        !checkpoints.join(format!("checkpoint_{torn_step}")).exists(),
+        "checkpoint_{torn_step} was completed before the kill took effect"
+    );
+
+    let job = cluster
+        .wait_job(&ns, "torn", TRAINING, "the restarted job to succeed", |j| {
+            assert_ne!(phase(j), "Failed", "{:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    assert_eq!(job.status.as_ref().unwrap().restart_count, 1, "{:?}", job.status);
+    // The second attempt resumed from the checkpoint before the torn one.
+    let launcher = cluster.pod_logs(&ns, "torn-launcher");
+    let resumed: Vec<&str> = launcher.lines().filter(|l| l.contains("resuming")).collect();
+    assert!(!resumed.is_empty(), "the restarted run did not resume:\n{launcher}");
+    assert!(
+        resumed.iter().all(|l| !l.contains(&format!("checkpoint_{torn_step}"))),
+        "the torn checkpoint_{torn_step} was loaded: {resumed:?}"
+    );
+    let dir = cluster.claim_dir(&ns, "torn-ckpt").await;
+    let after = losses(&metrics(&dir.join("out/metrics.jsonl")));
+    assert_eq!(after.len(), 60);
+    for (step, loss) in &reference {
+        let got = after[step];
+        assert!(
+            (got - loss).abs() <= 1e-6 * loss.abs().max(1.0),
+            "step {step}: {got} after the restart, {loss} uninterrupted"
+        );
+    }
+    cluster.delete_namespace(&ns).await;
+}
