@@ -410,3 +410,57 @@ async fn a_worker_killed_while_writing_a_checkpoint_never_has_that_checkpoint_lo
     }
     cluster.delete_namespace(&ns).await;
 }
+
+/// Scenario 2: a 3D-parallel job (data 2 × tensor 2 × pipeline 2: 2 worker pods × 4 slots)
+/// trains to Succeeded with the losses of the same training in a single process.
+#[tokio::test]
+async fn a_3d_parallel_job_trains_to_the_losses_of_its_single_process_run() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("three-d").await;
+    cluster.prepare_data(&ns).await;
+    // A small GPT-2 (2 heads split over 2 tensor ranks, 2 layers over 2 stages); the same
+    // global batch both ways: 2 data ranks × 2 sequences, or 4 sequences in one process.
+    let training = |batch: u32, data: u32, tensor: u32, pipeline: u32| {
+        json!({
+            "model": {"gpt2": {"layers": 2, "heads": 2, "embed": 32, "seqLen": 16, "vocab": 50257}},
+            "batchSize": batch, "gradientAccumulationSteps": 2, "steps": 6,
+            "lrSchedule": {"warmupSteps": 2}, "evaluation": {"every": 3, "batches": 2},
+            "checkpoint": {"every": 3, "keep": 2}, "logging": {"every": 1},
+            "parallelism": {"data": data, "tensor": tensor, "pipeline": pipeline},
+        })
+    };
+    let mut single = quickstart("single", training(4, 1, 1, 1));
+    single["spec"]["workers"] = json!(1);
+    single["spec"]["slotsPerWorker"] = json!(1);
+    let mut three_d = quickstart("three-d", training(2, 2, 2, 2));
+    three_d["spec"]["slotsPerWorker"] = json!(4);
+    let mut runs = Vec::new();
+    for manifest in [single, three_d] {
+        let name = manifest["metadata"]["name"].as_str().unwrap().to_string();
+        cluster.apply_job(&ns, &manifest).await.expect("applying the job");
+        cluster
+            .wait_job(&ns, &name, TRAINING, &format!("{name} to succeed"), |j| {
+                assert_ne!(phase(j), "Failed", "{name} failed: {:?}", j.status);
+                phase(j) == "Succeeded"
+            })
+            .await;
+        let lines = metrics(&cluster.claim_dir(&ns, &format!("{name}-ckpt")).await.join("out/metrics.jsonl"));
+        let eval: Vec<(u64, f64)> =
+            lines.iter().filter_map(|m| Some((m.get("step")?.as_u64()?, m.get("evalLoss")?.as_f64()?))).collect();
+        runs.push((losses(&lines), eval));
+    }
+    let launcher = cluster.pod_logs(&ns, "three-d-launcher");
+    assert!(launcher.contains("starting 8 ranks"), "{launcher}");
+    let ((want, want_eval), (got, got_eval)) = (&runs[0], &runs[1]);
+    assert_eq!(want.len(), 6, "{want:?}");
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    for (step, loss) in want {
+        assert!((got[step] - loss).abs() <= 1e-5 * loss.abs(), "step {step}: 3D {} vs single {loss}", got[step]);
+    }
+    assert_eq!(want_eval.len(), 2, "{want_eval:?}");
+    for ((s1, l1), (s2, l2)) in got_eval.iter().zip(want_eval) {
+        assert_eq!(s1, s2);
+        assert!((l1 - l2).abs() <= 1e-5 * l2.abs(), "evalLoss at step {s1}: 3D {l1} vs single {l2}");
+    }
+    cluster.delete_namespace(&ns).await;
+}
