@@ -103,12 +103,14 @@ test: deps k8s
 
 # The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): a control
 # plane, the node agent playing the kubelet for three nodes, and the operator installed with
-# helm, all started here (as root) and stopped at the end; the pods' files and logs stay in the
-# cluster's directory, which is printed. One scenario at a time: they share the machine.
+# helm, all started here (as root) and stopped at the end. When a scenario fails, the pods'
+# files and logs stay in the cluster's directory, which is printed. One scenario at a time:
+# they share the machine.
 e2e: deps k8s
 	$(CARGO) build --workspace --release
 	cluster="$$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"; \
-	trap 'bash e2e/cluster/down.sh "$$cluster"; echo "e2e: logs of the cluster are in $$cluster" >&2' EXIT; \
+	trap 'rc=$$?; bash e2e/cluster/down.sh "$$cluster"; \
+		if [ $$rc -eq 0 ]; then rm -rf "$$cluster"; else echo "e2e: logs of the cluster are in $$cluster" >&2; fi' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
 	TENSORFLEET_E2E_CLUSTER="$$cluster" $(CARGO) test --release -p tensorfleet-e2e -- --test-threads 1
 
