@@ -271,6 +271,12 @@ pub fn losses(metrics: &[Value]) -> std::collections::BTreeMap<u64, f64> {
     metrics.iter().filter_map(|m| Some((m.get("step")?.as_u64()?, m.get("loss")?.as_f64()?))).collect()
 }
 
+/// Waits until `path` exists (a checkpoint on a claim, say), polling the host's filesystem every
+/// 50 ms: the operator's progress is read every 10 s, too coarse to catch a short run mid-way.
+pub async fn wait_for_path(path: &Path, timeout: Duration) {
+    wait_for(timeout, &format!("{} to exist", path.display()), || async { path.exists().then_some(()) }).await
+}
+
 /// Polls `check` until it returns Some, or panics naming what it waited for.
 pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where
@@ -285,6 +291,6 @@ where
         if Instant::now() > deadline {
             panic!("timed out after {timeout:?} waiting for {what}");
         }
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
