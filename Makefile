@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load images clean
 
 deps:
 	bash .ci/deps.sh
@@ -145,6 +145,19 @@ bench: deps k8s
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
 	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
 		$(CARGO) bench -p tensorfleet-operator --bench reconcile
+	$(MAKE) --no-print-directory bench-load
+
+# Scenario 9 of the end-to-end tests (e2e/scenarios/benches/load.rs): 50 jobs submitted at once
+# on the local cluster (as root, like make e2e), next to the MPI Operator given 50 MPIJobs on the
+# same cluster; figures in target/bench-e2e-load.json.
+bench-load: deps k8s
+	$(CARGO) build --workspace --release
+	mpi="$$(bash e2e/mpi-operator/build.sh | tail -n 1)"; \
+	cluster="$$(mktemp -d /tmp/tensorfleet-load.XXXXXX)"; \
+	trap 'bash e2e/cluster/down.sh "$$cluster"' EXIT; \
+	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
+	TENSORFLEET_E2E_CLUSTER="$$cluster" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
+		$(CARGO) bench -p tensorfleet-e2e --bench load
 
 # Needs a Docker engine; the development machines and CI have none, so this is not built there.
 images:

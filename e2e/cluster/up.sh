@@ -21,11 +21,13 @@ log() { echo "[cluster/up.sh $(date +%H:%M:%S)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || die "the node agent needs root (network namespaces and mounts)"
+# ip and sshd live in sbin, which a non-login root shell may not have on PATH.
+export PATH=$PATH:/usr/sbin:/sbin
 for b in tensorfleet-node-agent tensorfleet-operator tensorfleet-worker; do
     [[ -x $ROOT/target/release/$b ]] || die "target/release/$b is missing: run cargo build --release"
 done
 for p in mpirun sshd ssh ip unshare; do
-    command -v "$p" >/dev/null || [[ -x /usr/sbin/$p ]] || die "$p is not installed: run make deps"
+    command -v "$p" >/dev/null || die "$p is not installed: run make deps"
 done
 BIN=${TENSORFLEET_K8S_BIN:-$("$ROOT/e2e/control-plane/build.sh" | tail -n 1)}
 export TENSORFLEET_K8S_BIN=$BIN
