@@ -65,7 +65,10 @@ fn mpi_job(name: &str) -> Value {
 #[tokio::main]
 async fn main() {
     if std::env::var_os(tensorfleet_e2e::CLUSTER_VAR).is_none() {
-        eprintln!("bench load skipped: {} is not set (make bench brings up the local cluster)", tensorfleet_e2e::CLUSTER_VAR);
+        eprintln!(
+            "bench load skipped: {} is not set (make bench brings up the local cluster)",
+            tensorfleet_e2e::CLUSTER_VAR
+        );
         return;
     }
     let mpi_dir = std::env::var_os("TENSORFLEET_MPI_OPERATOR_DIR").map(PathBuf::from).unwrap_or_else(|| {
@@ -97,7 +100,10 @@ async fn main() {
     submit(&mpi_jobs, (0..JOBS).map(|i| mpi_job(&format!("pi-{i}"))).collect()).await;
     let mpi_ready = all_workers_ready(&cluster, &ns, "training.kubeflow.org/job-role=worker", started).await;
     let mpi_memory = peak_mib(mpi_operator.id());
-    eprintln!("bench load: MPI Operator: {JOBS} jobs' {} workers Ready in {mpi_ready:.1} s, peak {mpi_memory:.1} MiB", JOBS * WORKERS);
+    eprintln!(
+        "bench load: MPI Operator: {JOBS} jobs' {} workers Ready in {mpi_ready:.1} s, peak {mpi_memory:.1} MiB",
+        JOBS * WORKERS
+    );
     let _ = mpi_operator.kill();
     let _ = mpi_operator.wait();
     cluster.delete_namespace(&ns).await;
@@ -136,7 +142,9 @@ async fn main() {
     println!("{:<44} {:>18} {:>16}", "", "workers Ready (s)", "peak RSS (MiB)");
     println!("{:<44} {:>18.1} {:>16.1}", "tensorfleet-operator (helm, in a pod)", tf_ready, tf_memory_at_ready);
     println!("{:<44} {:>18.1} {:>16.1}", "mpi-operator (qps 1000, burst 2000)", mpi_ready, mpi_memory);
-    println!("tensorfleet's {JOBS} jobs then all Succeeded {succeeded:.1} s after submission (peak {tf_memory:.1} MiB)");
+    println!(
+        "tensorfleet's {JOBS} jobs then all Succeeded {succeeded:.1} s after submission (peak {tf_memory:.1} MiB)"
+    );
     let report = json!({
         "jobs": JOBS, "workersPerJob": WORKERS,
         "tensorfleet": {"workersReadySeconds": tf_ready, "peakMiBAtReady": tf_memory_at_ready,
@@ -183,7 +191,8 @@ async fn all_workers_ready(cluster: &Cluster, ns: &str, selector: &str, started:
     use futures::StreamExt;
     use kube::runtime::{watcher, WatchStreamExt};
     let pods = Api::<Pod>::namespaced(cluster.client.clone(), ns);
-    let mut events = watcher(pods, watcher::Config::default().labels(selector)).default_backoff().applied_objects().boxed();
+    let mut events =
+        watcher(pods, watcher::Config::default().labels(selector)).default_backoff().applied_objects().boxed();
     let mut ready = std::collections::HashSet::new();
     while ready.len() < JOBS * WORKERS {
         let next = tokio::time::timeout(TIMEOUT.saturating_sub(started.elapsed()), events.next()).await;
@@ -202,7 +211,8 @@ async fn all_workers_ready(cluster: &Cluster, ns: &str, selector: &str, started:
 /// The host pid of the operator pod's process (the node agent records it).
 async fn operator_pid(cluster: &Cluster) -> u32 {
     let pods = Api::<Pod>::namespaced(cluster.client.clone(), "tensorfleet-system");
-    let list = pods.list(&ListParams::default().labels("app.kubernetes.io/name=tensorfleet")).await.expect("the operator pod");
+    let list =
+        pods.list(&ListParams::default().labels("app.kubernetes.io/name=tensorfleet")).await.expect("the operator pod");
     let pod = list.items.first().expect("an operator pod");
     let dir = cluster.pod_dirs("tensorfleet-system", &pod.name_any()).pop().expect("the operator pod's directory");
     std::fs::read_to_string(dir.join("operator.pid")).expect("the operator's pid").trim().parse().expect("a pid")
