@@ -2,9 +2,11 @@
 //! → load the model and data → train loop (update, log, evaluate, checkpoint) → export.
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::device::{self, Device};
+use crate::backend::Backend;
 use crate::checkpoint;
 use crate::comm::{CommOptions, Layout, World};
-use crate::config::{DeviceKind, ModelConfig, OptimizerName, Precision, TrainingConfig};
+use crate::config::{ModelConfig, OptimizerName, Precision, TrainingConfig};
 use crate::data::{self, Batch, Batching, Feeds, Partition};
 use crate::error::{Error, Result};
 use crate::graph::ir::Dim;
@@ -102,17 +104,10 @@ fn check_supported(cfg: &TrainingConfig) -> Result<()> {
                 .into(),
         ));
     }
-    match cfg.device {
-        DeviceKind::Cuda => {
-            return Err(Error::Config(
-                "device: cuda was asked for, but this worker has no CUDA backend; use device: cpu or auto".into(),
-            ))
-        }
-        DeviceKind::Auto | DeviceKind::Cpu => {}
-    }
     if cfg.precision != Precision::Fp32 {
         return Err(Error::Config(
-            format!("precision: {:?} needs the CUDA backend; the CPU trains in fp32", cfg.precision).to_lowercase(),
+            format!("precision: {:?} is not implemented yet (both backends train in fp32)", cfg.precision)
+                .to_lowercase(),
         ));
     }
     Ok(())
@@ -192,9 +187,30 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     let p = &cfg.parallelism;
     let layout = Layout::new(p.data, p.tensor, p.pipeline, world.size())?;
     check_supported(cfg)?;
+    match device::resolve(cfg.device, world.local_rank())? {
+        Device::Cpu => train_on(Arc::new(CpuBackend::new()), cfg, console, world, layout),
+        #[cfg(feature = "cuda")]
+        Device::Cuda { ordinal } => {
+            let gpu = crate::backend::cuda::CudaBackend::new(ordinal)
+                .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?;
+            train_on(Arc::new(gpu), cfg, console, world, layout)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda { .. } => Err(Error::Config("device: cuda needs a worker built with the cuda feature".into())),
+    }
+}
+
+/// The run itself, on `backend` (one rank's device).
+fn train_on<B: Backend>(
+    backend: Arc<B>,
+    cfg: &TrainingConfig,
+    console: ConsoleMode,
+    world: World,
+    layout: Layout,
+) -> Result<Summary> {
+    let p = &cfg.parallelism;
     let groups = world.parallel_groups(layout)?;
     let leader = world.rank() == 0;
-    let backend = Arc::new(CpuBackend::new());
     let model = models::load(&cfg.model, cfg.seed)?;
     if let Some(path) = cfg.output.model_with_loss.as_ref().filter(|_| leader) {
         crate::export::write_graph(&crate::export::loss_graph(&model)?, path)?;
@@ -245,10 +261,18 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
+    let missing = backend.unsupported(&session.train.graph);
+    if let Some(first) = missing.first() {
+        return Err(Error::Config(format!(
+            "device: {} has no kernel for {} node(s) of the training graph, the first: {first}; set device: cpu",
+            backend.name(),
+            missing.len()
+        )));
+    }
     check_watched(cfg, &session.weight_names())?;
     let (arena, persistent) = session.memory();
     tracing::info!(
-        backend = %crate::backend::Backend::name(&*backend),
+        backend = %backend.name(),
         arena_mib = arena as f64 / (1 << 20) as f64,
         weights_mib = persistent as f64 / (1 << 20) as f64,
         nodes = session.train.plan.steps.len(),

@@ -7,8 +7,11 @@
 //! stream, device allocations and kernel launches.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod device;
 
-use crate::graph::ir::Meta;
+use crate::graph::ir::{Graph, Meta};
 use crate::graph::op::Op;
 use crate::optim::Update;
 use crate::tensor::Tensor;
@@ -75,6 +78,12 @@ pub trait Backend: Send + Sync {
         grad: Arg<Self::Buffer>,
         state: &[Arg<Self::Buffer>],
     ) -> Result<(), String>;
+
+    /// The nodes of `graph` this backend has no kernel for, one line each naming the node and
+    /// why; empty when it can run them all (the CPU runs every op).
+    fn unsupported(&self, _graph: &Graph) -> Vec<String> {
+        Vec::new()
+    }
 
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;

@@ -96,7 +96,13 @@ pub fn split(axis: usize, x: &TensorView, outs: &mut [TensorViewMut]) -> KResult
 }
 
 /// Per-dim (start, step) of a slice over `shape`.
-fn slice_plan(starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64], shape: &[usize]) -> Vec<(i64, i64)> {
+pub(crate) fn slice_plan(
+    starts: &[i64],
+    ends: &[i64],
+    axes: &[i64],
+    steps: &[i64],
+    shape: &[usize],
+) -> Vec<(i64, i64)> {
     let mut plan: Vec<(i64, i64)> = vec![(0, 1); shape.len()];
     for i in 0..starts.len() {
         let a = axes[i] as usize;

@@ -1,0 +1,175 @@
+//! Matrix products through cuBLASLt, in fp32 with fp32 accumulation (CUBLAS_COMPUTE_32F: no
+//! TF32, so the results match the CPU backend's within fp32 rounding).
+//!
+//! Our tensors are row-major and cuBLASLt's matrices column-major. A row-major [r, c] matrix
+//! read column-major is its transpose, so C = A·B (row-major) is computed as Cᵀ = Bᵀ·Aᵀ: cuBLASLt
+//! is handed B as its first operand and A as its second, and writes Cᵀ column-major, which is
+//! C row-major.
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use std::ffi::c_void;
+
+/// One product D = alpha·op(A)·op(B) + beta·D over `batch` matrices, row-major: op(A) is
+/// [m, k], op(B) [k, n], D [m, n]; an operand's batch stride is 0 when every batch shares it.
+#[derive(Clone, Copy, Debug)]
+pub struct Product {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub batch: u64,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub a: u64,
+    pub a_stride: i64,
+    pub b: u64,
+    pub b_stride: i64,
+    pub d: u64,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+/// The cuBLASLt handle and its workspace (both live as long as the backend).
+pub struct Gemm {
+    handle: sys::cublasLtHandle_t,
+    workspace: u64,
+    workspace_bytes: usize,
+}
+
+// SAFETY: the handle is used under the backend's lock, one call at a time.
+unsafe impl Send for Gemm {}
+unsafe impl Sync for Gemm {}
+
+/// cuBLASLt's recommended workspace on Hopper.
+pub const WORKSPACE_BYTES: usize = 32 << 20;
+
+fn err(what: &str, e: lt::CublasError) -> String {
+    format!("cuBLASLt {what}: {e:?}")
+}
+
+/// A column-major matrix layout of `rows` × `cols` with leading dimension `ld`, batched.
+struct Layout(sys::cublasLtMatrixLayout_t);
+
+impl Layout {
+    fn new(rows: u64, cols: u64, ld: i64, batch: u64, stride: i64) -> Result<Layout, String> {
+        let l = Layout(
+            lt::create_matrix_layout(sys::cudaDataType::CUDA_R_32F, rows, cols, ld).map_err(|e| err("layout", e))?,
+        );
+        if batch > 1 {
+            let count = batch as i32;
+            // SAFETY: the layout was just created; the attribute buffers outlive the calls.
+            unsafe {
+                lt::set_matrix_layout_attribute(
+                    l.0,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    &count as *const i32 as *const c_void,
+                    4,
+                )
+                .map_err(|e| err("batch count", e))?;
+                lt::set_matrix_layout_attribute(
+                    l.0,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    &stride as *const i64 as *const c_void,
+                    8,
+                )
+                .map_err(|e| err("batch stride", e))?;
+            }
+        }
+        Ok(l)
+    }
+}
+
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matrix_layout and dropped once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.0);
+        }
+    }
+}
+
+impl Gemm {
+    /// `workspace` is device memory of `workspace_bytes` that the backend owns.
+    pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Gemm, String> {
+        let handle = lt::create_handle().map_err(|e| err("create", e))?;
+        Ok(Gemm { handle, workspace, workspace_bytes })
+    }
+
+    pub fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<(), String> {
+        // cuBLASLt's first operand is our B: as stored it reads (column-major) as Bᵀ [n, k] when
+        // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
+        let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };
+        let (a_rows, a_cols, a_ld) = if p.trans_a { (p.m, p.k, p.m as i64) } else { (p.k, p.m, p.k as i64) };
+        let first = Layout::new(b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
+        let second = Layout::new(a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
+        let out = Layout::new(p.n, p.m, p.n as i64, p.batch, (p.m * p.n) as i64)?;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+            .map_err(|e| err("descriptor", e))?;
+        let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;
+        let result = (|| {
+            let (op_first, op_second) = (p.trans_b as i32, p.trans_a as i32);
+            let ws = self.workspace_bytes as u64;
+            // SAFETY: descriptors created above; attribute buffers outlive the calls; the
+            // pointers are device memory of the sizes the layouts describe (the caller's plan).
+            unsafe {
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                    &op_first as *const i32 as *const c_void,
+                    4,
+                )
+                .map_err(|e| err("transa", e))?;
+                lt::set_matmul_desc_attribute(
+                    desc,
+                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                    &op_second as *const i32 as *const c_void,
+                    4,
+                )
+                .map_err(|e| err("transb", e))?;
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const u64 as *const c_void,
+                    8,
+                )
+                .map_err(|e| err("workspace preference", e))?;
+                let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc, first.0, second.0, out.0, out.0, pref)
+                    .map_err(|e| err(&format!("no algorithm for {p:?}"), e))?;
+                lt::matmul(
+                    self.handle,
+                    desc,
+                    &p.alpha as *const f32 as *const c_void,
+                    &p.beta as *const f32 as *const c_void,
+                    p.b as *const c_void,
+                    first.0,
+                    p.a as *const c_void,
+                    second.0,
+                    p.d as *const c_void,
+                    out.0,
+                    p.d as *mut c_void,
+                    out.0,
+                    &heuristic.algo,
+                    self.workspace as *mut c_void,
+                    self.workspace_bytes,
+                    stream,
+                )
+                .map_err(|e| err("matmul", e))
+            }
+        })();
+        // SAFETY: created above, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(pref);
+            let _ = lt::destroy_matmul_desc(desc);
+        }
+        result
+    }
+}
+
+impl Drop for Gemm {
+    fn drop(&mut self) {
+        // SAFETY: created in new, destroyed once.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}

@@ -1,0 +1,116 @@
+// Shared by every kernel file of the CUDA backend. NVRTC compiles these without the CUDA
+// toolkit's headers (the worker image carries only the runtime libraries), so the integer
+// types, the half-precision conversions and the reductions are spelled out here.
+//
+// Launch conventions (backend/cuda/mod.rs): 1-D grids; elementwise kernels walk their range
+// with a grid-stride loop; row kernels give each row one block of BLOCK threads.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define BLOCK 256
+#define MAX_DIMS 8
+// No math.h under NVRTC: the constants are spelled as bits.
+#define NEG_INF __int_as_float(0xff800000)
+
+// A shape and one operand's strides in elements, by value (kernel parameters); a broadcast
+// dimension has stride 0.
+struct Dims {
+    i64 rank;
+    i64 size[MAX_DIMS];
+};
+struct Strides {
+    i64 at[MAX_DIMS];
+};
+
+__device__ __forceinline__ i64 first_index() { return (i64)blockIdx.x * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * blockDim.x; }
+
+// The offset in an operand with strides `s` of the element at flat index `i` of shape `d`.
+__device__ __forceinline__ i64 offset_of(i64 i, const Dims& d, const Strides& s) {
+    i64 off = 0;
+    for (int k = (int)d.rank - 1; k >= 0; --k) {
+        i64 n = d.size[k];
+        off += (i % n) * s.at[k];
+        i /= n;
+    }
+    return off;
+}
+
+// bf16 is the top half of an f32; rounding to nearest even, NaN kept quiet.
+__device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum (or max) over the block, returned to every thread. blockDim.x is a multiple of 32. The
+// leading barrier lets a block call these back to back: the partials of the previous call
+// have been read before they are overwritten.
+__device__ float block_sum(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.f;
+        v = warp_sum(v);
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
+__device__ float block_max(float v) {
+    __shared__ float partial[32];
+    __shared__ float total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : NEG_INF;
+        v = warp_max(v);
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
+
+// The counter-based generator of rng.rs (SplitMix64's finalizer), so that a dropout mask on
+// the GPU is bit for bit the CPU's.
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ double uniform01(u64 seed, u64 i) {
+    return (double)(mix64(seed ^ mix64(i)) >> 11) * (1.0 / 9007199254740992.0);
+}

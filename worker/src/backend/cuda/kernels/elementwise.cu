@@ -1,0 +1,197 @@
+// Pointwise ops: activations and their gradients, broadcasting binary ops, Where, casts,
+// Expand, dropout and the causal mask (Trilu). Op codes are the order of the Unary and Binary
+// enums in graph/op.rs (backend/cuda/launch.rs passes `op as i32`).
+
+#define SQRT_2_OVER_PI 0.7978845608f
+#define GELU_C 0.044715f
+
+__device__ __forceinline__ float gelu_tanh(float x) {
+    // x·σ(2z) = 0.5·x·(1 + tanh z), without 1 + tanh z's cancellation for large negative x.
+    float z = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
+    return x / (1.f + expf(-2.f * z));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+    float t = tanhf(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
+    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * SQRT_2_OVER_PI * (1.f + 3.f * GELU_C * x * x);
+}
+
+__device__ float unary_f(int op, float x) {
+    switch (op) {
+    case 0: return -x;
+    case 1: return expf(x);
+    case 2: return logf(x);
+    case 3: return sqrtf(x);
+    case 4: return tanhf(x);
+    case 5: return erff(x);
+    case 6: return fmaxf(x, 0.f);
+    case 7: return 1.f / (1.f + expf(-x));
+    case 8: return fabsf(x);
+    case 9: return 1.f / x;
+    case 10: return floorf(x);
+    case 11: return ceilf(x);
+    case 12: return x == 0.f ? 1.f : 0.f;
+    case 13: return 0.5f * x * (1.f + erff(x * 0.70710678118f));
+    default: return gelu_tanh(x);
+    }
+}
+
+// d/dx of each activation at x.
+__device__ float unary_df(int op, float x) {
+    switch (op) {
+    case 0: return -1.f;
+    case 1: return expf(x);
+    case 2: return 1.f / x;
+    case 3: return 0.5f / sqrtf(x);
+    case 4: { float t = tanhf(x); return 1.f - t * t; }
+    case 5: return 1.1283791671f * expf(-x * x);
+    case 6: return x > 0.f ? 1.f : 0.f;
+    case 7: { float s = 1.f / (1.f + expf(-x)); return s * (1.f - s); }
+    case 8: return x > 0.f ? 1.f : (x < 0.f ? -1.f : 0.f);
+    case 9: return -1.f / (x * x);
+    case 10: case 11: case 12: return 0.f;
+    case 13: {
+        float cdf = 0.5f * (1.f + erff(x * 0.70710678118f));
+        float pdf = expf(-0.5f * x * x) * 0.3989422804f;
+        return cdf + x * pdf;
+    }
+    default: return gelu_tanh_grad(x);
+    }
+}
+
+extern "C" __global__ void unary_f32(int op, i64 n, const float* x, float* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = unary_f(op, x[i]);
+}
+
+extern "C" __global__ void unary_grad_f32(int op, i64 n, const float* dy, const float* x, float* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * unary_df(op, x[i]);
+}
+
+// Arithmetic codes 0..6 give an f32; comparisons 7..11 give a bool (u8).
+__device__ __forceinline__ float arith_f(int op, float a, float b) {
+    switch (op) {
+    case 0: return a + b;
+    case 1: return a - b;
+    case 2: return a * b;
+    case 3: return a / b;
+    case 4: return powf(a, b);
+    case 5: return fmaxf(a, b);
+    default: return fminf(a, b);
+    }
+}
+__device__ __forceinline__ bool compare_f(int op, float a, float b) {
+    switch (op) {
+    case 7: return a == b;
+    case 8: return a < b;
+    case 9: return a > b;
+    case 10: return a <= b;
+    default: return a >= b;
+    }
+}
+
+// out[i] = a[·] op b[·] over the output's shape `d`; `sa`, `sb` are the operands' strides
+// broadcast to it. `contiguous` says both operands have the output's layout (no index math).
+extern "C" __global__ void binary_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
+                                      Strides sb, int contiguous, float* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        float x = contiguous ? a[i] : a[offset_of(i, d, sa)];
+        float y = contiguous ? b[i] : b[offset_of(i, d, sb)];
+        out[i] = arith_f(op, x, y);
+    }
+}
+
+extern "C" __global__ void compare_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
+                                       Strides sb, u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = compare_f(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)]) ? 1 : 0;
+}
+
+// And (12) and Or (13) of bools; Equal (7) of bools too.
+extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
+                                    u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        bool x = a[offset_of(i, d, sa)] != 0, y = b[offset_of(i, d, sb)] != 0;
+        out[i] = (op == 12 ? (x && y) : op == 13 ? (x || y) : (x == y)) ? 1 : 0;
+    }
+}
+
+// Where(cond, x, y) for 4-byte elements (f32, i32) and for bools.
+extern "C" __global__ void where_b32(i64 n, Dims d, const u8* c, Strides sc, const u32* x, Strides sx, const u32* y,
+                                     Strides sy, u32* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = c[offset_of(i, d, sc)] ? x[offset_of(i, d, sx)] : y[offset_of(i, d, sy)];
+}
+
+// Expand, Transpose, Split, Slice and any other copy that reads its input through strides: out[i] =
+// x[offset(i)] (a broadcast dimension has stride 0, a permuted one the input's stride).
+extern "C" __global__ void strided_copy_b32(i64 n, Dims d, const u32* x, Strides sx, u32* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
+}
+extern "C" __global__ void strided_copy_b8(i64 n, Dims d, const u8* x, Strides sx, u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
+}
+
+// The inverse: out[offset(i)] = x[i], x contiguous, the output read through strides (Concat
+// writes each input into its part of the output, SliceGrad the gradient into its slice).
+extern "C" __global__ void strided_store_b32(i64 n, Dims d, const u32* x, u32* out, Strides so) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+
+// Casts between the float types (0 f32, 1 f16, 2 bf16) and from i64/i32/bool to f32 (3, 4, 5).
+extern "C" __global__ void cast_to_f32(int from, i64 n, const void* x, float* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        float v;
+        switch (from) {
+        case 0: v = ((const float*)x)[i]; break;
+        case 1: v = f16_to_f32(((const u16*)x)[i]); break;
+        case 2: v = bf16_to_f32(((const u16*)x)[i]); break;
+        case 3: v = (float)((const i64*)x)[i]; break;
+        case 4: v = (float)((const int*)x)[i]; break;
+        default: v = ((const u8*)x)[i] ? 1.f : 0.f; break;
+        }
+        y[i] = v;
+    }
+}
+extern "C" __global__ void cast_from_f32(int to, i64 n, const float* x, void* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        float v = x[i];
+        switch (to) {
+        case 1: ((u16*)y)[i] = f32_to_f16(v); break;
+        case 2: ((u16*)y)[i] = f32_to_bf16(v); break;
+        case 3: ((i64*)y)[i] = (i64)v; break;
+        case 4: ((int*)y)[i] = (int)v; break;
+        case 5: ((u8*)y)[i] = v != 0.f ? 1 : 0; break;
+        default: ((float*)y)[i] = v; break;
+        }
+    }
+}
+
+// Dropout in training: mask[i] = uniform(seed, i) ≥ ratio, y = x·mask/(1 − ratio). The draw is
+// rng::uniform's, so masks equal the CPU backend's.
+extern "C" __global__ void dropout_f32(i64 n, u64 seed, float ratio, const float* x, float* y, u8* mask) {
+    float scale = 1.f / (1.f - ratio);
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        u8 keep = uniform01(seed, (u64)i) >= (double)ratio ? 1 : 0;
+        y[i] = x[i] * (float)keep * scale;
+        if (mask) mask[i] = keep;
+    }
+}
+extern "C" __global__ void dropout_grad_f32(i64 n, float scale, const float* dy, const u8* mask, float* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * (float)mask[i] * scale;
+}
+
+// Trilu over the last two dims (rows × cols) of 4-byte or 1-byte elements: keep element (r, c)
+// where c − r ≤ k (lower) or c − r ≥ k (upper), zero elsewhere.
+extern "C" __global__ void trilu_b32(i64 n, i64 rows, i64 cols, int upper, i64 k, const u32* x, u32* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 c = i % cols, r = (i / cols) % rows;
+        bool keep = upper ? (c - r >= k) : (c - r <= k);
+        y[i] = keep ? x[i] : 0u;
+    }
+}
+extern "C" __global__ void trilu_b8(i64 n, i64 rows, i64 cols, int upper, i64 k, const u8* x, u8* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 c = i % cols, r = (i / cols) % rows;
+        bool keep = upper ? (c - r >= k) : (c - r <= k);
+        y[i] = keep ? x[i] : 0;
+    }
+}

@@ -1,0 +1,223 @@
+// Row kernels: softmax, LayerNorm and the fused softmax + cross-entropy, each over the last
+// axis of a contiguous [rows, cols] value with one block of BLOCK threads per row; and the
+// column sums their weight gradients need.
+
+// Softmax (log = 0) or LogSoftmax (log = 1) of each row.
+extern "C" __global__ void softmax_rows(int log, i64 cols, const float* x, float* y) {
+    const float* xr = x + blockIdx.x * cols;
+    float* yr = y + blockIdx.x * cols;
+    float m = NEG_INF;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    s = block_sum(s);
+    if (log) {
+        float lse = m + logf(s);
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = xr[j] - lse;
+    } else {
+        float inv = 1.f / s;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) yr[j] = expf(xr[j] - m) * inv;
+    }
+}
+
+// Softmax: dX = Y ⊙ (dY − Σ dY⊙Y). LogSoftmax: dX = dY − exp(Y)·Σ dY.
+extern "C" __global__ void softmax_grad_rows(int log, i64 cols, const float* dy, const float* y, float* dx) {
+    const float* dyr = dy + blockIdx.x * cols;
+    const float* yr = y + blockIdx.x * cols;
+    float* dxr = dx + blockIdx.x * cols;
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += log ? dyr[j] : dyr[j] * yr[j];
+    s = block_sum(s);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x)
+        dxr[j] = log ? dyr[j] - expf(yr[j]) * s : yr[j] * (dyr[j] - s);
+}
+
+// LayerNormalization of each row: Y = (x − μ)·σ⁻¹·scale + bias (bias may be null); the mean
+// and σ⁻¹ are written when their outputs exist (the backward pass reads them).
+extern "C" __global__ void layer_norm_rows(i64 cols, float eps, const float* x, const float* scale,
+                                           const float* bias, float* y, float* mean_out, float* inv_out) {
+    const float* xr = x + blockIdx.x * cols;
+    float* yr = y + blockIdx.x * cols;
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+    float mu = block_sum(s) / (float)cols;
+    float v = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float d = xr[j] - mu;
+        v += d * d;
+    }
+    float inv = rsqrtf(block_sum(v) / (float)cols + eps);
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x)
+        yr[j] = (xr[j] - mu) * inv * scale[j] + (bias ? bias[j] : 0.f);
+    if (threadIdx.x == 0) {
+        if (mean_out) mean_out[blockIdx.x] = mu;
+        if (inv_out) inv_out[blockIdx.x] = inv;
+    }
+}
+
+// dX of LayerNormalization, per row: with x̂ = (x − μ)·σ⁻¹ and g = dY⊙scale,
+// dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)). dScale and dBias are column sums (below).
+extern "C" __global__ void layer_norm_grad_rows(i64 cols, const float* dy, const float* x, const float* scale,
+                                                const float* mean, const float* inv_std, float* dx) {
+    i64 r = blockIdx.x;
+    const float* dyr = dy + r * cols;
+    const float* xr = x + r * cols;
+    float* dxr = dx + r * cols;
+    float mu = mean[r], inv = inv_std[r];
+    float sg = 0.f, sgx = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = dyr[j] * scale[j];
+        sg += g;
+        sgx += g * (xr[j] - mu) * inv;
+    }
+    float mean_g = block_sum(sg) / (float)cols;
+    float mean_gx = block_sum(sgx) / (float)cols;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float xh = (xr[j] - mu) * inv;
+        dxr[j] = inv * (dyr[j] * scale[j] - mean_g - xh * mean_gx);
+    }
+}
+
+// Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and
+// writes its partial sums to partial[chunk, cols]; column_sum_finish adds the chunks in order.
+// With `x_hat`, each element is first multiplied by (x − mean[r])·inv_std[r] (LayerNorm's
+// dScale); without it the sum is plain (dBias, and ReduceSumTo over leading axes).
+extern "C" __global__ void column_sum_partial(i64 rows, i64 cols, i64 rows_per_chunk, const float* v,
+                                              const float* x, const float* mean, const float* inv_std,
+                                              float* partial) {
+    i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    i64 r0 = (i64)blockIdx.y * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    float s = 0.f;
+    for (i64 r = r0; r < r1; ++r) {
+        float e = v[r * cols + c];
+        if (x) e *= (x[r * cols + c] - mean[r]) * inv_std[r];
+        s += e;
+    }
+    partial[(i64)blockIdx.y * cols + c] = s;
+}
+extern "C" __global__ void column_sum_finish(i64 chunks, i64 cols, const float* partial, float* out) {
+    for (i64 c = first_index(); c < cols; c += grid_stride()) {
+        float s = 0.f;
+        for (i64 k = 0; k < chunks; ++k) s += partial[k * cols + c];
+        out[c] = s;
+    }
+}
+
+// ReduceSumTo in general: each output element sums the `inner_n` input elements that
+// broadcast to it; `od`/`os` walk the kept dims, `rd`/`rs` the reduced ones.
+extern "C" __global__ void reduce_sum_strided(i64 n, Dims od, Strides os, i64 inner_n, Dims rd, Strides rs,
+                                              const float* x, float* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 base = offset_of(i, od, os);
+        float s = 0.f;
+        for (i64 j = 0; j < inner_n; ++j) s += x[base + offset_of(j, rd, rs)];
+        out[i] = s;
+    }
+}
+
+// ---- SoftmaxCrossEntropyLoss over rows of class scores ([N, C], classes contiguous) ----
+
+// The weight each row's loss counts with: weights[label] (1 without weights), 0 for an ignored
+// row. A label out of [0, C) sets *fault to 1 + the row (the backend reports it, naming the
+// label's row) and counts 0.
+extern "C" __global__ void label_weights(i64 rows, i64 cols, const void* labels, int labels_i64, int has_ignore,
+                                         i64 ignore, const float* weights, float* w, i64* fault) {
+    for (i64 r = first_index(); r < rows; r += grid_stride()) {
+        i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
+        if (has_ignore && l == ignore) {
+            w[r] = 0.f;
+        } else if (l < 0 || l >= cols) {
+            w[r] = 0.f;
+            atomicCAS((u64*)fault, 0ull, (u64)(r + 1));
+        } else {
+            w[r] = weights ? weights[l] : 1.f;
+        }
+    }
+}
+
+// Per row: log-probabilities (when logp is not null) and the weighted negative log-likelihood.
+extern "C" __global__ void cross_entropy_rows(i64 cols, const float* x, const void* labels, int labels_i64,
+                                              const float* w, float* logp, float* nll) {
+    i64 r = blockIdx.x;
+    const float* xr = x + r * cols;
+    float m = NEG_INF;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
+    m = block_max(m);
+    float s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
+    float lse = m + logf(block_sum(s));
+    if (logp)
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) logp[r * cols + j] = xr[j] - lse;
+    if (threadIdx.x == 0) {
+        i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
+        nll[r] = w[r] != 0.f ? -(xr[l] - lse) * w[r] : 0.f;
+    }
+}
+
+// One block sums n values in a fixed order (thread-strided, then the block tree): the same
+// bits every run. Used for the loss' sum and its mean's denominator.
+extern "C" __global__ void sum_one_block(i64 n, const float* x, float* out) {
+    float s = 0.f;
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x) s += x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) *out = s;
+}
+
+// loss = total / den (mean; den = Σ weights of the counted rows, 0/0 = NaN as ONNX says) or
+// total (sum).
+extern "C" __global__ void loss_finish(int mean, const float* total, const float* den, float* loss) {
+    *loss = mean ? *total / *den : *total;
+}
+
+// dX = (softmax − one-hot)·scale per row, scale = dLoss·w[r] (reduction none: dLoss[r]·w[r]),
+// divided by the denominator for a mean.
+extern "C" __global__ void cross_entropy_grad_rows(i64 cols, int reduction, const float* dloss, const float* logp,
+                                                   const void* labels, int labels_i64, const float* w,
+                                                   const float* den, float* dx) {
+    i64 r = blockIdx.x;
+    float scale;
+    if (reduction == 0) scale = dloss[r] * w[r];
+    else if (reduction == 1) scale = dloss[0] * w[r] / (*den == 0.f ? 1.f : *den);
+    else scale = dloss[0] * w[r];
+    i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = expf(logp[r * cols + j]) * scale;
+        dx[r * cols + j] = (j == l && w[r] != 0.f) ? g - scale : g;
+    }
+}
+
+// ---- Gather along an axis, and its gradient (the embedding's) ----
+
+// out[o, k, i] = data[o, ids[k], i] for `inner` 4-byte elements; negative ids count from the
+// end; an id out of range sets *fault to 1 + its position and writes zeros.
+extern "C" __global__ void gather_b32(i64 outer, i64 dim, i64 inner, i64 count, const u32* data, const void* ids,
+                                      int ids_i64, u32* out, i64* fault) {
+    i64 n = outer * count * inner;
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 e = i % inner, k = (i / inner) % count, o = i / (inner * count);
+        i64 id = ids_i64 ? ((const i64*)ids)[k] : (i64)((const int*)ids)[k];
+        if (id < 0) id += dim;
+        if (id < 0 || id >= dim) {
+            atomicCAS((u64*)fault, 0ull, (u64)(k + 1));
+            out[i] = 0u;
+        } else {
+            out[i] = data[(o * dim + id) * inner + e];
+        }
+    }
+}
+
+// dData (zeroed first by the backend) += dY scattered at the ids. atomicAdd: rows hit by
+// several ids add in an unspecified order, so the last bits can differ between runs.
+extern "C" __global__ void gather_grad_f32(i64 outer, i64 dim, i64 inner, i64 count, const float* dy,
+                                           const void* ids, int ids_i64, float* dx) {
+    i64 n = outer * count * inner;
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 e = i % inner, k = (i / inner) % count, o = i / (inner * count);
+        i64 id = ids_i64 ? ((const i64*)ids)[k] : (i64)((const int*)ids)[k];
+        if (id < 0) id += dim;
+        if (id >= 0 && id < dim) atomicAdd(&dx[(o * dim + id) * inner + e], dy[i]);
+    }
+}

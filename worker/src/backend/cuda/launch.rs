@@ -1,0 +1,1024 @@
+//! Which kernel runs each op, with which parameters: the CUDA backend's dispatch.
+//!
+//! The same code answers "can this op run here?": [`check`] walks the dispatch with no device
+//! ([`Dev`] in check mode), so that every type, shape and parameter test below is made, and
+//! every kernel named is looked up in the program's source with its parameter types compared
+//! to the ones passed, without a GPU. What check accepts, run launches.
+
+use super::gemm::Product;
+use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
+use crate::backend::cpu::kernels::shape::slice_plan;
+use crate::backend::{Arg, StepHyper};
+use crate::graph::ir::Meta;
+use crate::graph::op::{Binary, LossReduction, Op};
+use crate::optim::Update;
+use crate::tensor::{strides, DType};
+use cudarc::driver::LaunchConfig;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::OnceLock;
+
+/// `MAX_DIMS` of kernels/common.cuh.
+const MAX_DIMS: usize = 8;
+
+/// A shape, as the kernels' `Dims` (by value).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Dims {
+    rank: i64,
+    size: [i64; MAX_DIMS],
+}
+
+/// One operand's strides in elements, as the kernels' `Strides`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Strides {
+    at: [i64; MAX_DIMS],
+}
+
+fn dims(shape: &[usize]) -> Result<Dims, String> {
+    if shape.len() > MAX_DIMS {
+        return Err(format!("rank {} is over the kernels' {MAX_DIMS}", shape.len()));
+    }
+    let mut d = Dims { rank: shape.len() as i64, ..Default::default() };
+    for (o, &s) in d.size.iter_mut().zip(shape) {
+        *o = s as i64;
+    }
+    Ok(d)
+}
+
+fn strides_of(at: &[i64]) -> Strides {
+    let mut s = Strides::default();
+    s.at[..at.len()].copy_from_slice(at);
+    s
+}
+
+/// The strides that read `input` (numpy-broadcast, right-aligned) at each index of `out`.
+fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, String> {
+    if input.len() > out.len() {
+        return Err(format!("{input:?} does not broadcast to {out:?}"));
+    }
+    let pad = out.len() - input.len();
+    let st = strides(input);
+    let mut at = vec![0i64; out.len()];
+    for (k, &n) in input.iter().enumerate() {
+        match n {
+            1 => {}
+            n if n == out[pad + k] => at[pad + k] = st[k] as i64,
+            _ => return Err(format!("{input:?} does not broadcast to {out:?}")),
+        }
+    }
+    Ok(strides_of(&at))
+}
+
+/// A kernel parameter, typed so that check mode can compare it with the kernel's declaration.
+#[derive(Clone, Copy, Debug)]
+pub enum P {
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+    /// A device address (any `T*` parameter); 0 is the null pointer.
+    Ptr(u64),
+    Dims(Dims),
+    Strides(Strides),
+}
+
+impl From<i32> for P {
+    fn from(v: i32) -> P {
+        P::I32(v)
+    }
+}
+impl From<i64> for P {
+    fn from(v: i64) -> P {
+        P::I64(v)
+    }
+}
+impl From<u64> for P {
+    fn from(v: u64) -> P {
+        P::U64(v)
+    }
+}
+impl From<f32> for P {
+    fn from(v: f32) -> P {
+        P::F32(v)
+    }
+}
+impl From<Dims> for P {
+    fn from(v: Dims) -> P {
+        P::Dims(v)
+    }
+}
+impl From<Strides> for P {
+    fn from(v: Strides) -> P {
+        P::Strides(v)
+    }
+}
+
+/// A device address, kept apart from plain u64 values (seeds) for the type check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ptr(pub u64);
+
+impl From<Ptr> for P {
+    fn from(v: Ptr) -> P {
+        P::Ptr(v.0)
+    }
+}
+
+const NULL: Ptr = Ptr(0);
+
+macro_rules! params {
+    ($($arg:expr),* $(,)?) => { [$(P::from($arg)),*] };
+}
+
+impl P {
+    /// What the kernel's declaration must say for this parameter.
+    fn declared(&self) -> &'static str {
+        match self {
+            P::I32(_) => "int",
+            P::I64(_) => "i64",
+            P::U64(_) => "u64",
+            P::F32(_) => "float",
+            P::Ptr(_) => "pointer",
+            P::Dims(_) => "Dims",
+            P::Strides(_) => "Strides",
+        }
+    }
+
+    fn as_param(&mut self) -> *mut c_void {
+        match self {
+            P::I32(v) => v as *mut i32 as *mut c_void,
+            P::I64(v) => v as *mut i64 as *mut c_void,
+            P::U64(v) | P::Ptr(v) => v as *mut u64 as *mut c_void,
+            P::F32(v) => v as *mut f32 as *mut c_void,
+            P::Dims(v) => v as *mut Dims as *mut c_void,
+            P::Strides(v) => v as *mut Strides as *mut c_void,
+        }
+    }
+}
+
+/// Each kernel's parameter kinds, read from its declaration in the program's source.
+fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
+    static SIGS: OnceLock<HashMap<String, Vec<&'static str>>> = OnceLock::new();
+    SIGS.get_or_init(|| {
+        let src = compile::source();
+        let marker = "extern \"C\" __global__ void ";
+        let mut sigs = HashMap::new();
+        for (at, _) in src.match_indices(marker) {
+            let rest = &src[at + marker.len()..];
+            let (Some(open), Some(close)) = (rest.find('('), rest.find(')')) else { continue };
+            let kinds = rest[open + 1..close]
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    let ty = p.rsplit_once(char::is_whitespace).map_or(p, |(ty, _)| ty).trim();
+                    match ty {
+                        t if t.ends_with('*') => "pointer",
+                        "int" => "int",
+                        "i64" => "i64",
+                        "u64" => "u64",
+                        "float" => "float",
+                        "Dims" => "Dims",
+                        "Strides" => "Strides",
+                        _ => "unknown",
+                    }
+                })
+                .collect();
+            sigs.insert(rest[..open].trim().to_string(), kinds);
+        }
+        sigs
+    })
+}
+
+/// The device, or none in check mode: every action below is checked alike and only done with
+/// a device.
+#[derive(Clone, Copy)]
+pub struct Dev<'a>(pub Option<&'a CudaBackend>);
+
+impl Dev<'_> {
+    fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), String> {
+        let declared = signatures().get(name).ok_or_else(|| format!("no CUDA kernel named {name}"))?;
+        let passed: Vec<&str> = params.iter().map(P::declared).collect();
+        if *declared != passed {
+            return Err(format!(
+                "kernel {name} declares ({}) but is passed ({})",
+                declared.join(", "),
+                passed.join(", ")
+            ));
+        }
+        match self.0 {
+            None => Ok(()),
+            Some(be) => {
+                let mut raw: Vec<*mut c_void> = params.iter_mut().map(P::as_param).collect();
+                be.launch_kernel(name, cfg, &mut raw)
+            }
+        }
+    }
+
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+        self.0.map_or(Ok(()), |be| be.memcpy(dst.0, src.0, bytes))
+    }
+
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+        self.0.map_or(Ok(()), |be| be.memset(dst.0, byte, bytes))
+    }
+
+    fn gemm(&self, p: &Product) -> Result<(), String> {
+        self.0.map_or(Ok(()), |be| be.gemm(p))
+    }
+
+    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+        self.0.map_or(Ok(NULL), |be| be.scratch(bytes).map(Ptr))
+    }
+
+    fn fault(&self, what: impl FnOnce() -> String) -> Ptr {
+        self.0.map_or(NULL, |be| Ptr(be.fault_word(what())))
+    }
+
+    /// f64 partial sums left by a kernel (0 in check mode).
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+        self.0.map_or(Ok(vec![0.0; count]), |be| be.sum_partials(at.0, count))
+    }
+}
+
+/// A value: its meta and, with a device, its address.
+#[derive(Clone, Copy)]
+pub struct V<'a> {
+    pub meta: &'a Meta,
+    pub at: Ptr,
+}
+
+impl V<'_> {
+    fn n(&self) -> usize {
+        self.meta.numel()
+    }
+    fn dtype(&self) -> DType {
+        self.meta.dtype
+    }
+    fn shape(&self) -> &[usize] {
+        &self.meta.shape
+    }
+}
+
+fn v<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
+    V { meta: a.meta, at: Ptr(super::addr(a)) }
+}
+
+/// Runs `op` on the device.
+pub fn run(
+    be: &CudaBackend,
+    op: &Op,
+    inputs: &[Option<Arg<CudaBuffer>>],
+    outputs: &[Arg<CudaBuffer>],
+) -> Result<(), String> {
+    let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(v)).collect();
+    let outs: Vec<V> = outputs.iter().map(v).collect();
+    dispatch(Dev(Some(be)), op, &ins, &outs)
+}
+
+/// Whether `op` with these input and output metas can run on the CUDA backend; Err says why
+/// not. Needs no GPU.
+pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), String> {
+    let ins: Vec<Option<V>> = inputs.iter().map(|m| m.as_ref().map(|meta| V { meta, at: NULL })).collect();
+    let outs: Vec<V> = outputs.iter().map(|meta| V { meta, at: NULL }).collect();
+    dispatch(Dev(None), op, &ins, &outs)
+}
+
+fn need_f32(x: &V, what: &str) -> Result<(), String> {
+    match x.dtype() {
+        DType::F32 => Ok(()),
+        t => Err(format!("{what} is {t}; the CUDA kernels take f32 here")),
+    }
+}
+
+/// The kernels' code for an element type they can cast from or to.
+fn float_code(t: DType) -> Option<i32> {
+    match t {
+        DType::F32 => Some(0),
+        DType::F16 => Some(1),
+        DType::BF16 => Some(2),
+        DType::I64 => Some(3),
+        DType::I32 => Some(4),
+        DType::Bool => Some(5),
+        _ => None,
+    }
+}
+
+/// Strided copies exist for 4-byte and 1-byte elements.
+fn copy_kernel(t: DType) -> Result<&'static str, String> {
+    match t.size() {
+        4 => Ok("strided_copy_b32"),
+        1 => Ok("strided_copy_b8"),
+        _ => Err(format!("no strided copy of {t} elements on the CUDA backend")),
+    }
+}
+
+/// Integer ids for gathers and labels: i64 (1) or i32 (0).
+fn ids_i64(x: &V, what: &str) -> Result<i32, String> {
+    match x.dtype() {
+        DType::I64 => Ok(1),
+        DType::I32 => Ok(0),
+        t => Err(format!("{what} are {t}; expected i64 or i32")),
+    }
+}
+
+fn norm_axis(axis: i64, rank: usize) -> Result<usize, String> {
+    let a = if axis < 0 { axis + rank as i64 } else { axis };
+    (0..rank as i64).contains(&a).then_some(a as usize).ok_or_else(|| format!("axis {axis} out of range"))
+}
+
+fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), String> {
+    let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
+    let y = *outs.first().ok_or("the op has no output")?;
+    match op {
+        Op::Unary(u) => {
+            let a = x(0)?;
+            need_f32(&a, "the input")?;
+            let n = a.n();
+            dev.kernel("unary_f32", elementwise(n), &mut params![*u as i32, n as i64, a.at, y.at])
+        }
+        Op::UnaryGrad(u) => {
+            let (dy, a) = (x(0)?, x(1)?);
+            need_f32(&a, "the input")?;
+            let n = a.n();
+            dev.kernel("unary_grad_f32", elementwise(n), &mut params![*u as i32, n as i64, dy.at, a.at, y.at])
+        }
+        Op::Binary(b) => {
+            let mut acc = x(0)?;
+            for i in 1..ins.len() {
+                binary(dev, *b, acc, x(i)?, y)?;
+                acc = y;
+            }
+            Ok(())
+        }
+        Op::Where => {
+            let (c, a, b) = (x(0)?, x(1)?, x(2)?);
+            if c.dtype() != DType::Bool || a.dtype().size() != 4 || a.dtype() != b.dtype() {
+                return Err(format!("Where of {} and {} on a {} condition", a.dtype(), b.dtype(), c.dtype()));
+            }
+            let n = y.n();
+            let d = dims(y.shape())?;
+            let (sc, sa, sb) =
+                (broadcast(c.shape(), y.shape())?, broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
+            dev.kernel("where_b32", elementwise(n), &mut params![n as i64, d, c.at, sc, a.at, sa, b.at, sb, y.at])
+        }
+        Op::Cast { to } => {
+            let a = x(0)?;
+            let n = a.n();
+            if a.dtype() == *to {
+                return dev.copy(y.at, a.at, y.meta.bytes());
+            }
+            match (float_code(a.dtype()), float_code(*to)) {
+                (Some(from), Some(_)) if *to == DType::F32 => {
+                    dev.kernel("cast_to_f32", elementwise(n), &mut params![from, n as i64, a.at, y.at])
+                }
+                (Some(0), Some(code)) => {
+                    dev.kernel("cast_from_f32", elementwise(n), &mut params![code, n as i64, a.at, y.at])
+                }
+                _ => Err(format!("no CUDA cast from {} to {to} (only to and from f32)", a.dtype())),
+            }
+        }
+        Op::Identity | Op::Reshape | Op::AllReduce { .. } | Op::TensorParallelCopy => {
+            // AllReduce: the executor reduces the copy in place over the tensor group.
+            dev.copy(y.at, x(0)?.at, y.meta.bytes())
+        }
+        Op::Expand => {
+            let a = x(0)?;
+            let n = y.n();
+            let k = copy_kernel(a.dtype())?;
+            let s = broadcast(a.shape(), y.shape())?;
+            dev.kernel(k, elementwise(n), &mut params![n as i64, dims(y.shape())?, a.at, s, y.at])
+        }
+        Op::Transpose { perm } => {
+            let a = x(0)?;
+            let r = a.shape().len();
+            let perm: Vec<usize> = match perm {
+                Some(p) => p.iter().map(|&p| norm_axis(p, r)).collect::<Result<_, _>>()?,
+                None => (0..r).rev().collect(),
+            };
+            let st = strides(a.shape());
+            let s = strides_of(&perm.iter().map(|&p| st[p] as i64).collect::<Vec<_>>());
+            let n = y.n();
+            dev.kernel(copy_kernel(a.dtype())?, elementwise(n), &mut params![n as i64, dims(y.shape())?, a.at, s, y.at])
+        }
+        Op::Split { axis, .. } => {
+            let a = x(0)?;
+            let k = copy_kernel(a.dtype())?;
+            let ax = norm_axis(*axis, a.shape().len())?;
+            let st = strides(a.shape());
+            let s = strides_of(&st.iter().map(|&v| v as i64).collect::<Vec<_>>());
+            let mut start = 0;
+            for part in outs {
+                let base = Ptr(a.at.0 + (start * st[ax] * a.dtype().size()) as u64);
+                let n = part.n();
+                dev.kernel(k, elementwise(n), &mut params![n as i64, dims(part.shape())?, base, s, part.at])?;
+                start += part.shape()[ax];
+            }
+            Ok(())
+        }
+        Op::Concat { axis } => {
+            let ax = norm_axis(*axis, y.shape().len())?;
+            if y.dtype().size() != 4 {
+                return Err(format!("Concat of {} on the CUDA backend (4-byte elements only)", y.dtype()));
+            }
+            let st = strides(y.shape());
+            let s = strides_of(&st.iter().map(|&v| v as i64).collect::<Vec<_>>());
+            let mut start = 0;
+            for part in ins.iter().flatten() {
+                let base = Ptr(y.at.0 + (start * st[ax] * 4) as u64);
+                let n = part.n();
+                dev.kernel(
+                    "strided_store_b32",
+                    elementwise(n),
+                    &mut params![n as i64, dims(part.shape())?, part.at, base, s],
+                )?;
+                start += part.shape()[ax];
+            }
+            Ok(())
+        }
+        Op::Slice { starts, ends, axes, steps } => {
+            let a = x(0)?;
+            let (base, s) = slice_view(a.shape(), a.dtype(), starts, ends, axes, steps);
+            let n = y.n();
+            let at = Ptr((a.at.0 as i64 + base) as u64);
+            dev.kernel(copy_kernel(a.dtype())?, elementwise(n), &mut params![n as i64, dims(y.shape())?, at, s, y.at])
+        }
+        Op::SliceGrad { starts, ends, axes, steps, .. } => {
+            let dy = x(0)?;
+            if y.dtype().size() != 4 {
+                return Err(format!("SliceGrad of {} on the CUDA backend (4-byte elements only)", y.dtype()));
+            }
+            let (base, s) = slice_view(y.shape(), y.dtype(), starts, ends, axes, steps);
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            let n = dy.n();
+            let at = Ptr((y.at.0 as i64 + base) as u64);
+            dev.kernel("strided_store_b32", elementwise(n), &mut params![n as i64, dims(dy.shape())?, dy.at, at, s])
+        }
+        Op::Dropout { ratio, training, seed } => {
+            let a = x(0)?;
+            let mask = outs.get(1).map_or(NULL, |m| m.at);
+            if !*training || *ratio <= 0.0 {
+                dev.copy(y.at, a.at, y.meta.bytes())?;
+                return match outs.get(1) {
+                    Some(m) => dev.fill(m.at, 1, m.meta.bytes()),
+                    None => Ok(()),
+                };
+            }
+            need_f32(&a, "Dropout's input")?;
+            let n = a.n();
+            dev.kernel("dropout_f32", elementwise(n), &mut params![n as i64, *seed, *ratio, a.at, y.at, mask])
+        }
+        Op::DropoutGrad { ratio } => {
+            let (dy, mask) = (x(0)?, x(1)?);
+            need_f32(&dy, "the gradient")?;
+            let scale = if *ratio > 0.0 { 1.0 / (1.0 - ratio) } else { 1.0 };
+            let n = dy.n();
+            dev.kernel("dropout_grad_f32", elementwise(n), &mut params![n as i64, scale, dy.at, mask.at, y.at])
+        }
+        Op::Trilu { upper, k } => {
+            let a = x(0)?;
+            let r = a.shape().len();
+            if r < 2 {
+                return Err("Trilu needs at least 2 dimensions".into());
+            }
+            let kernel = match a.dtype().size() {
+                4 => "trilu_b32",
+                1 => "trilu_b8",
+                _ => return Err(format!("Trilu of {} on the CUDA backend", a.dtype())),
+            };
+            let n = a.n();
+            let (rows, cols) = (a.shape()[r - 2] as i64, a.shape()[r - 1] as i64);
+            dev.kernel(kernel, elementwise(n), &mut params![n as i64, rows, cols, *upper as i32, *k, a.at, y.at])
+        }
+        Op::MatMul => matmul(dev, x(0)?, x(1)?, None, false, false, None, 1.0, y),
+        Op::FusedMatMul { trans_a, trans_b, activation } => {
+            matmul(dev, x(0)?, x(1)?, ins.get(2).copied().flatten(), *trans_a, *trans_b, *activation, 1.0, y)
+        }
+        Op::Gemm { alpha, beta, trans_a, trans_b } => {
+            let c = ins.get(2).copied().flatten().filter(|_| *beta != 0.0);
+            if let Some(c) = c {
+                // D starts as C broadcast to the output, and cuBLASLt adds beta·D to the product.
+                need_f32(&c, "C")?;
+                let n = y.n();
+                let s = broadcast(c.shape(), y.shape())?;
+                dev.kernel(
+                    "strided_copy_b32",
+                    elementwise(n),
+                    &mut params![n as i64, dims(y.shape())?, c.at, s, y.at],
+                )?;
+            }
+            let (a, b) = (x(0)?, x(1)?);
+            if a.shape().len() != 2 || b.shape().len() != 2 {
+                return Err("Gemm takes 2-D operands".into());
+            }
+            let beta = if c.is_some() { *beta } else { 0.0 };
+            product(dev, a, b, *trans_a, *trans_b, *alpha, beta, y)
+        }
+        Op::Softmax { axis } | Op::LogSoftmax { axis } => {
+            let a = x(0)?;
+            need_f32(&a, "the input")?;
+            let (rows, cols) = last_axis_rows(a.shape(), *axis, "Softmax")?;
+            let log = matches!(op, Op::LogSoftmax { .. }) as i32;
+            dev.kernel("softmax_rows", per_row(rows), &mut params![log, cols as i64, a.at, y.at])
+        }
+        Op::SoftmaxGrad { axis } | Op::LogSoftmaxGrad { axis } => {
+            let (dy, out) = (x(0)?, x(1)?);
+            need_f32(&dy, "the gradient")?;
+            let (rows, cols) = last_axis_rows(out.shape(), *axis, "SoftmaxGrad")?;
+            let log = matches!(op, Op::LogSoftmaxGrad { .. }) as i32;
+            dev.kernel("softmax_grad_rows", per_row(rows), &mut params![log, cols as i64, dy.at, out.at, y.at])
+        }
+        Op::LayerNorm { axis, epsilon } => {
+            let (a, scale) = (x(0)?, x(1)?);
+            need_f32(&a, "the input")?;
+            let (rows, cols) = split_at_axis(a.shape(), *axis)?;
+            if scale.n() != cols || ins.get(2).copied().flatten().is_some_and(|b| b.n() != cols) {
+                return Err("LayerNormalization's scale and bias must cover the normalized dims".into());
+            }
+            let bias = ins.get(2).copied().flatten().map_or(NULL, |b| b.at);
+            let (mean, inv) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |m| m.at));
+            dev.kernel(
+                "layer_norm_rows",
+                per_row(rows),
+                &mut params![cols as i64, *epsilon, a.at, scale.at, bias, y.at, mean, inv],
+            )
+        }
+        Op::LayerNormGrad { axis } => {
+            let (dy, a, scale, mean, inv) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
+            need_f32(&a, "the input")?;
+            let (rows, cols) = split_at_axis(a.shape(), *axis)?;
+            dev.kernel(
+                "layer_norm_grad_rows",
+                per_row(rows),
+                &mut params![cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
+            )?;
+            if let Some(dscale) = outs.get(1) {
+                column_sum(dev, rows, cols, dy.at, Some((a.at, mean.at, inv.at)), dscale.at)?;
+            }
+            if let Some(dbias) = outs.get(2) {
+                column_sum(dev, rows, cols, dy.at, None, dbias.at)?;
+            }
+            Ok(())
+        }
+        Op::Gather { axis } => {
+            let (data, ids) = (x(0)?, x(1)?);
+            if data.dtype().size() != 4 {
+                return Err(format!("Gather of {} on the CUDA backend (4-byte elements only)", data.dtype()));
+            }
+            let wide = ids_i64(&ids, "Gather's indices")?;
+            let ax = norm_axis(*axis, data.shape().len())?;
+            let (outer, dim, inner) = around(data.shape(), ax);
+            let count = ids.n();
+            let fault = dev.fault(|| format!("Gather over an axis of {dim}"));
+            dev.kernel(
+                "gather_b32",
+                elementwise(outer * count * inner),
+                &mut params![outer as i64, dim as i64, inner as i64, count as i64, data.at, ids.at, wide, y.at, fault],
+            )
+        }
+        Op::GatherGrad { axis, .. } => {
+            let (dy, ids) = (x(0)?, x(1)?);
+            need_f32(&dy, "the gradient")?;
+            let wide = ids_i64(&ids, "GatherGrad's indices")?;
+            let ax = norm_axis(*axis, y.shape().len())?;
+            let (outer, dim, inner) = around(y.shape(), ax);
+            let count = ids.n();
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            dev.kernel(
+                "gather_grad_f32",
+                elementwise(outer * count * inner),
+                &mut params![outer as i64, dim as i64, inner as i64, count as i64, dy.at, ids.at, wide, y.at],
+            )
+        }
+        Op::ReduceSumTo { .. } => {
+            let a = x(0)?;
+            need_f32(&a, "the gradient")?;
+            reduce_sum_to(dev, a, y)
+        }
+        Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
+            let (scores, labels) = (x(0)?, x(1)?);
+            need_f32(&scores, "the scores")?;
+            let (rows, cols) = loss_rows(scores.shape())?;
+            let weights = ins.get(2).copied().flatten().map_or(NULL, |w| w.at);
+            let scratch = dev.scratch((2 * rows + 2) * 4)?;
+            let (w, nll) = (scratch, Ptr(scratch.0 + 4 * rows as u64));
+            let (total, den) = (Ptr(scratch.0 + 8 * rows as u64), Ptr(scratch.0 + 8 * rows as u64 + 4));
+            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
+            let logp = outs.get(1).map_or(NULL, |l| l.at);
+            dev.kernel(
+                "cross_entropy_rows",
+                per_row(rows),
+                &mut params![cols as i64, scores.at, labels.at, wide, w, logp, nll],
+            )?;
+            match reduction {
+                LossReduction::None => dev.copy(y.at, nll, rows * 4),
+                _ => {
+                    let one = per_row(1);
+                    dev.kernel("sum_one_block", one, &mut params![rows as i64, nll, total])?;
+                    dev.kernel("sum_one_block", one, &mut params![rows as i64, w, den])?;
+                    let mean = (*reduction == LossReduction::Mean) as i32;
+                    dev.kernel("loss_finish", one, &mut params![mean, total, den, y.at])
+                }
+            }
+        }
+        Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => {
+            let (dloss, logp, labels) = (x(0)?, x(1)?, x(2)?);
+            need_f32(&logp, "the log-probabilities")?;
+            let (rows, cols) = loss_rows(logp.shape())?;
+            let weights = ins.get(3).copied().flatten().map_or(NULL, |w| w.at);
+            let scratch = dev.scratch((rows + 1) * 4)?;
+            let (w, den) = (scratch, Ptr(scratch.0 + 4 * rows as u64));
+            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
+            dev.kernel("sum_one_block", per_row(1), &mut params![rows as i64, w, den])?;
+            let code = match reduction {
+                LossReduction::None => 0,
+                LossReduction::Mean => 1,
+                LossReduction::Sum => 2,
+            };
+            dev.kernel(
+                "cross_entropy_grad_rows",
+                per_row(rows),
+                &mut params![cols as i64, code, dloss.at, logp.at, labels.at, wide, w, den, y.at],
+            )
+        }
+        other => Err(format!("{} has no CUDA kernel yet", other.onnx_name().0)),
+    }
+}
+
+/// out = a op b, broadcasting; out may be a (the n-ary fold accumulates in place).
+fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
+    let n = y.n();
+    let d = dims(y.shape())?;
+    let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
+    let code = op as i32;
+    match (a.dtype(), op.is_predicate()) {
+        (DType::F32, false) => {
+            let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
+            dev.kernel(
+                "binary_f32",
+                elementwise(n),
+                &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
+            )
+        }
+        (DType::F32, true) if !matches!(op, Binary::And | Binary::Or) => {
+            dev.kernel("compare_f32", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+        }
+        (DType::Bool, true) if matches!(op, Binary::And | Binary::Or | Binary::Equal) => {
+            dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+        }
+        (t, _) => Err(format!("{op:?} of {t} has no CUDA kernel")),
+    }
+}
+
+/// (rows, cols) of a softmax over `axis`, which must be the last (the kernels' rows).
+fn last_axis_rows(shape: &[usize], axis: i64, what: &str) -> Result<(usize, usize), String> {
+    let a = norm_axis(axis, shape.len())?;
+    if a + 1 != shape.len() {
+        return Err(format!("{what} over axis {axis} of {shape:?}: the CUDA kernels take the last axis only"));
+    }
+    split_at_axis(shape, axis)
+}
+
+/// (Π shape[..axis], Π shape[axis..]).
+fn split_at_axis(shape: &[usize], axis: i64) -> Result<(usize, usize), String> {
+    let a = norm_axis(axis, shape.len())?;
+    Ok((shape[..a].iter().product(), shape[a..].iter().product()))
+}
+
+/// (outer, dim, inner) around axis `a`.
+fn around(shape: &[usize], a: usize) -> (usize, usize, usize) {
+    (shape[..a].iter().product(), shape[a], shape[a + 1..].iter().product())
+}
+
+/// The loss kernels take scores [N, C] (classes contiguous).
+fn loss_rows(shape: &[usize]) -> Result<(usize, usize), String> {
+    match shape {
+        [n, c] => Ok((*n, *c)),
+        _ => Err(format!("SoftmaxCrossEntropyLoss of scores {shape:?}: the CUDA kernels take [N, C]")),
+    }
+}
+
+/// Writes each row's loss weight to `w`; returns whether the labels are i64.
+fn label_weights(
+    dev: Dev,
+    rows: usize,
+    cols: usize,
+    labels: V,
+    ignore: Option<i64>,
+    weights: Ptr,
+    w: Ptr,
+) -> Result<i32, String> {
+    let wide = ids_i64(&labels, "the labels")?;
+    let fault =
+        dev.fault(|| format!("SoftmaxCrossEntropyLoss: a label out of range for {cols} classes (position = row)"));
+    dev.kernel(
+        "label_weights",
+        elementwise(rows),
+        &mut params![
+            rows as i64,
+            cols as i64,
+            labels.at,
+            wide,
+            ignore.is_some() as i32,
+            ignore.unwrap_or(0),
+            weights,
+            w,
+            fault
+        ],
+    )?;
+    Ok(wide)
+}
+
+/// Column sums of [rows, cols] at `v` into `out`, optionally of v·x̂ (LayerNorm's dScale):
+/// chunks of rows first, then the chunks in order, so the bits never depend on scheduling.
+fn column_sum(
+    dev: Dev,
+    rows: usize,
+    cols: usize,
+    v: Ptr,
+    x_hat: Option<(Ptr, Ptr, Ptr)>,
+    out: Ptr,
+) -> Result<(), String> {
+    const ROWS_PER_CHUNK: usize = 64;
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    let partial = dev.scratch(chunks * cols * 4)?;
+    let (xp, mean, inv) = x_hat.unwrap_or((NULL, NULL, NULL));
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(super::BLOCK as usize).max(1) as u32, chunks as u32, 1),
+        block_dim: (super::BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    dev.kernel(
+        "column_sum_partial",
+        cfg,
+        &mut params![rows as i64, cols as i64, ROWS_PER_CHUNK as i64, v, xp, mean, inv, partial],
+    )?;
+    dev.kernel("column_sum_finish", elementwise(cols), &mut params![chunks as i64, cols as i64, partial, out])
+}
+
+/// ReduceSumTo: the gradient of a broadcast, summed back to the operand's shape.
+fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
+    if a.n() == y.n() {
+        return dev.copy(y.at, a.at, y.meta.bytes());
+    }
+    let (from, to) = (a.shape(), y.shape());
+    // Leading dims summed away ([.., C] → [C], a bias' gradient): column sums.
+    let pad = from.len().saturating_sub(to.len());
+    let trailing = to.iter().skip_while(|&&d| d == 1).copied().collect::<Vec<_>>();
+    if !trailing.is_empty() && from.ends_with(&trailing) {
+        let cols: usize = trailing.iter().product();
+        return column_sum(dev, a.n() / cols, cols, a.at, None, y.at);
+    }
+    // Otherwise each output element sums its own set of inputs.
+    let st = strides(from);
+    let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
+    for (k, &n) in from.iter().enumerate() {
+        let target = if k < pad { 1 } else { to[k - pad] };
+        if target == n {
+            kept_shape.push(n);
+            kept_strides.push(st[k] as i64);
+        } else if target == 1 {
+            red_shape.push(n);
+            red_strides.push(st[k] as i64);
+        } else {
+            return Err(format!("{from:?} does not sum to {to:?}"));
+        }
+    }
+    let inner: usize = red_shape.iter().product();
+    let n = y.n();
+    dev.kernel(
+        "reduce_sum_strided",
+        elementwise(n),
+        &mut params![
+            n as i64,
+            dims(&kept_shape)?,
+            strides_of(&kept_strides),
+            inner as i64,
+            dims(&red_shape)?,
+            strides_of(&red_strides),
+            a.at,
+            y.at
+        ],
+    )
+}
+
+/// A slice of `shape` as (byte offset of its first element, element strides per output dim).
+fn slice_view(shape: &[usize], t: DType, starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64]) -> (i64, Strides) {
+    let plan = slice_plan(starts, ends, axes, steps, shape);
+    let st = strides(shape);
+    let base: i64 = plan.iter().zip(&st).map(|((s, _), &d)| s * d as i64).sum();
+    let s: Vec<i64> = plan.iter().zip(&st).map(|((_, step), &d)| step * d as i64).collect();
+    (base * t.size() as i64, strides_of(&s))
+}
+
+/// MatMul and FusedMatMul: the product, then the bias and the activation in place.
+#[allow(clippy::too_many_arguments)]
+fn matmul(
+    dev: Dev,
+    a: V,
+    b: V,
+    bias: Option<V>,
+    trans_a: bool,
+    trans_b: bool,
+    act: Option<crate::graph::op::Unary>,
+    alpha: f32,
+    y: V,
+) -> Result<(), String> {
+    product(dev, a, b, trans_a, trans_b, alpha, 0.0, y)?;
+    if let Some(bias) = bias {
+        binary(dev, Binary::Add, y, bias, y)?;
+    }
+    if let Some(u) = act {
+        let n = y.n();
+        dev.kernel("unary_f32", elementwise(n), &mut params![u as i32, n as i64, y.at, y.at])?;
+    }
+    Ok(())
+}
+
+/// y = alpha·op(a)·op(b) + beta·y over the batch dims of y; each operand has those batch dims
+/// or none (shared by the whole batch).
+#[allow(clippy::too_many_arguments)]
+fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta: f32, y: V) -> Result<(), String> {
+    need_f32(&a, "A")?;
+    need_f32(&b, "B")?;
+    let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
+    if ra < 2 || rb < 2 {
+        return Err("MatMul of a 1-D operand has no CUDA path yet".into());
+    }
+    let (m, k) = if trans_a { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
+    let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
+    let batch_dims = &y.shape()[..ry - 2];
+    let batch: usize = batch_dims.iter().product();
+    let stride_of = |x: &V, rows: usize, cols: usize| -> Result<i64, String> {
+        let own = &x.shape()[..x.shape().len() - 2];
+        if own.iter().product::<usize>() == 1 {
+            Ok(0)
+        } else if own == batch_dims {
+            Ok((rows * cols) as i64)
+        } else {
+            Err(format!("MatMul batch dims {own:?} against {batch_dims:?}: no CUDA path for this broadcast"))
+        }
+    };
+    let (a_stride, b_stride) = (stride_of(&a, m, k)?, stride_of(&b, k, n)?);
+    let p = if b_stride == 0 && a_stride != 0 && !trans_a {
+        // A shared B: the batch folds into A's rows, one larger product.
+        Product {
+            m: (batch * m) as u64,
+            n: n as u64,
+            k: k as u64,
+            batch: 1,
+            trans_a,
+            trans_b,
+            a: a.at.0,
+            a_stride: 0,
+            b: b.at.0,
+            b_stride: 0,
+            d: y.at.0,
+            alpha,
+            beta,
+        }
+    } else {
+        Product {
+            m: m as u64,
+            n: n as u64,
+            k: k as u64,
+            batch: batch as u64,
+            trans_a,
+            trans_b,
+            a: a.at.0,
+            a_stride,
+            b: b.at.0,
+            b_stride,
+            d: y.at.0,
+            alpha,
+            beta,
+        }
+    };
+    dev.gemm(&p)
+}
+
+/// Gradient accumulation: dst = dst·keep + src·scale.
+pub fn accumulate(dev: Dev, dst: V, keep: f32, src: V, scale: f32) -> Result<(), String> {
+    let n = dst.n();
+    dev.kernel("accumulate_f32", elementwise(n), &mut params![n as i64, dst.at, keep, src.at, scale])
+}
+
+/// Σ x² of an f32 value, in f64 (partials per block, added in order on the host).
+pub fn sum_squares(dev: Dev, x: V) -> Result<f64, String> {
+    let n = x.n();
+    let cfg = elementwise(n);
+    let blocks = cfg.grid_dim.0 as usize;
+    let partial = dev.scratch(blocks * 8)?;
+    dev.kernel("sum_squares_partial", cfg, &mut params![n as i64, x.at, partial])?;
+    Ok(dev.partials(partial, blocks)?.iter().sum())
+}
+
+/// One optimizer update (optim::cpu_step's formulas).
+pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state: &[V]) -> Result<(), String> {
+    let n = p.n() as i64;
+    let cfg = elementwise(p.n());
+    match *update {
+        Update::Sgd { momentum, nesterov, weight_decay } => {
+            let b = match momentum {
+                0.0 => NULL,
+                _ => state.first().map(|s| s.at).ok_or("SGD with momentum needs its buffer")?,
+            };
+            let first = (h.step == 1) as i32;
+            dev.kernel(
+                "sgd_f32",
+                cfg,
+                &mut params![n, h.lr, h.grad_scale, momentum, nesterov as i32, weight_decay, first, p.at, g.at, b],
+            )
+        }
+        Update::Adam { beta1, beta2, epsilon, weight_decay, decoupled } => {
+            let [m, v] = state else { return Err("Adam needs two state buffers".into()) };
+            let t = h.step as i32;
+            let bc1 = 1.0 - (beta1 as f64).powi(t);
+            let bc2 = 1.0 - (beta2 as f64).powi(t);
+            let step_size = (h.lr as f64 / bc1) as f32;
+            let bc2_sqrt = bc2.sqrt() as f32;
+            dev.kernel(
+                "adam_f32",
+                cfg,
+                &mut params![
+                    n,
+                    h.lr,
+                    h.grad_scale,
+                    beta1,
+                    beta2,
+                    epsilon,
+                    weight_decay,
+                    decoupled as i32,
+                    step_size,
+                    bc2_sqrt,
+                    p.at,
+                    g.at,
+                    m.at,
+                    v.at
+                ],
+            )
+        }
+        Update::Lamb { beta1, beta2, epsilon, weight_decay } => {
+            let [m, v] = state else { return Err("LAMB needs two state buffers".into()) };
+            let t = h.step as i32;
+            let bc1 = (1.0 - (beta1 as f64).powi(t)) as f32;
+            let bc2 = (1.0 - (beta2 as f64).powi(t)) as f32;
+            let blocks = cfg.grid_dim.0 as usize;
+            let partial = dev.scratch(blocks * 16)?;
+            dev.kernel(
+                "lamb_moments_f32",
+                cfg,
+                &mut params![
+                    n,
+                    h.grad_scale,
+                    beta1,
+                    beta2,
+                    epsilon,
+                    weight_decay,
+                    bc1,
+                    bc2,
+                    p.at,
+                    g.at,
+                    m.at,
+                    v.at,
+                    partial
+                ],
+            )?;
+            // The trust ratio needs both norms on the host: LAMB waits here once per weight.
+            let sums = dev.partials(partial, blocks * 2)?;
+            let wn: f64 = sums.iter().step_by(2).sum();
+            let un: f64 = sums.iter().skip(1).step_by(2).sum();
+            let trust = if wn > 0.0 && un > 0.0 { (wn.sqrt() / un.sqrt()) as f32 } else { 1.0 };
+            dev.kernel(
+                "lamb_step_f32",
+                cfg,
+                &mut params![n, h.lr * trust, epsilon, weight_decay, bc1, bc2, p.at, m.at, v.at],
+            )
+        }
+    }
+}
+
+pub(super) fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
+    v(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::graph::op::{Binary, Unary};
+
+    /// The kernels switch on `op as i32` (kernels/elementwise.cu): reordering the enums would
+    /// silently change which function runs.
+    #[test]
+    fn op_codes_are_the_kernels_switch_cases() {
+        use Unary::*;
+        let unary = [Neg, Exp, Log, Sqrt, Tanh, Erf, Relu, Sigmoid, Abs, Reciprocal, Floor, Ceil, Not, Gelu, GeluTanh];
+        for (code, u) in unary.iter().enumerate() {
+            assert_eq!(*u as i32, code as i32, "{u:?}");
+        }
+        use Binary::*;
+        let binary = [Add, Sub, Mul, Div, Pow, Max, Min, Equal, Less, Greater, LessOrEqual, GreaterOrEqual, And, Or];
+        for (code, b) in binary.iter().enumerate() {
+            assert_eq!(*b as i32, code as i32, "{b:?}");
+        }
+    }
+}

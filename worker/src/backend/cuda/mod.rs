@@ -1,0 +1,330 @@
+//! The CUDA backend: device memory from the driver API, kernels compiled at run time by NVRTC
+//! (`kernels/`, [`compile`]), matrix products through cuBLASLt ([`gemm`]), all enqueued on one
+//! stream. Only `download`, `sum_squares`, `synchronize` and `with_host_f32` wait for it.
+//!
+//! Every CUDA library is loaded at run time after [`probe`] has found it, so the worker builds
+//! and runs where there is no CUDA at all. Which ops have kernels, and with which types and
+//! shapes, is [`launch`]'s to say: [`CudaBackend::check`] runs its dispatch without launching.
+
+pub mod compile;
+mod gemm;
+pub mod launch;
+pub mod probe;
+
+use super::{Arg, Backend, StepHyper};
+use crate::graph::ir::Graph;
+use crate::graph::op::Op;
+use crate::optim::Update;
+use crate::tensor::Tensor;
+use cudarc::driver::result as driver;
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// Device memory: a pointer from cuMemAlloc, freed when dropped. The executor's plan keeps
+/// live values apart, so kernels write through shared references to it.
+pub struct CudaBuffer {
+    ptr: u64,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl CudaBuffer {
+    /// The device address `offset` bytes in.
+    pub fn at(&self, offset: usize) -> u64 {
+        self.ptr + offset as u64
+    }
+}
+
+impl Drop for CudaBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by cuMemAlloc in this context and freed once; cuMemFree waits for
+        // the work still using it.
+        let _ = self.ctx.bind_to_thread();
+        unsafe {
+            let _ = driver::free_sync(self.ptr);
+        }
+    }
+}
+
+/// The device address of an executor value.
+pub fn addr(a: &Arg<CudaBuffer>) -> u64 {
+    a.buf.at(a.offset)
+}
+
+/// Threads per block of every kernel (`BLOCK` in kernels/common.cuh).
+pub const BLOCK: u32 = 256;
+/// The most blocks a grid-stride kernel is given: enough to fill any current GPU.
+const MAX_BLOCKS: usize = 4096;
+
+/// A grid-stride kernel over `n` elements.
+pub fn elementwise(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_BLOCKS) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// A row kernel: one block per row.
+pub fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+}
+
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: HashMap<String, CudaFunction>,
+    gemm: Mutex<gemm::Gemm>,
+    _workspace: CudaBuffer,
+    /// Temporaries of single launches (row partials, loss sums), grown on demand. Reuse is
+    /// safe because every launch is ordered on the one stream.
+    scratch: Mutex<Option<CudaBuffer>>,
+    /// Data-dependent faults: a kernel that meets an index out of range writes 1 + its
+    /// position here; the next wait reports it with what `fault_sources` says ran.
+    fault: CudaBuffer,
+    fault_sources: Mutex<Vec<String>>,
+    name: String,
+}
+
+fn cuda_err(what: &str) -> impl Fn(driver::DriverError) -> String + '_ {
+    move |e| format!("CUDA {what}: {e:?}")
+}
+
+impl CudaBackend {
+    /// The backend on GPU `ordinal`: creates its context and stream, compiles (or takes from the
+    /// process' cache) and loads the kernels, and creates the cuBLASLt handle.
+    pub fn new(ordinal: usize) -> Result<CudaBackend, String> {
+        probe::libraries().map_err(|u| u.0)?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("context"))?;
+        let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
+        let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
+        let ptx = compile::compile(major, minor)?;
+        let module = ctx.load_module((*ptx).clone()).map_err(cuda_err("loading the kernels"))?;
+        let mut kernels = HashMap::new();
+        for name in compile::kernel_names() {
+            let f = module.load_function(&name).map_err(cuda_err(&format!("kernel {name}")))?;
+            kernels.insert(name, f);
+        }
+        let alloc = |bytes: usize| -> Result<CudaBuffer, String> {
+            // SAFETY: the context is current (CudaContext::new binds it to this thread).
+            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(cuda_err("allocation"))?;
+            Ok(CudaBuffer { ptr, bytes, ctx: ctx.clone() })
+        };
+        let workspace = alloc(gemm::WORKSPACE_BYTES)?;
+        let fault = alloc(8)?;
+        // SAFETY: 8 bytes of the allocation above.
+        unsafe { driver::memset_d8_sync(fault.ptr, 0, 8) }.map_err(cuda_err("memset"))?;
+        let gemm = gemm::Gemm::new(workspace.ptr, gemm::WORKSPACE_BYTES)?;
+        let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        Ok(CudaBackend {
+            name: format!("cuda:{ordinal} ({device}, sm_{major}{minor})"),
+            ctx,
+            stream,
+            kernels,
+            gemm: Mutex::new(gemm),
+            _workspace: workspace,
+            scratch: Mutex::new(None),
+            fault,
+            fault_sources: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The nodes of `graph` the CUDA backend cannot run, one line each; empty when it can run
+    /// them all. Needs no GPU ([`launch::check`]).
+    pub fn unsupported_nodes(graph: &Graph) -> Vec<String> {
+        let mut missing = Vec::new();
+        for node in &graph.nodes {
+            let meta = |v: &Option<usize>| v.and_then(|v| graph.meta(v).cloned());
+            let ins: Vec<Option<crate::graph::ir::Meta>> = node.inputs.iter().map(meta).collect();
+            let outs: Vec<crate::graph::ir::Meta> = node.outputs.iter().filter_map(meta).collect();
+            if let Err(why) = launch::check(&node.op, &ins, &outs) {
+                missing.push(format!("{}: {why}", node.describe()));
+            }
+        }
+        missing
+    }
+
+    fn bind(&self) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))
+    }
+
+    /// Launches kernel `name` with its parameters, each a pointer to the argument's value.
+    pub(crate) fn launch_kernel(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<(), String> {
+        let f = self.kernels.get(name).ok_or_else(|| format!("no CUDA kernel named {name}"))?;
+        // SAFETY: the parameters match the kernel's signature (launch.rs passes them in the
+        // order kernels/*.cu declares), and the pointers are device memory of the sizes the
+        // executor's plan gives the values.
+        unsafe {
+            driver::launch_kernel(
+                f.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.stream.cu_stream(),
+                params,
+            )
+        }
+        .map_err(|e| format!("launching {name}: {e:?}"))
+    }
+
+    pub(crate) fn gemm(&self, p: &gemm::Product) -> Result<(), String> {
+        self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)
+    }
+
+    /// At least `bytes` of scratch memory, valid until the next launch that asks for scratch.
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<u64, String> {
+        let mut s = self.scratch.lock().unwrap();
+        if s.as_ref().is_none_or(|b| b.bytes < bytes) {
+            // The old buffer may still be in use by enqueued work.
+            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+            *s = None;
+            // SAFETY: the context is bound (every entry point binds it).
+            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(cuda_err("scratch allocation"))?;
+            *s = Some(CudaBuffer { ptr, bytes, ctx: self.ctx.clone() });
+        }
+        Ok(s.as_ref().map(|b| b.ptr).unwrap_or(0))
+    }
+
+    /// The fault word's address, for a kernel that can meet bad data; `what` says what ran.
+    pub(crate) fn fault_word(&self, what: String) -> u64 {
+        self.fault_sources.lock().unwrap().push(what);
+        self.fault.ptr
+    }
+
+    pub(crate) fn memcpy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+        if dst == src || bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: both ranges are device memory of `bytes` (the plan's sizes).
+        unsafe { driver::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(cuda_err("copy"))
+    }
+
+    pub(crate) fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<(), String> {
+        // SAFETY: device memory of `bytes`.
+        unsafe { driver::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }.map_err(cuda_err("memset"))
+    }
+
+    fn read<T: Copy + Default>(&self, src: u64, count: usize) -> Result<Vec<T>, String> {
+        let mut host = vec![T::default(); count];
+        // SAFETY: `count` elements of device memory at `src`; the wait below completes the copy
+        // before `host` is read or dropped.
+        unsafe { driver::memcpy_dtoh_async(&mut host, src, self.stream.cu_stream()) }.map_err(cuda_err("download"))?;
+        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        Ok(host)
+    }
+
+    /// Waits for the stream, then reports a fault a kernel recorded since the last wait.
+    fn wait(&self) -> Result<(), String> {
+        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        let sources = std::mem::take(&mut *self.fault_sources.lock().unwrap());
+        if sources.is_empty() {
+            return Ok(());
+        }
+        let word = self.read::<u64>(self.fault.ptr, 1)?[0];
+        if word == 0 {
+            return Ok(());
+        }
+        self.memset(self.fault.ptr, 0, 8)?;
+        Err(format!("an index out of range at position {} in one of: {}", word - 1, sources.join("; ")))
+    }
+
+    /// The f64 partial sums a kernel left at `partial`, for the host to add in order.
+    pub(crate) fn sum_partials(&self, partial: u64, count: usize) -> Result<Vec<f64>, String> {
+        self.read::<f64>(partial, count)
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaBuffer, String> {
+        self.bind()?;
+        // SAFETY: the context is bound; the memset is ordered before any use on the stream.
+        let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }
+            .map_err(|e| format!("cannot allocate {bytes} bytes on {}: {e:?}", self.name))?;
+        let buf = CudaBuffer { ptr, bytes, ctx: self.ctx.clone() };
+        self.memset(ptr, 0, bytes)?;
+        Ok(buf)
+    }
+
+    fn upload(&self, src: &Tensor, dst: Arg<CudaBuffer>) -> Result<(), String> {
+        self.bind()?;
+        if src.byte_len() != dst.meta.bytes() {
+            return Err(format!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes()));
+        }
+        // SAFETY: the value's bytes at its place; a copy from pageable host memory returns once
+        // the source has been staged, so `src` may go right after.
+        unsafe { driver::memcpy_htod_async(addr(&dst), src.bytes(), self.stream.cu_stream()) }
+            .map_err(cuda_err("upload"))
+    }
+
+    fn download(&self, src: Arg<CudaBuffer>) -> Result<Tensor, String> {
+        self.bind()?;
+        self.wait()?;
+        let mut t = Tensor::zeros(src.meta.dtype, &src.meta.shape);
+        // SAFETY: the value's bytes; the wait completes the copy before `t` is used.
+        unsafe { driver::memcpy_dtoh_async(t.bytes_mut(), addr(&src), self.stream.cu_stream()) }
+            .map_err(cuda_err("download"))?;
+        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        Ok(t)
+    }
+
+    fn launch(&self, op: &Op, inputs: &[Option<Arg<CudaBuffer>>], outputs: &[Arg<CudaBuffer>]) -> Result<(), String> {
+        self.bind()?;
+        launch::run(self, op, inputs, outputs)
+    }
+
+    fn accumulate(&self, dst: Arg<CudaBuffer>, keep: f32, src: Arg<CudaBuffer>, scale: f32) -> Result<(), String> {
+        self.bind()?;
+        launch::accumulate(launch::Dev(Some(self)), launch::value(&dst), keep, launch::value(&src), scale)
+    }
+
+    fn sum_squares(&self, x: Arg<CudaBuffer>) -> Result<f64, String> {
+        self.bind()?;
+        launch::sum_squares(launch::Dev(Some(self)), launch::value(&x))
+    }
+
+    fn optimizer_step(
+        &self,
+        update: &Update,
+        h: StepHyper,
+        param: Arg<CudaBuffer>,
+        grad: Arg<CudaBuffer>,
+        state: &[Arg<CudaBuffer>],
+    ) -> Result<(), String> {
+        self.bind()?;
+        let state: Vec<launch::V> = state.iter().map(launch::value).collect();
+        launch::optimizer_step(launch::Dev(Some(self)), update, h, launch::value(&param), launch::value(&grad), &state)
+    }
+
+    fn unsupported(&self, graph: &Graph) -> Vec<String> {
+        CudaBackend::unsupported_nodes(graph)
+    }
+
+    fn synchronize(&self) -> Result<(), String> {
+        self.bind()?;
+        self.wait()
+    }
+
+    fn with_host_f32(
+        &self,
+        x: Arg<CudaBuffer>,
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.bind()?;
+        self.wait()?;
+        let mut host = self.read::<f32>(addr(&x), x.meta.numel())?;
+        f(&mut host)?;
+        // SAFETY: the value's bytes; the wait keeps `host` alive until the copy is done.
+        unsafe { driver::memcpy_htod_async(addr(&x), &host, self.stream.cu_stream()) }.map_err(cuda_err("upload"))?;
+        self.stream.synchronize().map_err(cuda_err("synchronize"))
+    }
+}
