@@ -25,16 +25,32 @@ pub fn source() -> String {
     s
 }
 
-/// The kernels' names, as the program declares them (`extern "C" __global__ void name(`).
-pub fn kernel_names() -> Vec<String> {
+/// Each kernel's name and its parameters' declared types (`const float*`, `i64`, `Dims`, ...),
+/// in order, read from the program (`extern "C" __global__ void name(type name, ...)`).
+pub fn declarations() -> Vec<(String, Vec<String>)> {
     let marker = "extern \"C\" __global__ void ";
     let src = source();
     src.match_indices(marker)
         .filter_map(|(at, _)| {
             let rest = &src[at + marker.len()..];
-            rest.find('(').map(|end| rest[..end].trim().to_string())
+            let (open, close) = (rest.find('(')?, rest.find(')')?);
+            let types = rest[open + 1..close]
+                .split(',')
+                .map(|p| {
+                    let p = p.trim();
+                    // The type is all but the last word; a pointer's `*` stays with the type.
+                    let (ty, _name) = p.rsplit_once(|c: char| c.is_whitespace() || c == '*').unwrap_or((p, ""));
+                    let star = if p[ty.len()..].trim_start().starts_with('*') { "*" } else { "" };
+                    format!("{}{star}", ty.trim())
+                })
+                .collect();
+            Some((rest[..open].trim().to_string(), types))
         })
         .collect()
+}
+
+pub fn kernel_names() -> Vec<String> {
+    declarations().into_iter().map(|(name, _)| name).collect()
 }
 
 /// Compiles the program for compute capability `major.minor` (`compute_90` on an H100); Err

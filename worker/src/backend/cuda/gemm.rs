@@ -30,7 +30,7 @@ pub struct Product {
 }
 
 /// The cuBLASLt handle and its workspace (both live as long as the backend).
-pub struct Gemm {
+pub(super) struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: u64,
     workspace_bytes: usize,
@@ -90,12 +90,12 @@ impl Drop for Layout {
 
 impl Gemm {
     /// `workspace` is device memory of `workspace_bytes` that the backend owns.
-    pub fn new(workspace: u64, workspace_bytes: usize) -> Result<Gemm, String> {
+    pub(super) fn new(workspace: u64, workspace_bytes: usize) -> Result<Gemm, String> {
         let handle = lt::create_handle().map_err(|e| err("create", e))?;
         Ok(Gemm { handle, workspace, workspace_bytes })
     }
 
-    pub fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<(), String> {
+    pub(super) fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<(), String> {
         // cuBLASLt's first operand is our B: as stored it reads (column-major) as Bᵀ [n, k] when
         // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
         let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };

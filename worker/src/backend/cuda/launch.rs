@@ -1,9 +1,9 @@
 //! Which kernel runs each op, with which parameters: the CUDA backend's dispatch.
 //!
-//! The same code answers "can this op run here?": [`check`] walks the dispatch with no device
-//! ([`Dev`] in check mode), so that every type, shape and parameter test below is made, and
-//! every kernel named is looked up in the program's source with its parameter types compared
-//! to the ones passed, without a GPU. What check accepts, run launches.
+//! The same code answers "can this op run here?": [`check`] walks the dispatch against the
+//! [`Check`] target, which launches nothing, so that every type, shape and parameter test below
+//! is made, and every kernel named is looked up in the program's source with its parameter
+//! types compared to the ones passed, without a GPU. What check accepts, run launches.
 
 use super::gemm::Product;
 use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
@@ -125,7 +125,7 @@ impl From<Ptr> for P {
     }
 }
 
-const NULL: Ptr = Ptr(0);
+pub const NULL: Ptr = Ptr(0);
 
 macro_rules! params {
     ($($arg:expr),* $(,)?) => { [$(P::from($arg)),*] };
@@ -157,22 +157,16 @@ impl P {
     }
 }
 
-/// Each kernel's parameter kinds, read from its declaration in the program's source.
+/// Each kernel's parameter kinds, from its declaration.
 fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
     static SIGS: OnceLock<HashMap<String, Vec<&'static str>>> = OnceLock::new();
     SIGS.get_or_init(|| {
-        let src = compile::source();
-        let marker = "extern \"C\" __global__ void ";
-        let mut sigs = HashMap::new();
-        for (at, _) in src.match_indices(marker) {
-            let rest = &src[at + marker.len()..];
-            let (Some(open), Some(close)) = (rest.find('('), rest.find(')')) else { continue };
-            let kinds = rest[open + 1..close]
-                .split(',')
-                .map(|p| {
-                    let p = p.trim();
-                    let ty = p.rsplit_once(char::is_whitespace).map_or(p, |(ty, _)| ty).trim();
-                    match ty {
+        compile::declarations()
+            .into_iter()
+            .map(|(name, types)| {
+                let kinds = types
+                    .iter()
+                    .map(|ty| match ty.as_str() {
                         t if t.ends_with('*') => "pointer",
                         "int" => "int",
                         "i64" => "i64",
@@ -181,19 +175,85 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
                         "Dims" => "Dims",
                         "Strides" => "Strides",
                         _ => "unknown",
-                    }
-                })
-                .collect();
-            sigs.insert(rest[..open].trim().to_string(), kinds);
-        }
-        sigs
+                    })
+                    .collect();
+                (name, kinds)
+            })
+            .collect()
     })
 }
 
-/// The device, or none in check mode: every action below is checked alike and only done with
-/// a device.
+/// Where the dispatch's work goes: the GPU ([`CudaBackend`]), nowhere ([`Check`]), or a
+/// stand-in that runs the same kernels elsewhere (the tests' CPU emulator). Kernel parameters
+/// arrive checked against the kernel's declaration.
+pub trait Target {
+    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String>;
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String>;
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String>;
+    fn gemm(&self, p: &Product) -> Result<(), String>;
+    /// At least `bytes` of temporary memory, valid until the next request.
+    fn scratch(&self, bytes: usize) -> Result<Ptr, String>;
+    /// The word a kernel that can meet bad data reports it in; `what` says what ran.
+    fn fault(&self, what: String) -> Ptr;
+    /// f64 partial sums a kernel left at `at`, for the host to add in order.
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String>;
+}
+
+/// No device: the dispatch makes every check and launches nothing.
+pub struct Check;
+
+impl Target for Check {
+    fn launch(&self, _: &str, _: LaunchConfig, _: &mut [*mut c_void]) -> Result<(), String> {
+        Ok(())
+    }
+    fn copy(&self, _: Ptr, _: Ptr, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn fill(&self, _: Ptr, _: u8, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn gemm(&self, _: &Product) -> Result<(), String> {
+        Ok(())
+    }
+    fn scratch(&self, _: usize) -> Result<Ptr, String> {
+        Ok(NULL)
+    }
+    fn fault(&self, _: String) -> Ptr {
+        NULL
+    }
+    fn partials(&self, _: Ptr, count: usize) -> Result<Vec<f64>, String> {
+        Ok(vec![0.0; count])
+    }
+}
+
+impl Target for CudaBackend {
+    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String> {
+        self.launch_kernel(name, cfg, params)
+    }
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+        self.memcpy(dst.0, src.0, bytes)
+    }
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+        self.memset(dst.0, byte, bytes)
+    }
+    fn gemm(&self, p: &Product) -> Result<(), String> {
+        CudaBackend::gemm(self, p)
+    }
+    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+        CudaBackend::scratch(self, bytes).map(Ptr)
+    }
+    fn fault(&self, what: String) -> Ptr {
+        Ptr(self.fault_word(what))
+    }
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+        self.sum_partials(at.0, count)
+    }
+}
+
+/// The dispatch's handle on its target: kernel launches are checked against their
+/// declarations here, whatever the target.
 #[derive(Clone, Copy)]
-pub struct Dev<'a>(pub Option<&'a CudaBackend>);
+pub struct Dev<'a>(pub &'a dyn Target);
 
 impl Dev<'_> {
     fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), String> {
@@ -206,38 +266,32 @@ impl Dev<'_> {
                 passed.join(", ")
             ));
         }
-        match self.0 {
-            None => Ok(()),
-            Some(be) => {
-                let mut raw: Vec<*mut c_void> = params.iter_mut().map(P::as_param).collect();
-                be.launch_kernel(name, cfg, &mut raw)
-            }
-        }
+        let mut raw: Vec<*mut c_void> = params.iter_mut().map(P::as_param).collect();
+        self.0.launch(name, cfg, &mut raw)
     }
 
     fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
-        self.0.map_or(Ok(()), |be| be.memcpy(dst.0, src.0, bytes))
+        self.0.copy(dst, src, bytes)
     }
 
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
-        self.0.map_or(Ok(()), |be| be.memset(dst.0, byte, bytes))
+        self.0.fill(dst, byte, bytes)
     }
 
     fn gemm(&self, p: &Product) -> Result<(), String> {
-        self.0.map_or(Ok(()), |be| be.gemm(p))
+        self.0.gemm(p)
     }
 
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
-        self.0.map_or(Ok(NULL), |be| be.scratch(bytes).map(Ptr))
+        self.0.scratch(bytes)
     }
 
     fn fault(&self, what: impl FnOnce() -> String) -> Ptr {
-        self.0.map_or(NULL, |be| Ptr(be.fault_word(what())))
+        self.0.fault(what())
     }
 
-    /// f64 partial sums left by a kernel (0 in check mode).
     fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
-        self.0.map_or(Ok(vec![0.0; count]), |be| be.sum_partials(at.0, count))
+        self.0.partials(at, count)
     }
 }
 
@@ -260,20 +314,14 @@ impl V<'_> {
     }
 }
 
-fn v<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
+/// The executor's value as the dispatch sees it.
+pub fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
     V { meta: a.meta, at: Ptr(super::addr(a)) }
 }
 
-/// Runs `op` on the device.
-pub fn run(
-    be: &CudaBackend,
-    op: &Op,
-    inputs: &[Option<Arg<CudaBuffer>>],
-    outputs: &[Arg<CudaBuffer>],
-) -> Result<(), String> {
-    let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(v)).collect();
-    let outs: Vec<V> = outputs.iter().map(v).collect();
-    dispatch(Dev(Some(be)), op, &ins, &outs)
+/// Runs `op` on `target`.
+pub fn run(target: &dyn Target, op: &Op, inputs: &[Option<V>], outputs: &[V]) -> Result<(), String> {
+    dispatch(Dev(target), op, inputs, outputs)
 }
 
 /// Whether `op` with these input and output metas can run on the CUDA backend; Err says why
@@ -281,7 +329,7 @@ pub fn run(
 pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), String> {
     let ins: Vec<Option<V>> = inputs.iter().map(|m| m.as_ref().map(|meta| V { meta, at: NULL })).collect();
     let outs: Vec<V> = outputs.iter().map(|meta| V { meta, at: NULL }).collect();
-    dispatch(Dev(None), op, &ins, &outs)
+    run(&Check, op, &ins, &outs)
 }
 
 fn need_f32(x: &V, what: &str) -> Result<(), String> {
@@ -996,10 +1044,6 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state
             )
         }
     }
-}
-
-pub(super) fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
-    v(a)
 }
 
 #[cfg(test)]

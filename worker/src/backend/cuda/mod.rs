@@ -7,7 +7,7 @@
 //! shapes, is [`launch`]'s to say: [`CudaBackend::check`] runs its dispatch without launching.
 
 pub mod compile;
-mod gemm;
+pub mod gemm;
 pub mod launch;
 pub mod probe;
 
@@ -279,17 +279,19 @@ impl Backend for CudaBackend {
 
     fn launch(&self, op: &Op, inputs: &[Option<Arg<CudaBuffer>>], outputs: &[Arg<CudaBuffer>]) -> Result<(), String> {
         self.bind()?;
-        launch::run(self, op, inputs, outputs)
+        let ins: Vec<Option<launch::V>> = inputs.iter().map(|a| a.as_ref().map(launch::value)).collect();
+        let outs: Vec<launch::V> = outputs.iter().map(launch::value).collect();
+        launch::run(self, op, &ins, &outs)
     }
 
     fn accumulate(&self, dst: Arg<CudaBuffer>, keep: f32, src: Arg<CudaBuffer>, scale: f32) -> Result<(), String> {
         self.bind()?;
-        launch::accumulate(launch::Dev(Some(self)), launch::value(&dst), keep, launch::value(&src), scale)
+        launch::accumulate(launch::Dev(self), launch::value(&dst), keep, launch::value(&src), scale)
     }
 
     fn sum_squares(&self, x: Arg<CudaBuffer>) -> Result<f64, String> {
         self.bind()?;
-        launch::sum_squares(launch::Dev(Some(self)), launch::value(&x))
+        launch::sum_squares(launch::Dev(self), launch::value(&x))
     }
 
     fn optimizer_step(
@@ -302,7 +304,7 @@ impl Backend for CudaBackend {
     ) -> Result<(), String> {
         self.bind()?;
         let state: Vec<launch::V> = state.iter().map(launch::value).collect();
-        launch::optimizer_step(launch::Dev(Some(self)), update, h, launch::value(&param), launch::value(&grad), &state)
+        launch::optimizer_step(launch::Dev(self), update, h, launch::value(&param), launch::value(&grad), &state)
     }
 
     fn unsupported(&self, graph: &Graph) -> Vec<String> {

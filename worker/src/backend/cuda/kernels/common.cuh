@@ -47,6 +47,20 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
     return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#ifdef TF_EMULATE
+// The tests' CPU emulator (worker/tests/cuda_emulator/) has no PTX: the compiler's _Float16.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    _Float16 h = (_Float16)f;
+    u16 b;
+    memcpy(&b, &h, 2);
+    return b;
+}
+#else
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
@@ -57,6 +71,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

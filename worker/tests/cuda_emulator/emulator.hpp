@@ -1,0 +1,181 @@
+// A CPU stand-in for the GPU, for checking the CUDA backend's kernels where there is no GPU.
+//
+// The kernel program (worker/src/backend/cuda/kernels/) is compiled as C++ after this header
+// (with TF_EMULATE defined). A launch runs its blocks one after another; the threads of a block
+// are fibers (ucontext) on one OS thread, each with its own stack, switched at every
+// __syncthreads and at every warp shuffle. A barrier releases its fibers once all that take
+// part have reached it (the block's for __syncthreads, the warp's for a shuffle), so code that
+// would deadlock or race on a GPU through a missing barrier shows up here as a deadlock error or
+// a wrong result. `__shared__` variables are statics: one instance, shared by the block that
+// runs. Atomics are plain reads and writes, which is atomic between cooperative fibers.
+//
+// What this does not emulate: memory coalescing and timing, warp divergence within a shuffle
+// (every lane must take part, as the kernels' full masks require), and the GPU's float
+// rounding of expf & co (the host's libm stands in).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <ucontext.h>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct dim3 {
+    unsigned x, y, z;
+};
+
+static dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+static inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+
+static inline float atomicAdd(float* at, float v) {
+    float old = *at;
+    *at = old + v;
+    return old;
+}
+static inline unsigned long long atomicCAS(unsigned long long* at, unsigned long long expected,
+                                           unsigned long long desired) {
+    unsigned long long old = *at;
+    if (old == expected) *at = desired;
+    return old;
+}
+
+namespace emu {
+
+enum State { RUNNING, AT_BLOCK_BARRIER, AT_WARP_BARRIER, DONE };
+
+struct Fiber {
+    ucontext_t context;
+    State state;
+};
+
+static const size_t STACK_BYTES = 64 * 1024;
+static std::vector<Fiber> fibers;
+static std::vector<std::vector<char>> stacks;
+static ucontext_t scheduler;
+static unsigned current;
+static std::function<void()> body;
+static std::string failure;
+
+static void wait(State s) {
+    fibers[current].state = s;
+    swapcontext(&fibers[current].context, &scheduler);
+}
+
+static void start() {
+    body();
+    fibers[current].state = DONE;
+    swapcontext(&fibers[current].context, &scheduler);
+}
+
+// Runs one block of `threads` fibers to completion; false on a deadlock.
+static bool run_block(unsigned threads) {
+    fibers.assign(threads, Fiber{});
+    if (stacks.size() < threads) stacks.resize(threads, std::vector<char>(STACK_BYTES));
+    for (unsigned t = 0; t < threads; ++t) {
+        getcontext(&fibers[t].context);
+        fibers[t].context.uc_stack.ss_sp = stacks[t].data();
+        fibers[t].context.uc_stack.ss_size = STACK_BYTES;
+        fibers[t].context.uc_link = nullptr;
+        makecontext(&fibers[t].context, start, 0);
+        fibers[t].state = RUNNING;
+    }
+    for (;;) {
+        for (unsigned t = 0; t < threads; ++t) {
+            if (fibers[t].state != RUNNING) continue;
+            current = t;
+            threadIdx = dim3{t, 0, 0};
+            swapcontext(&scheduler, &fibers[t].context);
+        }
+        bool all_done = true, block_ready = true, released = false;
+        for (auto& f : fibers) {
+            all_done = all_done && f.state == DONE;
+            block_ready = block_ready && (f.state == AT_BLOCK_BARRIER || f.state == DONE);
+        }
+        if (all_done) return true;
+        if (block_ready) {
+            for (auto& f : fibers)
+                if (f.state == AT_BLOCK_BARRIER) f.state = RUNNING;
+            continue;
+        }
+        for (unsigned w = 0; w * 32 < threads; ++w) {
+            unsigned end = (w + 1) * 32 < threads ? (w + 1) * 32 : threads;
+            bool ready = true, any = false;
+            for (unsigned t = w * 32; t < end; ++t) {
+                ready = ready && (fibers[t].state == AT_WARP_BARRIER || fibers[t].state == DONE);
+                any = any || fibers[t].state == AT_WARP_BARRIER;
+            }
+            if (ready && any) {
+                for (unsigned t = w * 32; t < end; ++t)
+                    if (fibers[t].state == AT_WARP_BARRIER) fibers[t].state = RUNNING;
+                released = true;
+            }
+        }
+        if (!released) return false;
+    }
+}
+
+// The lanes' values in flight during a shuffle, by thread index.
+static float shuffled_f32[1024];
+static double shuffled_f64[1024];
+
+}  // namespace emu
+
+static inline void __syncthreads() { emu::wait(emu::AT_BLOCK_BARRIER); }
+
+static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    unsigned t = threadIdx.x;
+    emu::shuffled_f32[t] = v;
+    emu::wait(emu::AT_WARP_BARRIER);
+    float r = emu::shuffled_f32[t ^ (unsigned)lane_mask];
+    emu::wait(emu::AT_WARP_BARRIER);
+    return r;
+}
+static inline double __shfl_xor_sync(unsigned, double v, int lane_mask) {
+    unsigned t = threadIdx.x;
+    emu::shuffled_f64[t] = v;
+    emu::wait(emu::AT_WARP_BARRIER);
+    double r = emu::shuffled_f64[t ^ (unsigned)lane_mask];
+    emu::wait(emu::AT_WARP_BARRIER);
+    return r;
+}
+
+// Runs `kernel` over the grid; 0 when done, 1 on a deadlock (the message in emu_failure).
+static int emu_run_grid(const char* name, unsigned gx, unsigned gy, unsigned bx, std::function<void()> kernel) {
+    gridDim = dim3{gx, gy, 1};
+    blockDim = dim3{bx, 1, 1};
+    emu::body = std::move(kernel);
+    for (unsigned y = 0; y < gy; ++y)
+        for (unsigned x = 0; x < gx; ++x) {
+            blockIdx = dim3{x, y, 0};
+            if (!emu::run_block(bx)) {
+                emu::failure = std::string(name) + ": the threads of block (" + std::to_string(x) + ", " +
+                               std::to_string(y) + ") deadlocked at mismatched barriers";
+                return 1;
+            }
+        }
+    return 0;
+}
+
+extern "C" const char* emu_failure() { return emu::failure.c_str(); }

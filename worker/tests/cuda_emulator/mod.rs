@@ -1,0 +1,272 @@
+//! The CUDA backend's kernels and dispatch, run on the CPU (`emulator.hpp` says how): a
+//! [`Backend`] whose memory is host memory and whose launches go through the same dispatch
+//! (`backend::cuda::launch`) as the GPU's, into the kernel program compiled by the host's C++
+//! compiler. Products go to a plain triple loop here, so cuBLASLt's part (gemm.rs) is the one
+//! piece of the backend this does not check.
+
+use libloading::{Library, Symbol};
+use std::cell::UnsafeCell;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use tensorfleet_worker::backend::cuda::gemm::Product;
+use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
+use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
+use tensorfleet_worker::backend::{Arg, Backend, StepHyper};
+use tensorfleet_worker::graph::ir::Graph;
+use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::optim::Update;
+use tensorfleet_worker::tensor::Tensor;
+
+type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *mut *mut c_void) -> i32;
+type FailureFn = unsafe extern "C" fn() -> *const c_char;
+
+/// The kernel program built as a shared library for this machine.
+pub struct Emulator {
+    lib: Library,
+}
+
+/// The C++ that turns `emu_launch(name, grid, block, params)` into a call of the kernel with
+/// its parameters cast back to their declared types.
+fn dispatcher() -> String {
+    let mut s = String::from(
+        "extern \"C\" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned bx, void** p) {\n",
+    );
+    for (name, types) in compile::declarations() {
+        let args: Vec<String> = types.iter().enumerate().map(|(i, ty)| format!("*({ty}*)p[{i}]")).collect();
+        s.push_str(&format!(
+            "    if (strcmp(name, \"{name}\") == 0) return emu_run_grid(name, gx, gy, bx, [=] {{ {name}({}); }});\n",
+            args.join(", ")
+        ));
+    }
+    s.push_str("    emu::failure = std::string(\"no kernel named \") + name;\n    return 2;\n}\n");
+    s
+}
+
+fn build(dir: &Path) -> Result<PathBuf, String> {
+    std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/cuda_emulator");
+    let src = dir.join("kernels_emulated.cpp");
+    let program = format!("#define TF_EMULATE 1\n#include \"emulator.hpp\"\n{}\n{}", compile::source(), dispatcher());
+    std::fs::write(&src, program).map_err(|e| e.to_string())?;
+    let lib = dir.join("libkernels_emulated.so");
+    let out = Command::new("g++")
+        .args(["-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I"])
+        .arg(&here)
+        .arg("-o")
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .map_err(|e| format!("g++ (build-essential, which `make deps` installs): {e}"))?;
+    if !out.status.success() {
+        return Err(format!("g++ could not build the emulated kernels:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(lib)
+}
+
+/// The emulator, built once per test binary.
+pub fn emulator() -> &'static Emulator {
+    static EMU: OnceLock<Emulator> = OnceLock::new();
+    EMU.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("tf-cuda-emulator-{}", std::process::id()));
+        let path = build(&dir).unwrap_or_else(|e| panic!("{e}"));
+        // SAFETY: the library is ours, built just now; it has no initialisers with side effects.
+        let lib = unsafe { Library::new(&path) }.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        std::fs::remove_dir_all(&dir).ok();
+        Emulator { lib }
+    })
+}
+
+impl Emulator {
+    fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, params: &mut [*mut c_void]) -> Result<(), String> {
+        let cname = CString::new(name).unwrap();
+        // SAFETY: the symbols are the dispatcher's; `params` point at values of the kernel's
+        // declared types (the dispatch checked them) that outlive this synchronous call.
+        unsafe {
+            let launch: Symbol<LaunchFn> = self.lib.get(b"emu_launch").map_err(|e| e.to_string())?;
+            if launch(cname.as_ptr(), grid.0, grid.1, block, params.as_mut_ptr()) == 0 {
+                return Ok(());
+            }
+            let failure: Symbol<FailureFn> = self.lib.get(b"emu_failure").map_err(|e| e.to_string())?;
+            Err(CStr::from_ptr(failure()).to_string_lossy().into_owned())
+        }
+    }
+}
+
+/// Host memory, 8-byte aligned, written through shared references as the GPU's is (the plan
+/// keeps live values apart).
+pub struct HostBuffer {
+    words: UnsafeCell<Vec<u64>>,
+}
+
+unsafe impl Send for HostBuffer {}
+unsafe impl Sync for HostBuffer {}
+
+impl HostBuffer {
+    fn new(bytes: usize) -> HostBuffer {
+        HostBuffer { words: UnsafeCell::new(vec![0u64; bytes.div_ceil(8).max(1)]) }
+    }
+    fn base(&self) -> u64 {
+        // SAFETY: the vector is never resized after creation.
+        unsafe { (*self.words.get()).as_mut_ptr() as u64 }
+    }
+}
+
+fn at(a: &Arg<HostBuffer>) -> u64 {
+    a.buf.base() + a.offset as u64
+}
+
+fn value<'a>(a: &Arg<'a, HostBuffer>) -> V<'a> {
+    V { meta: a.meta, at: Ptr(at(a)) }
+}
+
+/// The CUDA backend's dispatch and kernels on the CPU.
+pub struct EmulatedGpu {
+    emu: &'static Emulator,
+    scratch: Mutex<HostBuffer>,
+    fault: HostBuffer,
+    faults: Mutex<Vec<String>>,
+}
+
+impl EmulatedGpu {
+    pub fn new() -> EmulatedGpu {
+        EmulatedGpu {
+            emu: emulator(),
+            scratch: Mutex::new(HostBuffer::new(8)),
+            fault: HostBuffer::new(8),
+            faults: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn fault_check(&self) -> Result<(), String> {
+        let sources = std::mem::take(&mut *self.faults.lock().unwrap());
+        // SAFETY: the fault word is 8 bytes of host memory that kernels write through.
+        let word = unsafe { std::ptr::read(self.fault.base() as *const u64) };
+        if word == 0 {
+            return Ok(());
+        }
+        unsafe { std::ptr::write(self.fault.base() as *mut u64, 0) };
+        Err(format!("an index out of range at position {} in one of: {}", word - 1, sources.join("; ")))
+    }
+}
+
+// SAFETY (all the raw reads and writes below): the addresses are host memory of the sizes the
+// executor's plan, or the scratch request, gave them.
+impl Target for EmulatedGpu {
+    fn launch(&self, name: &str, cfg: cudarc::driver::LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String> {
+        self.emu.launch(name, cfg.grid_dim, cfg.block_dim.0, params)
+    }
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+        if dst != src {
+            unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
+        }
+        Ok(())
+    }
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+        unsafe { std::ptr::write_bytes(dst.0 as *mut u8, byte, bytes) };
+        Ok(())
+    }
+    fn gemm(&self, p: &Product) -> Result<(), String> {
+        let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
+        for b in 0..p.batch as usize {
+            let a = (p.a as *const f32).wrapping_offset(b as isize * p.a_stride as isize);
+            let bm = (p.b as *const f32).wrapping_offset(b as isize * p.b_stride as isize);
+            let d = (p.d as *mut f32).wrapping_add(b * m * n);
+            for i in 0..m {
+                for j in 0..n {
+                    let mut s = 0f64;
+                    for l in 0..k {
+                        let av = unsafe { *a.add(if p.trans_a { l * m + i } else { i * k + l }) };
+                        let bv = unsafe { *bm.add(if p.trans_b { j * k + l } else { l * n + j }) };
+                        s += av as f64 * bv as f64;
+                    }
+                    let out = unsafe { &mut *d.add(i * n + j) };
+                    let prior = if p.beta != 0.0 { p.beta * *out } else { 0.0 };
+                    *out = p.alpha * s as f32 + prior;
+                }
+            }
+        }
+        Ok(())
+    }
+    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+        let mut s = self.scratch.lock().unwrap();
+        if unsafe { (*s.words.get()).len() } * 8 < bytes {
+            *s = HostBuffer::new(bytes);
+        }
+        Ok(Ptr(s.base()))
+    }
+    fn fault(&self, what: String) -> Ptr {
+        self.faults.lock().unwrap().push(what);
+        Ptr(self.fault.base())
+    }
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+        Ok(unsafe { std::slice::from_raw_parts(at.0 as *const f64, count) }.to_vec())
+    }
+}
+
+impl Backend for EmulatedGpu {
+    type Buffer = HostBuffer;
+
+    fn name(&self) -> String {
+        "the CUDA kernels, emulated on the CPU".into()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<HostBuffer, String> {
+        Ok(HostBuffer::new(bytes))
+    }
+
+    fn upload(&self, src: &Tensor, dst: Arg<HostBuffer>) -> Result<(), String> {
+        assert_eq!(src.byte_len(), dst.meta.bytes());
+        unsafe { std::ptr::copy_nonoverlapping(src.bytes().as_ptr(), at(&dst) as *mut u8, src.byte_len()) };
+        Ok(())
+    }
+
+    fn download(&self, src: Arg<HostBuffer>) -> Result<Tensor, String> {
+        self.fault_check()?;
+        let bytes = unsafe { std::slice::from_raw_parts(at(&src) as *const u8, src.meta.bytes()) };
+        Ok(Tensor::from_bytes(src.meta.dtype, &src.meta.shape, bytes).expect("the meta's size"))
+    }
+
+    fn launch(&self, op: &Op, inputs: &[Option<Arg<HostBuffer>>], outputs: &[Arg<HostBuffer>]) -> Result<(), String> {
+        let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(value)).collect();
+        let outs: Vec<V> = outputs.iter().map(value).collect();
+        launch::run(self, op, &ins, &outs)
+    }
+
+    fn accumulate(&self, dst: Arg<HostBuffer>, keep: f32, src: Arg<HostBuffer>, scale: f32) -> Result<(), String> {
+        launch::accumulate(Dev(self), value(&dst), keep, value(&src), scale)
+    }
+
+    fn sum_squares(&self, x: Arg<HostBuffer>) -> Result<f64, String> {
+        launch::sum_squares(Dev(self), value(&x))
+    }
+
+    fn optimizer_step(
+        &self,
+        update: &Update,
+        h: StepHyper,
+        param: Arg<HostBuffer>,
+        grad: Arg<HostBuffer>,
+        state: &[Arg<HostBuffer>],
+    ) -> Result<(), String> {
+        let state: Vec<V> = state.iter().map(value).collect();
+        launch::optimizer_step(Dev(self), update, h, value(&param), value(&grad), &state)
+    }
+
+    fn unsupported(&self, graph: &Graph) -> Vec<String> {
+        CudaBackend::unsupported_nodes(graph)
+    }
+
+    fn synchronize(&self) -> Result<(), String> {
+        self.fault_check()
+    }
+
+    fn with_host_f32(
+        &self,
+        x: Arg<HostBuffer>,
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        f(unsafe { std::slice::from_raw_parts_mut(at(&x) as *mut f32, x.meta.numel()) })
+    }
+}
