@@ -22,9 +22,11 @@ use tensorfleet_worker::tensor::Tensor;
 type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *mut *mut c_void) -> i32;
 type FailureFn = unsafe extern "C" fn() -> *const c_char;
 
-/// The kernel program built as a shared library for this machine.
+/// The kernel program built as a shared library for this machine. Its state (the fibers, the
+/// thread and block indices) is global, so launches take turns, whichever test makes them.
 pub struct Emulator {
     lib: Library,
+    turn: Mutex<()>,
 }
 
 /// The C++ that turns `emu_launch(name, grid, block, params)` into a call of the kernel with
@@ -74,13 +76,14 @@ pub fn emulator() -> &'static Emulator {
         // SAFETY: the library is ours, built just now; it has no initialisers with side effects.
         let lib = unsafe { Library::new(&path) }.unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         std::fs::remove_dir_all(&dir).ok();
-        Emulator { lib }
+        Emulator { lib, turn: Mutex::new(()) }
     })
 }
 
 impl Emulator {
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, params: &mut [*mut c_void]) -> Result<(), String> {
         let cname = CString::new(name).unwrap();
+        let _turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the symbols are the dispatcher's; `params` point at values of the kernel's
         // declared types (the dispatch checked them) that outlive this synchronous call.
         unsafe {
@@ -172,7 +175,7 @@ impl Target for EmulatedGpu {
         for b in 0..p.batch as usize {
             let a = (p.a as *const f32).wrapping_offset(b as isize * p.a_stride as isize);
             let bm = (p.b as *const f32).wrapping_offset(b as isize * p.b_stride as isize);
-            let d = (p.d as *mut f32).wrapping_add(b * m * n);
+            let d = (p.d as *mut f32).wrapping_offset(b as isize * p.d_stride as isize);
             for i in 0..m {
                 for j in 0..n {
                     let mut s = 0f64;

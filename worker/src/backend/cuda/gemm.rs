@@ -12,6 +12,8 @@ use std::ffi::c_void;
 
 /// One product D = alpha·op(A)·op(B) + beta·D over `batch` matrices, row-major: op(A) is
 /// [m, k], op(B) [k, n], D [m, n]; an operand's batch stride is 0 when every batch shares it.
+/// D's is m·n when the outputs are packed, more when they interleave with others (one group
+/// of a grouped convolution's channels, per image).
 #[derive(Clone, Copy, Debug)]
 pub struct Product {
     pub m: u64,
@@ -25,6 +27,7 @@ pub struct Product {
     pub b: u64,
     pub b_stride: i64,
     pub d: u64,
+    pub d_stride: i64,
     pub alpha: f32,
     pub beta: f32,
 }
@@ -102,7 +105,7 @@ impl Gemm {
         let (a_rows, a_cols, a_ld) = if p.trans_a { (p.m, p.k, p.m as i64) } else { (p.k, p.m, p.k as i64) };
         let first = Layout::new(b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
         let second = Layout::new(a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
-        let out = Layout::new(p.n, p.m, p.n as i64, p.batch, (p.m * p.n) as i64)?;
+        let out = Layout::new(p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| err("descriptor", e))?;
         let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;

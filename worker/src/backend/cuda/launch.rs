@@ -82,6 +82,7 @@ pub enum P {
     Ptr(u64),
     Dims(Dims),
     Strides(Strides),
+    Geo(window::Geo),
 }
 
 impl From<i32> for P {
@@ -114,6 +115,11 @@ impl From<Strides> for P {
         P::Strides(v)
     }
 }
+impl From<window::Geo> for P {
+    fn from(v: window::Geo) -> P {
+        P::Geo(v)
+    }
+}
 
 /// A device address, kept apart from plain u64 values (seeds) for the type check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,8 +134,11 @@ impl From<Ptr> for P {
 pub const NULL: Ptr = Ptr(0);
 
 macro_rules! params {
-    ($($arg:expr),* $(,)?) => { [$(P::from($arg)),*] };
+    ($($arg:expr),* $(,)?) => { [$($crate::backend::cuda::launch::P::from($arg)),*] };
 }
+
+// After the macro, which it uses.
+mod window;
 
 impl P {
     /// What the kernel's declaration must say for this parameter.
@@ -142,6 +151,7 @@ impl P {
             P::Ptr(_) => "pointer",
             P::Dims(_) => "Dims",
             P::Strides(_) => "Strides",
+            P::Geo(_) => "Geo",
         }
     }
 
@@ -153,6 +163,7 @@ impl P {
             P::F32(v) => v as *mut f32 as *mut c_void,
             P::Dims(v) => v as *mut Dims as *mut c_void,
             P::Strides(v) => v as *mut Strides as *mut c_void,
+            P::Geo(v) => v as *mut window::Geo as *mut c_void,
         }
     }
 }
@@ -174,6 +185,7 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
                         "float" => "float",
                         "Dims" => "Dims",
                         "Strides" => "Strides",
+                        "Geo" => "Geo",
                         _ => "unknown",
                     })
                     .collect();
@@ -689,6 +701,19 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![cols as i64, code, dloss.at, logp.at, labels.at, wide, w, den, y.at],
             )
         }
+        Op::Conv { window, group } => window::conv(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y),
+        Op::ConvGrad { window, group } => {
+            let [dx, dw, db] = outs else { return Err("ConvGrad has 3 outputs (dX, dW, dB)".into()) };
+            window::conv_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
+        }
+        Op::Pool { kind, window } => {
+            if outs.len() > 1 {
+                return Err("MaxPool's Indices output has no CUDA kernel yet".into());
+            }
+            window::pool(dev, *kind, window, x(0)?, y)
+        }
+        Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
+        Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
         other => Err(format!("{} has no CUDA kernel yet", other.onnx_name().0)),
     }
 }
@@ -922,6 +947,7 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             b: b.at.0,
             b_stride: 0,
             d: y.at.0,
+            d_stride: (batch * m * n) as i64,
             alpha,
             beta,
         }
@@ -938,6 +964,7 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             b: b.at.0,
             b_stride,
             d: y.at.0,
+            d_stride: (m * n) as i64,
             alpha,
             beta,
         }

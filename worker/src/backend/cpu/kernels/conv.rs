@@ -8,28 +8,29 @@ use crate::tensor::{DType, TensorView, TensorViewMut};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
-/// Geometry of a 2-D window op, with 1-D lifted to 2-D.
+/// Geometry of a 2-D window op, with 1-D lifted to 2-D. The CUDA backend's window kernels
+/// take the same (backend/cuda/launch.rs).
 #[derive(Clone, Copy, Debug)]
-struct Geo {
-    c: usize,
-    h: usize,
-    w: usize,
-    oh: usize,
-    ow: usize,
-    kh: usize,
-    kw: usize,
-    sh: usize,
-    sw: usize,
-    dh: usize,
-    dw: usize,
-    ph: usize,
-    pw: usize,
+pub(crate) struct Geo {
+    pub(crate) c: usize,
+    pub(crate) h: usize,
+    pub(crate) w: usize,
+    pub(crate) oh: usize,
+    pub(crate) ow: usize,
+    pub(crate) kh: usize,
+    pub(crate) kw: usize,
+    pub(crate) sh: usize,
+    pub(crate) sw: usize,
+    pub(crate) dh: usize,
+    pub(crate) dw: usize,
+    pub(crate) ph: usize,
+    pub(crate) pw: usize,
     /// End pads: only the divisor of average pooling with count_include_pad reads them.
-    ph_end: usize,
-    pw_end: usize,
+    pub(crate) ph_end: usize,
+    pub(crate) pw_end: usize,
 }
 
-fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
+pub(crate) fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
     match x.len() {
         4 => Ok(Geo {
             c: x[1],
@@ -119,7 +120,7 @@ fn col2im(g: &Geo, dcol: &[f32], c0: usize, cn: usize, dx: &mut [f32]) {
 
 /// A 1×1 window that maps every input position to the same output position: X is its own
 /// im2col matrix. (End pads alone would still grow the output, hence the size check.)
-fn is_pointwise(g: &Geo) -> bool {
+pub(crate) fn is_pointwise(g: &Geo) -> bool {
     g.kh == 1 && g.kw == 1 && g.sh == 1 && g.sw == 1 && g.ph == 0 && g.pw == 0 && g.oh == g.h && g.ow == g.w
 }
 

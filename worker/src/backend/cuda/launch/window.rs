@@ -1,0 +1,262 @@
+//! Convolution and pooling on the CUDA backend (kernels/window.cu): convolution as im2col and
+//! strided-batched cuBLASLt products over the images, one product per group; its gradient as
+//! the transposed products and col2im; pooling one thread per output (and per input element
+//! for the gradient, gathered so that no atomics make the sums' order vary). 1-D and 2-D
+//! windows, f32, with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
+//! are checked against.
+
+use super::{dims, elementwise, need_f32, per_row, strides_of, Dev, Product, Ptr, V};
+use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
+use crate::graph::op::{PoolKind, Window};
+
+/// `Geo` of kernels/window.cu, by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Geo {
+    c: i64,
+    h: i64,
+    w: i64,
+    oh: i64,
+    ow: i64,
+    kh: i64,
+    kw: i64,
+    sh: i64,
+    sw: i64,
+    dh: i64,
+    dw: i64,
+    ph: i64,
+    pw: i64,
+    ph_end: i64,
+    pw_end: i64,
+}
+
+impl From<&cpu::Geo> for Geo {
+    fn from(g: &cpu::Geo) -> Geo {
+        let i = |v: usize| v as i64;
+        Geo {
+            c: i(g.c),
+            h: i(g.h),
+            w: i(g.w),
+            oh: i(g.oh),
+            ow: i(g.ow),
+            kh: i(g.kh),
+            kw: i(g.kw),
+            sh: i(g.sh),
+            sw: i(g.sw),
+            dh: i(g.dh),
+            dw: i(g.dw),
+            ph: i(g.ph),
+            pw: i(g.pw),
+            ph_end: i(g.ph_end),
+            pw_end: i(g.pw_end),
+        }
+    }
+}
+
+/// The byte address `elements` f32 past `at`.
+fn at_f32(at: Ptr, elements: usize) -> Ptr {
+    Ptr(at.0 + 4 * elements as u64)
+}
+
+/// A convolution's sizes: images, output channels, channels and output channels per group,
+/// one group's im2col rows (cg·kh·kw), and the output plane.
+struct Shape {
+    images: usize,
+    m: usize,
+    cg: usize,
+    mg: usize,
+    kdim: usize,
+    plane: usize,
+}
+
+fn shape(g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, String> {
+    if group == 0 || !g.c.is_multiple_of(group) || !m.is_multiple_of(group) {
+        return Err(format!("group {group} does not divide {} input and {m} output channels", g.c));
+    }
+    let (cg, mg) = (g.c / group, m / group);
+    Ok(Shape { images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
+}
+
+/// Y = W ⊛ X (+ bias). Per group: Y_g[img] = W_g · col_g[img], batched over the images with W_g
+/// shared; a pointwise (1×1, stride 1, unpadded) window reads X itself as col.
+pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
+    for (v, what) in [(&x, "X"), (&w, "W"), (&y, "Y")] {
+        need_f32(v, what)?;
+    }
+    let g = cpu::geo(win, x.shape(), y.shape())?;
+    let s = shape(&g, group, x.shape()[0], y.shape()[1])?;
+    let pointwise = is_pointwise(&g);
+    let col = if pointwise { x.at } else { dev.scratch(s.images * s.kdim * s.plane * 4)? };
+    for gr in 0..group {
+        let (b, b_stride) = if pointwise {
+            (at_f32(x.at, gr * s.cg * s.plane), g.c * s.plane)
+        } else {
+            im2col(dev, &g, &s, gr, x.at, col)?;
+            (col, s.kdim * s.plane)
+        };
+        dev.gemm(&Product {
+            m: s.mg as u64,
+            n: s.plane as u64,
+            k: s.kdim as u64,
+            batch: s.images as u64,
+            trans_a: false,
+            trans_b: false,
+            a: at_f32(w.at, gr * s.mg * s.kdim).0,
+            a_stride: 0,
+            b: b.0,
+            b_stride: b_stride as i64,
+            d: at_f32(y.at, gr * s.mg * s.plane).0,
+            d_stride: (s.m * s.plane) as i64,
+            alpha: 1.0,
+            beta: 0.0,
+        })?;
+    }
+    if let Some(bias) = bias {
+        need_f32(&bias, "B")?;
+        let n = y.n();
+        dev.kernel(
+            "channel_bias_f32",
+            elementwise(n),
+            &mut params![n as i64, s.m as i64, s.plane as i64, bias.at, y.at],
+        )?;
+    }
+    Ok(())
+}
+
+/// One group's im2col of every image into `col` ([images, kdim, plane]).
+fn im2col(dev: Dev, g: &cpu::Geo, s: &Shape, gr: usize, x: Ptr, col: Ptr) -> Result<(), String> {
+    dev.kernel(
+        "im2col_f32",
+        elementwise(s.images * s.kdim * s.plane),
+        &mut params![s.images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
+    )
+}
+
+/// dY, X, W → dX, dW, dB. Per group: dcol[img] = W_gᵀ · dY_g[img] (batched), dX_g = col2im(dcol);
+/// dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, the images added in order (beta = 1 after the first);
+/// dB sums dY over images and the plane.
+pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
+    let [dx, dw, db] = outs;
+    for (v, what) in [(&dy, "dY"), (&x, "X"), (&w, "W")] {
+        need_f32(v, what)?;
+    }
+    let g = cpu::geo(win, x.shape(), dy.shape())?;
+    let s = shape(&g, group, x.shape()[0], dy.shape()[1])?;
+    let pointwise = is_pointwise(&g);
+    let per_image = s.kdim * s.plane;
+    let (col, dcol) = if pointwise {
+        (x.at, dx.at)
+    } else {
+        let scratch = dev.scratch(2 * s.images * per_image * 4)?;
+        (scratch, at_f32(scratch, s.images * per_image))
+    };
+    for gr in 0..group {
+        // The group's im2col (or X itself) and where its rows start, per image.
+        let (col_g, col_stride) = if pointwise {
+            (at_f32(col, gr * s.cg * s.plane), g.c * s.plane)
+        } else {
+            im2col(dev, &g, &s, gr, x.at, col)?;
+            (col, per_image)
+        };
+        let dy_g = at_f32(dy.at, gr * s.mg * s.plane);
+        let w_g = at_f32(w.at, gr * s.mg * s.kdim);
+        for img in 0..s.images {
+            dev.gemm(&Product {
+                m: s.mg as u64,
+                n: s.kdim as u64,
+                k: s.plane as u64,
+                batch: 1,
+                trans_a: false,
+                trans_b: true,
+                a: at_f32(dy_g, img * s.m * s.plane).0,
+                a_stride: 0,
+                b: at_f32(col_g, img * col_stride).0,
+                b_stride: 0,
+                d: at_f32(dw.at, gr * s.mg * s.kdim).0,
+                d_stride: 0,
+                alpha: 1.0,
+                beta: if img == 0 { 0.0 } else { 1.0 },
+            })?;
+        }
+        // dcol, or for a pointwise window dX's own rows (the same layout as X's).
+        let (d, d_stride) =
+            if pointwise { (at_f32(dx.at, gr * s.cg * s.plane), g.c * s.plane) } else { (dcol, per_image) };
+        dev.gemm(&Product {
+            m: s.kdim as u64,
+            n: s.plane as u64,
+            k: s.mg as u64,
+            batch: s.images as u64,
+            trans_a: true,
+            trans_b: false,
+            a: w_g.0,
+            a_stride: 0,
+            b: dy_g.0,
+            b_stride: (s.m * s.plane) as i64,
+            d: d.0,
+            d_stride: d_stride as i64,
+            alpha: 1.0,
+            beta: 0.0,
+        })?;
+        if !pointwise {
+            let n = s.images * s.cg * g.h * g.w;
+            dev.kernel(
+                "col2im_f32",
+                elementwise(n),
+                &mut params![s.images as i64, Geo::from(&g), (gr * s.cg) as i64, s.cg as i64, dcol, dx.at],
+            )?;
+        }
+    }
+    // dB[k] = Σ over images and the plane of dY[img, k, ·].
+    dev.kernel(
+        "reduce_sum_strided",
+        elementwise(s.m),
+        &mut params![
+            s.m as i64,
+            dims(&[s.m])?,
+            strides_of(&[s.plane as i64]),
+            (s.images * s.plane) as i64,
+            dims(&[s.images, s.plane])?,
+            strides_of(&[(s.m * s.plane) as i64, 1]),
+            dy.at,
+            db.at
+        ],
+    )
+}
+
+/// The kernels' (max, include_pad) flags for a pooling kind.
+fn pool_flags(kind: PoolKind) -> (i32, i32) {
+    match kind {
+        PoolKind::Max => (1, 0),
+        PoolKind::Average { count_include_pad } => (0, count_include_pad as i32),
+    }
+}
+
+pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V) -> Result<(), String> {
+    need_f32(&x, "X")?;
+    let g = cpu::geo(win, x.shape(), y.shape())?;
+    let (max, include_pad) = pool_flags(kind);
+    let planes = (x.shape()[0] * x.shape()[1]) as i64;
+    dev.kernel("pool_f32", elementwise(y.n()), &mut params![max, include_pad, planes, Geo::from(&g), x.at, y.at])
+}
+
+pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), String> {
+    need_f32(&dy, "dY")?;
+    need_f32(&x, "X")?;
+    let g = cpu::geo(win, x.shape(), dy.shape())?;
+    let (max, include_pad) = pool_flags(kind);
+    let planes = (x.shape()[0] * x.shape()[1]) as i64;
+    dev.kernel(
+        "pool_grad_f32",
+        elementwise(dx.n()),
+        &mut params![max, include_pad, planes, Geo::from(&g), dy.at, x.at, dx.at],
+    )
+}
+
+pub fn global_average_pool(dev: Dev, x: V, y: V) -> Result<(), String> {
+    need_f32(&x, "X")?;
+    if x.shape().len() < 3 {
+        return Err(format!("GlobalAveragePool of a rank-{} input (N, C and spatial dims expected)", x.shape().len()));
+    }
+    let rows = x.shape()[0] * x.shape()[1];
+    dev.kernel("mean_rows", per_row(rows), &mut params![(x.n() / rows.max(1)) as i64, x.at, y.at])
+}
