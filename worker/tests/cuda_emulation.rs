@@ -10,12 +10,15 @@ use cuda_emulator::EmulatedGpu;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
-use tensorfleet_worker::backend::Backend;
+use tensorfleet_worker::backend::{Arg, Backend};
 use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
+use tensorfleet_worker::graph::infer::window_output;
+use tensorfleet_worker::graph::ir::Meta;
+use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
-use tensorfleet_worker::tensor::Tensor;
+use tensorfleet_worker::tensor::{DType, Tensor};
 
 fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
     let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
@@ -143,4 +146,134 @@ fn squeezenet_trains_on_the_emulated_kernels_to_the_cpu_losses() {
             );
         }
     }
+}
+
+/// Runs one op on `backend`: uploads `inputs`, launches into outputs of `out_shapes`, and
+/// downloads them.
+fn run_op<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_shapes: &[Vec<usize>]) -> Vec<Tensor> {
+    let in_metas: Vec<Meta> = inputs.iter().map(|t| Meta::new(t.dtype(), t.shape())).collect();
+    let out_metas: Vec<Meta> = out_shapes.iter().map(|s| Meta::new(DType::F32, s)).collect();
+    let in_bufs: Vec<B::Buffer> = in_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
+    let out_bufs: Vec<B::Buffer> = out_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
+    let arg = |buf, meta| Arg { buf, offset: 0, meta };
+    for ((t, buf), meta) in inputs.iter().zip(&in_bufs).zip(&in_metas) {
+        backend.upload(t, arg(buf, meta)).unwrap();
+    }
+    let ins: Vec<Option<Arg<B::Buffer>>> = in_bufs.iter().zip(&in_metas).map(|(b, m)| Some(arg(b, m))).collect();
+    let outs: Vec<Arg<B::Buffer>> = out_bufs.iter().zip(&out_metas).map(|(b, m)| arg(b, m)).collect();
+    backend.launch(op, &ins, &outs).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+    outs.into_iter().map(|o| backend.download(o).unwrap()).collect()
+}
+
+fn values(n: usize, salt: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 37 + salt * 11) % 101) as f32 / 50.0) - 1.0).collect()
+}
+
+fn window(kernel: &[usize], strides: &[usize], dilations: &[usize], pads: &[usize], ceil_mode: bool) -> Window {
+    Window {
+        kernel: kernel.to_vec(),
+        strides: strides.to_vec(),
+        dilations: dilations.to_vec(),
+        pads: pads.to_vec(),
+        auto_pad: "NOTSET".into(),
+        ceil_mode,
+    }
+}
+
+fn assert_close(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
+    for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
+        let scale = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-5 * scale, "{what}, output {k}: differs by {worst} (largest {scale})");
+    }
+}
+
+/// The window ops one at a time, in the geometries SqueezeNet does not have: groups, dilation,
+/// uneven pads, 1-D, ceil-mode average pooling with and without the padding counted.
+#[test]
+fn window_ops_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let convs = [
+        (
+            "2-D, 2 groups, stride 2, dilation 2, uneven pads",
+            vec![2, 4, 9, 11],
+            vec![6, 2, 3, 2],
+            2,
+            window(&[3, 2], &[2, 2], &[2, 1], &[1, 0, 2, 1], false),
+        ),
+        (
+            "2-D pointwise",
+            vec![2, 5, 4, 3],
+            vec![3, 5, 1, 1],
+            1,
+            window(&[1, 1], &[1, 1], &[1, 1], &[0, 0, 0, 0], false),
+        ),
+        ("1-D, stride 3", vec![3, 2, 13], vec![4, 2, 3], 1, window(&[3], &[3], &[1], &[1, 2], false)),
+    ];
+    for (what, x_shape, w_shape, group, win) in convs {
+        let spatial = window_output(&win, &x_shape[2..]).unwrap();
+        let y_shape: Vec<usize> = [x_shape[0], w_shape[0]].into_iter().chain(spatial).collect();
+        let n = |s: &[usize]| s.iter().product::<usize>();
+        let (x, w) =
+            (Tensor::from_vec(&x_shape, values(n(&x_shape), 1)), Tensor::from_vec(&w_shape, values(n(&w_shape), 2)));
+        let b = Tensor::from_vec(&[w_shape[0]], values(w_shape[0], 3));
+        let conv = Op::Conv { window: win.clone(), group };
+        let inputs = [x.clone(), w.clone(), b];
+        assert_close(
+            what,
+            &run_op(&gpu, &conv, &inputs, std::slice::from_ref(&y_shape)),
+            &run_op(&cpu, &conv, &inputs, std::slice::from_ref(&y_shape)),
+        );
+        let dy = Tensor::from_vec(&y_shape, values(n(&y_shape), 4));
+        let grad = Op::ConvGrad { window: win, group };
+        let shapes = [x_shape.clone(), w_shape.clone(), vec![w_shape[0]]];
+        let inputs = [dy, x, w];
+        assert_close(
+            &format!("{what}: gradient"),
+            &run_op(&gpu, &grad, &inputs, &shapes),
+            &run_op(&cpu, &grad, &inputs, &shapes),
+        );
+    }
+    let pools = [
+        ("max, dilation 2, ceil mode", PoolKind::Max, window(&[2, 3], &[2, 2], &[2, 1], &[1, 1, 0, 1], true)),
+        (
+            "average, padding counted, ceil mode",
+            PoolKind::Average { count_include_pad: true },
+            window(&[3, 3], &[2, 2], &[1, 1], &[1, 0, 1, 1], true),
+        ),
+        (
+            "average, padding not counted",
+            PoolKind::Average { count_include_pad: false },
+            window(&[3, 2], &[1, 2], &[1, 1], &[1, 1, 1, 0], false),
+        ),
+    ];
+    let x_shape = vec![2, 3, 7, 8];
+    let x = Tensor::from_vec(&x_shape, values(2 * 3 * 7 * 8, 5));
+    for (what, kind, win) in pools {
+        let y_shape: Vec<usize> = [2, 3].into_iter().chain(window_output(&win, &x_shape[2..]).unwrap()).collect();
+        let pool = Op::Pool { kind, window: win.clone() };
+        let inputs = [x.clone()];
+        assert_close(
+            what,
+            &run_op(&gpu, &pool, &inputs, std::slice::from_ref(&y_shape)),
+            &run_op(&cpu, &pool, &inputs, std::slice::from_ref(&y_shape)),
+        );
+        let dy = Tensor::from_vec(&y_shape, values(y_shape.iter().product(), 6));
+        let grad = Op::PoolGrad { kind, window: win };
+        let inputs = [dy, x.clone()];
+        let shapes = [x_shape.clone()];
+        assert_close(
+            &format!("{what}: gradient"),
+            &run_op(&gpu, &grad, &inputs, &shapes),
+            &run_op(&cpu, &grad, &inputs, &shapes),
+        );
+    }
+    let gap = Op::GlobalAveragePool;
+    let inputs = [x];
+    assert_close(
+        "GlobalAveragePool",
+        &run_op(&gpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
+        &run_op(&cpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
+    );
 }
