@@ -17,7 +17,7 @@ use tensorfleet_worker::backend::StepHyper;
 use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
-use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
@@ -110,25 +110,23 @@ fn every_node_of_squeezenet_training_has_a_cuda_kernel() {
 
 #[test]
 fn nodes_without_a_cuda_kernel_are_named() {
-    // BatchNormalization in training mode: no CUDA kernel yet.
-    let mut g = Graph::new("bn", 17);
-    let fixed = |d: &[usize]| d.iter().map(|&n| Dim::Fixed(n)).collect::<Vec<_>>();
-    let x = g.add_input("x", DType::F32, fixed(&[2, 3, 4, 4]));
-    let params: Vec<_> = ["scale", "bias", "mean", "var"]
-        .iter()
-        .map(|name| g.add_initializer(name, Tensor::from_vec(&[3], vec![1f32; 3])))
-        .collect();
-    let y = g.add_node(
-        "bn",
-        Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true },
-        &[x, params[0], params[1], params[2], params[3]],
-        1,
-    );
-    g.outputs.push(y[0]);
+    // MaxPool's second output, the argmax Indices: no CUDA kernel yet.
+    let mut g = Graph::new("pool", 17);
+    let x = g.add_input("x", DType::F32, [2, 3, 4, 4].iter().map(|&n| Dim::Fixed(n)).collect());
+    let window = Window {
+        kernel: vec![2, 2],
+        strides: vec![2, 2],
+        dilations: vec![1, 1],
+        pads: vec![0; 4],
+        auto_pad: "NOTSET".into(),
+        ceil_mode: false,
+    };
+    let outs = g.add_node("pool", Op::Pool { kind: PoolKind::Max, window }, &[x], 2);
+    g.outputs.extend(&outs);
     let bound = bind(&g, &Bindings::default(), true).unwrap();
     let missing = CudaBackend::unsupported_nodes(&bound);
     assert!(
-        missing.iter().any(|m| m.contains("'bn'") && m.contains("BatchNormalization has no CUDA kernel yet")),
+        missing.iter().any(|m| m.contains("'pool'") && m.contains("MaxPool's Indices output has no CUDA kernel yet")),
         "{missing:#?}"
     );
 }

@@ -190,9 +190,10 @@ fn assert_close(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
 }
 
 /// The window ops one at a time, in the geometries SqueezeNet does not have: groups, dilation,
-/// uneven pads, 1-D, ceil-mode average pooling with and without the padding counted.
+/// uneven pads, 1-D, ceil-mode average pooling with and without the padding counted; and
+/// BatchNormalization, which SqueezeNet 1.1 does not use.
 #[test]
-fn window_ops_match_the_cpu_backend_on_the_emulated_kernels() {
+fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
     let convs = [
         (
@@ -269,6 +270,33 @@ fn window_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             &run_op(&cpu, &grad, &inputs, &shapes),
         );
     }
+    // BatchNormalization: training (with the running statistics' update), inference, gradient.
+    let c = 3;
+    let stats = |salt| Tensor::from_vec(&[c], values(c, salt).iter().map(|v| v.abs() + 0.5).collect());
+    let (scale, bias, mean, var) = (stats(7), stats(8), stats(9), stats(10));
+    let with_stats = [x.clone(), scale.clone(), bias, mean, var];
+    let train = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true };
+    let shapes = [x_shape.clone(), vec![c], vec![c]];
+    assert_close(
+        "BatchNormalization, training",
+        &run_op(&gpu, &train, &with_stats, &shapes),
+        &run_op(&cpu, &train, &with_stats, &shapes),
+    );
+    let infer = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: false };
+    let shapes = [x_shape.clone()];
+    assert_close(
+        "BatchNormalization, inference",
+        &run_op(&gpu, &infer, &with_stats, &shapes),
+        &run_op(&cpu, &infer, &with_stats, &shapes),
+    );
+    let grad = Op::BatchNormGrad { epsilon: 1e-5 };
+    let inputs = [Tensor::from_vec(&x_shape, values(x.numel(), 11)), x.clone(), scale];
+    let shapes = [x_shape.clone(), vec![c], vec![c]];
+    assert_close(
+        "BatchNormalization's gradient",
+        &run_op(&gpu, &grad, &inputs, &shapes),
+        &run_op(&cpu, &grad, &inputs, &shapes),
+    );
     let gap = Op::GlobalAveragePool;
     let inputs = [x];
     assert_close(

@@ -714,8 +714,57 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
         Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
+        Op::BatchNorm { epsilon, momentum, training } => {
+            let (a, scale, bias, mean, var) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
+            for (v, what) in [(&a, "X"), (&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
+                need_f32(v, what)?;
+            }
+            let (n, c, plane) = channels(a.shape())?;
+            let (new_mean, new_var) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |v| v.at));
+            dev.kernel(
+                "batch_norm_channels",
+                per_row(c),
+                &mut params![
+                    *training as i32,
+                    n,
+                    c as i64,
+                    plane,
+                    *epsilon,
+                    *momentum,
+                    a.at,
+                    scale.at,
+                    bias.at,
+                    mean.at,
+                    var.at,
+                    y.at,
+                    new_mean,
+                    new_var
+                ],
+            )
+        }
+        Op::BatchNormGrad { epsilon } => {
+            let (dy, a, scale) = (x(0)?, x(1)?, x(2)?);
+            for (v, what) in [(&dy, "dY"), (&a, "X"), (&scale, "scale")] {
+                need_f32(v, what)?;
+            }
+            let (n, c, plane) = channels(a.shape())?;
+            let (dscale, dbias) = (outs.get(1).map_or(NULL, |s| s.at), outs.get(2).map_or(NULL, |b| b.at));
+            dev.kernel(
+                "batch_norm_grad_channels",
+                per_row(c),
+                &mut params![n, c as i64, plane, *epsilon, dy.at, a.at, scale.at, y.at, dscale, dbias],
+            )
+        }
         other => Err(format!("{} has no CUDA kernel yet", other.onnx_name().0)),
     }
+}
+
+/// An N × C × … tensor as (N, C, the product of the rest), for the per-channel kernels.
+fn channels(shape: &[usize]) -> Result<(i64, usize, i64), String> {
+    if shape.len() < 2 {
+        return Err(format!("a rank-{} input where N × C × … is expected", shape.len()));
+    }
+    Ok((shape[0] as i64, shape[1], shape[2..].iter().product::<usize>() as i64))
 }
 
 /// out = a op b, broadcasting; out may be a (the n-ary fold accumulates in place).

@@ -101,6 +101,22 @@ __device__ float block_sum(float v) {
     __syncthreads();
     return total;
 }
+__device__ double block_sum_f64(double v) {
+    __shared__ double partial[32];
+    __shared__ double total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0;
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
 __device__ float block_max(float v) {
     __shared__ float partial[32];
     __shared__ float total;

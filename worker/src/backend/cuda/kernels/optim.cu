@@ -5,23 +5,6 @@ extern "C" __global__ void accumulate_f32(i64 n, float* dst, float keep, const f
     for (i64 i = first_index(); i < n; i += grid_stride()) dst[i] = dst[i] * keep + src[i] * scale;
 }
 
-__device__ double block_sum_f64(double v) {
-    __shared__ double partial[32];
-    __shared__ double total;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : 0.0;
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-        if (lane == 0) total = v;
-    }
-    __syncthreads();
-    return total;
-}
-
 // Σ x² in f64: each block writes its partial sum; the host adds the partials in order, so the
 // result does not depend on scheduling (a resumed run clips exactly as the first did).
 extern "C" __global__ void sum_squares_partial(i64 n, const float* x, double* partial) {
