@@ -113,14 +113,7 @@ fn nodes_without_a_cuda_kernel_are_named() {
     // MaxPool's second output, the argmax Indices: no CUDA kernel yet.
     let mut g = Graph::new("pool", 17);
     let x = g.add_input("x", DType::F32, [2, 3, 4, 4].iter().map(|&n| Dim::Fixed(n)).collect());
-    let window = Window {
-        kernel: vec![2, 2],
-        strides: vec![2, 2],
-        dilations: vec![1, 1],
-        pads: vec![0; 4],
-        auto_pad: "NOTSET".into(),
-        ceil_mode: false,
-    };
+    let window = Window::explicit(&[2, 2], &[2, 2], &[1, 1], &[0; 4], false);
     let outs = g.add_node("pool", Op::Pool { kind: PoolKind::Max, window }, &[x], 2);
     g.outputs.extend(&outs);
     let bound = bind(&g, &Bindings::default(), true).unwrap();

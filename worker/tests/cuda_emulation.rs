@@ -169,17 +169,6 @@ fn values(n: usize, salt: usize) -> Vec<f32> {
     (0..n).map(|i| (((i * 37 + salt * 11) % 101) as f32 / 50.0) - 1.0).collect()
 }
 
-fn window(kernel: &[usize], strides: &[usize], dilations: &[usize], pads: &[usize], ceil_mode: bool) -> Window {
-    Window {
-        kernel: kernel.to_vec(),
-        strides: strides.to_vec(),
-        dilations: dilations.to_vec(),
-        pads: pads.to_vec(),
-        auto_pad: "NOTSET".into(),
-        ceil_mode,
-    }
-}
-
 fn assert_close(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
     for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
         let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
@@ -201,16 +190,16 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             vec![2, 4, 9, 11],
             vec![6, 2, 3, 2],
             2,
-            window(&[3, 2], &[2, 2], &[2, 1], &[1, 0, 2, 1], false),
+            Window::explicit(&[3, 2], &[2, 2], &[2, 1], &[1, 0, 2, 1], false),
         ),
         (
             "2-D pointwise",
             vec![2, 5, 4, 3],
             vec![3, 5, 1, 1],
             1,
-            window(&[1, 1], &[1, 1], &[1, 1], &[0, 0, 0, 0], false),
+            Window::explicit(&[1, 1], &[1, 1], &[1, 1], &[0, 0, 0, 0], false),
         ),
-        ("1-D, stride 3", vec![3, 2, 13], vec![4, 2, 3], 1, window(&[3], &[3], &[1], &[1, 2], false)),
+        ("1-D, stride 3", vec![3, 2, 13], vec![4, 2, 3], 1, Window::explicit(&[3], &[3], &[1], &[1, 2], false)),
     ];
     for (what, x_shape, w_shape, group, win) in convs {
         let spatial = window_output(&win, &x_shape[2..]).unwrap();
@@ -237,16 +226,16 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         );
     }
     let pools = [
-        ("max, dilation 2, ceil mode", PoolKind::Max, window(&[2, 3], &[2, 2], &[2, 1], &[1, 1, 0, 1], true)),
+        ("max, dilation 2, ceil mode", PoolKind::Max, Window::explicit(&[2, 3], &[2, 2], &[2, 1], &[1, 1, 0, 1], true)),
         (
             "average, padding counted, ceil mode",
             PoolKind::Average { count_include_pad: true },
-            window(&[3, 3], &[2, 2], &[1, 1], &[1, 0, 1, 1], true),
+            Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[1, 0, 1, 1], true),
         ),
         (
             "average, padding not counted",
             PoolKind::Average { count_include_pad: false },
-            window(&[3, 2], &[1, 2], &[1, 1], &[1, 1, 1, 0], false),
+            Window::explicit(&[3, 2], &[1, 2], &[1, 1], &[1, 1, 1, 0], false),
         ),
     ];
     let x_shape = vec![2, 3, 7, 8];

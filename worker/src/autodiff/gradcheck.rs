@@ -359,14 +359,7 @@ fn data_movement() {
 }
 
 fn win(k: usize, s: usize, p: usize, ceil_mode: bool) -> Window {
-    Window {
-        kernel: vec![k, k],
-        strides: vec![s, s],
-        dilations: vec![1, 1],
-        pads: vec![p; 4],
-        auto_pad: "NOTSET".into(),
-        ceil_mode,
-    }
+    Window::explicit(&[k, k], &[s, s], &[1, 1], &[p; 4], ceil_mode)
 }
 
 #[test]

@@ -156,6 +156,26 @@ pub struct Window {
     pub ceil_mode: bool,
 }
 
+impl Window {
+    /// A window with its pads given (auto_pad NOTSET): how models and tests build one.
+    pub fn explicit(
+        kernel: &[usize],
+        strides: &[usize],
+        dilations: &[usize],
+        pads: &[usize],
+        ceil_mode: bool,
+    ) -> Window {
+        Window {
+            kernel: kernel.to_vec(),
+            strides: strides.to_vec(),
+            dilations: dilations.to_vec(),
+            pads: pads.to_vec(),
+            auto_pad: "NOTSET".into(),
+            ceil_mode,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossReduction {
     Mean,

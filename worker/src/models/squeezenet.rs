@@ -11,14 +11,7 @@ use crate::graph::op::{Op, PoolKind, Unary, Window};
 use crate::tensor::DType;
 
 fn window(k: usize, stride: usize, pad: usize, ceil_mode: bool) -> Window {
-    Window {
-        kernel: vec![k, k],
-        strides: vec![stride, stride],
-        dilations: vec![1, 1],
-        pads: vec![pad; 4],
-        auto_pad: "NOTSET".into(),
-        ceil_mode,
-    }
+    Window::explicit(&[k, k], &[stride, stride], &[1, 1], &[pad; 4], ceil_mode)
 }
 
 /// Conv + ReLU with Kaiming-uniform weights (torchvision's SqueezeNet init) and zero bias.

@@ -654,17 +654,6 @@ mod tests {
         Tensor::from_vec(shape, (0..n).map(|i| crate::rng::uniform(seed, i as u64) as f32 * 2.0 - 1.0).collect())
     }
 
-    fn window(kernel: &[usize], strides: &[usize], dilations: &[usize], pads: &[usize], ceil_mode: bool) -> Window {
-        Window {
-            kernel: kernel.to_vec(),
-            strides: strides.to_vec(),
-            dilations: dilations.to_vec(),
-            pads: pads.to_vec(),
-            auto_pad: "NOTSET".into(),
-            ceil_mode,
-        }
-    }
-
     fn assert_close(a: &Tensor, b: &Tensor, what: &str) {
         for (i, (x, y)) in a.to_f64_vec().iter().zip(b.to_f64_vec()).enumerate() {
             assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{what}: element {i}: {x} vs {y}");
@@ -676,7 +665,7 @@ mod tests {
     #[test]
     fn nd_paths_match_the_2d_ones() {
         let x = random(&[2, 4, 9, 8], 1);
-        let win = window(&[3, 2], &[2, 3], &[1, 2], &[1, 0, 2, 1], true);
+        let win = Window::explicit(&[3, 2], &[2, 3], &[1, 2], &[1, 0, 2, 1], true);
         let out = crate::graph::infer::window_output(&win, &[9, 8]).unwrap();
         let shape = [2, 4, out[0], out[1]];
         for kind in [
@@ -690,7 +679,7 @@ mod tests {
             assert_close(&general, &fast, &format!("{kind:?}"));
         }
         let (w, b) = (random(&[6, 2, 3, 2], 2), random(&[6], 3));
-        let win = window(&[3, 2], &[2, 1], &[2, 1], &[2, 1, 1, 0], false);
+        let win = Window::explicit(&[3, 2], &[2, 1], &[2, 1], &[2, 1, 1, 0], false);
         let out = crate::graph::infer::window_output(&win, &[9, 8]).unwrap();
         let shape = [2, 6, out[0], out[1]];
         let (mut fast, mut general) = (Tensor::zeros(DType::F32, &shape), Tensor::zeros(DType::F32, &shape));
@@ -703,7 +692,7 @@ mod tests {
     fn max_pool_indices_are_flat_offsets_into_x() {
         // Two planes of 2×3; a 2×2 window with stride 1 gives two outputs per plane.
         let x = Tensor::from_vec(&[1, 2, 2, 3], vec![1.0f32, 5.0, 2.0, 4.0, 3.0, 6.0, 0.0, 0.0, 9.0, 0.0, 0.0, 0.0]);
-        let win = window(&[2, 2], &[1, 1], &[1, 1], &[0, 0, 0, 0], false);
+        let win = Window::explicit(&[2, 2], &[1, 1], &[1, 1], &[0, 0, 0, 0], false);
         let (mut y, mut idx) = (Tensor::zeros(DType::F32, &[1, 2, 1, 2]), Tensor::zeros(DType::I64, &[1, 2, 1, 2]));
         pool(PoolKind::Max, &win, &x.view(), &mut [y.view_mut(), idx.view_mut()]).unwrap();
         assert_eq!(y.as_slice::<f32>(), &[5.0, 6.0, 0.0, 9.0]);
