@@ -20,7 +20,7 @@ use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
 use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
-use tensorfleet_worker::session::{Session, SessionOptions};
+use tensorfleet_worker::session::{Session, SessionOptions, TensorPlace};
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 const ADAMW: Update = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
@@ -97,6 +97,18 @@ fn squeezenet_batch(images: usize, size: usize, classes: usize) -> BTreeMap<Stri
 
 fn tiny_squeezenet() -> ModelSpec {
     ModelSpec { squeezenet: Some(SqueezeNetConfig { classes: 4, image_size: 32 }), ..Default::default() }
+}
+
+#[test]
+fn every_node_of_tensor_parallel_gpt2_training_has_a_cuda_kernel() {
+    let batch = gpt2_batch(2, 16, 64);
+    let model = models::load(&tiny_gpt2(0.1), 5).unwrap();
+    for rank in 0..2 {
+        let opts = SessionOptions { tensor: Some(TensorPlace { rank, size: 2 }), ..SessionOptions::new(ADAMW) };
+        let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
+        let missing = CudaBackend::unsupported_nodes(&s.train.graph);
+        assert!(missing.is_empty(), "tensor-parallel rank {rank} of 2: no CUDA kernel for\n{}", missing.join("\n"));
+    }
 }
 
 #[test]

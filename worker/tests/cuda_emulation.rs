@@ -14,7 +14,7 @@ use tensorfleet_worker::backend::{Arg, Backend};
 use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
+use tensorfleet_worker::graph::op::{LossReduction, Op, PoolKind, Reduce, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
@@ -293,4 +293,50 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         &run_op(&gpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
         &run_op(&cpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
     );
+}
+
+/// Tensor parallelism's vocab-parallel ops and the row reductions, one at a time: ids and
+/// labels inside and outside this rank's slice, an ignored label, each loss reduction.
+#[test]
+fn tensor_parallel_ops_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let check = |what: &str, op: &Op, inputs: &[Tensor], shapes: &[Vec<usize>]| {
+        assert_close(what, &run_op(&gpu, op, inputs, shapes), &run_op(&cpu, op, inputs, shapes));
+    };
+    // The embedding's rows 3..8 of a 10-row table.
+    let table = Tensor::from_vec(&[5, 4], values(20, 1));
+    let ids = Tensor::from_vec(&[2, 3], vec![0i64, 3, 7, 9, 5, 3]);
+    check("ShardGather", &Op::ShardGather { start: 3 }, &[table, ids.clone()], &[vec![2, 3, 4]]);
+    let dy = Tensor::from_vec(&[2, 3, 4], values(24, 2));
+    check("ShardGatherGrad", &Op::ShardGatherGrad { start: 3, rows: 5 }, &[dy, ids], &[vec![5, 4]]);
+    // Classes 7..14 of 20, six rows; labels in the slice, before it, just past it, one ignored.
+    let scores = Tensor::from_vec(&[6, 7], values(42, 3));
+    let labels = Tensor::from_vec(&[6], vec![7i64, 13, 2, -100, 10, 14]);
+    let max = Tensor::from_vec(&[6], values(6, 4).iter().map(|v| v + 1.5).collect());
+    let ignore_index = Some(-100);
+    let shard = Op::VocabShardCrossEntropy { start: 7, ignore_index };
+    check("VocabShardCrossEntropy", &shard, &[scores.clone(), labels.clone(), max.clone()], &[vec![6], vec![6]]);
+    let (dsums, dtargets) = (Tensor::from_vec(&[6], values(6, 5)), Tensor::from_vec(&[6], values(6, 6)));
+    let grad = Op::VocabShardCrossEntropyGrad { start: 7, ignore_index };
+    check("VocabShardCrossEntropyGrad", &grad, &[dsums, dtargets, scores.clone(), labels.clone(), max], &[vec![6, 7]]);
+    let sums = Tensor::from_vec(&[6], values(6, 7).iter().map(|v| v + 2.0).collect());
+    let targets = Tensor::from_vec(&[6], values(6, 8));
+    for (reduction, shape) in
+        [(LossReduction::Mean, vec![]), (LossReduction::Sum, vec![]), (LossReduction::None, vec![6])]
+    {
+        let what = format!("VocabParallelLoss, {reduction:?}");
+        let loss = Op::VocabParallelLoss { reduction, ignore_index };
+        check(&what, &loss, &[sums.clone(), targets.clone(), labels.clone()], std::slice::from_ref(&shape));
+        let dloss = Tensor::from_vec(&shape, values(shape.iter().product(), 9));
+        let grad = Op::VocabParallelLossGrad { reduction, ignore_index };
+        check(&format!("{what}: gradient"), &grad, &[dloss, sums.clone(), labels.clone()], &[vec![6], vec![6]]);
+    }
+    // Reductions over trailing axes.
+    let x = Tensor::from_vec(&[2, 3, 4], values(24, 10));
+    for kind in [Reduce::Max, Reduce::Min, Reduce::Sum, Reduce::Mean, Reduce::SumSquare] {
+        for (axes, shape) in [(vec![2], vec![2, 3]), (vec![2, 1], vec![2])] {
+            let op = Op::ReduceOp { kind, axes: Some(axes.clone()), keepdims: false, noop_with_empty_axes: false };
+            check(&format!("{kind:?} over {axes:?}"), &op, std::slice::from_ref(&x), &[shape]);
+        }
+    }
 }

@@ -137,7 +137,8 @@ macro_rules! params {
     ($($arg:expr),* $(,)?) => { [$($crate::backend::cuda::launch::P::from($arg)),*] };
 }
 
-// After the macro, which it uses.
+// After the macro, which they use.
+mod shard;
 mod window;
 
 impl P {
@@ -714,6 +715,30 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
         Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
+        Op::ReduceOp { kind, axes, noop_with_empty_axes, .. } => {
+            let a = x(0)?;
+            need_f32(&a, "the input")?;
+            let cols = trailing_reduction(a.shape(), axes.as_deref(), *noop_with_empty_axes)?;
+            let rows = a.n() / cols.max(1);
+            dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
+        }
+        Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
+        Op::ShardGatherGrad { start, .. } => shard::gather_grad(dev, *start, x(0)?, x(1)?, y),
+        Op::VocabShardCrossEntropy { start, ignore_index } => {
+            let [sums, targets] = outs else { return Err("VocabShardCrossEntropy has 2 outputs".into()) };
+            shard::cross_entropy(dev, *start, *ignore_index, [x(0)?, x(1)?, x(2)?], [*sums, *targets])
+        }
+        Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
+            let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?];
+            shard::cross_entropy_grad(dev, *start, *ignore_index, ins, y)
+        }
+        Op::VocabParallelLoss { reduction, ignore_index } => {
+            shard::loss(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], y)
+        }
+        Op::VocabParallelLossGrad { reduction, ignore_index } => {
+            let [dsums, dtargets] = outs else { return Err("VocabParallelLossGrad has 2 outputs".into()) };
+            shard::loss_grad(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], [*dsums, *dtargets])
+        }
         Op::BatchNorm { epsilon, momentum, training } => {
             let (a, scale, bias, mean, var) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
             for (v, what) in [(&a, "X"), (&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
@@ -757,6 +782,25 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         other => Err(format!("{} has no CUDA kernel yet", other.onnx_name().0)),
     }
+}
+
+/// How many trailing elements each output of a reduction over `axes` sums: the reduced axes
+/// must be the trailing ones (the kernels reduce contiguous rows).
+fn trailing_reduction(shape: &[usize], axes: Option<&[i64]>, noop_with_empty_axes: bool) -> Result<usize, String> {
+    let rank = shape.len();
+    let mut reduced: Vec<usize> = match axes {
+        Some(a) if !a.is_empty() => a.iter().map(|&ax| norm_axis(ax, rank)).collect::<Result<_, _>>()?,
+        _ if noop_with_empty_axes => return Err("a reduction over no axes has no CUDA kernel yet".into()),
+        _ => (0..rank).collect(),
+    };
+    reduced.sort_unstable();
+    reduced.dedup();
+    if reduced.iter().enumerate().any(|(k, &ax)| ax != rank - reduced.len() + k) {
+        return Err(format!(
+            "a reduction over axes {reduced:?} of a rank-{rank} input (only trailing axes have a CUDA kernel)"
+        ));
+    }
+    Ok(shape[rank - reduced.len()..].iter().product())
 }
 
 /// An N × C × … tensor as (N, C, the product of the rest), for the per-channel kernels.
@@ -1124,9 +1168,9 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state
 
 #[cfg(test)]
 mod tests {
-    use crate::graph::op::{Binary, Unary};
+    use crate::graph::op::{Binary, Reduce, Unary};
 
-    /// The kernels switch on `op as i32` (kernels/elementwise.cu): reordering the enums would
+    /// The kernels switch on `op as i32` (kernels/elementwise.cu, kernels/rows.cu): reordering the enums would
     /// silently change which function runs.
     #[test]
     fn op_codes_are_the_kernels_switch_cases() {
@@ -1139,6 +1183,11 @@ mod tests {
         let binary = [Add, Sub, Mul, Div, Pow, Max, Min, Equal, Less, Greater, LessOrEqual, GreaterOrEqual, And, Or];
         for (code, b) in binary.iter().enumerate() {
             assert_eq!(*b as i32, code as i32, "{b:?}");
+        }
+        // kernels/rows.cu's reduce_rows.
+        let reduce = [Reduce::Sum, Reduce::Mean, Reduce::Max, Reduce::Min, Reduce::SumSquare];
+        for (code, r) in reduce.iter().enumerate() {
+            assert_eq!(*r as i32, code as i32, "{r:?}");
         }
     }
 }

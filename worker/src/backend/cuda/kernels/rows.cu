@@ -221,3 +221,21 @@ extern "C" __global__ void gather_grad_f32(i64 outer, i64 dim, i64 inner, i64 co
         if (id >= 0 && id < dim) atomicAdd(&dx[(o * dim + id) * inner + e], dy[i]);
     }
 }
+
+// ReduceMax/Min/Sum/Mean/SumSquare over the trailing `cols` elements of each row (one block
+// per row). Sums are taken in f64, as the CPU backend's reduce does; kind is Reduce's order in
+// graph/op.rs (0 Sum, 1 Mean, 2 Max, 3 Min, 4 SumSquare).
+extern "C" __global__ void reduce_rows(int kind, i64 cols, const float* x, float* y) {
+    const float* xr = x + blockIdx.x * cols;
+    if (kind == 2 || kind == 3) {
+        float sign = kind == 2 ? 1.f : -1.f, m = NEG_INF;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, sign * xr[j]);
+        m = block_max(m);
+        if (threadIdx.x == 0) y[blockIdx.x] = sign * m;
+        return;
+    }
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += kind == 4 ? (double)xr[j] * (double)xr[j] : (double)xr[j];
+    s = block_sum_f64(s);
+    if (threadIdx.x == 0) y[blockIdx.x] = (float)(kind == 1 ? s / (double)cols : s);
+}
