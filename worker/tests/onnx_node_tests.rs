@@ -1,5 +1,5 @@
 //! The ONNX backend node tests (the `node/` data shipped in the `onnx` Python package), run
-//! forward on the CPU backend.
+//! forward on the CPU backend, and on the CUDA backend's kernels under the CPU emulator.
 //!
 //! `$TENSORFLEET_ONNX_NODE_TESTS` names the directory (`make test` sets it). Each test there is
 //! a directory with `model.onnx` and `test_data_set_0/{input,output}_<i>.pb`. A model that the
@@ -9,6 +9,9 @@
 //! list, on a listed test that no longer fails, and when an operator the engine must support
 //! has no passing test.
 
+mod cuda_emulator;
+
+use cuda_emulator::EmulatedGpu;
 use prost::Message;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
@@ -17,11 +20,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 use tensorfleet_worker::backend::cpu::CpuBackend;
+use tensorfleet_worker::backend::cuda::CudaBackend;
+use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::exec::Executor;
 use tensorfleet_worker::graph::infer::{self, Bindings};
-use tensorfleet_worker::graph::ir::ValueId;
+use tensorfleet_worker::graph::ir::{Graph, ValueId};
 use tensorfleet_worker::graph::{onnx_io, op::SUPPORTED_ONNX_OPS};
-use tensorfleet_worker::onnx::{self, tensor_from_proto, type_proto, ModelProto, TensorProto, ValueInfoProto};
+use tensorfleet_worker::onnx::{
+    self, tensor_from_proto, type_proto, GraphProto, ModelProto, TensorProto, ValueInfoProto,
+};
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 const ENV: &str = "TENSORFLEET_ONNX_NODE_TESTS";
@@ -87,6 +94,16 @@ enum Outcome {
     Failed(String),
     /// Rejected when loading or converting the model: an operator or attribute we do not run.
     Unsupported(String),
+    /// A node the CUDA dispatch has no kernel for (the emulated CUDA run only).
+    NoKernel(String),
+}
+
+/// What runs the tests: the CPU backend, or the CUDA backend's dispatch and kernels on the
+/// CPU emulator of tests/cuda_emulator.
+#[derive(Clone, Copy)]
+enum Engine {
+    Cpu,
+    EmulatedCuda,
 }
 
 /// Writes to the real stderr: libtest captures `print!`, and the summary must show in `make test`.
@@ -118,7 +135,7 @@ fn onnx_backend_node_tests() {
     let mut results: Vec<(String, String, Outcome)> = Vec::with_capacity(dirs.len());
     for dir in &dirs {
         let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let outcome = match panic::catch_unwind(AssertUnwindSafe(|| run_test(dir))) {
+        let outcome = match panic::catch_unwind(AssertUnwindSafe(|| run_test(dir, Engine::Cpu))) {
             Ok(outcome) => outcome,
             Err(payload) => Outcome::Failed(format!("panicked: {}", panic_message(&payload))),
         };
@@ -207,6 +224,68 @@ fn onnx_backend_node_tests() {
     assert!(problems.is_empty(), "{} problem(s):\n{}", problems.len(), problems.join("\n"));
 }
 
+/// The same node tests on the CUDA backend's dispatch and kernels, run by the CPU emulator
+/// (tests/cuda_emulator): every test whose graph the CUDA dispatch accepts must match ONNX's
+/// reference outputs, except those the CPU backend is listed as failing too. Tests with a node
+/// the CUDA backend has no kernel for are counted, by op, not run.
+#[test]
+fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
+    let Some(root) = std::env::var_os(ENV).filter(|v| !v.is_empty()).map(PathBuf::from) else {
+        report!("skipped: {ENV} is not set");
+        return;
+    };
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{ENV}={}: cannot list it: {e}", root.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("model.onnx").is_file())
+        .collect();
+    dirs.sort();
+    let known = known_failures();
+    let started = Instant::now();
+    let default_hook = panic::take_hook();
+    panic::set_hook(Box::new(|_| {}));
+    let (mut passed, mut unsupported, mut skipped) = (0, 0, 0);
+    let mut no_kernel: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if known.contains_key(&name) {
+            skipped += 1;
+            continue;
+        }
+        match panic::catch_unwind(AssertUnwindSafe(|| run_test(dir, Engine::EmulatedCuda))) {
+            Ok(Outcome::Passed) => passed += 1,
+            Ok(Outcome::Unsupported(_)) => unsupported += 1,
+            Ok(Outcome::NoKernel(why)) => no_kernel.entry(op_of_test(dir)).or_insert((0, why)).0 += 1,
+            Ok(Outcome::Failed(why)) => failures.push(format!("{name}: {why}")),
+            Err(payload) => failures.push(format!("{name}: panicked: {}", panic_message(&payload))),
+        }
+    }
+    panic::set_hook(default_hook);
+    let without: usize = no_kernel.values().map(|(n, _)| n).sum();
+    report!(
+        "ONNX node tests on the emulated CUDA kernels: {passed} passed, {} failed, {without} with a node \
+         without a CUDA kernel, {unsupported} unsupported by the engine, {skipped} known CPU failures \
+         not run (of {}) in {:.1} s",
+        failures.len(),
+        dirs.len(),
+        started.elapsed().as_secs_f64()
+    );
+    report!("  without a CUDA kernel, by op (one reason each):");
+    for (op, (n, why)) in &no_kernel {
+        report!("    {op} ({n}): {}", why.split("; ").next().unwrap_or(why));
+    }
+    for f in &failures {
+        report!("FAILED on the emulated CUDA kernels: {f}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} node test(s) fail on the emulated CUDA kernels:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 /// Test name → reason, from `node_tests_known_failures.txt`: a test name per line; a block of
 /// `#` lines is the reason for the names below it (or `# reason` after a name on its line).
 fn known_failures() -> HashMap<String, String> {
@@ -270,7 +349,7 @@ fn read_tensor(path: &Path) -> Result<Tensor, String> {
     tensor_from_proto(&proto, &origin).map_err(|e| e.to_string())
 }
 
-fn run_test(dir: &Path) -> Outcome {
+fn run_test(dir: &Path, on: Engine) -> Outcome {
     let path = dir.join("model.onnx");
     let origin = path.display().to_string();
     let model = match onnx::load_model(&path) {
@@ -281,15 +360,29 @@ fn run_test(dir: &Path) -> Outcome {
         Ok(g) => g,
         Err(e) => return Outcome::Unsupported(e.to_string()),
     };
-    match run_graph(dir, &model, graph) {
+    match run_graph(dir, &model, graph, on) {
         Ok(()) => Outcome::Passed,
-        Err(e) => Outcome::Failed(e),
+        Err(Rejected::Failed(e)) => Outcome::Failed(e),
+        Err(Rejected::NoKernel(e)) => Outcome::NoKernel(e),
     }
 }
 
-fn run_graph(dir: &Path, model: &ModelProto, graph: tensorfleet_worker::graph::ir::Graph) -> Result<(), String> {
+impl From<String> for Rejected {
+    fn from(e: String) -> Rejected {
+        Rejected::Failed(e)
+    }
+}
+
+/// Why a test did not pass on an engine.
+enum Rejected {
+    Failed(String),
+    /// The CUDA dispatch has no kernel for a node (CUDA only).
+    NoKernel(String),
+}
+
+fn run_graph(dir: &Path, model: &ModelProto, graph: Graph, on: Engine) -> Result<(), Rejected> {
     let data = dir.join("test_data_set_0");
-    let gp = model.graph.as_ref().ok_or("the model has no graph")?;
+    let gp = model.graph.as_ref().ok_or(Rejected::Failed("the model has no graph".into()))?;
     let initializers: HashSet<&str> = gp.initializer.iter().map(|t| t.name()).collect();
     // The i-th input file feeds the i-th graph input that is not an initializer.
     let mut fed: HashMap<ValueId, Tensor> = HashMap::new();
@@ -313,7 +406,28 @@ fn run_graph(dir: &Path, model: &ModelProto, graph: tensorfleet_worker::graph::i
         }
     }
     let bound = infer::bind(&graph, &bindings, false).map_err(|e| format!("bind: {e}"))?;
-    let mut ex = Executor::new(Arc::new(CpuBackend::new()), bound, &[]).map_err(|e| format!("plan: {e}"))?;
+    match on {
+        Engine::Cpu => execute(Arc::new(CpuBackend::new()), bound, &fed, gp, &data),
+        Engine::EmulatedCuda => {
+            let missing = CudaBackend::unsupported_nodes(&bound);
+            if !missing.is_empty() {
+                return Err(Rejected::NoKernel(missing.join("; ")));
+            }
+            execute(Arc::new(EmulatedGpu::new()), bound, &fed, gp, &data)
+        }
+    }
+    .map_err(Rejected::Failed)
+}
+
+/// Runs the bound graph on `backend` with the test's inputs and compares its outputs.
+fn execute<B: Backend>(
+    backend: Arc<B>,
+    bound: Graph,
+    fed: &HashMap<ValueId, Tensor>,
+    gp: &GraphProto,
+    data: &Path,
+) -> Result<(), String> {
+    let mut ex = Executor::new(backend, bound, &[]).map_err(|e| format!("plan: {e}"))?;
     let inputs: Vec<ValueId> = ex.graph.inputs.iter().map(|d| d.value).collect();
     for v in inputs {
         let t = fed.get(&v).ok_or_else(|| format!("graph input '{}' has no test data", ex.graph.name_of(v)))?;

@@ -10,7 +10,7 @@ use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
 use crate::backend::cpu::kernels::shape::slice_plan;
 use crate::backend::{Arg, StepHyper};
 use crate::graph::ir::Meta;
-use crate::graph::op::{Binary, LossReduction, Op};
+use crate::graph::op::{Binary, LossReduction, Op, Reduce};
 use crate::optim::Update;
 use crate::tensor::{strides, DType};
 use cudarc::driver::LaunchConfig;
@@ -715,12 +715,24 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
         Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
-        Op::ReduceOp { kind, axes, noop_with_empty_axes, .. } => {
+        Op::ReduceOp { kind, axes, .. } => {
             let a = x(0)?;
             need_f32(&a, "the input")?;
-            let cols = trailing_reduction(a.shape(), axes.as_deref(), *noop_with_empty_axes)?;
-            let rows = a.n() / cols.max(1);
-            dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
+            let rank = a.shape().len();
+            let mut reduced = vec![false; rank];
+            for &ax in axes.as_deref().unwrap_or(&[]) {
+                reduced[norm_axis(ax, rank)?] = true;
+            }
+            // Binding resolves the default (every axis) into the list; none left is ONNX's
+            // noop_with_empty_axes, each element its own row (SumSquare still squares).
+            let trailing = reduced.iter().skip_while(|&&r| !r).all(|&r| r);
+            if trailing {
+                let cols: usize = a.shape().iter().zip(&reduced).filter(|(_, &r)| r).map(|(&n, _)| n).product();
+                let rows = a.n() / cols.max(1);
+                dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
+            } else {
+                reduce_strided(dev, *kind, a, &reduced, y)
+            }
         }
         Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
         Op::ShardGatherGrad { start, .. } => shard::gather_grad(dev, *start, x(0)?, x(1)?, y),
@@ -784,25 +796,6 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
     }
 }
 
-/// How many trailing elements each output of a reduction over `axes` sums: the reduced axes
-/// must be the trailing ones (the kernels reduce contiguous rows).
-fn trailing_reduction(shape: &[usize], axes: Option<&[i64]>, noop_with_empty_axes: bool) -> Result<usize, String> {
-    let rank = shape.len();
-    let mut reduced: Vec<usize> = match axes {
-        Some(a) if !a.is_empty() => a.iter().map(|&ax| norm_axis(ax, rank)).collect::<Result<_, _>>()?,
-        _ if noop_with_empty_axes => return Err("a reduction over no axes has no CUDA kernel yet".into()),
-        _ => (0..rank).collect(),
-    };
-    reduced.sort_unstable();
-    reduced.dedup();
-    if reduced.iter().enumerate().any(|(k, &ax)| ax != rank - reduced.len() + k) {
-        return Err(format!(
-            "a reduction over axes {reduced:?} of a rank-{rank} input (only trailing axes have a CUDA kernel)"
-        ));
-    }
-    Ok(shape[rank - reduced.len()..].iter().product())
-}
-
 /// An N × C × … tensor as (N, C, the product of the rest), for the per-channel kernels.
 fn channels(shape: &[usize]) -> Result<(i64, usize, i64), String> {
     if shape.len() < 2 {
@@ -817,13 +810,28 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
     let d = dims(y.shape())?;
     let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
     let code = op as i32;
+    if b.dtype() != a.dtype() && !(op == Binary::Pow && a.dtype() == DType::F32) {
+        return Err(format!("{op:?} of {} and {} has no CUDA kernel", a.dtype(), b.dtype()));
+    }
     match (a.dtype(), op.is_predicate()) {
         (DType::F32, false) => {
+            // Pow's exponent may be an integer (ONNX's T1): cast to f32 first.
+            let b_at = match b.dtype() {
+                DType::F32 => b.at,
+                t => {
+                    let from = float_code(t)
+                        .filter(|_| t != DType::Bool)
+                        .ok_or_else(|| format!("Pow with a {t} exponent has no CUDA kernel"))?;
+                    let at = dev.scratch(b.n() * 4)?;
+                    dev.kernel("cast_to_f32", elementwise(b.n()), &mut params![from, b.n() as i64, b.at, at])?;
+                    at
+                }
+            };
             let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
             dev.kernel(
                 "binary_f32",
                 elementwise(n),
-                &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
+                &mut params![code, n as i64, d, a.at, sa, b_at, sb, contiguous, y.at],
             )
         }
         (DType::F32, true) if !matches!(op, Binary::And | Binary::Or) => {
@@ -936,26 +944,34 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
         return column_sum(dev, a.n() / cols, cols, a.at, None, y.at);
     }
     // Otherwise each output element sums its own set of inputs.
-    let st = strides(from);
-    let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
-    for (k, &n) in from.iter().enumerate() {
-        let target = if k < pad { 1 } else { to[k - pad] };
-        if target == n {
-            kept_shape.push(n);
-            kept_strides.push(st[k] as i64);
-        } else if target == 1 {
-            red_shape.push(n);
-            red_strides.push(st[k] as i64);
-        } else {
-            return Err(format!("{from:?} does not sum to {to:?}"));
+    let mut summed = vec![true; pad];
+    for (k, &n) in from.iter().enumerate().skip(pad) {
+        match to[k - pad] {
+            t if t == n => summed.push(false),
+            1 => summed.push(true),
+            _ => return Err(format!("{from:?} does not sum to {to:?}")),
         }
+    }
+    reduce_strided(dev, Reduce::Sum, a, &summed, y)
+}
+
+/// Reduces `a` over the axes marked in `reduced` (any of them, one thread per output).
+fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Result<(), String> {
+    let st = strides(a.shape());
+    let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
+    for (k, &n) in a.shape().iter().enumerate() {
+        let (shape, at) =
+            if reduced[k] { (&mut red_shape, &mut red_strides) } else { (&mut kept_shape, &mut kept_strides) };
+        shape.push(n);
+        at.push(st[k] as i64);
     }
     let inner: usize = red_shape.iter().product();
     let n = y.n();
     dev.kernel(
-        "reduce_sum_strided",
+        "reduce_strided",
         elementwise(n),
         &mut params![
+            kind as i32,
             n as i64,
             dims(&kept_shape)?,
             strides_of(&kept_strides),

@@ -106,15 +106,29 @@ extern "C" __global__ void column_sum_finish(i64 chunks, i64 cols, const float* 
     }
 }
 
-// ReduceSumTo in general: each output element sums the `inner_n` input elements that
-// broadcast to it; `od`/`os` walk the kept dims, `rd`/`rs` the reduced ones.
-extern "C" __global__ void reduce_sum_strided(i64 n, Dims od, Strides os, i64 inner_n, Dims rd, Strides rs,
-                                              const float* x, float* out) {
+// A reduction over any axes (ReduceSumTo, and the Reduce ops over axes that are not the
+// trailing ones): each output element reduces its `inner_n` input elements, one thread each;
+// `od`/`os` walk the kept dims, `rd`/`rs` the reduced ones. kind as in reduce_rows (below);
+// sums in f64, as the CPU backend's reduce.
+extern "C" __global__ void reduce_strided(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd, Strides rs,
+                                          const float* x, float* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 base = offset_of(i, od, os);
-        float s = 0.f;
-        for (i64 j = 0; j < inner_n; ++j) s += x[base + offset_of(j, rd, rs)];
-        out[i] = s;
+        if (kind == 2 || kind == 3) {
+            float m = kind == 2 ? NEG_INF : -NEG_INF;
+            for (i64 j = 0; j < inner_n; ++j) {
+                float v = x[base + offset_of(j, rd, rs)];
+                m = kind == 2 ? fmaxf(m, v) : fminf(m, v);
+            }
+            out[i] = m;
+            continue;
+        }
+        double s = 0.0;
+        for (i64 j = 0; j < inner_n; ++j) {
+            double v = (double)x[base + offset_of(j, rd, rs)];
+            s += kind == 4 ? v * v : v;
+        }
+        out[i] = (float)(kind == 1 ? s / (double)inner_n : s);
     }
 }
 

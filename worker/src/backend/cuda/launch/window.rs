@@ -5,9 +5,9 @@
 //! windows, f32, with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{dims, elementwise, need_f32, per_row, strides_of, Dev, Product, Ptr, V};
+use super::{elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
-use crate::graph::op::{PoolKind, Window};
+use crate::graph::op::{PoolKind, Reduce, Window};
 
 /// `Geo` of kernels/window.cu, by value.
 #[repr(C)]
@@ -207,20 +207,9 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
         }
     }
     // dB[k] = Σ over images and the plane of dY[img, k, ·].
-    dev.kernel(
-        "reduce_sum_strided",
-        elementwise(s.m),
-        &mut params![
-            s.m as i64,
-            dims(&[s.m])?,
-            strides_of(&[s.plane as i64]),
-            (s.images * s.plane) as i64,
-            dims(&[s.images, s.plane])?,
-            strides_of(&[(s.m * s.plane) as i64, 1]),
-            dy.at,
-            db.at
-        ],
-    )
+    let mut summed = vec![true; dy.shape().len()];
+    summed[1] = false;
+    reduce_strided(dev, Reduce::Sum, dy, &summed, db)
 }
 
 /// The kernels' (max, include_pad) flags for a pooling kind.
