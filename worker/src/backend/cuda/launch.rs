@@ -365,13 +365,17 @@ fn float_code(t: DType) -> Option<i32> {
     }
 }
 
-/// Strided copies exist for 4-byte and 1-byte elements.
-fn copy_kernel(t: DType) -> Result<&'static str, String> {
+/// The kernel of a family that moves elements without reading them (strided_copy,
+/// strided_store, trilu) for `t`'s width: `{family}_b8` … `{family}_b64`.
+fn sized(family: &str, t: DType) -> Result<String, String> {
     match t.size() {
-        4 => Ok("strided_copy_b32"),
-        1 => Ok("strided_copy_b8"),
-        _ => Err(format!("no strided copy of {t} elements on the CUDA backend")),
+        1 | 2 | 4 | 8 => Ok(format!("{family}_b{}", 8 * t.size())),
+        _ => Err(format!("no {family} kernel for {t} elements on the CUDA backend")),
     }
+}
+
+fn copy_kernel(t: DType) -> Result<String, String> {
+    sized("strided_copy", t)
 }
 
 /// Integer ids for gathers and labels: i64 (1) or i32 (0).
@@ -448,7 +452,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let n = y.n();
             let k = copy_kernel(a.dtype())?;
             let s = broadcast(a.shape(), y.shape())?;
-            dev.kernel(k, elementwise(n), &mut params![n as i64, dims(y.shape())?, a.at, s, y.at])
+            dev.kernel(&k, elementwise(n), &mut params![n as i64, dims(y.shape())?, a.at, s, y.at])
         }
         Op::Transpose { perm } => {
             let a = x(0)?;
@@ -460,7 +464,11 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let st = strides(a.shape());
             let s = strides_of(&perm.iter().map(|&p| st[p] as i64).collect::<Vec<_>>());
             let n = y.n();
-            dev.kernel(copy_kernel(a.dtype())?, elementwise(n), &mut params![n as i64, dims(y.shape())?, a.at, s, y.at])
+            dev.kernel(
+                &copy_kernel(a.dtype())?,
+                elementwise(n),
+                &mut params![n as i64, dims(y.shape())?, a.at, s, y.at],
+            )
         }
         Op::Split { axis, .. } => {
             let a = x(0)?;
@@ -472,27 +480,21 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             for part in outs {
                 let base = Ptr(a.at.0 + (start * st[ax] * a.dtype().size()) as u64);
                 let n = part.n();
-                dev.kernel(k, elementwise(n), &mut params![n as i64, dims(part.shape())?, base, s, part.at])?;
+                dev.kernel(&k, elementwise(n), &mut params![n as i64, dims(part.shape())?, base, s, part.at])?;
                 start += part.shape()[ax];
             }
             Ok(())
         }
         Op::Concat { axis } => {
             let ax = norm_axis(*axis, y.shape().len())?;
-            if y.dtype().size() != 4 {
-                return Err(format!("Concat of {} on the CUDA backend (4-byte elements only)", y.dtype()));
-            }
+            let store = sized("strided_store", y.dtype())?;
             let st = strides(y.shape());
             let s = strides_of(&st.iter().map(|&v| v as i64).collect::<Vec<_>>());
             let mut start = 0;
             for part in ins.iter().flatten() {
-                let base = Ptr(y.at.0 + (start * st[ax] * 4) as u64);
+                let base = Ptr(y.at.0 + (start * st[ax] * y.dtype().size()) as u64);
                 let n = part.n();
-                dev.kernel(
-                    "strided_store_b32",
-                    elementwise(n),
-                    &mut params![n as i64, dims(part.shape())?, part.at, base, s],
-                )?;
+                dev.kernel(&store, elementwise(n), &mut params![n as i64, dims(part.shape())?, part.at, base, s])?;
                 start += part.shape()[ax];
             }
             Ok(())
@@ -502,18 +504,16 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let (base, s) = slice_view(a.shape(), a.dtype(), starts, ends, axes, steps);
             let n = y.n();
             let at = Ptr((a.at.0 as i64 + base) as u64);
-            dev.kernel(copy_kernel(a.dtype())?, elementwise(n), &mut params![n as i64, dims(y.shape())?, at, s, y.at])
+            dev.kernel(&copy_kernel(a.dtype())?, elementwise(n), &mut params![n as i64, dims(y.shape())?, at, s, y.at])
         }
         Op::SliceGrad { starts, ends, axes, steps, .. } => {
             let dy = x(0)?;
-            if y.dtype().size() != 4 {
-                return Err(format!("SliceGrad of {} on the CUDA backend (4-byte elements only)", y.dtype()));
-            }
+            let store = sized("strided_store", y.dtype())?;
             let (base, s) = slice_view(y.shape(), y.dtype(), starts, ends, axes, steps);
             dev.fill(y.at, 0, y.meta.bytes())?;
             let n = dy.n();
             let at = Ptr((y.at.0 as i64 + base) as u64);
-            dev.kernel("strided_store_b32", elementwise(n), &mut params![n as i64, dims(dy.shape())?, dy.at, at, s])
+            dev.kernel(&store, elementwise(n), &mut params![n as i64, dims(dy.shape())?, dy.at, at, s])
         }
         Op::Dropout { ratio, training, seed } => {
             let a = x(0)?;
@@ -542,14 +542,10 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             if r < 2 {
                 return Err("Trilu needs at least 2 dimensions".into());
             }
-            let kernel = match a.dtype().size() {
-                4 => "trilu_b32",
-                1 => "trilu_b8",
-                _ => return Err(format!("Trilu of {} on the CUDA backend", a.dtype())),
-            };
+            let kernel = sized("trilu", a.dtype())?;
             let n = a.n();
             let (rows, cols) = (a.shape()[r - 2] as i64, a.shape()[r - 1] as i64);
-            dev.kernel(kernel, elementwise(n), &mut params![n as i64, rows, cols, *upper as i32, *k, a.at, y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![n as i64, rows, cols, *upper as i32, *k, a.at, y.at])
         }
         Op::MatMul => matmul(dev, x(0)?, x(1)?, None, false, false, None, 1.0, y),
         Op::FusedMatMul { trans_a, trans_b, activation } => {

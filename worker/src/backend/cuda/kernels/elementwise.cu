@@ -129,10 +129,25 @@ extern "C" __global__ void strided_copy_b32(i64 n, Dims d, const u32* x, Strides
 extern "C" __global__ void strided_copy_b8(i64 n, Dims d, const u8* x, Strides sx, u8* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
 }
+extern "C" __global__ void strided_copy_b16(i64 n, Dims d, const u16* x, Strides sx, u16* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
+}
+extern "C" __global__ void strided_copy_b64(i64 n, Dims d, const u64* x, Strides sx, u64* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
+}
 
 // The inverse: out[offset(i)] = x[i], x contiguous, the output read through strides (Concat
 // writes each input into its part of the output, SliceGrad the gradient into its slice).
 extern "C" __global__ void strided_store_b32(i64 n, Dims d, const u32* x, u32* out, Strides so) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+extern "C" __global__ void strided_store_b8(i64 n, Dims d, const u8* x, u8* out, Strides so) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+extern "C" __global__ void strided_store_b16(i64 n, Dims d, const u16* x, u16* out, Strides so) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+extern "C" __global__ void strided_store_b64(i64 n, Dims d, const u64* x, u64* out, Strides so) {
     for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
 }
 
@@ -179,8 +194,8 @@ extern "C" __global__ void dropout_grad_f32(i64 n, float scale, const float* dy,
     for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * (float)mask[i] * scale;
 }
 
-// Trilu over the last two dims (rows × cols) of 4-byte or 1-byte elements: keep element (r, c)
-// where c − r ≤ k (lower) or c − r ≥ k (upper), zero elsewhere.
+// Trilu over the last two dims (rows × cols) of 1-, 2-, 4- or 8-byte elements: keep element
+// (r, c) where c − r ≤ k (lower) or c − r ≥ k (upper), zero elsewhere.
 extern "C" __global__ void trilu_b32(i64 n, i64 rows, i64 cols, int upper, i64 k, const u32* x, u32* y) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 c = i % cols, r = (i / cols) % rows;
@@ -193,5 +208,19 @@ extern "C" __global__ void trilu_b8(i64 n, i64 rows, i64 cols, int upper, i64 k,
         i64 c = i % cols, r = (i / cols) % rows;
         bool keep = upper ? (c - r >= k) : (c - r <= k);
         y[i] = keep ? x[i] : 0;
+    }
+}
+extern "C" __global__ void trilu_b16(i64 n, i64 rows, i64 cols, int upper, i64 k, const u16* x, u16* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 c = i % cols, r = (i / cols) % rows;
+        bool keep = upper ? (c - r >= k) : (c - r <= k);
+        y[i] = keep ? x[i] : 0;
+    }
+}
+extern "C" __global__ void trilu_b64(i64 n, i64 rows, i64 cols, int upper, i64 k, const u64* x, u64* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 c = i % cols, r = (i / cols) % rows;
+        bool keep = upper ? (c - r >= k) : (c - r <= k);
+        y[i] = keep ? x[i] : 0ull;
     }
 }
