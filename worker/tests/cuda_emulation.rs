@@ -340,3 +340,31 @@ fn tensor_parallel_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         }
     }
 }
+
+/// Softmax and LogSoftmax over an axis that is not the last, forward and backward (the strided
+/// kernels; the last axis is GPT-2's and trained above).
+#[test]
+fn softmax_over_a_leading_axis_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let shape = vec![2, 3, 4];
+    let x = Tensor::from_vec(&shape, values(24, 12));
+    let dy = Tensor::from_vec(&shape, values(24, 13));
+    for axis in [0, 1] {
+        for (forward, backward) in
+            [(Op::Softmax { axis }, Op::SoftmaxGrad { axis }), (Op::LogSoftmax { axis }, Op::LogSoftmaxGrad { axis })]
+        {
+            let shapes = std::slice::from_ref(&shape);
+            let (g, c) = (
+                run_op(&gpu, &forward, std::slice::from_ref(&x), shapes),
+                run_op(&cpu, &forward, std::slice::from_ref(&x), shapes),
+            );
+            assert_close(&format!("{forward:?}"), &g, &c);
+            let inputs = [dy.clone(), c[0].clone()];
+            assert_close(
+                &format!("{backward:?}"),
+                &run_op(&gpu, &backward, &inputs, shapes),
+                &run_op(&cpu, &backward, &inputs, shapes),
+            );
+        }
+    }
+}

@@ -574,16 +574,28 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let a = x(0)?;
             need_f32(&a, "the input")?;
-            let (rows, cols) = last_axis_rows(a.shape(), *axis, "Softmax")?;
+            let (outer, n, inner) = around(a.shape(), norm_axis(*axis, a.shape().len())?);
             let log = matches!(op, Op::LogSoftmax { .. }) as i32;
-            dev.kernel("softmax_rows", per_row(rows), &mut params![log, cols as i64, a.at, y.at])
+            if inner == 1 {
+                dev.kernel("softmax_rows", per_row(outer), &mut params![log, n as i64, a.at, y.at])
+            } else {
+                let (outer, n, inner) = (outer as i64, n as i64, inner as i64);
+                let lines = elementwise((outer * inner) as usize);
+                dev.kernel("softmax_strided", lines, &mut params![log, outer, n, inner, a.at, y.at])
+            }
         }
         Op::SoftmaxGrad { axis } | Op::LogSoftmaxGrad { axis } => {
             let (dy, out) = (x(0)?, x(1)?);
             need_f32(&dy, "the gradient")?;
-            let (rows, cols) = last_axis_rows(out.shape(), *axis, "SoftmaxGrad")?;
+            let (outer, n, inner) = around(out.shape(), norm_axis(*axis, out.shape().len())?);
             let log = matches!(op, Op::LogSoftmaxGrad { .. }) as i32;
-            dev.kernel("softmax_grad_rows", per_row(rows), &mut params![log, cols as i64, dy.at, out.at, y.at])
+            if inner == 1 {
+                dev.kernel("softmax_grad_rows", per_row(outer), &mut params![log, n as i64, dy.at, out.at, y.at])
+            } else {
+                let (outer, n, inner) = (outer as i64, n as i64, inner as i64);
+                let lines = elementwise((outer * inner) as usize);
+                dev.kernel("softmax_grad_strided", lines, &mut params![log, outer, n, inner, dy.at, out.at, y.at])
+            }
         }
         Op::LayerNorm { axis, epsilon } => {
             let (a, scale) = (x(0)?, x(1)?);
@@ -838,15 +850,6 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
         }
         (t, _) => Err(format!("{op:?} of {t} has no CUDA kernel")),
     }
-}
-
-/// (rows, cols) of a softmax over `axis`, which must be the last (the kernels' rows).
-fn last_axis_rows(shape: &[usize], axis: i64, what: &str) -> Result<(usize, usize), String> {
-    let a = norm_axis(axis, shape.len())?;
-    if a + 1 != shape.len() {
-        return Err(format!("{what} over axis {axis} of {shape:?}: the CUDA kernels take the last axis only"));
-    }
-    split_at_axis(shape, axis)
 }
 
 /// (Π shape[..axis], Π shape[axis..]).

@@ -33,6 +33,38 @@ extern "C" __global__ void softmax_grad_rows(int log, i64 cols, const float* dy,
         dxr[j] = log ? dyr[j] - expf(yr[j]) * s : yr[j] * (dyr[j] - s);
 }
 
+// The same two over an axis that is not the last: [outer, n, inner], one thread per (outer,
+// inner) line walking its n elements `inner` apart. Such axes are rare (the models' softmaxes
+// are over the last), so this favours plainness over speed.
+extern "C" __global__ void softmax_strided(int log, i64 outer, i64 n, i64 inner, const float* x, float* y) {
+    for (i64 t = first_index(); t < outer * inner; t += grid_stride()) {
+        i64 base = (t / inner) * n * inner + t % inner;
+        float m = NEG_INF, s = 0.f;
+        for (i64 j = 0; j < n; ++j) m = fmaxf(m, x[base + j * inner]);
+        for (i64 j = 0; j < n; ++j) s += expf(x[base + j * inner] - m);
+        float lse = m + logf(s), inv = 1.f / s;
+        for (i64 j = 0; j < n; ++j) {
+            i64 at = base + j * inner;
+            y[at] = log ? x[at] - lse : expf(x[at] - m) * inv;
+        }
+    }
+}
+extern "C" __global__ void softmax_grad_strided(int log, i64 outer, i64 n, i64 inner, const float* dy,
+                                                const float* y, float* dx) {
+    for (i64 t = first_index(); t < outer * inner; t += grid_stride()) {
+        i64 base = (t / inner) * n * inner + t % inner;
+        float s = 0.f;
+        for (i64 j = 0; j < n; ++j) {
+            i64 at = base + j * inner;
+            s += log ? dy[at] : dy[at] * y[at];
+        }
+        for (i64 j = 0; j < n; ++j) {
+            i64 at = base + j * inner;
+            dx[at] = log ? dy[at] - expf(y[at]) * s : y[at] * (dy[at] - s);
+        }
+    }
+}
+
 // LayerNormalization of each row: Y = (x − μ)·σ⁻¹·scale + bias (bias may be null); the mean
 // and σ⁻¹ are written when their outputs exist (the backward pass reads them).
 extern "C" __global__ void layer_norm_rows(i64 cols, float eps, const float* x, const float* scale,
