@@ -1,9 +1,9 @@
 // A CPU stand-in for the GPU, for checking the CUDA backend's kernels where there is no GPU.
 //
 // The kernel program (worker/src/backend/cuda/kernels/) is compiled as C++ after this header
-// (with TF_EMULATE defined). A launch runs its blocks one after another; the threads of a block
-// are fibers (ucontext) on one OS thread, each with its own stack, switched at every
-// __syncthreads and at every warp shuffle. A barrier releases its fibers once all that take
+// (with TF_EMULATE defined). A launch runs its blocks one after another, the last first; the
+// threads of a block are fibers (ucontext) on one OS thread, each with its own stack, switched
+// at every __syncthreads and at every warp shuffle, the highest thread first. A barrier releases its fibers once all that take
 // part have reached it (the block's for __syncthreads, the warp's for a shuffle), so code that
 // would deadlock or race on a GPU through a missing barrier shows up here as a deadlock error or
 // a wrong result. `__shared__` variables are statics: one instance, shared by the block that
@@ -102,7 +102,9 @@ static bool run_block(unsigned threads) {
         fibers[t].state = RUNNING;
     }
     for (;;) {
-        for (unsigned t = 0; t < threads; ++t) {
+        // Highest thread first: a GPU promises no order, and the reverse of the source's
+        // order is the one in which a missing barrier most often shows.
+        for (unsigned t = threads; t-- > 0;) {
             if (fibers[t].state != RUNNING) continue;
             current = t;
             threadIdx = dim3{t, 0, 0};
@@ -166,8 +168,9 @@ static int emu_run_grid(const char* name, unsigned gx, unsigned gy, unsigned bx,
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{bx, 1, 1};
     emu::body = std::move(kernel);
-    for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) {
+    // Blocks last to first, for the same reason.
+    for (unsigned y = gy; y-- > 0;)
+        for (unsigned x = gx; x-- > 0;) {
             blockIdx = dim3{x, y, 0};
             if (!emu::run_block(bx)) {
                 emu::failure = std::string(name) + ": the threads of block (" + std::to_string(x) + ", " +
