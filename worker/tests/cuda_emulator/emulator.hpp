@@ -1,9 +1,12 @@
 // A CPU stand-in for the GPU, for checking the CUDA backend's kernels where there is no GPU.
 //
 // The kernel program (worker/src/backend/cuda/kernels/) is compiled as C++ after this header
-// (with TF_EMULATE defined). A launch runs its blocks one after another, the last first; the
-// threads of a block are fibers (ucontext) on one OS thread, each with its own stack, switched
-// at every __syncthreads and at every warp shuffle, the highest thread first. A barrier releases its fibers once all that take
+// (with TF_EMULATE defined). A launch runs its blocks one after another; the threads of a
+// block are fibers (ucontext) on one OS thread, each with its own stack, switched at every
+// __syncthreads and at every warp shuffle. A GPU promises no order, and a race shows only in
+// an order where the reader runs before the writer, so the orders alternate: blocks first to
+// last in one launch and last to first in the next, threads lowest first in one block and
+// highest first in the next. A barrier releases its fibers once all that take
 // part have reached it (the block's for __syncthreads, the warp's for a shuffle), so code that
 // would deadlock or race on a GPU through a missing barrier shows up here as a deadlock error or
 // a wrong result. `__shared__` variables are statics: one instance, shared by the block that
@@ -90,7 +93,7 @@ static void start() {
 }
 
 // Runs one block of `threads` fibers to completion; false on a deadlock.
-static bool run_block(unsigned threads) {
+static bool run_block(unsigned threads, bool highest_first) {
     fibers.assign(threads, Fiber{});
     if (stacks.size() < threads) stacks.resize(threads, std::vector<char>(STACK_BYTES));
     for (unsigned t = 0; t < threads; ++t) {
@@ -102,9 +105,8 @@ static bool run_block(unsigned threads) {
         fibers[t].state = RUNNING;
     }
     for (;;) {
-        // Highest thread first: a GPU promises no order, and the reverse of the source's
-        // order is the one in which a missing barrier most often shows.
-        for (unsigned t = threads; t-- > 0;) {
+        for (unsigned k = 0; k < threads; ++k) {
+            unsigned t = highest_first ? threads - 1 - k : k;
             if (fibers[t].state != RUNNING) continue;
             current = t;
             threadIdx = dim3{t, 0, 0};
@@ -168,16 +170,18 @@ static int emu_run_grid(const char* name, unsigned gx, unsigned gy, unsigned bx,
     gridDim = dim3{gx, gy, 1};
     blockDim = dim3{bx, 1, 1};
     emu::body = std::move(kernel);
-    // Blocks last to first, for the same reason.
-    for (unsigned y = gy; y-- > 0;)
-        for (unsigned x = gx; x-- > 0;) {
-            blockIdx = dim3{x, y, 0};
-            if (!emu::run_block(bx)) {
-                emu::failure = std::string(name) + ": the threads of block (" + std::to_string(x) + ", " +
-                               std::to_string(y) + ") deadlocked at mismatched barriers";
-                return 1;
-            }
+    static unsigned long long launches = 0;
+    unsigned long long launch = launches++;
+    unsigned blocks = gx * gy;
+    for (unsigned k = 0; k < blocks; ++k) {
+        unsigned b = (launch & 1) ? blocks - 1 - k : k, x = b % gx, y = b / gx;
+        blockIdx = dim3{x, y, 0};
+        if (!emu::run_block(bx, (k + launch / 2) & 1)) {
+            emu::failure = std::string(name) + ": the threads of block (" + std::to_string(x) + ", " +
+                           std::to_string(y) + ") deadlocked at mismatched barriers";
+            return 1;
         }
+    }
     return 0;
 }
 
