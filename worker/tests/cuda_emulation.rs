@@ -368,3 +368,31 @@ fn softmax_over_a_leading_axis_matches_the_cpu_backend_on_the_emulated_kernels()
         }
     }
 }
+
+/// SoftmaxCrossEntropyLoss over [N, C, d1, d2] scores (moved to rows of C and back), with an
+/// ignored label and class weights, forward and backward.
+#[test]
+fn cross_entropy_over_spatial_scores_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let (n, c, d) = (2, 5, [3, 2]);
+    let scores = Tensor::from_vec(&[n, c, d[0], d[1]], values(n * c * 6, 14));
+    let labels = Tensor::from_vec(&[n, d[0], d[1]], vec![0i64, 4, 2, -1, 1, 3, 3, 0, 4, 2, 1, 1]);
+    let weights = Tensor::from_vec(&[c], vec![1.0f32, 0.5, 2.0, 1.5, 0.25]);
+    for reduction in [LossReduction::Mean, LossReduction::Sum, LossReduction::None] {
+        let loss_shape = if reduction == LossReduction::None { vec![n, d[0], d[1]] } else { vec![] };
+        let forward = Op::SoftmaxCrossEntropyLoss { reduction, ignore_index: Some(-1) };
+        let inputs = [scores.clone(), labels.clone(), weights.clone()];
+        let shapes = [loss_shape.clone(), scores.shape().to_vec()];
+        let (g, c_out) = (run_op(&gpu, &forward, &inputs, &shapes), run_op(&cpu, &forward, &inputs, &shapes));
+        assert_close(&format!("SoftmaxCrossEntropyLoss, {reduction:?}"), &g, &c_out);
+        let dloss = Tensor::from_vec(&loss_shape, values(loss_shape.iter().product(), 15));
+        let backward = Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index: Some(-1) };
+        let inputs = [dloss, c_out[1].clone(), labels.clone(), weights.clone()];
+        let shapes = [scores.shape().to_vec()];
+        assert_close(
+            &format!("SoftmaxCrossEntropyLossGrad, {reduction:?}"),
+            &run_op(&gpu, &backward, &inputs, &shapes),
+            &run_op(&cpu, &backward, &inputs, &shapes),
+        );
+    }
+}

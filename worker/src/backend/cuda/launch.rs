@@ -667,24 +667,31 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
             let (scores, labels) = (x(0)?, x(1)?);
             need_f32(&scores, "the scores")?;
-            let (rows, cols) = loss_rows(scores.shape())?;
+            let l = LossRows::of(scores.shape());
             let weights = ins.get(2).copied().flatten().map_or(NULL, |w| w.at);
-            let scratch = dev.scratch((2 * rows + 2) * 4)?;
-            let (w, nll) = (scratch, Ptr(scratch.0 + 4 * rows as u64));
-            let (total, den) = (Ptr(scratch.0 + 8 * rows as u64), Ptr(scratch.0 + 8 * rows as u64 + 4));
-            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
-            let logp = outs.get(1).map_or(NULL, |l| l.at);
+            // Scratch: the scores and log-probabilities as [rows, C] (spatial scores only),
+            // then each row's weight and loss, the total and the denominator.
+            let scratch = dev.scratch(4 * (2 * l.moved() + 2 * l.rows + 2))?;
+            let (rows_x, rows_logp) = (scratch, at_f32(scratch, l.moved()));
+            let (w, nll) = (at_f32(scratch, 2 * l.moved()), at_f32(scratch, 2 * l.moved() + l.rows));
+            let (total, den) = (at_f32(nll, l.rows), at_f32(nll, l.rows + 1));
+            let x_rows = l.gather_rows(dev, scores.at, rows_x)?;
+            let wide = label_weights(dev, l.rows, l.cols, labels, *ignore_index, weights, w)?;
+            let logp = outs.get(1).map_or(NULL, |o| if l.spatial() { rows_logp } else { o.at });
             dev.kernel(
                 "cross_entropy_rows",
-                per_row(rows),
-                &mut params![cols as i64, scores.at, labels.at, wide, w, logp, nll],
+                per_row(l.rows),
+                &mut params![l.cols as i64, x_rows, labels.at, wide, w, logp, nll],
             )?;
+            if let Some(o) = outs.get(1).filter(|_| l.spatial()) {
+                l.scatter_rows(dev, rows_logp, o.at)?;
+            }
             match reduction {
-                LossReduction::None => dev.copy(y.at, nll, rows * 4),
+                LossReduction::None => dev.copy(y.at, nll, l.rows * 4),
                 _ => {
                     let one = per_row(1);
-                    dev.kernel("sum_one_block", one, &mut params![rows as i64, nll, total])?;
-                    dev.kernel("sum_one_block", one, &mut params![rows as i64, w, den])?;
+                    dev.kernel("sum_one_block", one, &mut params![l.rows as i64, nll, total])?;
+                    dev.kernel("sum_one_block", one, &mut params![l.rows as i64, w, den])?;
                     let mean = (*reduction == LossReduction::Mean) as i32;
                     dev.kernel("loss_finish", one, &mut params![mean, total, den, y.at])
                 }
@@ -693,22 +700,31 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => {
             let (dloss, logp, labels) = (x(0)?, x(1)?, x(2)?);
             need_f32(&logp, "the log-probabilities")?;
-            let (rows, cols) = loss_rows(logp.shape())?;
+            let l = LossRows::of(logp.shape());
             let weights = ins.get(3).copied().flatten().map_or(NULL, |w| w.at);
-            let scratch = dev.scratch((rows + 1) * 4)?;
-            let (w, den) = (scratch, Ptr(scratch.0 + 4 * rows as u64));
-            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
-            dev.kernel("sum_one_block", per_row(1), &mut params![rows as i64, w, den])?;
+            // Scratch: the log-probabilities and the gradient as [rows, C] (spatial only), then
+            // each row's weight and the denominator.
+            let scratch = dev.scratch(4 * (2 * l.moved() + l.rows + 1))?;
+            let (rows_logp, rows_dx) = (scratch, at_f32(scratch, l.moved()));
+            let (w, den) = (at_f32(scratch, 2 * l.moved()), at_f32(scratch, 2 * l.moved() + l.rows));
+            let logp_rows = l.gather_rows(dev, logp.at, rows_logp)?;
+            let wide = label_weights(dev, l.rows, l.cols, labels, *ignore_index, weights, w)?;
+            dev.kernel("sum_one_block", per_row(1), &mut params![l.rows as i64, w, den])?;
             let code = match reduction {
                 LossReduction::None => 0,
                 LossReduction::Mean => 1,
                 LossReduction::Sum => 2,
             };
+            let dx = if l.spatial() { rows_dx } else { y.at };
             dev.kernel(
                 "cross_entropy_grad_rows",
-                per_row(rows),
-                &mut params![cols as i64, code, dloss.at, logp.at, labels.at, wide, w, den, y.at],
-            )
+                per_row(l.rows),
+                &mut params![l.cols as i64, code, dloss.at, logp_rows, labels.at, wide, w, den, dx],
+            )?;
+            if l.spatial() {
+                l.scatter_rows(dev, rows_dx, y.at)?;
+            }
+            Ok(())
         }
         Op::Conv { window, group } => window::conv(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y),
         Op::ConvGrad { window, group } => {
@@ -864,10 +880,66 @@ fn around(shape: &[usize], a: usize) -> (usize, usize, usize) {
 }
 
 /// The loss kernels take scores [N, C] (classes contiguous).
-fn loss_rows(shape: &[usize]) -> Result<(usize, usize), String> {
-    match shape {
-        [n, c] => Ok((*n, *c)),
-        _ => Err(format!("SoftmaxCrossEntropyLoss of scores {shape:?}: the CUDA kernels take [N, C]")),
+/// The byte address `elements` f32 past `at`.
+fn at_f32(at: Ptr, elements: usize) -> Ptr {
+    Ptr(at.0 + 4 * elements as u64)
+}
+
+/// SoftmaxCrossEntropyLoss's scores [N, C] or [N, C, d…] as the kernels' rows of C classes:
+/// one per (n, d…), in the labels' order. Spatial scores are moved to [N, d…, C] first, and
+/// per-class outputs moved back.
+struct LossRows {
+    n: usize,
+    cols: usize,
+    /// The product of the spatial dims (1 for [N, C]).
+    d: usize,
+    rows: usize,
+}
+
+impl LossRows {
+    fn of(shape: &[usize]) -> LossRows {
+        let (n, cols) = (shape.first().copied().unwrap_or(1), shape.get(1).copied().unwrap_or(1));
+        let d = shape.iter().skip(2).product();
+        LossRows { n, cols, d, rows: n * d }
+    }
+
+    fn spatial(&self) -> bool {
+        self.d > 1
+    }
+
+    /// Elements moved to and from rows (0 when there is nothing to move).
+    fn moved(&self) -> usize {
+        if self.spatial() {
+            self.rows * self.cols
+        } else {
+            0
+        }
+    }
+
+    /// [N, C, D] at `from` as [N, D, C] at `to`; returns where the rows are.
+    fn gather_rows(&self, dev: Dev, from: Ptr, to: Ptr) -> Result<Ptr, String> {
+        if !self.spatial() {
+            return Ok(from);
+        }
+        let (n, c, d) = (self.n, self.cols as i64, self.d as i64);
+        let count = self.moved();
+        dev.kernel(
+            "strided_copy_b32",
+            elementwise(count),
+            &mut params![count as i64, dims(&[n, self.d, self.cols])?, from, strides_of(&[c * d, 1, d]), to],
+        )?;
+        Ok(to)
+    }
+
+    /// [N, D, C] at `from` back to [N, C, D] at `to`.
+    fn scatter_rows(&self, dev: Dev, from: Ptr, to: Ptr) -> Result<(), String> {
+        let (n, c, d) = (self.n, self.cols as i64, self.d as i64);
+        let count = self.moved();
+        dev.kernel(
+            "strided_copy_b32",
+            elementwise(count),
+            &mut params![count as i64, dims(&[n, self.cols, self.d])?, from, strides_of(&[d * c, 1, c]), to],
+        )
     }
 }
 

@@ -5,7 +5,7 @@
 //! windows, f32, with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, V};
+use super::{at_f32, elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
 
@@ -51,11 +51,6 @@ impl From<&cpu::Geo> for Geo {
             pw_end: i(g.pw_end),
         }
     }
-}
-
-/// The byte address `elements` f32 past `at`.
-fn at_f32(at: Ptr, elements: usize) -> Ptr {
-    Ptr(at.0 + 4 * elements as u64)
 }
 
 /// A convolution's sizes: images, output channels, channels and output channels per group,
