@@ -366,7 +366,7 @@ fn float_code(t: DType) -> Option<i32> {
 }
 
 /// The kernel of a family that moves elements without reading them (strided_copy,
-/// strided_store, trilu) for `t`'s width: `{family}_b8` … `{family}_b64`.
+/// strided_store, trilu, where) for `t`'s width: `{family}_b8` … `{family}_b64`.
 fn sized(family: &str, t: DType) -> Result<String, String> {
     match t.size() {
         1 | 2 | 4 | 8 => Ok(format!("{family}_b{}", 8 * t.size())),
@@ -418,14 +418,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::Where => {
             let (c, a, b) = (x(0)?, x(1)?, x(2)?);
-            if c.dtype() != DType::Bool || a.dtype().size() != 4 || a.dtype() != b.dtype() {
+            if c.dtype() != DType::Bool || a.dtype() != b.dtype() {
                 return Err(format!("Where of {} and {} on a {} condition", a.dtype(), b.dtype(), c.dtype()));
             }
+            let kernel = sized("where", a.dtype())?;
             let n = y.n();
             let d = dims(y.shape())?;
             let (sc, sa, sb) =
                 (broadcast(c.shape(), y.shape())?, broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
-            dev.kernel("where_b32", elementwise(n), &mut params![n as i64, d, c.at, sc, a.at, sa, b.at, sb, y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![n as i64, d, c.at, sc, a.at, sa, b.at, sb, y.at])
         }
         Op::Cast { to } => {
             let a = x(0)?;
@@ -863,6 +864,15 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
         }
         (DType::Bool, true) if matches!(op, Binary::And | Binary::Or | Binary::Equal) => {
             dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+        }
+        (t @ (DType::I64 | DType::I32), predicate) if !matches!(op, Binary::And | Binary::Or) => {
+            let kernel = match (t, predicate) {
+                (DType::I64, false) => "binary_i64",
+                (DType::I64, true) => "compare_i64",
+                (_, false) => "binary_i32",
+                (_, true) => "compare_i32",
+            };
+            dev.kernel(kernel, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
         }
         (t, _) => Err(format!("{op:?} of {t} has no CUDA kernel")),
     }

@@ -105,6 +105,55 @@ extern "C" __global__ void compare_f32(int op, i64 n, Dims d, const float* a, St
         out[i] = compare_f(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)]) ? 1 : 0;
 }
 
+// Integer arithmetic and comparisons (i32, i64), as the CPU backend's: sums and products wrap
+// (computed unsigned, where C would call the overflow undefined), division truncates and gives
+// 0 for a zero divisor or for MIN / −1, Pow goes through f64 and saturates to the type.
+template <typename T, typename U>
+__device__ __forceinline__ T arith_int(int op, T a, T b, T lowest, T highest) {
+    switch (op) {
+    case 0: return (T)((U)a + (U)b);
+    case 1: return (T)((U)a - (U)b);
+    case 2: return (T)((U)a * (U)b);
+    case 3: return (b == 0 || (a == lowest && b == (T)-1)) ? (T)0 : (T)(a / b);
+    case 4: {
+        double p = pow((double)a, (double)b);
+        if (p != p) return 0;
+        if (p <= (double)lowest) return lowest;
+        if (p >= (double)highest) return highest;
+        return (T)p;
+    }
+    case 5: return a > b ? a : b;
+    case 6: return a < b ? a : b;
+    case 7: return a == b;
+    case 8: return a < b;
+    case 9: return a > b;
+    case 10: return a <= b;
+    default: return a >= b;
+    }
+}
+extern "C" __global__ void binary_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
+                                      i64* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = arith_int<i64, u64>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], (i64)(1ull << 63),
+                                     (i64)((1ull << 63) - 1));
+}
+extern "C" __global__ void binary_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
+                                      int* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = arith_int<int, u32>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], (int)0x80000000u,
+                                     0x7fffffff);
+}
+extern "C" __global__ void compare_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
+                                       u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = arith_int<i64, u64>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], 0, 0) ? 1 : 0;
+}
+extern "C" __global__ void compare_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
+                                       u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = arith_int<int, u32>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], 0, 0) ? 1 : 0;
+}
+
 // And (12) and Or (13) of bools; Equal (7) of bools too.
 extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
                                     u8* out) {
@@ -114,9 +163,24 @@ extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides 
     }
 }
 
-// Where(cond, x, y) for 4-byte elements (f32, i32) and for bools.
+// Where(cond, x, y) for elements of 1, 2, 4 or 8 bytes.
+extern "C" __global__ void where_b8(i64 n, Dims d, const u8* c, Strides sc, const u8* x, Strides sx, const u8* y,
+                                    Strides sy, u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = c[offset_of(i, d, sc)] ? x[offset_of(i, d, sx)] : y[offset_of(i, d, sy)];
+}
+extern "C" __global__ void where_b16(i64 n, Dims d, const u8* c, Strides sc, const u16* x, Strides sx, const u16* y,
+                                     Strides sy, u16* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = c[offset_of(i, d, sc)] ? x[offset_of(i, d, sx)] : y[offset_of(i, d, sy)];
+}
 extern "C" __global__ void where_b32(i64 n, Dims d, const u8* c, Strides sc, const u32* x, Strides sx, const u32* y,
                                      Strides sy, u32* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = c[offset_of(i, d, sc)] ? x[offset_of(i, d, sx)] : y[offset_of(i, d, sy)];
+}
+extern "C" __global__ void where_b64(i64 n, Dims d, const u8* c, Strides sc, const u64* x, Strides sx, const u64* y,
+                                     Strides sy, u64* out) {
     for (i64 i = first_index(); i < n; i += grid_stride())
         out[i] = c[offset_of(i, d, sc)] ? x[offset_of(i, d, sx)] : y[offset_of(i, d, sy)];
 }
