@@ -732,12 +732,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let [dx, dw, db] = outs else { return Err("ConvGrad has 3 outputs (dX, dW, dB)".into()) };
             window::conv_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
         }
-        Op::Pool { kind, window } => {
-            if outs.len() > 1 {
-                return Err("MaxPool's Indices output has no CUDA kernel yet".into());
-            }
-            window::pool(dev, *kind, window, x(0)?, y)
-        }
+        Op::Pool { kind, window } => window::pool(dev, *kind, window, x(0)?, y, outs.get(1).copied()),
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
         Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
         Op::ReduceOp { kind, axes, .. } => {

@@ -111,15 +111,18 @@ __device__ i64 first_max(const Geo& g, const float* xp, i64 oy, i64 ox) {
     return best;
 }
 
-// MaxPool (`max`) or AveragePool over `planes` = N·C planes; one thread per output.
-extern "C" __global__ void pool_f32(int max, int include_pad, i64 planes, Geo g, const float* x, float* y) {
+// MaxPool (`max`) or AveragePool over `planes` = N·C planes; one thread per output. MaxPool's
+// Indices (when not null) get each maximum's flat index in X (ONNX's storage_order 0).
+extern "C" __global__ void pool_f32(int max, int include_pad, i64 planes, Geo g, const float* x, float* y,
+                                    i64* indices) {
     i64 plane_out = g.oh * g.ow, n = planes * plane_out;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 o = i % plane_out, oy = o / g.ow, ox = o % g.ow;
-        const float* xp = x + (i / plane_out) * g.h * g.w;
+        i64 o = i % plane_out, oy = o / g.ow, ox = o % g.ow, p = i / plane_out;
+        const float* xp = x + p * g.h * g.w;
         if (max) {
             i64 at = first_max(g, xp, oy, ox);
             y[i] = at < 0 ? NEG_INF : xp[at];
+            if (indices) indices[i] = p * g.h * g.w + (at < 0 ? 0 : at);
             continue;
         }
         float s = 0.f;

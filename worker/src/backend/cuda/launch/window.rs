@@ -5,7 +5,7 @@
 //! windows, f32, with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{at_f32, elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, V};
+use super::{at_f32, elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
 
@@ -215,12 +215,18 @@ fn pool_flags(kind: PoolKind) -> (i32, i32) {
     }
 }
 
-pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V) -> Result<(), String> {
+/// MaxPool or AveragePool; `indices` is MaxPool's optional second output.
+pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<V>) -> Result<(), String> {
     need_f32(&x, "X")?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let (max, include_pad) = pool_flags(kind);
     let planes = (x.shape()[0] * x.shape()[1]) as i64;
-    dev.kernel("pool_f32", elementwise(y.n()), &mut params![max, include_pad, planes, Geo::from(&g), x.at, y.at])
+    let indices = indices.map_or(NULL, |i| i.at);
+    dev.kernel(
+        "pool_f32",
+        elementwise(y.n()),
+        &mut params![max, include_pad, planes, Geo::from(&g), x.at, y.at, indices],
+    )
 }
 
 pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), String> {
