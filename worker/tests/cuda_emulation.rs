@@ -14,7 +14,7 @@ use tensorfleet_worker::backend::{Arg, Backend};
 use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{LossReduction, Op, PoolKind, Reduce, Window};
+use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
@@ -395,4 +395,38 @@ fn cross_entropy_over_spatial_scores_matches_the_cpu_backend_on_the_emulated_ker
             &run_op(&cpu, &backward, &inputs, &shapes),
         );
     }
+}
+
+/// Sizes that make the kernels' loops go round more than once: rows wider than a block's 256
+/// threads, and an elementwise op over more than the 4096 × 256 threads of its largest grid;
+/// and an empty batch, for which nothing is launched.
+#[test]
+fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let check = |what: &str, op: &Op, inputs: &[Tensor], shapes: &[Vec<usize>]| {
+        assert_close(what, &run_op(&gpu, op, inputs, shapes), &run_op(&cpu, op, inputs, shapes));
+    };
+    let n = 4096 * 256 + 1000;
+    let (a, b) = (Tensor::from_vec(&[n], values(n, 16)), Tensor::from_vec(&[n], values(n, 17)));
+    check("Add over more than one grid", &Op::Binary(Binary::Add), &[a, b], &[vec![n]]);
+    let wide = Tensor::from_vec(&[3, 700], values(2100, 18));
+    check("Softmax over 700 columns", &Op::Softmax { axis: 1 }, std::slice::from_ref(&wide), &[vec![3, 700]]);
+    for kind in [Reduce::Max, Reduce::Sum] {
+        let op = Op::ReduceOp { kind, axes: Some(vec![1]), keepdims: false, noop_with_empty_axes: false };
+        check(&format!("{kind:?} over 700 columns"), &op, std::slice::from_ref(&wide), &[vec![3]]);
+    }
+    let image = Tensor::from_vec(&[2, 3, 12, 12], values(864, 19));
+    let plane = [vec![2, 3, 1, 1]];
+    check("GlobalAveragePool over 144 × 2 values", &Op::GlobalAveragePool, std::slice::from_ref(&image), &plane);
+    let big = Tensor::from_vec(&[1, 2, 20, 20], values(800, 20));
+    check("GlobalAveragePool over 400 values", &Op::GlobalAveragePool, &[big], &[vec![1, 2, 1, 1]]);
+    let ones = Tensor::from_vec(&[3], vec![1.0f32, 0.5, 2.0]);
+    let bn_inputs = [image.clone(), ones.clone(), ones.clone(), ones.clone(), ones.clone()];
+    let train = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true };
+    check("BatchNormalization over 288 values a channel", &train, &bn_inputs, &[vec![2, 3, 12, 12], vec![3], vec![3]]);
+    let dy = Tensor::from_vec(&[2, 3, 12, 12], values(864, 21));
+    let grad = Op::BatchNormGrad { epsilon: 1e-5 };
+    check("its gradient", &grad, &[dy, image, ones], &[vec![2, 3, 12, 12], vec![3], vec![3]]);
+    let empty = Tensor::from_vec(&[0, 3, 4, 4], Vec::<f32>::new());
+    check("GlobalAveragePool of no images", &Op::GlobalAveragePool, &[empty], &[vec![0, 3, 1, 1]]);
 }

@@ -279,6 +279,17 @@ impl Dev<'_> {
                 passed.join(", ")
             ));
         }
+        // CUDA's limits, checked here so that check mode and the emulator refuse what a GPU would.
+        let ((gx, gy, gz), (bx, by, bz)) = (cfg.grid_dim, cfg.block_dim);
+        if gx > i32::MAX as u32 || gy > 65535 || gz > 65535 || bx * by * bz > 1024 {
+            return Err(format!(
+                "kernel {name}: grid {:?} × block {:?} is over CUDA's limits",
+                cfg.grid_dim, cfg.block_dim
+            ));
+        }
+        if gx == 0 || gy == 0 || gz == 0 {
+            return Ok(()); // no rows: nothing to launch
+        }
         let mut raw: Vec<*mut c_void> = params.iter_mut().map(P::as_param).collect();
         self.0.launch(name, cfg, &mut raw)
     }

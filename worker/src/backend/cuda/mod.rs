@@ -64,9 +64,10 @@ pub fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// A row kernel: one block per row.
+/// A row kernel: one block per row (none for no rows: the dispatch then launches nothing; more
+/// rows than a grid holds are refused by the dispatch's launch check).
 pub fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows.max(1) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig { grid_dim: (rows.min(u32::MAX as usize) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
 pub struct CudaBackend {

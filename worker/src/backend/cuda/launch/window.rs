@@ -66,7 +66,7 @@ struct Shape {
 
 fn shape(g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, String> {
     if group == 0 || !g.c.is_multiple_of(group) || !m.is_multiple_of(group) {
-        return Err(format!("group {group} does not divide {} input and {m} output channels", g.c));
+        return Err(format!("Conv: group {group} does not divide {} input and {m} output channels", g.c));
     }
     let (cg, mg) = (g.c / group, m / group);
     Ok(Shape { images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
@@ -77,6 +77,9 @@ fn shape(g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, S
 pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
     for (v, what) in [(&x, "X"), (&w, "W"), (&y, "Y")] {
         need_f32(v, what)?;
+    }
+    if let Some(b) = &bias {
+        need_f32(b, "B")?;
     }
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(&g, group, x.shape()[0], y.shape()[1])?;
@@ -107,7 +110,6 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
         })?;
     }
     if let Some(bias) = bias {
-        need_f32(&bias, "B")?;
         let n = y.n();
         dev.kernel(
             "channel_bias_f32",
