@@ -113,11 +113,12 @@ macro_rules! report {
     }};
 }
 
-#[test]
-fn onnx_backend_node_tests() {
+/// `$TENSORFLEET_ONNX_NODE_TESTS` and its tests' directories, sorted; None (after saying
+/// so) when it is not set.
+fn node_tests() -> Option<(PathBuf, Vec<PathBuf>)> {
     let Some(root) = std::env::var_os(ENV).filter(|v| !v.is_empty()).map(PathBuf::from) else {
         report!("skipped: {ENV} is not set");
-        return;
+        return None;
     };
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("{ENV}={}: cannot list it: {e}", root.display()))
@@ -126,6 +127,12 @@ fn onnx_backend_node_tests() {
         .collect();
     dirs.sort();
     assert!(!dirs.is_empty(), "{ENV}={}: no node tests (directories with model.onnx) there", root.display());
+    Some((root, dirs))
+}
+
+#[test]
+fn onnx_backend_node_tests() {
+    let Some((root, dirs)) = node_tests() else { return };
 
     let known = known_failures();
     let started = Instant::now();
@@ -230,16 +237,7 @@ fn onnx_backend_node_tests() {
 /// the CUDA backend has no kernel for are counted, by op, not run.
 #[test]
 fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
-    let Some(root) = std::env::var_os(ENV).filter(|v| !v.is_empty()).map(PathBuf::from) else {
-        report!("skipped: {ENV} is not set");
-        return;
-    };
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap_or_else(|e| panic!("{ENV}={}: cannot list it: {e}", root.display()))
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.join("model.onnx").is_file())
-        .collect();
-    dirs.sort();
+    let Some((_, dirs)) = node_tests() else { return };
     let known = known_failures();
     let started = Instant::now();
     let default_hook = panic::take_hook();

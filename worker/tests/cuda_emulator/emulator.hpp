@@ -155,26 +155,19 @@ static bool run_block(unsigned threads, bool highest_first) {
 }
 
 // The lanes' values in flight during a shuffle, by thread index.
-static float shuffled_f32[1024];
-static double shuffled_f64[1024];
+static double shuffled[1024];
 
 }  // namespace emu
 
 static inline void __syncthreads() { emu::wait(emu::AT_BLOCK_BARRIER); }
 
-static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+// The kernels shuffle floats and doubles; a double holds either exactly.
+template <typename T>
+static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     unsigned t = threadIdx.x;
-    emu::shuffled_f32[t] = v;
+    emu::shuffled[t] = (double)v;
     emu::wait(emu::AT_WARP_BARRIER);
-    float r = emu::shuffled_f32[t ^ (unsigned)lane_mask];
-    emu::wait(emu::AT_WARP_BARRIER);
-    return r;
-}
-static inline double __shfl_xor_sync(unsigned, double v, int lane_mask) {
-    unsigned t = threadIdx.x;
-    emu::shuffled_f64[t] = v;
-    emu::wait(emu::AT_WARP_BARRIER);
-    double r = emu::shuffled_f64[t ^ (unsigned)lane_mask];
+    T r = (T)emu::shuffled[t ^ (unsigned)lane_mask];
     emu::wait(emu::AT_WARP_BARRIER);
     return r;
 }

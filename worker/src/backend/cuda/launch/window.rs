@@ -83,15 +83,9 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     }
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(&g, group, x.shape()[0], y.shape()[1])?;
-    let pointwise = is_pointwise(&g);
-    let col = if pointwise { x.at } else { dev.scratch(s.images * s.kdim * s.plane * 4)? };
+    let col = if is_pointwise(&g) { NULL } else { dev.scratch(s.images * s.kdim * s.plane * 4)? };
     for gr in 0..group {
-        let (b, b_stride) = if pointwise {
-            (at_f32(x.at, gr * s.cg * s.plane), g.c * s.plane)
-        } else {
-            im2col(dev, &g, &s, gr, x.at, col)?;
-            (col, s.kdim * s.plane)
-        };
+        let (b, b_stride) = group_columns(dev, &g, &s, gr, x.at, col)?;
         dev.gemm(&Product {
             m: s.mg as u64,
             n: s.plane as u64,
@@ -120,13 +114,19 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     Ok(())
 }
 
-/// One group's im2col of every image into `col` ([images, kdim, plane]).
-fn im2col(dev: Dev, g: &cpu::Geo, s: &Shape, gr: usize, x: Ptr, col: Ptr) -> Result<(), String> {
+/// Group `gr`'s columns of every image, the product's operand: X's own channels for a pointwise
+/// window, else their im2col written to `col` ([images, kdim, plane]). Returns where they start
+/// and the stride from one image's to the next.
+fn group_columns(dev: Dev, g: &cpu::Geo, s: &Shape, gr: usize, x: Ptr, col: Ptr) -> Result<(Ptr, usize), String> {
+    if is_pointwise(g) {
+        return Ok((at_f32(x, gr * s.cg * s.plane), g.c * s.plane));
+    }
     dev.kernel(
         "im2col_f32",
         elementwise(s.images * s.kdim * s.plane),
         &mut params![s.images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
-    )
+    )?;
+    Ok((col, s.kdim * s.plane))
 }
 
 /// dY, X, W → dX, dW, dB. Per group: dcol[img] = W_gᵀ · dY_g[img] (batched), dX_g = col2im(dcol);
@@ -141,20 +141,11 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
     let s = shape(&g, group, x.shape()[0], dy.shape()[1])?;
     let pointwise = is_pointwise(&g);
     let per_image = s.kdim * s.plane;
-    let (col, dcol) = if pointwise {
-        (x.at, dx.at)
-    } else {
-        let scratch = dev.scratch(2 * s.images * per_image * 4)?;
-        (scratch, at_f32(scratch, s.images * per_image))
-    };
+    // The columns and their gradient (neither is needed for a pointwise window).
+    let scratch = if pointwise { NULL } else { dev.scratch(2 * s.images * per_image * 4)? };
+    let (col, dcol) = (scratch, at_f32(scratch, s.images * per_image));
     for gr in 0..group {
-        // The group's im2col (or X itself) and where its rows start, per image.
-        let (col_g, col_stride) = if pointwise {
-            (at_f32(col, gr * s.cg * s.plane), g.c * s.plane)
-        } else {
-            im2col(dev, &g, &s, gr, x.at, col)?;
-            (col, per_image)
-        };
+        let (col_g, col_stride) = group_columns(dev, &g, &s, gr, x.at, col)?;
         let dy_g = at_f32(dy.at, gr * s.mg * s.plane);
         let w_g = at_f32(w.at, gr * s.mg * s.kdim);
         for img in 0..s.images {
