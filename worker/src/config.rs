@@ -44,10 +44,14 @@ pub struct TrainingConfig {
     /// fp32, or fp16 / bf16 with fp32 master weights (CUDA backend).
     #[serde(default)]
     pub precision: Precision,
-    /// The fp16 loss scale; 0 = dynamic (starts at 2^16, halves and skips the step on an
-    /// overflow, doubles after 2000 clean steps, within [1, 2^24]). fp32 and bf16 use none.
+    /// The fp16 loss scale; 0 = dynamic (see `dynamic_loss_scale`). A step whose gradients
+    /// overflow is skipped either way. fp32 and bf16 use none.
     #[serde(default)]
     pub loss_scale: f64,
+    /// The dynamic fp16 loss scale: where it starts and how many clean steps double it; an
+    /// overflow halves it, within [1, 2^24].
+    #[serde(default)]
+    pub dynamic_loss_scale: DynamicLossScale,
     /// Activations recomputed in the backward pass instead of kept from the forward pass:
     /// none, gelu (the MLP's GELU outputs) or layer (everything inside a transformer block).
     #[serde(default)]
@@ -437,6 +441,31 @@ pub enum Precision {
     Bf16,
 }
 
+/// fp16's dynamic loss scale (PyTorch's GradScaler and ONNX Runtime's defaults).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DynamicLossScale {
+    /// The scale of the first step (2^16).
+    #[serde(default = "d_initial_loss_scale")]
+    pub initial: f64,
+    /// Consecutive steps without an overflow after which the scale doubles (2000).
+    #[serde(default = "d_growth_interval")]
+    pub growth_interval: u64,
+}
+
+fn d_initial_loss_scale() -> f64 {
+    65536.0
+}
+fn d_growth_interval() -> u64 {
+    2000
+}
+
+impl Default for DynamicLossScale {
+    fn default() -> Self {
+        DynamicLossScale { initial: d_initial_loss_scale(), growth_interval: d_growth_interval() }
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, JsonSchema, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub enum Recompute {
@@ -824,6 +853,13 @@ impl TrainingConfig {
         }
         if !(self.loss_scale >= 0.0 && self.loss_scale.is_finite()) {
             return bad("lossScale", format!("must be a non-negative number (0 = dynamic), not {}", self.loss_scale));
+        }
+        let dynamic = self.dynamic_loss_scale;
+        if !(1.0..=16777216.0).contains(&dynamic.initial) {
+            return bad("dynamicLossScale.initial", format!("must be within [1, 2^24], not {}", dynamic.initial));
+        }
+        if dynamic.growth_interval == 0 {
+            return bad("dynamicLossScale.growthInterval", "must be at least 1".into());
         }
         if self.evaluation.batch_size == Some(0) {
             return bad("evaluation.batchSize", "must be at least 1".into());

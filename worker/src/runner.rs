@@ -15,8 +15,9 @@ use crate::monitor::console::{Console, ConsoleMode, StepLine};
 use crate::monitor::endpoint::Endpoint;
 use crate::monitor::profile::Trace;
 use crate::monitor::{Metrics, StepLog, Watched};
-use crate::optim::{schedule::learning_rate, Update};
+use crate::optim::{scaler::LossScaler, schedule::learning_rate, Update};
 use crate::session::{PipelineOptions, Session, SessionOptions, TensorPlace};
+use crate::tensor::DType;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -102,12 +103,6 @@ fn check_supported(cfg: &TrainingConfig) -> Result<()> {
             "parallelism.zero: LAMB's trust ratio needs each weight whole, which ZeRO splits; use adam, adamw or sgd \
              with ZeRO, or parallelism.zero: 0"
                 .into(),
-        ));
-    }
-    if cfg.precision != Precision::Fp32 {
-        return Err(Error::Config(
-            format!("precision: {:?} is not implemented yet (both backends train in fp32)", cfg.precision)
-                .to_lowercase(),
         ));
     }
     Ok(())
@@ -258,6 +253,13 @@ fn train_on<B: Backend>(
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
         adasum: p.adasum,
         tensor: (p.tensor > 1).then_some(TensorPlace { rank: groups.coords.tp, size: p.tensor }),
+        half: match cfg.precision {
+            Precision::Fp32 => None,
+            Precision::Fp16 => Some(DType::F16),
+            Precision::Bf16 => Some(DType::BF16),
+        },
+        loss_scaler: (cfg.precision == Precision::Fp16)
+            .then(|| LossScaler::new(cfg.loss_scale, cfg.dynamic_loss_scale)),
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
@@ -346,6 +348,14 @@ fn train_on<B: Backend>(
         // Each data-parallel replica draws its own dropout masks.
         let seed = crate::rng::mix(cfg.seed ^ (step + 1)) ^ coords.dp as u64;
         let r = session.step(&batches, lr, cfg.grad_clip_norm, seed)?;
+        if r.skipped {
+            tracing::warn!(
+                step = step + 1,
+                loss_scale = r.loss_scale.unwrap_or(1.0),
+                skipped_steps = r.skipped_steps.unwrap_or(0),
+                "the gradients overflowed: the update is skipped (and a dynamic loss scale halves)"
+            );
+        }
         if let (true, Some(trace)) = (profiled, profiling.as_mut()) {
             let timings = session.train.profile.take().unwrap_or_default();
             trace.step(step + 1, t0, t0.elapsed());
@@ -383,7 +393,9 @@ fn train_on<B: Backend>(
                 items_per_sec: rate,
                 elapsed_sec: start.elapsed().as_secs_f64(),
                 mfu,
-                loss_scale: None,
+                loss_scale: r.loss_scale,
+                skipped_steps: r.skipped_steps,
+                skipped: r.skipped,
                 graph_scalars: &r.scalars,
             })?;
             let watched: Vec<Watched> = session

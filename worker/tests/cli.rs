@@ -299,3 +299,48 @@ fn a_terminal_gets_a_progress_bar() {
     assert!(log.contains("step") && log.contains("loss=") && !log.contains("4/4"), "{log}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// fp16 through the command line: every metrics line carries the loss scale and the steps
+/// skipped so far, an overflowing step is marked `skipped`, and a resumed run continues with
+/// the checkpoint's scale and count rather than the configured start.
+#[test]
+fn fp16_logs_its_loss_scale_and_skipped_steps_and_resumes_them() {
+    let dir = scratch("fp16");
+    setup(&dir);
+    let fp16 = ["--set", "precision=fp16", "--set", "dynamicLossScale={initial: 2097152}", "--quiet"];
+    let read = |dir: &Path| -> Vec<serde_json::Value> {
+        let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["lr"].is_f64())
+            .collect()
+    };
+    let o = worker(&[&["train", "--config", "train.yaml"][..], &fp16, &["--set", "steps=6"]].concat(), &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let first = read(&dir);
+    assert_eq!(first.len(), 6);
+    // 2^21 overflows fp16 at once here; each overflow halves the scale and skips the update.
+    assert_eq!(first[0]["lossScale"], 2097152.0);
+    assert_eq!(first[0]["skipped"], true);
+    let mut skipped = 0;
+    for pair in first.windows(2) {
+        let (a, b) = (&pair[0], &pair[1]);
+        skipped += a["skipped"].as_bool().unwrap_or(false) as u64;
+        assert_eq!(a["skippedSteps"], skipped, "{a}");
+        let halved = a["lossScale"].as_f64().unwrap() / 2.0;
+        let want = if a["skipped"] == true { halved } else { a["lossScale"].as_f64().unwrap() };
+        assert_eq!(b["lossScale"].as_f64().unwrap(), want, "{a} then {b}");
+    }
+    assert!(first.iter().any(|v| v.get("skipped").is_none()), "some step applies: {first:?}");
+    let last = &first[5];
+    let after = last["lossScale"].as_f64().unwrap() / if last["skipped"] == true { 2.0 } else { 1.0 };
+    let total = last["skippedSteps"].as_u64().unwrap();
+
+    // Resume from checkpoint_6 and run two more steps.
+    let o = worker(&[&["train", "--config", "train.yaml"][..], &fp16, &["--set", "steps=8"]].concat(), &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let resumed: Vec<serde_json::Value> = read(&dir).into_iter().filter(|v| v["step"].as_u64() > Some(6)).collect();
+    assert_eq!(resumed[0]["lossScale"].as_f64().unwrap(), after, "{resumed:?}");
+    assert!(resumed[0]["skippedSteps"].as_u64().unwrap() >= total, "{resumed:?}");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -103,7 +103,7 @@ impl Builder<'_> {
 /// value, in the order of `params`. A parameter the loss does not depend on is an error
 /// naming it (it would never train).
 pub fn gradients(g: &mut Graph, loss: ValueId, params: &[ValueId]) -> Result<Vec<ValueId>> {
-    let grads = gradients_of(g, loss, params)?;
+    let grads = gradients_of(g, loss, params, None)?;
     params
         .iter()
         .zip(grads)
@@ -116,8 +116,14 @@ pub fn gradients(g: &mut Graph, loss: ValueId, params: &[ValueId]) -> Result<Vec
 }
 
 /// Like [`gradients`], for any values `wrt` (a pipeline stage's received activations too);
-/// `None` for a value the loss does not depend on.
-pub fn gradients_of(g: &mut Graph, loss: ValueId, wrt: &[ValueId]) -> Result<Vec<Option<ValueId>>> {
+/// `None` for a value the loss does not depend on. `seed` is the loss's own gradient, a scalar
+/// (fp16's loss scale, a graph input); None: 1.
+pub fn gradients_of(
+    g: &mut Graph,
+    loss: ValueId,
+    wrt: &[ValueId],
+    seed: Option<ValueId>,
+) -> Result<Vec<Option<ValueId>>> {
     let params = wrt;
     let n_forward = g.nodes.len();
     // Which values depend on a parameter (only those need gradients).
@@ -137,8 +143,12 @@ pub fn gradients_of(g: &mut Graph, loss: ValueId, wrt: &[ValueId]) -> Result<Vec
     }
     let mut grad: Vec<Option<ValueId>> = vec![None; g.values.len()];
     let mut b = Builder { g };
-    let one = b.scalar_like("loss_grad_seed", loss, 1.0);
-    let seed = b.expand("loss_grad", one, &b.meta(loss).shape.clone());
+    let seed = match seed {
+        None => b.scalar_like("loss_grad_seed", loss, 1.0),
+        Some(s) if b.meta(s).dtype == b.meta(loss).dtype => s,
+        Some(s) => b.emit1("loss_grad_seed", Op::Cast { to: b.meta(loss).dtype }, &[s])?,
+    };
+    let seed = b.expand("loss_grad", seed, &b.meta(loss).shape.clone());
     grad[loss] = Some(seed);
 
     for n in (0..n_forward).rev() {

@@ -87,8 +87,8 @@ fn io(path: &Path, e: std::io::Error) -> Error {
 
 /// Writes checkpoint `step` into `dir` and prunes old ones; returns its path. Every rank of
 /// `world` calls it at the same step with its own `tensors` (`Session::state`) and the same
-/// `splits` (`Session::tensor_splits`); a rank whose tensors hold nothing but `optimizer/step`
-/// (a data-parallel replica without ZeRO) writes no file.
+/// `splits` (`Session::tensor_splits`); a rank whose tensors hold nothing but what every rank
+/// holds (`optimizer/step`, the loss scale: a data-parallel replica without ZeRO) writes no file.
 #[allow(clippy::too_many_arguments)]
 pub fn save(
     dir: &Path,
@@ -115,7 +115,8 @@ pub fn save(
     // (wrote a file, checksum's high and low 32 bits): exact in f64, so one all-gather
     // tells rank 0 every file's checksum.
     let mut mine = [0f64; 3];
-    if rank == 0 || tensors.len() > 1 {
+    let own = tensors.keys().any(|k| k != crate::session::STEP_KEY && k != crate::session::LOSS_SCALE_KEY);
+    if rank == 0 || own {
         let bytes = safetensors::encode(tensors);
         write_synced(&tmp.join(&file), &bytes)?;
         let sum = checksum_u64(&bytes);

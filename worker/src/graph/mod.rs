@@ -1,6 +1,7 @@
 //! The graph engine: IR, the operator vocabulary, ONNX conversion, static binding (shape
 //! inference and folding) and fusion passes.
 
+pub mod autocast;
 pub mod flops;
 pub mod fuse;
 pub mod infer;

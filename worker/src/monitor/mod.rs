@@ -24,8 +24,12 @@ pub struct StepLog<'a> {
     pub elapsed_sec: f64,
     /// Model FLOPs utilization, when the device's peak is known.
     pub mfu: Option<f64>,
-    /// The fp16 loss scale, when one is used.
+    /// The fp16 loss scale the step ran with, when one is used.
     pub loss_scale: Option<f64>,
+    /// Steps skipped so far because their gradients overflowed (fp16), this one included.
+    pub skipped_steps: Option<u64>,
+    /// This step's gradients overflowed: no update.
+    pub skipped: bool,
     /// Values of the training graph named by logging.scalars.
     pub graph_scalars: &'a [(String, f64)],
 }
@@ -93,6 +97,7 @@ impl Metrics {
                 ("train/grad_norm", Some(s.grad_norm)),
                 ("train/items_per_sec", Some(s.items_per_sec)),
                 ("train/loss_scale", s.loss_scale),
+                ("train/skipped_steps", s.skipped_steps.map(|n| n as f64)),
                 ("train/mfu", s.mfu),
             ]
             .into_iter()
@@ -111,6 +116,12 @@ impl Metrics {
         }
         if let Some(ls) = s.loss_scale {
             line["lossScale"] = ls.into();
+        }
+        if let Some(n) = s.skipped_steps {
+            line["skippedSteps"] = n.into();
+        }
+        if s.skipped {
+            line["skipped"] = true.into();
         }
         if !s.graph_scalars.is_empty() {
             line["scalars"] = s.graph_scalars.iter().map(|(name, v)| (name.clone(), serde_json::json!(v))).collect();

@@ -4,6 +4,7 @@
 //! The update math for each device lives with the device (`cpu_step` here for the CPU); this
 //! module decides what to run: which tensors decay, the learning rate of a step, clipping.
 
+pub mod scaler;
 pub mod schedule;
 
 use crate::backend::StepHyper;

@@ -30,6 +30,7 @@ use crate::graph::fuse;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
+use crate::optim::scaler::LossScaler;
 use crate::optim::Update;
 use crate::parallel::tensor::TensorSplit;
 use crate::tensor::{DType, Tensor};
@@ -42,6 +43,9 @@ type BatchShapes = BTreeMap<String, Vec<usize>>;
 
 /// Checkpointed optimizer tensors are named under this prefix; weights keep their own names.
 pub const OPTIMIZER_PREFIX: &str = "optimizer/";
+/// The step count and the loss scaler's state: every rank holds the same ones.
+pub const STEP_KEY: &str = "optimizer/step";
+pub const LOSS_SCALE_KEY: &str = "optimizer/loss_scale";
 
 /// What the session needs to know beyond the model.
 #[derive(Clone, Debug)]
@@ -75,6 +79,11 @@ pub struct SessionOptions {
     pub adasum: bool,
     /// This rank's place in its tensor-parallel group (None: no tensor parallelism).
     pub tensor: Option<TensorPlace>,
+    /// Mixed precision: the half type (F16 or BF16) products compute in (`graph::autocast`);
+    /// None: f32 throughout. The weights and optimizer state stay f32.
+    pub half: Option<DType>,
+    /// fp16's loss scaling (None: the loss's gradient is 1).
+    pub loss_scaler: Option<LossScaler>,
 }
 
 /// Rank `rank` of a tensor-parallel group of `size` (parallelism.tensor).
@@ -112,6 +121,8 @@ impl SessionOptions {
             bucket_bytes: 25 << 20,
             adasum: false,
             tensor: None,
+            half: None,
+            loss_scaler: None,
         }
     }
 }
@@ -142,6 +153,11 @@ pub struct StepResult {
     pub grad_norm: f64,
     /// The values SessionOptions::scalars names, each a mean over the micro-batches.
     pub scalars: Vec<(String, f64)>,
+    /// The loss scale the step's backward pass ran with, and the steps skipped so far (fp16).
+    pub loss_scale: Option<f64>,
+    pub skipped_steps: Option<u64>,
+    /// The gradients overflowed: the weights and optimizer state did not change.
+    pub skipped: bool,
 }
 
 pub struct Session<B: Backend> {
@@ -178,6 +194,11 @@ pub struct Session<B: Backend> {
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
     report_gradients: bool,
+    /// Mixed precision's half type (evaluation graphs are cast alike).
+    half: Option<DType>,
+    /// fp16's loss scale, and the training graph's input that takes it.
+    scaler: Option<LossScaler>,
+    loss_scale_input: Option<ValueId>,
     /// Tensor parallelism: this rank's place, and how each split weight is divided.
     tensor: Option<TensorPlace>,
     splits: BTreeMap<String, TensorSplit>,
@@ -297,11 +318,25 @@ impl<B: Backend> Session<B> {
             )));
         }
         let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
+        if let Some(half) = opts.half {
+            let keep: Vec<ValueId> =
+                std::iter::once(loss).chain(part.as_ref().map_or(vec![], |p| p.sends.clone())).collect();
+            crate::graph::autocast::autocast(&mut train, half, &variables, &keep)?;
+        }
+        // fp16: the loss's gradient is the loss scale, fed each step (the last stage's loss is
+        // the model's; the other stages' backward passes start from gradients already scaled).
+        let loss_scale_input = (opts.loss_scaler.is_some() && part.as_ref().is_none_or(|p| p.is_last())).then(|| {
+            let v = train.fresh("loss_scale");
+            let name = train.name_of(v).to_string();
+            train.add_input(&name, DType::F32, vec![]);
+            train.values[v].meta = Some(Meta::new(DType::F32, &[]));
+            v
+        });
 
         // Backward: gradients of the weights, and of the activations the stage received.
         let n_forward = train.nodes.len();
         let wrt: Vec<ValueId> = held.iter().chain(&receives).copied().collect();
-        let mut all_grads = autodiff::gradients_of(&mut train, loss, &wrt)?;
+        let mut all_grads = autodiff::gradients_of(&mut train, loss, &wrt, loss_scale_input)?;
         let input_grads = all_grads.split_off(held.len());
         let grads: Vec<ValueId> = held
             .iter()
@@ -402,6 +437,9 @@ impl<B: Backend> Session<B> {
             all_weights,
             report_gradients: opts.report_gradients,
             tensor: opts.tensor,
+            half: opts.half,
+            scaler: opts.loss_scaler.clone(),
+            loss_scale_input,
             splits,
             tensor_group: None,
             step: 0,
@@ -548,6 +586,9 @@ impl<B: Backend> Session<B> {
             return Err(Error::Runtime("parallelism.zero: the session must join its data-parallel group first".into()));
         }
         let n = batches.len();
+        if let (Some(v), Some(scaler)) = (self.loss_scale_input, &self.scaler) {
+            self.train.feed(v, &Tensor::from_vec(&[], vec![scaler.scale as f32]))?;
+        }
         // The loss, then each reported scalar, summed over the micro-batches.
         let mut sums = vec![0.0; 1 + self.scalars.len()];
         if self.stage.is_some() {
@@ -608,9 +649,18 @@ impl<B: Backend> Session<B> {
         let mut sq = [self.local_sum_squares()?];
         self.sum_over_stages(&mut sq)?;
         self.sum_over_tensor_ranks(&mut sq)?;
-        let grad_norm = sq[0].sqrt();
+        // Under loss scaling the gradients are the scale times the true ones; an inf or NaN
+        // anywhere (every rank sees the same global sum) skips the update.
+        let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        let grad_norm = sq[0].sqrt() / loss_scale.unwrap_or(1.0);
+        let apply = self.scaler.as_mut().is_none_or(|s| s.update(grad_norm.is_finite()));
+        let skipped_steps = self.scaler.as_ref().map(|s| s.skipped);
+        if !apply {
+            return Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: true });
+        }
         // torch.nn.utils.clip_grad_norm_: scale by max/(norm+1e-6) when that is below 1.
-        let grad_scale = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+        let clip_scale = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
+        let grad_scale = clip_scale / loss_scale.unwrap_or(1.0);
         self.step += 1;
         if self.zero.is_some() {
             self.update_shard(lr, grad_scale)?;
@@ -625,7 +675,7 @@ impl<B: Backend> Session<B> {
                     .map_err(Error::Runtime)?;
             }
         }
-        Ok(StepResult { loss: means[0], grad_norm, scalars })
+        Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
     }
 
     /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`).
@@ -708,6 +758,11 @@ impl<B: Backend> Session<B> {
             }
             if let Some(part) = &self.stage {
                 g = part.eval_graph(g, self.eval_loss)?;
+            }
+            if let Some(half) = self.half {
+                let sends = self.stage.as_ref().map_or(vec![], |p| p.sends.clone());
+                let keep: Vec<ValueId> = std::iter::once(self.eval_loss).chain(sends).collect();
+                crate::graph::autocast::autocast(&mut g, half, &self.variables, &keep)?;
             }
             fuse::run(&mut g, &self.disabled_passes);
             let mut ex = Executor::new(self.train.backend.clone(), g, &[])?;
@@ -827,7 +882,7 @@ impl<B: Backend> Session<B> {
     /// - the weights its stage is first to hold, by data-parallel replica 0;
     /// - their optimizer state as `optimizer/<name>/<k>`; under ZeRO every replica writes its
     ///   shard's pieces, as `optimizer/<name>/<k>@<first element>`;
-    /// - `optimizer/step`.
+    /// - `optimizer/step`, and under fp16 `optimizer/loss_scale` (the same on every rank).
     pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
         let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
@@ -848,7 +903,10 @@ impl<B: Backend> Session<B> {
         if let Some(t) = self.tensor {
             out = out.into_iter().map(|(key, v)| (self.slice_key(&key, t.rank), v)).collect();
         }
-        out.insert(format!("{OPTIMIZER_PREFIX}step"), Tensor::from_vec(&[1], vec![self.step as i64]));
+        out.insert(STEP_KEY.to_string(), Tensor::from_vec(&[1], vec![self.step as i64]));
+        if let Some(scaler) = &self.scaler {
+            out.insert(LOSS_SCALE_KEY.to_string(), scaler.state());
+        }
         Ok(out)
     }
 
@@ -921,9 +979,12 @@ impl<B: Backend> Session<B> {
             self.zero = Some(z);
             loaded?;
         }
-        let step =
-            state.get(&format!("{OPTIMIZER_PREFIX}step")).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied());
-        self.step = step.ok_or_else(|| missing("optimizer/step"))? as u64;
+        let step = state.get(STEP_KEY).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied());
+        self.step = step.ok_or_else(|| missing(STEP_KEY))? as u64;
+        // A checkpoint without a loss scale (trained in fp32 or bf16) starts the configured one.
+        if let (Some(scaler), Some(t)) = (self.scaler.as_mut(), state.get(LOSS_SCALE_KEY)) {
+            scaler.load_state(t).map_err(|e| Error::Corrupt(format!("{origin}: '{LOSS_SCALE_KEY}': {e}")))?;
+        }
         Ok(())
     }
 

@@ -1,0 +1,173 @@
+//! Mixed precision as a graph pass (precision: bf16 | fp16), with PyTorch autocast's rules.
+//!
+//! The weights stay f32 (the master copy the optimizer updates); the pass inserts `Cast` nodes so
+//! that each op computes in the type its kind calls for:
+//! - **low precision** — the products (MatMul, Gemm, Conv): their float inputs are cast to the
+//!   half type, so the GEMMs read bf16/fp16 and accumulate in f32 (cuBLASLt's compute type);
+//! - **full precision** — what loses accuracy in half (normalizations, softmax, losses,
+//!   reductions, exp/log/pow) and the tensor-parallel collectives (which reduce f32): their
+//!   half inputs are cast up to f32;
+//! - **the rest follows its inputs** — elementwise ops, reshapes and the like run in half when
+//!   every float input computed from the batch is half (a weight or constant beside them is
+//!   cast down, as a bias is), and in f32 as soon as one of them is f32 (autocast's "widest
+//!   type" rule: the residual stream of a transformer stays f32).
+//!
+//! The pass runs on the forward graph before autodiff, so the backward pass follows: the
+//! gradient of a Cast is the Cast back, which makes each weight's gradient f32 again. Values
+//! listed in `keep` (the loss, a pipeline stage's sends) keep their element type.
+
+use super::ir::{Graph, Meta, Node, ValueId};
+use super::op::{Binary, Op, Unary};
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+use std::collections::{HashMap, HashSet};
+
+/// How an op's float inputs are typed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Rule {
+    Low,
+    Full,
+    Follow,
+    /// Casts: the type is the op's own business.
+    Untouched,
+}
+
+fn rule(op: &Op) -> Rule {
+    match op {
+        Op::MatMul | Op::Gemm { .. } | Op::Conv { .. } | Op::FusedMatMul { .. } => Rule::Low,
+        Op::Softmax { .. }
+        | Op::LogSoftmax { .. }
+        | Op::LayerNorm { .. }
+        | Op::BatchNorm { .. }
+        | Op::SoftmaxCrossEntropyLoss { .. }
+        | Op::ReduceOp { .. }
+        | Op::Unary(Unary::Exp | Unary::Log | Unary::Sqrt | Unary::Reciprocal)
+        | Op::Binary(Binary::Pow)
+        | Op::AllReduce { .. }
+        | Op::TensorParallelCopy
+        | Op::VocabShardCrossEntropy { .. }
+        | Op::VocabParallelLoss { .. } => Rule::Full,
+        Op::Cast { .. } => Rule::Untouched,
+        _ => Rule::Follow,
+    }
+}
+
+/// Rewrites the forward graph `g` (bound) to compute in `half` (F16 or BF16) where autocast
+/// would. `params` are the trained weights (cast by a node each step; other initializers are
+/// constants, converted once here).
+pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[ValueId]) -> Result<()> {
+    if !matches!(half, DType::F16 | DType::BF16) {
+        return Err(Error::Config(format!("precision: {half} is not a half-precision type")));
+    }
+    // The values computed from the batch (as opposed to from weights and constants alone).
+    let mut from_batch: HashSet<ValueId> =
+        g.inputs.iter().map(|d| d.value).filter(|v| !g.initializers.contains_key(v)).collect();
+    let mut casts: HashMap<(ValueId, DType), ValueId> = HashMap::new();
+    let dtype_of = |g: &Graph, v: ValueId| g.meta(v).expect("bound graphs give every value a meta").dtype;
+    for mut node in std::mem::take(&mut g.nodes) {
+        let floats: Vec<usize> =
+            (0..node.inputs.len()).filter(|&k| node.input(k).is_some_and(|v| dtype_of(g, v).is_float())).collect();
+        let compute = match rule(&node.op) {
+            Rule::Untouched => None,
+            Rule::Low => Some(half),
+            Rule::Full => Some(DType::F32),
+            Rule::Follow => {
+                let batch: Vec<DType> = floats
+                    .iter()
+                    .filter_map(|&k| node.input(k))
+                    .filter(|v| from_batch.contains(v))
+                    .map(|v| dtype_of(g, v))
+                    .collect();
+                if batch.is_empty() {
+                    None
+                } else if batch.iter().all(|&d| d == half) {
+                    Some(half)
+                } else if batch.iter().all(|&d| d == half || d == DType::F32) {
+                    Some(DType::F32)
+                } else {
+                    None // f64 and the like are not autocast's business
+                }
+            }
+        };
+        let batch_in = node.inputs.iter().flatten().any(|v| from_batch.contains(v));
+        // The node's float outputs that keep their type: the node writes a fresh value, which a
+        // Cast after it turns back into the one the rest of the graph reads.
+        let mut restore: Vec<(ValueId, ValueId, DType)> = Vec::new();
+        if let Some(to) = compute {
+            for &k in &floats {
+                let v = node.input(k).expect("a float input");
+                let from = dtype_of(g, v);
+                if (from == half || from == DType::F32) && from != to {
+                    node.inputs[k] = Some(cast(g, &mut casts, &mut from_batch, params, v, to));
+                }
+            }
+            // Float outputs take the compute type (every op here computes in its inputs' type).
+            for k in 0..node.outputs.len() {
+                let Some(out) = node.output(k) else { continue };
+                let old = dtype_of(g, out);
+                if !old.is_float() || old == to {
+                    continue;
+                }
+                let shape = g.meta(out).expect("bound").shape.clone();
+                if keep.contains(&out) {
+                    let fresh = g.fresh(&format!("{}_{}", g.name_of(out), to.name()));
+                    g.values[fresh].meta = Some(Meta::new(to, &shape));
+                    node.outputs[k] = Some(fresh);
+                    restore.push((fresh, out, old));
+                } else {
+                    g.values[out].meta = Some(Meta::new(to, &shape));
+                }
+            }
+        }
+        if batch_in {
+            from_batch.extend(node.outputs.iter().flatten().copied());
+            from_batch.extend(restore.iter().map(|&(_, out, _)| out));
+        }
+        let name = node.name.clone();
+        g.nodes.push(node);
+        for (fresh, out, old) in restore {
+            g.nodes.push(Node {
+                name: format!("{name}_to_{}", old.name()),
+                op: Op::Cast { to: old },
+                inputs: vec![Some(fresh)],
+                outputs: vec![Some(out)],
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `v` as `to`: a Cast node (shared by every reader) for weights and computed values, a
+/// converted copy for constants.
+fn cast(
+    g: &mut Graph,
+    casts: &mut HashMap<(ValueId, DType), ValueId>,
+    from_batch: &mut HashSet<ValueId>,
+    params: &HashSet<ValueId>,
+    v: ValueId,
+    to: DType,
+) -> ValueId {
+    if let Some(&c) = casts.get(&(v, to)) {
+        return c;
+    }
+    let name = format!("{}_{}", g.name_of(v), to.name());
+    let c = match g.initializers.get(&v) {
+        Some(t) if !params.contains(&v) => {
+            let t = t.cast(to);
+            let fresh = g.fresh(&name);
+            let name = g.name_of(fresh).to_string();
+            g.add_initializer(&name, t)
+        }
+        _ => {
+            let shape = g.meta(v).expect("bound").shape.clone();
+            let c = g.op1(&name, Op::Cast { to }, &[v]);
+            g.values[c].meta = Some(Meta::new(to, &shape));
+            c
+        }
+    };
+    if from_batch.contains(&v) {
+        from_batch.insert(c);
+    }
+    casts.insert((v, to), c);
+    c
+}

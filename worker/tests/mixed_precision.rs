@@ -1,0 +1,151 @@
+//! Mixed precision on the CPU backend (which computes half types in f32 and rounds every half
+//! value, as a GPU stores it): bf16 and fp16 GPT-2 follow the fp32 run within half precision's
+//! error, the autocast pass types each op as PyTorch autocast would, and fp16's loss scaler
+//! skips overflowing steps, halves and doubles its scale, and resumes from a checkpoint's state.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use tensorfleet_worker::backend::cpu::CpuBackend;
+use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec};
+use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::models;
+use tensorfleet_worker::optim::scaler::LossScaler;
+use tensorfleet_worker::optim::Update;
+use tensorfleet_worker::session::{Session, SessionOptions, LOSS_SCALE_KEY};
+use tensorfleet_worker::tensor::{DType, Tensor};
+
+const ADAMW: Update = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+
+fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
+    let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
+    [
+        ("input_ids".to_string(), Tensor::from_vec(&[rows, seq], ids[..rows * seq].to_vec())),
+        ("labels".to_string(), Tensor::from_vec(&[rows, seq], ids[1..].to_vec())),
+    ]
+    .into_iter()
+    .collect()
+}
+
+fn session(half: Option<DType>, scaler: Option<LossScaler>) -> Session<CpuBackend> {
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
+        ..Default::default()
+    };
+    let model = models::load(&spec, 5).unwrap();
+    let opts = SessionOptions { half, loss_scaler: scaler, ..SessionOptions::new(ADAMW) };
+    Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap()
+}
+
+fn losses(s: &mut Session<CpuBackend>, steps: usize) -> Vec<f64> {
+    (0..steps).map(|k| s.step(&[batch(4, 16, 64, k)], 3e-3, 1.0, k as u64).unwrap().loss).collect()
+}
+
+fn dynamic(initial: f64, growth_interval: u64) -> Option<LossScaler> {
+    Some(LossScaler::new(0.0, DynamicLossScale { initial, growth_interval }))
+}
+
+#[test]
+fn bf16_and_fp16_training_follows_fp32_within_half_precision() {
+    let steps = 8;
+    let fp32 = losses(&mut session(None, None), steps);
+    let bf16 = losses(&mut session(Some(DType::BF16), None), steps);
+    let fp16 = losses(&mut session(Some(DType::F16), dynamic(65536.0, 2000)), steps);
+    assert!(fp32[steps - 1] < fp32[0] - 0.3, "fp32 learns: {fp32:?}");
+    let rel = |a: &[f64]| a.iter().zip(&fp32).map(|(x, y)| ((x - y) / y).abs()).fold(0.0, f64::max);
+    println!("fp32 {fp32:?}\nbf16 {bf16:?} (worst {:.2e})\nfp16 {fp16:?} (worst {:.2e})", rel(&bf16), rel(&fp16));
+    // bf16 keeps 8 bits of mantissa (relative rounding 2^-9), fp16 11 (2^-12).
+    assert!(rel(&bf16) < 2e-2, "bf16 strays from fp32: {bf16:?} vs {fp32:?}");
+    assert!(rel(&fp16) < 3e-3, "fp16 strays from fp32: {fp16:?} vs {fp32:?}");
+    // ...and they do round: a pass that left the graph in f32 would match to the last digit.
+    assert!(rel(&bf16) > 1e-5 && rel(&fp16) > 1e-6, "no rounding seen: bf16 {bf16:?}, fp16 {fp16:?}");
+    assert!(rel(&bf16) > rel(&fp16), "bf16 should round more coarsely than fp16");
+}
+
+#[test]
+fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_stay_f32() {
+    let s = session(Some(DType::BF16), None);
+    let g = &s.train.graph;
+    let dtype = |v: usize| g.meta(v).unwrap().dtype;
+    let mut seen = BTreeMap::new();
+    for node in &g.nodes {
+        let inputs: Vec<DType> = node.inputs.iter().flatten().map(|&v| dtype(v)).filter(|d| d.is_float()).collect();
+        let kind = match &node.op {
+            Op::MatMul | Op::FusedMatMul { .. } => "product",
+            Op::LayerNorm { .. } | Op::Softmax { .. } | Op::SoftmaxCrossEntropyLoss { .. } => "full",
+            _ => continue,
+        };
+        let want = if kind == "product" { DType::BF16 } else { DType::F32 };
+        assert!(inputs.iter().all(|&d| d == want), "{} reads {inputs:?}; {kind} ops read {want}", node.describe());
+        *seen.entry(kind).or_insert(0) += 1;
+    }
+    assert!(seen["product"] >= 8 && seen["full"] >= 6, "{seen:?}");
+    // The residual stream stays f32: what each LayerNorm reads is computed in f32, not cast up
+    // from a half value.
+    let producers = g.producers();
+    for node in g.nodes.iter().filter(|n| matches!(n.op, Op::LayerNorm { .. })) {
+        let x = node.input(0).unwrap();
+        let by = producers[x].map(|p| &g.nodes[p].op);
+        assert!(!matches!(by, Some(Op::Cast { .. })), "{} reads a value cast from half", node.describe());
+    }
+    // Weights and their gradients (graph outputs) stay f32: the optimizer's masters.
+    for w in s.weight_names() {
+        assert_eq!(dtype(g.find(&w).unwrap()), DType::F32, "weight {w}");
+    }
+    for &o in &g.outputs {
+        assert_eq!(dtype(o), DType::F32, "output {}", g.name_of(o));
+    }
+}
+
+#[test]
+fn fp16_overflow_skips_the_update_and_the_dynamic_scale_halves_then_grows() {
+    // 2^24 times the loss's gradient overflows fp16 (max 65504) in the logits' gradient.
+    let mut s = session(Some(DType::F16), dynamic(16777216.0, 3));
+    let mut scale = 16777216.0;
+    let (mut skipped, mut clean, mut grew) = (0, 0, false);
+    for k in 0..14 {
+        let before = s.weights().unwrap();
+        let r = s.step(&[batch(4, 16, 64, k)], 3e-3, 1.0, k as u64).unwrap();
+        assert_eq!(r.loss_scale, Some(scale), "step {k} runs with the scale the rule gives");
+        let after = s.weights().unwrap();
+        if r.skipped {
+            skipped += 1;
+            assert_eq!(before, after, "step {k} was skipped but the weights changed");
+            assert!(!r.grad_norm.is_finite());
+            scale /= 2.0;
+            clean = 0;
+        } else {
+            assert_ne!(before, after, "step {k} was applied but nothing changed");
+            assert!(r.grad_norm.is_finite() && r.grad_norm < 1e3, "unscaled norm {}", r.grad_norm);
+            clean += 1;
+            if clean == 3 {
+                scale *= 2.0;
+                clean = 0;
+                grew = true;
+            }
+        }
+        assert_eq!(r.skipped_steps, Some(skipped));
+    }
+    assert!(skipped >= 2 && grew, "skipped {skipped}, grew {grew}: the test should see both");
+}
+
+#[test]
+fn the_loss_scale_resumes_from_a_checkpoint_state() {
+    let run = |s: &mut Session<CpuBackend>, ks: std::ops::Range<usize>| -> Vec<(f64, Option<f64>, bool)> {
+        ks.map(|k| {
+            let r = s.step(&[batch(4, 16, 64, k)], 3e-3, 1.0, k as u64).unwrap();
+            (r.loss, r.loss_scale, r.skipped)
+        })
+        .collect()
+    };
+    let mut a = session(Some(DType::F16), dynamic(16777216.0, 2000));
+    let head = run(&mut a, 0..4);
+    let state = a.state().unwrap();
+    assert!(state.contains_key(LOSS_SCALE_KEY), "{:?}", state.keys());
+    let tail = run(&mut a, 4..7);
+    assert!(head.iter().any(|r| r.2), "the first steps overflow at 2^24: {head:?}");
+    assert!(tail.iter().any(|r| !r.2) && tail[0].1 < Some(16777216.0), "{tail:?}");
+    // A fresh session started from the state continues with the scale reached, not 2^24.
+    let mut b = session(Some(DType::F16), dynamic(16777216.0, 2000));
+    b.load_state(&state, "test").unwrap();
+    assert_eq!(run(&mut b, 4..7), tail);
+}
