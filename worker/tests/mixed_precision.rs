@@ -27,13 +27,17 @@ fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String,
 }
 
 fn session(half: Option<DType>, scaler: Option<LossScaler>) -> Session<CpuBackend> {
+    session_accumulating(half, scaler, 1)
+}
+
+fn session_accumulating(half: Option<DType>, scaler: Option<LossScaler>, micro_batches: usize) -> Session<CpuBackend> {
     let spec = ModelSpec {
         gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
         ..Default::default()
     };
     let model = models::load(&spec, 5).unwrap();
     let opts = SessionOptions { half, loss_scaler: scaler, ..SessionOptions::new(ADAMW) };
-    Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap()
+    Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), micro_batches, &opts).unwrap()
 }
 
 fn losses(s: &mut Session<CpuBackend>, steps: usize) -> Vec<f64> {
@@ -98,13 +102,14 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
 
 #[test]
 fn fp16_overflow_skips_the_update_and_the_dynamic_scale_halves_then_grows() {
-    // 2^24 times the loss's gradient overflows fp16 (max 65504) in the logits' gradient.
-    let mut s = session(Some(DType::F16), dynamic(16777216.0, 3));
+    // 2^24 times the loss's gradient overflows fp16 (max 65504) in the logits' gradient. Two
+    // micro-batches: an overflowed step's inf must not leak into the next step's accumulation.
+    let mut s = session_accumulating(Some(DType::F16), dynamic(16777216.0, 3), 2);
     let mut scale = 16777216.0;
     let (mut skipped, mut clean, mut grew) = (0, 0, false);
     for k in 0..14 {
         let before = s.weights().unwrap();
-        let r = s.step(&[batch(4, 16, 64, k)], 3e-3, 1.0, k as u64).unwrap();
+        let r = s.step(&[batch(4, 16, 64, k), batch(4, 16, 64, k + 20)], 3e-3, 1.0, k as u64).unwrap();
         assert_eq!(r.loss_scale, Some(scale), "step {k} runs with the scale the rule gives");
         let after = s.weights().unwrap();
         if r.skipped {

@@ -446,3 +446,64 @@ fn a_layout_that_does_not_match_the_world_exits_2() {
     assert!(err.contains("parallelism.data (3)") && err.contains("2 rank(s)"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Mixed precision under every kind of parallelism: bf16 and fp16 runs over four ranks follow
+/// their one-process runs within half precision's rounding (a split product rounds its partial
+/// sums, one process the whole sum), and fp16's loss scaler decides on every rank alike: a
+/// scale that overflows skips the step everywhere (ZeRO's shards and the pipeline's stages
+/// included) and the run goes on.
+#[test]
+fn mixed_precision_under_data_tensor_and_pipeline_parallelism_follows_one_process() {
+    let dir = scratch("mixed");
+    prepare_tokens(&dir);
+    write_config(&dir, 2, "dynamicLossScale: {initial: 16384}\n");
+    let scales = |out: &str| -> Vec<(f64, bool)> {
+        let text = std::fs::read_to_string(dir.join(out).join("metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["loss"].is_f64())
+            .map(|v| (v["lossScale"].as_f64().unwrap_or(0.0), v["skipped"].as_bool().unwrap_or(false)))
+            .collect()
+    };
+    let layouts = [
+        ("dp2tp2zero1", vec!["batchSize=2", "parallelism.data=2", "parallelism.tensor=2", "parallelism.zero=1"]),
+        ("pp2tp2", vec!["batchSize=4", "parallelism.pipeline=2", "parallelism.tensor=2"]),
+    ];
+    for (precision, rtol) in [("bf16", 1e-3), ("fp16", 2e-4)] {
+        let p = format!("precision={precision}");
+        let single = format!("single-{precision}");
+        let o = format!("output.dir={single}");
+        check(&train_alone(&dir, &["batchSize=4", &p, &o]), &format!("the single-process {precision} run"));
+        for (layout, sets) in &layouts {
+            let out = format!("{layout}-{precision}");
+            let o = format!("output.dir={out}");
+            let mut sets = sets.clone();
+            sets.extend([p.as_str(), o.as_str()]);
+            check(&mpirun_train(&dir, 4, &sets), &format!("mpirun -np 4, {out}"));
+            // fp16 at 2^14: no overflow on any layout, so the same (scaled, unscaled) steps.
+            assert_eq!(scales(&out), scales(&single), "{out}: loss scales and skipped steps");
+            let ((train, eval), (want, want_eval)) = (losses(&dir.join(&out)), losses(&dir.join(&single)));
+            assert_eq!(train.len(), 6);
+            let mut worst = 0f64;
+            for (got, want) in train.iter().chain(&eval).zip(want.iter().chain(&want_eval)) {
+                assert!((got.1 - want.1).abs() <= rtol * want.1, "{out}, step {}: {} vs {}", got.0, got.1, want.1);
+                worst = worst.max((got.1 - want.1).abs() / want.1);
+            }
+            println!("{out}: losses within {worst:.1e} of one process'");
+        }
+    }
+    // 2^20 overflows fp16 on every layout for the first steps. (Where exactly a layout stops
+    // overflowing differs: its partial sums differ.)
+    for (layout, sets) in &layouts {
+        let out = format!("{layout}-overflow");
+        let o = format!("output.dir={out}");
+        let mut sets = sets.clone();
+        sets.extend(["precision=fp16", "dynamicLossScale={initial: 1048576}", o.as_str()]);
+        check(&mpirun_train(&dir, 4, &sets), &format!("mpirun -np 4, {out}"));
+        let s = scales(&out);
+        println!("{out}: {s:?}");
+        assert_eq!(s[..3], [(1048576.0, true), (524288.0, true), (262144.0, true)], "{out}");
+        assert!(s.iter().any(|x| !x.1), "{out}: no step applied: {s:?}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

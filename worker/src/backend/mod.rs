@@ -62,7 +62,8 @@ pub trait Backend: Send + Sync {
         outputs: &[Arg<Self::Buffer>],
     ) -> Result<(), String>;
 
-    /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation).
+    /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation);
+    /// keep 0 overwrites dst, whatever it held (the inf or NaN of a skipped fp16 step too).
     fn accumulate(&self, dst: Arg<Self::Buffer>, keep: f32, src: Arg<Self::Buffer>, scale: f32) -> Result<(), String>;
 
     /// Σ x² over an f32 value, for global gradient norms; waits for pending work.

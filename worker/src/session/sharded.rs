@@ -166,7 +166,7 @@ impl<B: Backend> Session<B> {
         let scale = 1.0 / n as f32;
         let keep = if k == 0 { 0.0 } else { 1.0 };
         for (acc, g) in z.grad.iter_mut().zip(part) {
-            *acc = *acc * keep + g * scale;
+            *acc = if keep == 0.0 { g * scale } else { *acc * keep + g * scale };
         }
         Ok(())
     }

@@ -87,7 +87,10 @@ impl Backend for CpuBackend {
     fn accumulate(&self, dst: Arg<CpuBuffer>, keep: f32, src: Arg<CpuBuffer>, scale: f32) -> Result<(), String> {
         let s = view(&src).as_slice::<f32>();
         let mut d = view_mut(&dst);
-        d.as_mut_slice::<f32>().par_iter_mut().zip(s.par_iter()).for_each(|(d, s)| *d = *d * keep + s * scale);
+        d.as_mut_slice::<f32>()
+            .par_iter_mut()
+            .zip(s.par_iter())
+            .for_each(|(d, s)| *d = if keep == 0.0 { s * scale } else { *d * keep + s * scale });
         Ok(())
     }
 

@@ -2,7 +2,8 @@
 // clipping, and the optimizer updates (the formulas of optim::cpu_step, element for element).
 
 extern "C" __global__ void accumulate_f32(i64 n, float* dst, float keep, const float* src, float scale) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) dst[i] = dst[i] * keep + src[i] * scale;
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        dst[i] = keep == 0.f ? src[i] * scale : dst[i] * keep + src[i] * scale;
 }
 
 // Σ x² in f64: each block writes its partial sum; the host adds the partials in order, so the
