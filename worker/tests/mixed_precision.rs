@@ -154,3 +154,20 @@ fn the_loss_scale_resumes_from_a_checkpoint_state() {
     b.load_state(&state, "test").unwrap();
     assert_eq!(run(&mut b, 4..7), tail);
 }
+
+#[test]
+fn reported_gradients_have_the_loss_scale_divided_out() {
+    let grads = |mut s: Session<CpuBackend>| {
+        s.step(&[batch(4, 16, 64, 0)], 3e-3, 0.0, 0).unwrap();
+        s.weights_and_gradients(|n| n.contains("mlp.c_fc.weight")).unwrap()
+    };
+    let fp32 = grads(session(None, None));
+    let fp16 = grads(session(Some(DType::F16), dynamic(65536.0, 2000)));
+    assert!(!fp32.is_empty());
+    for ((name, _, want), (_, _, got)) in fp32.iter().zip(&fp16) {
+        let (w, g) = (want.as_slice::<f32>(), got.as_slice::<f32>());
+        let scale = w.iter().map(|x| x.abs()).fold(0f32, f32::max);
+        let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-2 * scale, "{name}: fp16's gradient is {worst} away from fp32's (largest {scale})");
+    }
+}

@@ -199,6 +199,8 @@ pub struct Session<B: Backend> {
     /// fp16's loss scale, and the training graph's input that takes it.
     scaler: Option<LossScaler>,
     loss_scale_input: Option<ValueId>,
+    /// The scale the last step's gradients carry (1 without loss scaling).
+    last_loss_scale: f64,
     /// Tensor parallelism: this rank's place, and how each split weight is divided.
     tensor: Option<TensorPlace>,
     splits: BTreeMap<String, TensorSplit>,
@@ -440,6 +442,7 @@ impl<B: Backend> Session<B> {
             half: opts.half,
             scaler: opts.loss_scaler.clone(),
             loss_scale_input,
+            last_loss_scale: 1.0,
             splits,
             tensor_group: None,
             step: 0,
@@ -652,6 +655,7 @@ impl<B: Backend> Session<B> {
         // Under loss scaling the gradients are the scale times the true ones; an inf or NaN
         // anywhere (every rank sees the same global sum) skips the update.
         let loss_scale = self.scaler.as_ref().map(|s| s.scale);
+        self.last_loss_scale = loss_scale.unwrap_or(1.0);
         let grad_norm = sq[0].sqrt() / loss_scale.unwrap_or(1.0);
         let apply = self.scaler.as_mut().is_none_or(|s| s.update(grad_norm.is_finite()));
         let skipped_steps = self.scaler.as_ref().map(|s| s.skipped);
@@ -799,17 +803,22 @@ impl<B: Backend> Session<B> {
     }
 
     /// This rank's trained weights whose names `select` picks, with the gradient of the last
-    /// step (averaged over micro-batches and replicas, before clipping). A pipeline stage has
+    /// step (averaged over micro-batches and replicas, before clipping; fp16's loss scale
+    /// divided out). A pipeline stage has
     /// its own weights only; ZeRO keeps whole gradients only with `report_gradients`.
     pub fn weights_and_gradients(&self, select: impl Fn(&str) -> bool) -> Result<Vec<(String, Tensor, Tensor)>> {
         let mut out = Vec::new();
         for (i, p) in self.params.iter().enumerate() {
             let name = self.train.graph.name_of(p.value);
             if select(name) {
-                let grad = match &self.zero {
+                let mut grad = match &self.zero {
                     Some(z) => z.reported_gradient(i, self.train.graph.meta(p.value).expect("bound"))?,
                     None => self.train.backend.download(self.grad_of(p)).map_err(Error::Runtime)?,
                 };
+                if self.last_loss_scale != 1.0 {
+                    let unscale = (1.0 / self.last_loss_scale) as f32;
+                    grad.as_mut_slice::<f32>().iter_mut().for_each(|g| *g *= unscale);
+                }
                 out.push((name.to_string(), self.train.fetch(p.value)?, grad));
             }
         }
