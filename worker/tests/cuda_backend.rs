@@ -14,11 +14,12 @@ use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::backend::cuda::{compile, launch, probe, CudaBackend};
 use tensorfleet_worker::backend::StepHyper;
-use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
+use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
 use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
 use tensorfleet_worker::models;
+use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions, TensorPlace};
 use tensorfleet_worker::tensor::{DType, Tensor};
@@ -69,16 +70,21 @@ fn nvrtc_compiles_the_kernels() {
 #[test]
 fn every_node_of_gpt2_training_has_a_cuda_kernel() {
     let batch = gpt2_batch(2, 16, 64);
-    for (dropout, recompute, accumulate) in
-        [(0.1, Recompute::None, 1), (0.0, Recompute::Layer, 2), (0.1, Recompute::Gelu, 1)]
-    {
+    for (dropout, recompute, accumulate, half) in [
+        (0.1, Recompute::None, 1, None),
+        (0.0, Recompute::Layer, 2, None),
+        (0.1, Recompute::Gelu, 1, None),
+        (0.1, Recompute::None, 2, Some(DType::BF16)),
+        (0.1, Recompute::Layer, 1, Some(DType::F16)),
+    ] {
         let model = models::load(&tiny_gpt2(dropout), 5).unwrap();
-        let opts = SessionOptions { recompute, ..SessionOptions::new(ADAMW) };
+        let loss_scaler = (half == Some(DType::F16)).then(|| LossScaler::new(0.0, DynamicLossScale::default()));
+        let opts = SessionOptions { recompute, half, loss_scaler, ..SessionOptions::new(ADAMW) };
         let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, accumulate, &opts).unwrap();
         let missing = CudaBackend::unsupported_nodes(&s.train.graph);
         assert!(
             missing.is_empty(),
-            "dropout {dropout}, recompute {recompute:?}: no CUDA kernel for\n{}",
+            "dropout {dropout}, recompute {recompute:?}, half {half:?}: no CUDA kernel for\n{}",
             missing.join("\n")
         );
     }

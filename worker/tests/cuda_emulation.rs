@@ -11,11 +11,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::backend::{Arg, Backend};
-use tensorfleet_worker::config::{Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
+use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Window};
+use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Unary, Window};
 use tensorfleet_worker::models;
+use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::{DType, Tensor};
@@ -112,6 +113,55 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
 
 /// SqueezeNet 1.1 on 32×32 images: convolutions (3×3 stride 2, 1×1, padded 3×3), ceil-mode max
 /// pooling, dropout, global average pooling and their gradients.
+/// Mixed precision on the emulated kernels: bf16 and fp16 GPT-2 (products through the
+/// half-precision GEMM, elementwise ops on half storage, bias gradients summed from half) train
+/// to the CPU backend's mixed-precision losses. The two differ in where f32 sums are rounded,
+/// so a half value can land one unit in its last place apart: the bound is half precision's.
+#[test]
+fn gpt2_in_bf16_and_fp16_trains_on_the_emulated_kernels_to_the_cpu_losses() {
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let batches: Vec<_> = (0..2).map(|k| batch(2, 8, 48, k)).collect();
+    for (half, scaler) in [(DType::BF16, None), (DType::F16, Some(LossScaler::new(0.0, DynamicLossScale::default())))] {
+        let run = |gpu: bool| -> Vec<f64> {
+            let model = models::load(&spec, 11).unwrap();
+            let opts = SessionOptions {
+                half: Some(half),
+                loss_scaler: scaler.clone(),
+                recompute: Recompute::Gelu,
+                ..SessionOptions::new(adamw)
+            };
+            let mut losses = Vec::new();
+            if gpu {
+                let mut s = Session::new(Arc::new(EmulatedGpu::new()), &model, &batches[0], 2, &opts).unwrap();
+                for k in 0..3 {
+                    losses.push(s.step(&batches, 3e-3, 1.0, k).unwrap().loss);
+                }
+                losses.push(s.evaluate(&batches[..1]).unwrap());
+            } else {
+                let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 2, &opts).unwrap();
+                for k in 0..3 {
+                    losses.push(s.step(&batches, 3e-3, 1.0, k).unwrap().loss);
+                }
+                losses.push(s.evaluate(&batches[..1]).unwrap());
+            }
+            losses
+        };
+        let (gpu, cpu) = (run(true), run(false));
+        let rtol = if half == DType::BF16 { 2e-3 } else { 3e-4 };
+        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            assert!(
+                (g - c).abs() <= rtol * c.abs(),
+                "{half}, loss {k} (the last: evaluation): emulated GPU {g}, CPU {c}"
+            );
+        }
+        println!("{half}: emulated {gpu:?}, CPU {cpu:?}");
+    }
+}
+
 #[test]
 fn squeezenet_trains_on_the_emulated_kernels_to_the_cpu_losses() {
     let spec = ModelSpec { squeezenet: Some(SqueezeNetConfig { classes: 4, image_size: 32 }), ..Default::default() };
@@ -151,8 +201,13 @@ fn squeezenet_trains_on_the_emulated_kernels_to_the_cpu_losses() {
 /// Runs one op on `backend`: uploads `inputs`, launches into outputs of `out_shapes`, and
 /// downloads them.
 fn run_op<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_shapes: &[Vec<usize>]) -> Vec<Tensor> {
-    let in_metas: Vec<Meta> = inputs.iter().map(|t| Meta::new(t.dtype(), t.shape())).collect();
     let out_metas: Vec<Meta> = out_shapes.iter().map(|s| Meta::new(DType::F32, s)).collect();
+    run_typed(backend, op, inputs, &out_metas)
+}
+
+/// `run_op` into outputs of any element types.
+fn run_typed<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_metas: &[Meta]) -> Vec<Tensor> {
+    let in_metas: Vec<Meta> = inputs.iter().map(|t| Meta::new(t.dtype(), t.shape())).collect();
     let in_bufs: Vec<B::Buffer> = in_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
     let out_bufs: Vec<B::Buffer> = out_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
     let arg = |buf, meta| Arg { buf, offset: 0, meta };
@@ -160,7 +215,7 @@ fn run_op<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_shapes: &[Vec
         backend.upload(t, arg(buf, meta)).unwrap();
     }
     let ins: Vec<Option<Arg<B::Buffer>>> = in_bufs.iter().zip(&in_metas).map(|(b, m)| Some(arg(b, m))).collect();
-    let outs: Vec<Arg<B::Buffer>> = out_bufs.iter().zip(&out_metas).map(|(b, m)| arg(b, m)).collect();
+    let outs: Vec<Arg<B::Buffer>> = out_bufs.iter().zip(out_metas).map(|(b, m)| arg(b, m)).collect();
     backend.launch(op, &ins, &outs).unwrap_or_else(|e| panic!("{op:?}: {e}"));
     outs.into_iter().map(|o| backend.download(o).unwrap()).collect()
 }
@@ -293,6 +348,69 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         &run_op(&gpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
         &run_op(&cpu, &gap, &inputs, &[vec![2, 3, 1, 1]]),
     );
+}
+
+/// Half-precision kernels one op at a time, bf16 and f16: the elementwise ops, casts, dropout
+/// and Where give the CPU backend's bits exactly (both compute in f32 and round to nearest even
+/// once); a sum (a bias gradient, a product) may round one unit in the last place apart, its
+/// f32 accumulation running in another order.
+#[test]
+fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for (t, ulp) in [(DType::BF16, 2f32.powi(-8)), (DType::F16, 2f32.powi(-11))] {
+        let half = |shape: &[usize], salt: usize| {
+            let n = shape.iter().product();
+            Tensor::from_vec(shape, values(n, salt).iter().map(|v| v * 3.0).collect()).cast(t)
+        };
+        let exact = |what: &str, op: &Op, inputs: &[Tensor], outs: &[Meta]| {
+            let (g, c) = (run_typed(&gpu, op, inputs, outs), run_typed(&cpu, op, inputs, outs));
+            for (k, (g, c)) in g.iter().zip(&c).enumerate() {
+                assert_eq!(g.bytes(), c.bytes(), "{t} {what}, output {k}: the bits differ");
+            }
+        };
+        let within_ulp = |what: &str, op: &Op, inputs: &[Tensor], outs: &[Meta]| {
+            let (g, c) = (run_typed(&gpu, op, inputs, outs), run_typed(&cpu, op, inputs, outs));
+            let (g, c) = (g[0].cast(DType::F32), c[0].cast(DType::F32));
+            let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
+            let largest = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+            let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= ulp * largest, "{t} {what}: differs by {worst} (largest {largest})");
+        };
+        let (a, b) = (half(&[2, 3, 4], 1), half(&[4], 2));
+        let out = [Meta::new(t, &[2, 3, 4])];
+        for op in [Binary::Add, Binary::Sub, Binary::Mul, Binary::Div] {
+            exact(&format!("{op:?}"), &Op::Binary(op), &[a.clone(), b.clone()], &out);
+        }
+        let less = [Meta::new(DType::Bool, &[2, 3, 4])];
+        exact("Less", &Op::Binary(Binary::Less), &[a.clone(), b.clone()], &less);
+        for u in [Unary::Neg, Unary::Relu, Unary::Abs] {
+            exact(&format!("{u:?}"), &Op::Unary(u), std::slice::from_ref(&a), &out);
+        }
+        within_ulp("Gelu", &Op::Unary(Unary::Gelu), std::slice::from_ref(&a), &out);
+        within_ulp("GeluGrad", &Op::UnaryGrad(Unary::Gelu), &[half(&[2, 3, 4], 3), a.clone()], &out);
+        let wide = Tensor::from_vec(&[2, 3, 4], values(24, 4).iter().map(|v| v * 1000.0 + 0.3).collect());
+        exact("Cast from f32", &Op::Cast { to: t }, std::slice::from_ref(&wide), &out);
+        exact(
+            "Cast to f32",
+            &Op::Cast { to: DType::F32 },
+            std::slice::from_ref(&a),
+            &[Meta::new(DType::F32, &[2, 3, 4])],
+        );
+        let dropout = Op::Dropout { ratio: 0.3, training: true, seed: 7 };
+        exact("Dropout", &dropout, std::slice::from_ref(&a), &[out[0].clone(), less[0].clone()]);
+        let mask =
+            Tensor::from_vec(&[2, 3, 4], (0..24).map(|i| (i % 3 != 0) as u8).collect::<Vec<u8>>()).cast(DType::Bool);
+        exact("DropoutGrad", &Op::DropoutGrad { ratio: 0.3 }, &[a.clone(), mask.clone()], &out);
+        exact("Where", &Op::Where, &[mask, a.clone(), b.clone()], &out);
+        within_ulp("ReduceSumTo", &Op::ReduceSumTo { shape: vec![4] }, std::slice::from_ref(&a), &[Meta::new(t, &[4])]);
+        within_ulp(
+            "ReduceSumTo (a middle axis)",
+            &Op::ReduceSumTo { shape: vec![2, 1, 4] },
+            std::slice::from_ref(&a),
+            &[Meta::new(t, &[2, 1, 4])],
+        );
+        within_ulp("MatMul", &Op::MatMul, &[a.clone(), half(&[4, 5], 5)], &[Meta::new(t, &[2, 3, 5])]);
+    }
 }
 
 /// Tensor parallelism's vocab-parallel ops and the row reductions, one at a time: ids and

@@ -17,7 +17,7 @@ use tensorfleet_worker::backend::{Arg, Backend, StepHyper};
 use tensorfleet_worker::graph::ir::Graph;
 use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::optim::Update;
-use tensorfleet_worker::tensor::Tensor;
+use tensorfleet_worker::tensor::{DType, Tensor};
 
 type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, *mut *mut c_void) -> i32;
 type FailureFn = unsafe extern "C" fn() -> *const c_char;
@@ -172,22 +172,39 @@ impl Target for EmulatedGpu {
         Ok(())
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
+        // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
+        // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices.
+        let size = p.dtype.size() as isize;
+        let load = |at: *const u8| -> f32 {
+            match p.dtype {
+                DType::F16 => half::f16::from_bits(unsafe { *(at as *const u16) }).to_f32(),
+                DType::BF16 => half::bf16::from_bits(unsafe { *(at as *const u16) }).to_f32(),
+                _ => unsafe { *(at as *const f32) },
+            }
+        };
+        let store = |at: *mut u8, v: f32| match p.dtype {
+            DType::F16 => unsafe { *(at as *mut u16) = half::f16::from_f32(v).to_bits() },
+            DType::BF16 => unsafe { *(at as *mut u16) = half::bf16::from_f32(v).to_bits() },
+            _ => unsafe { *(at as *mut f32) = v },
+        };
         let (m, n, k) = (p.m as usize, p.n as usize, p.k as usize);
         for b in 0..p.batch as usize {
-            let a = (p.a as *const f32).wrapping_offset(b as isize * p.a_stride as isize);
-            let bm = (p.b as *const f32).wrapping_offset(b as isize * p.b_stride as isize);
-            let d = (p.d as *mut f32).wrapping_offset(b as isize * p.d_stride as isize);
+            let a = (p.a as *const u8).wrapping_offset(b as isize * p.a_stride as isize * size);
+            let bm = (p.b as *const u8).wrapping_offset(b as isize * p.b_stride as isize * size);
+            let d = (p.d as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * size);
             for i in 0..m {
                 for j in 0..n {
                     let mut s = 0f64;
                     for l in 0..k {
-                        let av = unsafe { *a.add(if p.trans_a { l * m + i } else { i * k + l }) };
-                        let bv = unsafe { *bm.add(if p.trans_b { j * k + l } else { l * n + j }) };
+                        let ai = if p.trans_a { l * m + i } else { i * k + l };
+                        let bi = if p.trans_b { j * k + l } else { l * n + j };
+                        let av = load(a.wrapping_offset(ai as isize * size));
+                        let bv = load(bm.wrapping_offset(bi as isize * size));
                         s += av as f64 * bv as f64;
                     }
-                    let out = unsafe { &mut *d.add(i * n + j) };
-                    let prior = if p.beta != 0.0 { p.beta * *out } else { 0.0 };
-                    *out = p.alpha * s as f32 + prior;
+                    let out = d.wrapping_offset((i * n + j) as isize * size);
+                    let prior = if p.beta != 0.0 { p.beta * load(out) } else { 0.0 };
+                    store(out, p.alpha * s as f32 + prior);
                 }
             }
         }

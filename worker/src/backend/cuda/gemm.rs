@@ -1,11 +1,13 @@
-//! Matrix products through cuBLASLt, in fp32 with fp32 accumulation (CUBLAS_COMPUTE_32F: no
-//! TF32, so the results match the CPU backend's within fp32 rounding).
+//! Matrix products through cuBLASLt with fp32 accumulation (CUBLAS_COMPUTE_32F: no TF32, so
+//! f32 results match the CPU backend's within fp32 rounding), of f32, f16 or bf16 matrices
+//! (mixed precision's products: half inputs and output, f32 alpha and beta).
 //!
 //! Our tensors are row-major and cuBLASLt's matrices column-major. A row-major [r, c] matrix
 //! read column-major is its transpose, so C = A·B (row-major) is computed as Cᵀ = Bᵀ·Aᵀ: cuBLASLt
 //! is handed B as its first operand and A as its second, and writes Cᵀ column-major, which is
 //! C row-major.
 
+use crate::tensor::DType;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use std::ffi::c_void;
@@ -30,6 +32,8 @@ pub struct Product {
     pub d_stride: i64,
     pub alpha: f32,
     pub beta: f32,
+    /// The element type of A, B and D: f32, f16 or bf16 (accumulation and alpha/beta in f32).
+    pub dtype: DType,
 }
 
 /// The cuBLASLt handle and its workspace (both live as long as the backend).
@@ -54,10 +58,14 @@ fn err(what: &str, e: lt::CublasError) -> String {
 struct Layout(sys::cublasLtMatrixLayout_t);
 
 impl Layout {
-    fn new(rows: u64, cols: u64, ld: i64, batch: u64, stride: i64) -> Result<Layout, String> {
-        let l = Layout(
-            lt::create_matrix_layout(sys::cudaDataType::CUDA_R_32F, rows, cols, ld).map_err(|e| err("layout", e))?,
-        );
+    fn new(dtype: DType, rows: u64, cols: u64, ld: i64, batch: u64, stride: i64) -> Result<Layout, String> {
+        let data = match dtype {
+            DType::F32 => sys::cudaDataType::CUDA_R_32F,
+            DType::F16 => sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+            t => return Err(format!("cuBLASLt products of {t} are not supported")),
+        };
+        let l = Layout(lt::create_matrix_layout(data, rows, cols, ld).map_err(|e| err("layout", e))?);
         if batch > 1 {
             let count = batch as i32;
             // SAFETY: the layout was just created; the attribute buffers outlive the calls.
@@ -103,9 +111,9 @@ impl Gemm {
         // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
         let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };
         let (a_rows, a_cols, a_ld) = if p.trans_a { (p.m, p.k, p.m as i64) } else { (p.k, p.m, p.k as i64) };
-        let first = Layout::new(b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
-        let second = Layout::new(a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
-        let out = Layout::new(p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
+        let first = Layout::new(p.dtype, b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
+        let second = Layout::new(p.dtype, a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
+        let out = Layout::new(p.dtype, p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| err("descriptor", e))?;
         let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;

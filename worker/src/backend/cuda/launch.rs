@@ -385,6 +385,18 @@ fn sized(family: &str, t: DType) -> Result<String, String> {
     }
 }
 
+/// The kernel of a family that computes with float elements for `t`: `{family}_f32`,
+/// `{family}_f16` or `{family}_bf16` (the half ones load to f32 and store rounded).
+fn typed(family: &str, t: DType) -> Result<String, String> {
+    let suffix = match t {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => return Err(format!("no {family} kernel for {t} elements on the CUDA backend")),
+    };
+    Ok(format!("{family}_{suffix}"))
+}
+
 fn copy_kernel(t: DType) -> Result<String, String> {
     sized("strided_copy", t)
 }
@@ -409,15 +421,18 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
     match op {
         Op::Unary(u) => {
             let a = x(0)?;
-            need_f32(&a, "the input")?;
+            let kernel = typed("unary", a.dtype())?;
             let n = a.n();
-            dev.kernel("unary_f32", elementwise(n), &mut params![*u as i32, n as i64, a.at, y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![*u as i32, n as i64, a.at, y.at])
         }
         Op::UnaryGrad(u) => {
             let (dy, a) = (x(0)?, x(1)?);
-            need_f32(&a, "the input")?;
+            if dy.dtype() != a.dtype() {
+                return Err(format!("an activation's gradient of {} for an input of {}", dy.dtype(), a.dtype()));
+            }
+            let kernel = typed("unary_grad", a.dtype())?;
             let n = a.n();
-            dev.kernel("unary_grad_f32", elementwise(n), &mut params![*u as i32, n as i64, dy.at, a.at, y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![*u as i32, n as i64, dy.at, a.at, y.at])
         }
         Op::Binary(b) => {
             let mut acc = x(0)?;
@@ -537,16 +552,16 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                     None => Ok(()),
                 };
             }
-            need_f32(&a, "Dropout's input")?;
+            let kernel = typed("dropout", a.dtype())?;
             let n = a.n();
-            dev.kernel("dropout_f32", elementwise(n), &mut params![n as i64, *seed, *ratio, a.at, y.at, mask])
+            dev.kernel(&kernel, elementwise(n), &mut params![n as i64, *seed, *ratio, a.at, y.at, mask])
         }
         Op::DropoutGrad { ratio } => {
             let (dy, mask) = (x(0)?, x(1)?);
-            need_f32(&dy, "the gradient")?;
+            let kernel = typed("dropout_grad", dy.dtype())?;
             let scale = if *ratio > 0.0 { 1.0 / (1.0 - ratio) } else { 1.0 };
             let n = dy.n();
-            dev.kernel("dropout_grad_f32", elementwise(n), &mut params![n as i64, scale, dy.at, mask.at, y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![n as i64, scale, dy.at, mask.at, y.at])
         }
         Op::Trilu { upper, k } => {
             let a = x(0)?;
@@ -634,10 +649,10 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
             )?;
             if let Some(dscale) = outs.get(1) {
-                column_sum(dev, rows, cols, dy.at, Some((a.at, mean.at, inv.at)), dscale.at)?;
+                column_sum(dev, DType::F32, rows, cols, dy.at, Some((a.at, mean.at, inv.at)), dscale.at)?;
             }
             if let Some(dbias) = outs.get(2) {
-                column_sum(dev, rows, cols, dy.at, None, dbias.at)?;
+                column_sum(dev, DType::F32, rows, cols, dy.at, None, dbias.at)?;
             }
             Ok(())
         }
@@ -671,11 +686,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![outer as i64, dim as i64, inner as i64, count as i64, dy.at, ids.at, wide, y.at],
             )
         }
-        Op::ReduceSumTo { .. } => {
-            let a = x(0)?;
-            need_f32(&a, "the gradient")?;
-            reduce_sum_to(dev, a, y)
-        }
+        Op::ReduceSumTo { .. } => reduce_sum_to(dev, x(0)?, y),
         Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
             let (scores, labels) = (x(0)?, x(1)?);
             need_f32(&scores, "the scores")?;
@@ -845,6 +856,20 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
         return Err(format!("{op:?} of {} and {} has no CUDA kernel", a.dtype(), b.dtype()));
     }
     match (a.dtype(), op.is_predicate()) {
+        (t @ (DType::F16 | DType::BF16), predicate) if !matches!(op, Binary::And | Binary::Or) => {
+            if predicate {
+                let kernel = typed("compare", t)?;
+                dev.kernel(&kernel, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+            } else {
+                let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
+                let kernel = typed("binary", t)?;
+                dev.kernel(
+                    &kernel,
+                    elementwise(n),
+                    &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
+                )
+            }
+        }
         (DType::F32, false) => {
             // Pow's exponent may be an integer (ONNX's T1): cast to f32 first.
             let b_at = match b.dtype() {
@@ -994,6 +1019,7 @@ fn label_weights(
 /// chunks of rows first, then the chunks in order, so the bits never depend on scheduling.
 fn column_sum(
     dev: Dev,
+    t: DType,
     rows: usize,
     cols: usize,
     v: Ptr,
@@ -1010,11 +1036,12 @@ fn column_sum(
         shared_mem_bytes: 0,
     };
     dev.kernel(
-        "column_sum_partial",
+        &typed("column_sum_partial", t)?,
         cfg,
         &mut params![rows as i64, cols as i64, ROWS_PER_CHUNK as i64, v, xp, mean, inv, partial],
     )?;
-    dev.kernel("column_sum_finish", elementwise(cols), &mut params![chunks as i64, cols as i64, partial, out])
+    let finish = typed("column_sum_finish", t)?;
+    dev.kernel(&finish, elementwise(cols), &mut params![chunks as i64, cols as i64, partial, out])
 }
 
 /// ReduceSumTo: the gradient of a broadcast, summed back to the operand's shape.
@@ -1028,7 +1055,7 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
     let trailing = to.iter().skip_while(|&&d| d == 1).copied().collect::<Vec<_>>();
     if !trailing.is_empty() && from.ends_with(&trailing) {
         let cols: usize = trailing.iter().product();
-        return column_sum(dev, a.n() / cols, cols, a.at, None, y.at);
+        return column_sum(dev, a.dtype(), a.n() / cols, cols, a.at, None, y.at);
     }
     // Otherwise each output element sums its own set of inputs.
     let mut summed = vec![true; pad];
@@ -1055,7 +1082,7 @@ fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Resul
     let inner: usize = red_shape.iter().product();
     let n = y.n();
     dev.kernel(
-        "reduce_strided",
+        &typed("reduce_strided", a.dtype())?,
         elementwise(n),
         &mut params![
             kind as i32,
@@ -1099,7 +1126,7 @@ fn matmul(
     }
     if let Some(u) = act {
         let n = y.n();
-        dev.kernel("unary_f32", elementwise(n), &mut params![u as i32, n as i64, y.at, y.at])?;
+        dev.kernel(&typed("unary", y.dtype())?, elementwise(n), &mut params![u as i32, n as i64, y.at, y.at])?;
     }
     Ok(())
 }
@@ -1108,8 +1135,15 @@ fn matmul(
 /// or none (shared by the whole batch).
 #[allow(clippy::too_many_arguments)]
 fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta: f32, y: V) -> Result<(), String> {
-    need_f32(&a, "A")?;
-    need_f32(&b, "B")?;
+    let dtype = a.dtype();
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || b.dtype() != dtype || y.dtype() != dtype {
+        return Err(format!(
+            "a product of {} and {} into {} has no CUDA path (f32, f16 or bf16 throughout)",
+            a.dtype(),
+            b.dtype(),
+            y.dtype()
+        ));
+    }
     let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
     if ra < 2 || rb < 2 {
         return Err("MatMul of a 1-D operand has no CUDA path yet".into());
@@ -1146,6 +1180,7 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             d_stride: (batch * m * n) as i64,
             alpha,
             beta,
+            dtype,
         }
     } else {
         Product {
@@ -1163,6 +1198,7 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             d_stride: (m * n) as i64,
             alpha,
             beta,
+            dtype,
         }
     };
     dev.gemm(&p)

@@ -73,6 +73,25 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 }
 #endif
 
+// The element types of the float kernels: a value is loaded to f32, computed in f32 and stored
+// rounded to its type (f16 and bf16 are storage types, as on the CPU backend). A kernel family
+// is a template over one of these, with an extern "C" entry point per type.
+struct F32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(float v) { return v; }
+    static __device__ __forceinline__ float store(float v) { return v; }
+};
+struct F16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+};
+struct BF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+};
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

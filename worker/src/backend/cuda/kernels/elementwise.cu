@@ -58,12 +58,27 @@ __device__ float unary_df(int op, float x) {
     }
 }
 
-extern "C" __global__ void unary_f32(int op, i64 n, const float* x, float* y) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = unary_f(op, x[i]);
+template <class S>
+__device__ void unary(int op, i64 n, const typename S::T* x, typename S::T* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = S::store(unary_f(op, S::load(x[i])));
 }
+extern "C" __global__ void unary_f32(int op, i64 n, const float* x, float* y) { unary<F32>(op, n, x, y); }
+extern "C" __global__ void unary_f16(int op, i64 n, const u16* x, u16* y) { unary<F16>(op, n, x, y); }
+extern "C" __global__ void unary_bf16(int op, i64 n, const u16* x, u16* y) { unary<BF16>(op, n, x, y); }
 
+template <class S>
+__device__ void unary_grad(int op, i64 n, const typename S::T* dy, const typename S::T* x, typename S::T* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        dx[i] = S::store(S::load(dy[i]) * unary_df(op, S::load(x[i])));
+}
 extern "C" __global__ void unary_grad_f32(int op, i64 n, const float* dy, const float* x, float* dx) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * unary_df(op, x[i]);
+    unary_grad<F32>(op, n, dy, x, dx);
+}
+extern "C" __global__ void unary_grad_f16(int op, i64 n, const u16* dy, const u16* x, u16* dx) {
+    unary_grad<F16>(op, n, dy, x, dx);
+}
+extern "C" __global__ void unary_grad_bf16(int op, i64 n, const u16* dy, const u16* x, u16* dx) {
+    unary_grad<BF16>(op, n, dy, x, dx);
 }
 
 // Arithmetic codes 0..6 give an f32; comparisons 7..11 give a bool (u8).
@@ -90,19 +105,45 @@ __device__ __forceinline__ bool compare_f(int op, float a, float b) {
 
 // out[i] = a[·] op b[·] over the output's shape `d`; `sa`, `sb` are the operands' strides
 // broadcast to it. `contiguous` says both operands have the output's layout (no index math).
-extern "C" __global__ void binary_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
-                                      Strides sb, int contiguous, float* out) {
+template <class S>
+__device__ void binary(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
+                       const typename S::T* b, const Strides& sb, int contiguous, typename S::T* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float x = contiguous ? a[i] : a[offset_of(i, d, sa)];
-        float y = contiguous ? b[i] : b[offset_of(i, d, sb)];
-        out[i] = arith_f(op, x, y);
+        float x = S::load(contiguous ? a[i] : a[offset_of(i, d, sa)]);
+        float y = S::load(contiguous ? b[i] : b[offset_of(i, d, sb)]);
+        out[i] = S::store(arith_f(op, x, y));
     }
 }
+extern "C" __global__ void binary_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
+                                      Strides sb, int contiguous, float* out) {
+    binary<F32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void binary_f16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
+                                      int contiguous, u16* out) {
+    binary<F16>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void binary_bf16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b,
+                                       Strides sb, int contiguous, u16* out) {
+    binary<BF16>(op, n, d, a, sa, b, sb, contiguous, out);
+}
 
+template <class S>
+__device__ void compare(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
+                        const typename S::T* b, const Strides& sb, u8* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride())
+        out[i] = compare_f(op, S::load(a[offset_of(i, d, sa)]), S::load(b[offset_of(i, d, sb)])) ? 1 : 0;
+}
 extern "C" __global__ void compare_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
                                        Strides sb, u8* out) {
-    for (i64 i = first_index(); i < n; i += grid_stride())
-        out[i] = compare_f(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)]) ? 1 : 0;
+    compare<F32>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void compare_f16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
+                                       u8* out) {
+    compare<F16>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void compare_bf16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b,
+                                        Strides sb, u8* out) {
+    compare<BF16>(op, n, d, a, sa, b, sb, out);
 }
 
 // Integer arithmetic and comparisons (i32, i64), as the CPU backend's: sums and products wrap
@@ -246,16 +287,37 @@ extern "C" __global__ void cast_from_f32(int to, i64 n, const float* x, void* y)
 
 // Dropout in training: mask[i] = uniform(seed, i) ≥ ratio, y = x·mask/(1 − ratio). The draw is
 // rng::uniform's, so masks equal the CPU backend's.
-extern "C" __global__ void dropout_f32(i64 n, u64 seed, float ratio, const float* x, float* y, u8* mask) {
+template <class S>
+__device__ void dropout(i64 n, u64 seed, float ratio, const typename S::T* x, typename S::T* y, u8* mask) {
     float scale = 1.f / (1.f - ratio);
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         u8 keep = uniform01(seed, (u64)i) >= (double)ratio ? 1 : 0;
-        y[i] = x[i] * (float)keep * scale;
+        y[i] = S::store(S::load(x[i]) * (float)keep * scale);
         if (mask) mask[i] = keep;
     }
 }
+extern "C" __global__ void dropout_f32(i64 n, u64 seed, float ratio, const float* x, float* y, u8* mask) {
+    dropout<F32>(n, seed, ratio, x, y, mask);
+}
+extern "C" __global__ void dropout_f16(i64 n, u64 seed, float ratio, const u16* x, u16* y, u8* mask) {
+    dropout<F16>(n, seed, ratio, x, y, mask);
+}
+extern "C" __global__ void dropout_bf16(i64 n, u64 seed, float ratio, const u16* x, u16* y, u8* mask) {
+    dropout<BF16>(n, seed, ratio, x, y, mask);
+}
+
+template <class S>
+__device__ void dropout_grad(i64 n, float scale, const typename S::T* dy, const u8* mask, typename S::T* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = S::store(S::load(dy[i]) * (float)mask[i] * scale);
+}
 extern "C" __global__ void dropout_grad_f32(i64 n, float scale, const float* dy, const u8* mask, float* dx) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) dx[i] = dy[i] * (float)mask[i] * scale;
+    dropout_grad<F32>(n, scale, dy, mask, dx);
+}
+extern "C" __global__ void dropout_grad_f16(i64 n, float scale, const u16* dy, const u8* mask, u16* dx) {
+    dropout_grad<F16>(n, scale, dy, mask, dx);
+}
+extern "C" __global__ void dropout_grad_bf16(i64 n, float scale, const u16* dy, const u8* mask, u16* dx) {
+    dropout_grad<BF16>(n, scale, dy, mask, dx);
 }
 
 // Trilu over the last two dims (rows × cols) of 1-, 2-, 4- or 8-byte elements: keep element

@@ -115,53 +115,94 @@ extern "C" __global__ void layer_norm_grad_rows(i64 cols, const float* dy, const
 // writes its partial sums to partial[chunk, cols]; column_sum_finish adds the chunks in order.
 // With `x_hat`, each element is first multiplied by (x − mean[r])·inv_std[r] (LayerNorm's
 // dScale); without it the sum is plain (dBias, and ReduceSumTo over leading axes).
-extern "C" __global__ void column_sum_partial(i64 rows, i64 cols, i64 rows_per_chunk, const float* v,
-                                              const float* x, const float* mean, const float* inv_std,
-                                              float* partial) {
+// The partial sums are f32 whatever the element type (a bias gradient in bf16 is summed in f32
+// and rounded once).
+template <class S>
+__device__ void column_sum_partial(i64 rows, i64 cols, i64 rows_per_chunk, const typename S::T* v, const float* x,
+                                   const float* mean, const float* inv_std, float* partial) {
     i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     i64 r0 = (i64)blockIdx.y * rows_per_chunk;
     i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     float s = 0.f;
     for (i64 r = r0; r < r1; ++r) {
-        float e = v[r * cols + c];
+        float e = S::load(v[r * cols + c]);
         if (x) e *= (x[r * cols + c] - mean[r]) * inv_std[r];
         s += e;
     }
     partial[(i64)blockIdx.y * cols + c] = s;
 }
-extern "C" __global__ void column_sum_finish(i64 chunks, i64 cols, const float* partial, float* out) {
+extern "C" __global__ void column_sum_partial_f32(i64 rows, i64 cols, i64 rows_per_chunk, const float* v,
+                                                  const float* x, const float* mean, const float* inv_std,
+                                                  float* partial) {
+    column_sum_partial<F32>(rows, cols, rows_per_chunk, v, x, mean, inv_std, partial);
+}
+extern "C" __global__ void column_sum_partial_f16(i64 rows, i64 cols, i64 rows_per_chunk, const u16* v,
+                                                  const float* x, const float* mean, const float* inv_std,
+                                                  float* partial) {
+    column_sum_partial<F16>(rows, cols, rows_per_chunk, v, x, mean, inv_std, partial);
+}
+extern "C" __global__ void column_sum_partial_bf16(i64 rows, i64 cols, i64 rows_per_chunk, const u16* v,
+                                                   const float* x, const float* mean, const float* inv_std,
+                                                   float* partial) {
+    column_sum_partial<BF16>(rows, cols, rows_per_chunk, v, x, mean, inv_std, partial);
+}
+
+template <class S>
+__device__ void column_sum_finish(i64 chunks, i64 cols, const float* partial, typename S::T* out) {
     for (i64 c = first_index(); c < cols; c += grid_stride()) {
         float s = 0.f;
         for (i64 k = 0; k < chunks; ++k) s += partial[k * cols + c];
-        out[c] = s;
+        out[c] = S::store(s);
     }
+}
+extern "C" __global__ void column_sum_finish_f32(i64 chunks, i64 cols, const float* partial, float* out) {
+    column_sum_finish<F32>(chunks, cols, partial, out);
+}
+extern "C" __global__ void column_sum_finish_f16(i64 chunks, i64 cols, const float* partial, u16* out) {
+    column_sum_finish<F16>(chunks, cols, partial, out);
+}
+extern "C" __global__ void column_sum_finish_bf16(i64 chunks, i64 cols, const float* partial, u16* out) {
+    column_sum_finish<BF16>(chunks, cols, partial, out);
 }
 
 // A reduction over any axes (ReduceSumTo, and the Reduce ops over axes that are not the
 // trailing ones): each output element reduces its `inner_n` input elements, one thread each;
 // `od`/`os` walk the kept dims, `rd`/`rs` the reduced ones. kind as in reduce_rows (below);
 // sums in f64, as the CPU backend's reduce.
-extern "C" __global__ void reduce_strided(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd, Strides rs,
-                                          const float* x, float* out) {
+template <class S>
+__device__ void reduce_strided(int kind, i64 n, const Dims& od, const Strides& os, i64 inner_n, const Dims& rd,
+                               const Strides& rs, const typename S::T* x, typename S::T* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 base = offset_of(i, od, os);
         if (kind == 2 || kind == 3) {
             float m = kind == 2 ? NEG_INF : -NEG_INF;
             for (i64 j = 0; j < inner_n; ++j) {
-                float v = x[base + offset_of(j, rd, rs)];
+                float v = S::load(x[base + offset_of(j, rd, rs)]);
                 m = kind == 2 ? fmaxf(m, v) : fminf(m, v);
             }
-            out[i] = m;
+            out[i] = S::store(m);
             continue;
         }
         double s = 0.0;
         for (i64 j = 0; j < inner_n; ++j) {
-            double v = (double)x[base + offset_of(j, rd, rs)];
+            double v = (double)S::load(x[base + offset_of(j, rd, rs)]);
             s += kind == 4 ? v * v : v;
         }
-        out[i] = (float)(kind == 1 ? s / (double)inner_n : s);
+        out[i] = S::store((float)(kind == 1 ? s / (double)inner_n : s));
     }
+}
+extern "C" __global__ void reduce_strided_f32(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                              Strides rs, const float* x, float* out) {
+    reduce_strided<F32>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_f16(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                              Strides rs, const u16* x, u16* out) {
+    reduce_strided<F16>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_bf16(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                               Strides rs, const u16* x, u16* out) {
+    reduce_strided<BF16>(kind, n, od, os, inner_n, rd, rs, x, out);
 }
 
 // ---- SoftmaxCrossEntropyLoss over rows of class scores ([N, C], classes contiguous) ----

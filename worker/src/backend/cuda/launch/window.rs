@@ -8,6 +8,7 @@
 use super::{at_f32, elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
+use crate::tensor::DType;
 
 /// `Geo` of kernels/window.cu, by value.
 #[repr(C)]
@@ -101,6 +102,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
             d_stride: (s.m * s.plane) as i64,
             alpha: 1.0,
             beta: 0.0,
+            dtype: DType::F32,
         })?;
     }
     if let Some(bias) = bias {
@@ -164,6 +166,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 d_stride: 0,
                 alpha: 1.0,
                 beta: if img == 0 { 0.0 } else { 1.0 },
+                dtype: DType::F32,
             })?;
         }
         // dcol, or for a pointwise window dX's own rows (the same layout as X's).
@@ -184,6 +187,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             d_stride: d_stride as i64,
             alpha: 1.0,
             beta: 0.0,
+            dtype: DType::F32,
         })?;
         if !pointwise {
             let n = s.images * s.cg * g.h * g.w;
