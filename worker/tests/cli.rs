@@ -173,7 +173,9 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
         let ops: Vec<&serde_json::Value> =
             events.iter().filter(|e| e["cat"] == "op" && e["args"]["step"] == *step).collect();
         assert!(ops.len() > 20, "step {step}: {} ops", ops.len());
-        assert!(ops.iter().any(|e| e["name"] == "MatMul" || e["name"] == "Gemm"), "no GEMM among the ops");
+        let gemm = |e: &&serde_json::Value| ["MatMul", "Gemm", "FusedMatMul"].iter().any(|n| e["name"] == *n);
+        assert!(ops.iter().any(gemm), "no GEMM among the ops");
+        assert!(ops.iter().any(|e| e["name"] == "Attention"), "no fused attention among the ops");
         for op in ops {
             let ts = op["ts"].as_f64().unwrap();
             assert!(ts >= start && ts + op["dur"].as_f64().unwrap() <= end + 1.0, "op outside its step: {op}");

@@ -413,6 +413,49 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
     }
 }
 
+/// Fused attention forward and backward, causal and not, in f32 and bf16, with a head size
+/// that is not a multiple of the warp (lanes past it idle) and more rows than one block's warps.
+#[test]
+fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let (groups, t, d) = (3, 11, 40);
+    let shape = vec![groups, t, d];
+    let lse_shape = vec![groups, t];
+    for causal in [true, false] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = |salt: usize| {
+                Tensor::from_vec(&shape, values(groups * t * d, salt).iter().map(|v| v * 1.7).collect()).cast(dtype)
+            };
+            let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
+            let op = Op::Attention { scale: 0.3, causal };
+            let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
+            let (g, c) = (
+                run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+                run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+            );
+            let what = format!("Attention, causal {causal}, {dtype}");
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2f32.powi(-8) };
+            close_as_f32(&what, &g, &c, tol);
+            let grad = Op::AttentionGrad { scale: 0.3, causal };
+            let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
+            let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
+            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            close_as_f32(&format!("{what}: gradient"), &g, &c, if dtype == DType::F32 { 1e-5 } else { 2f32.powi(-7) });
+        }
+    }
+}
+
+/// Every output within `tol` of the largest magnitude of the CPU's, compared in f32.
+fn close_as_f32(what: &str, gpu: &[Tensor], cpu: &[Tensor], tol: f32) {
+    for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        let (g, c) = (g.cast(DType::F32), c.cast(DType::F32));
+        let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
+        let largest = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= tol * largest, "{what}, output {k}: differs by {worst} (largest {largest})");
+    }
+}
+
 /// Tensor parallelism's vocab-parallel ops and the row reductions, one at a time: ids and
 /// labels inside and outside this rank's slice, an ignored label, each loss reduction.
 #[test]

@@ -9,6 +9,7 @@ use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::config::{LossConfig, LossKind, ModelSpec, OnnxModelConfig};
 use tensorfleet_worker::exec::Executor;
 use tensorfleet_worker::graph::infer::{bind, Bindings};
+use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
@@ -84,6 +85,9 @@ fn trains_like_pytorch(file: &str, loss: LossConfig) {
     // Training: plain SGD on the same batch, step after step.
     let opts = SessionOptions::new(Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 });
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &e.batch, 1, &opts).unwrap();
+    // masked_fill's attention, recognized: the training runs the fused kernel and its backward.
+    let fused = s.train.graph.nodes.iter().filter(|n| matches!(n.op, Op::Attention { causal: true, .. })).count();
+    assert!(fused >= 1, "{file}: no attention was fused");
     for (k, want) in e.sgd_losses.iter().enumerate() {
         let r = s.step(std::slice::from_ref(&e.batch), e.sgd_lr, 0.0, 0).unwrap();
         assert!(close(r.loss, *want, 1e-4), "{file}: SGD step {}: loss {} vs PyTorch {want}", k + 1, r.loss);

@@ -221,6 +221,19 @@ fn matmul_and_gemm() {
 }
 
 #[test]
+fn fused_attention() {
+    // q, k, v [2 groups, T 5, D 3]: causal and full, scaled.
+    for causal in [true, false] {
+        let mut b = CaseBuilder::new(if causal { 31 } else { 32 });
+        let q = b.param("q", &[2, 5, 3], -1.5, 1.5);
+        let k = b.param("k", &[2, 5, 3], -1.5, 1.5);
+        let v = b.param("v", &[2, 5, 3], -1.0, 1.0);
+        let y = b.g.add_node("attn", Op::Attention { scale: 0.6, causal }, &[q, k, v], 2)[0];
+        check(&format!("Attention, causal {causal}"), b.done(y));
+    }
+}
+
+#[test]
 fn softmax_layernorm_and_losses() {
     for (name, op) in [("Softmax", Op::Softmax { axis: -1 }), ("LogSoftmax", Op::LogSoftmax { axis: 1 })] {
         let mut b = CaseBuilder::new(11);

@@ -303,6 +303,16 @@ pub fn backward(
             vec![Some(b.emit1(&name, op, &ins)?), None, None]
         }
         Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
+        Op::Attention { scale, causal } => {
+            // The backward pass reads the output and the rows' log-sum-exp, and recomputes the
+            // probabilities from them.
+            let y = node.output(0).expect("Attention has an output");
+            let q = b.meta(x(0));
+            let lse = b.ensure_output(n, 1, Meta::new(DType::F32, &q.shape[..q.shape.len() - 1]));
+            let op = Op::AttentionGrad { scale: *scale, causal: *causal };
+            let outs = b.emit(&name, op, &[dy, x(0), x(1), x(2), y, lse], 3)?;
+            outs.into_iter().map(Some).collect()
+        }
         // Megatron's conjugate pair: a sum over the group passes its (replicated) gradient
         // through; a copy into the group sums its ranks' partial gradients.
         Op::AllReduce { op: crate::comm::ReduceOp::Sum } => vec![Some(dy)],

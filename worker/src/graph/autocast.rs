@@ -2,8 +2,9 @@
 //!
 //! The weights stay f32 (the master copy the optimizer updates); the pass inserts `Cast` nodes so
 //! that each op computes in the type its kind calls for:
-//! - **low precision** — the products (MatMul, Gemm, Conv): their float inputs are cast to the
-//!   half type, so the GEMMs read bf16/fp16 and accumulate in f32 (cuBLASLt's compute type);
+//! - **low precision** — the products (MatMul, Gemm, Conv, fused attention): their float inputs
+//!   are cast to the half type, so the GEMMs read bf16/fp16 and accumulate in f32 (cuBLASLt's
+//!   compute type; attention's softmax is f32 inside the kernel);
 //! - **full precision** — what loses accuracy in half (normalizations, softmax, losses,
 //!   reductions, exp/log/pow) and the tensor-parallel collectives (which reduce f32): their
 //!   half inputs are cast up to f32;
@@ -34,7 +35,7 @@ enum Rule {
 
 fn rule(op: &Op) -> Rule {
     match op {
-        Op::MatMul | Op::Gemm { .. } | Op::Conv { .. } | Op::FusedMatMul { .. } => Rule::Low,
+        Op::MatMul | Op::Gemm { .. } | Op::Conv { .. } | Op::FusedMatMul { .. } | Op::Attention { .. } => Rule::Low,
         Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::LayerNorm { .. }
@@ -101,8 +102,10 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
                     node.inputs[k] = Some(cast(g, &mut casts, &mut from_batch, params, v, to));
                 }
             }
-            // Float outputs take the compute type (every op here computes in its inputs' type).
-            for k in 0..node.outputs.len() {
+            // Float outputs take the compute type (every op here computes in its inputs' type),
+            // but for statistics kept in f32 (attention's log-sum-exp).
+            let typed = if matches!(node.op, Op::Attention { .. }) { 1 } else { node.outputs.len() };
+            for k in 0..typed {
                 let Some(out) = node.output(k) else { continue };
                 let old = dtype_of(g, out);
                 if !old.is_float() || old == to {

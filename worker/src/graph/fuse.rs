@@ -1,12 +1,28 @@
 //! Fusion passes, named so they can be listed and switched off. They run on bound graphs,
 //! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
 
-use super::ir::Graph;
+use super::ir::{Graph, Meta, Node, ValueId};
 use super::op::{Binary, Op, Unary};
-use crate::tensor::DType;
+use crate::tensor::{DType, Tensor};
 
-/// The passes, in the order they run.
+/// The passes over the training graph, after autodiff, in the order they run.
 pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose"];
+
+/// The passes over the forward graph, before autodiff: the backward pass then differentiates
+/// the fused op with its own rule (FlashAttention's backward instead of the chain's).
+pub const FORWARD_PASSES: &[&str] = &["attention"];
+
+/// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
+/// pipeline stage's sends) as they are; returns how many nodes each rewrote.
+pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<(&'static str, usize)> {
+    let mut report = Vec::new();
+    for &p in FORWARD_PASSES {
+        if !disabled.iter().any(|d| d == p) {
+            report.push((p, attention(g, keep)));
+        }
+    }
+    report
+}
 
 /// Runs every pass not listed in `disabled`; returns how many nodes each rewrote.
 pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
@@ -159,4 +175,192 @@ fn matmul_transpose(g: &mut Graph) -> usize {
         fused += 1;
     }
     fused
+}
+
+/// One attention found in the forward graph, by node index.
+struct AttentionChain {
+    /// The nodes from the scores' product to the softmax, which go.
+    gone: Vec<usize>,
+    /// The product with v, which becomes the fused node.
+    context: usize,
+    q: ValueId,
+    /// kᵀ [.., D, T] as the scores' product reads it.
+    k_t: ValueId,
+    v: ValueId,
+    scale: f32,
+    causal: bool,
+}
+
+/// softmax(q·kᵀ·c (+ causal mask))·v ⇒ Attention(q, k, v): the scores' product (MatMul of q
+/// and a kᵀ), an optional scale (Mul or Div by a constant scalar), an optional causal mask (a
+/// constant added — 0 on and below the diagonal, −10⁴ or less above, which exp takes to 0 — or
+/// Where with a constant lower-triangular condition and a fill of −10⁴ or less), Softmax over
+/// the last axis, and the product with v. The builtin GPT-2 and nanoGPT's (exported by
+/// PyTorch with masked_fill) both read this way. Every value inside the chain must be read only
+/// by the chain.
+fn attention(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let chains: Vec<AttentionChain> = (0..g.nodes.len()).filter_map(|i| attention_chain(g, i, keep)).collect();
+    if chains.is_empty() {
+        return 0;
+    }
+    let producers = g.producers();
+    let uses = g.use_counts();
+    let mut gone = vec![false; g.nodes.len()];
+    let mut before: Vec<Vec<Node>> = vec![Vec::new(); g.nodes.len()];
+    for c in &chains {
+        c.gone.iter().for_each(|&n| gone[n] = true);
+        // k [.., T, D]: the transpose that made kᵀ, changed to make k, or a new one.
+        let kt_meta = g.meta(c.k_t).cloned().expect("bound");
+        let r = kt_meta.shape.len();
+        let mut k_shape = kt_meta.shape.clone();
+        k_shape.swap(r - 1, r - 2);
+        let k = match producers[c.k_t] {
+            Some(p) if matches!(g.nodes[p].op, Op::Transpose { perm: Some(_) }) && uses[c.k_t] == 1 => {
+                if let Op::Transpose { perm: Some(perm) } = &mut g.nodes[p].op {
+                    perm.swap(r - 1, r - 2);
+                }
+                g.values[c.k_t].meta = Some(Meta::new(kt_meta.dtype, &k_shape));
+                c.k_t
+            }
+            _ => {
+                let name = format!("{}_k", g.nodes[c.context].name);
+                let k = g.fresh(&name);
+                g.values[k].meta = Some(Meta::new(kt_meta.dtype, &k_shape));
+                let mut perm: Vec<i64> = (0..r as i64).collect();
+                perm.swap(r - 1, r - 2);
+                before[c.context].push(Node {
+                    name,
+                    op: Op::Transpose { perm: Some(perm) },
+                    inputs: vec![Some(c.k_t)],
+                    outputs: vec![Some(k)],
+                });
+                k
+            }
+        };
+        let q_shape = g.meta(c.q).expect("bound").shape.clone();
+        let lse = g.fresh(&format!("{}_lse", g.nodes[c.context].name));
+        g.values[lse].meta = Some(Meta::new(DType::F32, &q_shape[..q_shape.len() - 1]));
+        let node = &mut g.nodes[c.context];
+        node.op = Op::Attention { scale: c.scale, causal: c.causal };
+        node.inputs = vec![Some(c.q), Some(k), Some(c.v)];
+        node.outputs.push(Some(lse));
+    }
+    let nodes = std::mem::take(&mut g.nodes);
+    for (i, node) in nodes.into_iter().enumerate() {
+        g.nodes.append(&mut before[i]);
+        if !gone[i] {
+            g.nodes.push(node);
+        }
+    }
+    chains.len()
+}
+
+fn attention_chain(g: &Graph, context: usize, keep: &[ValueId]) -> Option<AttentionChain> {
+    let producers = g.producers();
+    let uses = g.use_counts();
+    let node = &g.nodes[context];
+    if node.op != Op::MatMul {
+        return None;
+    }
+    let (probs, v) = (node.input(0)?, node.input(1)?);
+    // A value inside the chain: produced by a node, read once (by the chain), kept by no one.
+    let inner = |x: ValueId| -> Option<usize> {
+        (uses[x] == 1 && !keep.contains(&x) && !g.outputs.contains(&x)).then_some(())?;
+        producers[x]
+    };
+    let softmax = inner(probs)?;
+    let rank = g.meta(probs)?.shape.len();
+    match g.nodes[softmax].op {
+        Op::Softmax { axis } if axis == -1 || axis == rank as i64 - 1 => {}
+        _ => return None,
+    }
+    let mut gone = vec![softmax];
+    let mut x = g.nodes[softmax].input(0)?;
+    let tq = g.meta(x)?.shape[rank - 2];
+    let constant = |v: ValueId| g.initializers.get(&v).filter(|_| producers[v].is_none());
+    // The mask.
+    let mut causal = false;
+    let p = inner(x)?;
+    match &g.nodes[p].op {
+        Op::Binary(Binary::Add) => {
+            let (a, b) = (g.nodes[p].input(0)?, g.nodes[p].input(1)?);
+            let (scores, mask) = if constant(b).is_some() { (a, b) } else { (b, a) };
+            if is_additive_causal_mask(constant(mask)?, tq) {
+                causal = true;
+                gone.push(p);
+                x = scores;
+            }
+        }
+        Op::Where => {
+            let (cond, a, b) = (g.nodes[p].input(0)?, g.nodes[p].input(1)?, g.nodes[p].input(2)?);
+            let cond = constant(cond)?;
+            let masked_fill =
+                |fill: ValueId| constant(fill).is_some_and(|t| t.numel() == 1 && t.to_f64_vec()[0] <= -1e4);
+            let scores = if masked_fill(b) && is_triangular(cond, tq, true) {
+                a
+            } else if masked_fill(a) && is_triangular(cond, tq, false) {
+                b
+            } else {
+                return None;
+            };
+            causal = true;
+            gone.push(p);
+            x = scores;
+        }
+        _ => {}
+    }
+    // The scale.
+    let mut scale = 1.0f32;
+    let p = inner(x)?;
+    if let Op::Binary(op @ (Binary::Mul | Binary::Div)) = g.nodes[p].op {
+        let (a, b) = (g.nodes[p].input(0)?, g.nodes[p].input(1)?);
+        let c = constant(b).filter(|t| t.numel() == 1)?.to_f64_vec()[0] as f32;
+        scale = if op == Binary::Mul { c } else { 1.0 / c };
+        gone.push(p);
+        x = a;
+    }
+    // The scores' product.
+    let p = inner(x)?;
+    if g.nodes[p].op != Op::MatMul {
+        return None;
+    }
+    gone.push(p);
+    let (q, k_t) = (g.nodes[p].input(0)?, g.nodes[p].input(1)?);
+    let (qm, km, vm) = (g.meta(q)?, g.meta(k_t)?, g.meta(v)?);
+    let r = qm.shape.len();
+    let lead = |s: &[usize]| s[..s.len() - 2].to_vec();
+    let alike = r >= 2
+        && km.shape.len() == r
+        && vm.shape.len() == r
+        && lead(&qm.shape) == lead(&km.shape)
+        && lead(&qm.shape) == lead(&vm.shape)
+        && km.shape[r - 2] == qm.shape[r - 1]
+        && km.shape[r - 1] == vm.shape[r - 2]
+        && vm.shape[r - 1] == qm.shape[r - 1]
+        && qm.dtype == km.dtype
+        && qm.dtype == vm.dtype
+        && (!causal || km.shape[r - 1] == qm.shape[r - 2]);
+    alike.then_some(AttentionChain { gone, context, q, k_t, v, scale, causal })
+}
+
+/// A constant added to [.., T, T] scores that is 0 on and below the diagonal and −10⁴ or less
+/// above (one T × T matrix, possibly with leading 1s).
+fn is_additive_causal_mask(m: &Tensor, t: usize) -> bool {
+    let s = m.shape();
+    if s.len() < 2 || s[s.len() - 2..] != [t, t] || m.numel() != t * t || !m.dtype().is_float() {
+        return false;
+    }
+    let v = m.to_f64_vec();
+    (0..t * t).all(|k| if k % t <= k / t { v[k] == 0.0 } else { v[k] <= -1e4 })
+}
+
+/// A constant bool [.., T, T] condition that is true exactly on and below the diagonal
+/// (`lower`), or exactly above it.
+fn is_triangular(c: &Tensor, t: usize, lower: bool) -> bool {
+    let s = c.shape();
+    if c.dtype() != DType::Bool || s.len() < 2 || s[s.len() - 2..] != [t, t] || c.numel() != t * t {
+        return false;
+    }
+    let v = c.to_f64_vec();
+    (0..t * t).all(|k| (v[k] != 0.0) == ((k % t <= k / t) == lower))
 }

@@ -264,6 +264,23 @@ pub fn infer_node(
                 .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
             (op, vec![Meta::new(a.dtype, &shape)])
         }
+        Op::Attention { causal, .. } => {
+            let (q, k, v) = (m(0)?, m(1)?, m(2)?);
+            same_dtype(&[0, 1, 2])?;
+            let r = q.shape.len();
+            let lead = |s: &[usize]| s[..s.len() - 2].to_vec();
+            if r < 2 || k.shape.len() != r || k.shape != v.shape || lead(&q.shape) != lead(&k.shape) {
+                return Err(err(
+                    node,
+                    format!("q {:?}, k {:?}, v {:?} are not [.., T, D] alike", q.shape, k.shape, v.shape),
+                ));
+            }
+            if q.shape[r - 1] != k.shape[r - 1] || (*causal && q.shape[r - 2] != k.shape[r - 2]) {
+                return Err(err(node, format!("q {:?} against k {:?}", q.shape, k.shape)));
+            }
+            (op, vec![q.clone(), Meta::new(DType::F32, &q.shape[..r - 1])])
+        }
+        Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
         Op::FusedMatMul { trans_a, trans_b, .. } => {
             let (a, b) = (m(0)?, m(1)?);
             let t = |s: &[usize], tr: bool| {

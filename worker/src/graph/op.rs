@@ -347,6 +347,19 @@ pub enum Op {
     BatchNormGrad {
         epsilon: f32,
     },
+    /// Attention over heads without the T×T scores: q [.., Tq, D], k, v [.., Tk, D] →
+    /// y = softmax(q·kᵀ·scale, masked above the diagonal when `causal`)·v [.., Tq, D], and each
+    /// row's log-sum-exp [.., Tq] in f32, which the backward pass recomputes the
+    /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`.
+    Attention {
+        scale: f32,
+        causal: bool,
+    },
+    /// dY, q, k, v, y, lse -> dq, dk, dv.
+    AttentionGrad {
+        scale: f32,
+        causal: bool,
+    },
     /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass.
     FusedMatMul {
         trans_a: bool,
@@ -742,6 +755,8 @@ impl Op {
             Op::PoolGrad { .. } => internal("PoolGrad"),
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
+            Op::Attention { .. } => internal("Attention"),
+            Op::AttentionGrad { .. } => internal("AttentionGrad"),
             Op::AllReduce { .. } => internal("AllReduce"),
             Op::TensorParallelCopy => internal("TensorParallelCopy"),
             Op::ShardGather { .. } => internal("ShardGather"),
@@ -841,6 +856,9 @@ impl Op {
                     v.push(i("end", *e));
                 }
                 v
+            }
+            Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
+                vec![f("scale", *scale), i("causal", *causal as i64)]
             }
             Op::FusedMatMul { trans_a, trans_b, activation } => vec![
                 i("transA", *trans_a as i64),

@@ -320,9 +320,12 @@ impl<B: Backend> Session<B> {
             )));
         }
         let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
+        // Forward fusions (attention), then mixed precision's casts around them; the loss and
+        // the activations a stage sends keep their values and types.
+        let keep: Vec<ValueId> =
+            std::iter::once(loss).chain(part.as_ref().map_or(vec![], |p| p.sends.clone())).collect();
+        fuse::run_forward(&mut train, &opts.disabled_passes, &keep);
         if let Some(half) = opts.half {
-            let keep: Vec<ValueId> =
-                std::iter::once(loss).chain(part.as_ref().map_or(vec![], |p| p.sends.clone())).collect();
             crate::graph::autocast::autocast(&mut train, half, &variables, &keep)?;
         }
         // fp16: the loss's gradient is the loss scale, fed each step (the last stage's loss is
@@ -763,9 +766,10 @@ impl<B: Backend> Session<B> {
             if let Some(part) = &self.stage {
                 g = part.eval_graph(g, self.eval_loss)?;
             }
+            let sends = self.stage.as_ref().map_or(vec![], |p| p.sends.clone());
+            let keep: Vec<ValueId> = std::iter::once(self.eval_loss).chain(sends).collect();
+            fuse::run_forward(&mut g, &self.disabled_passes, &keep);
             if let Some(half) = self.half {
-                let sends = self.stage.as_ref().map_or(vec![], |p| p.sends.clone());
-                let keep: Vec<ValueId> = std::iter::once(self.eval_loss).chain(sends).collect();
                 crate::graph::autocast::autocast(&mut g, half, &self.variables, &keep)?;
             }
             fuse::run(&mut g, &self.disabled_passes);

@@ -138,6 +138,7 @@ macro_rules! params {
 }
 
 // After the macro, which they use.
+mod attention;
 mod shard;
 mod window;
 
@@ -753,6 +754,14 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::ConvGrad { window, group } => {
             let [dx, dw, db] = outs else { return Err("ConvGrad has 3 outputs (dX, dW, dB)".into()) };
             window::conv_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
+        }
+        Op::Attention { scale, causal } => {
+            attention::forward(dev, *scale, *causal, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
+        }
+        Op::AttentionGrad { scale, causal } => {
+            let [dq, dk, dv] = outs else { return Err("AttentionGrad has 3 outputs".into()) };
+            let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?];
+            attention::backward(dev, *scale, *causal, ins, [*dq, *dk, *dv])
         }
         Op::Pool { kind, window } => window::pool(dev, *kind, window, x(0)?, y, outs.get(1).copied()),
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),

@@ -4,6 +4,7 @@
 //! planner already checked; what they return as `Err` are data-dependent faults (an index out of
 //! range, say), phrased for the node that ran them.
 
+pub mod attention;
 pub mod cast;
 pub mod conv;
 pub mod elementwise;
@@ -71,6 +72,10 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::Dropout { ratio, training, seed } => random::dropout(*ratio, *training, *seed, &x(0)?, outputs),
         Op::DropoutGrad { ratio } => random::dropout_grad(*ratio, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::MatMul => matmul::matmul(&x(0)?, &x(1)?, None, false, false, None, &mut outputs[0]),
+        Op::Attention { scale, causal } => attention::forward(*scale, *causal, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::AttentionGrad { scale, causal } => {
+            attention::backward(*scale, *causal, [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, &x(5)?], outputs)
+        }
         Op::FusedMatMul { trans_a, trans_b, activation } => matmul::matmul(
             &x(0)?,
             &x(1)?,

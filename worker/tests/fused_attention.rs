@@ -1,0 +1,77 @@
+//! The attention fusion (`graph::fuse`'s forward pass `attention`): GPT-2's causal attention
+//! becomes one Attention node whose backward recomputes the probabilities, and training with it
+//! follows training without it (`disabled_passes: ["attention"]`) while planning less memory.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use tensorfleet_worker::backend::cpu::CpuBackend;
+use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
+use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::models;
+use tensorfleet_worker::optim::Update;
+use tensorfleet_worker::session::{Session, SessionOptions};
+use tensorfleet_worker::tensor::{DType, Tensor};
+
+fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
+    let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
+    [
+        ("input_ids".to_string(), Tensor::from_vec(&[rows, seq], ids[..rows * seq].to_vec())),
+        ("labels".to_string(), Tensor::from_vec(&[rows, seq], ids[1..].to_vec())),
+    ]
+    .into_iter()
+    .collect()
+}
+
+fn session(fused: bool, half: Option<DType>) -> Session<CpuBackend> {
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 32, vocab: 64, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let model = models::load(&spec, 3).unwrap();
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    let disabled = if fused { vec![] } else { vec!["attention".to_string()] };
+    let opts = SessionOptions { disabled_passes: disabled, half, ..SessionOptions::new(adamw) };
+    Session::new(Arc::new(CpuBackend::new()), &model, &batch(2, 32, 64, 0), 2, &opts).unwrap()
+}
+
+fn count(s: &Session<CpuBackend>, pick: impl Fn(&Op) -> bool) -> usize {
+    s.train.graph.nodes.iter().filter(|n| pick(&n.op)).count()
+}
+
+#[test]
+fn gpt2_trains_alike_with_fused_attention_and_plans_less_memory() {
+    let (mut fused, mut plain) = (session(true, None), session(false, None));
+    assert_eq!(count(&fused, |op| matches!(op, Op::Attention { causal: true, .. })), 2);
+    assert_eq!(count(&fused, |op| matches!(op, Op::AttentionGrad { .. })), 2);
+    assert_eq!(count(&fused, |op| matches!(op, Op::Softmax { .. })), 0, "the scores' softmax is gone");
+    assert_eq!(count(&plain, |op| matches!(op, Op::Attention { .. })), 0);
+    let (a, b) = (fused.memory().0, plain.memory().0);
+    assert!(a < b, "fused attention plans {a} bytes of activations, the unfused {b}");
+    let batches = [batch(2, 32, 64, 1), batch(2, 32, 64, 2)];
+    for k in 0..4 {
+        let (x, y) = (fused.step(&batches, 3e-3, 1.0, k).unwrap(), plain.step(&batches, 3e-3, 1.0, k).unwrap());
+        assert!((x.loss - y.loss).abs() <= 1e-5 * y.loss, "step {k}: fused {} vs unfused {}", x.loss, y.loss);
+        assert!((x.grad_norm - y.grad_norm).abs() <= 1e-4 * y.grad_norm, "step {k}: gradient norms");
+    }
+    let (e1, e2) = (fused.evaluate(&batches[..1]).unwrap(), plain.evaluate(&batches[..1]).unwrap());
+    assert!((e1 - e2).abs() <= 1e-5 * e2, "evaluation: {e1} vs {e2}");
+    let (w1, w2) = (fused.weights().unwrap(), plain.weights().unwrap());
+    for (name, t) in &w1 {
+        let worst =
+            t.as_slice::<f32>().iter().zip(w2[name].as_slice::<f32>()).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4, "{name} differs by {worst}");
+    }
+    println!("activations planned: fused {a} bytes, unfused {b}");
+}
+
+#[test]
+fn mixed_precision_runs_the_fused_attention_in_half_with_f32_statistics() {
+    let s = session(true, Some(DType::BF16));
+    let g = &s.train.graph;
+    let node = g.nodes.iter().find(|n| matches!(n.op, Op::Attention { .. })).expect("fused");
+    let dtype = |v: Option<usize>| g.meta(v.unwrap()).unwrap().dtype;
+    assert_eq!(
+        (dtype(node.input(0)), dtype(node.output(0)), dtype(node.output(1))),
+        (DType::BF16, DType::BF16, DType::F32)
+    );
+}
