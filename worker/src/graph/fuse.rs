@@ -62,9 +62,9 @@ fn matmul_bias(g: &mut Graph) -> usize {
             };
             let bias_ok = g.meta(bias).is_some_and(|m| m.shape == [n_cols]);
             let out_same = g.meta(mm_out) == g.nodes[i].output(0).and_then(|o| g.meta(o));
-            // The fused kernel is the f32 GEMM's epilogue; other element types stay unfused.
-            let f32_out = g.meta(mm_out).is_some_and(|m| m.dtype == DType::F32);
-            if g.nodes[p].op != Op::MatMul || uses[mm_out] != 1 || !bias_ok || !out_same || !f32_out {
+            // The fused kernel is the float GEMM's epilogue; other element types stay unfused.
+            let gemm_out = g.meta(mm_out).is_some_and(|m| gemm_type(m.dtype));
+            if g.nodes[p].op != Op::MatMul || uses[mm_out] != 1 || !bias_ok || !out_same || !gemm_out {
                 continue;
             }
             let (a, w) = (g.nodes[p].inputs[0], g.nodes[p].inputs[1]);
@@ -106,6 +106,11 @@ fn matmul_bias_gelu(g: &mut Graph) -> usize {
     fused
 }
 
+/// The element types the GEMMs behind FusedMatMul take (f32, and mixed precision's halves).
+fn gemm_type(t: DType) -> bool {
+    matches!(t, DType::F32 | DType::F16 | DType::BF16)
+}
+
 /// Whether `op` is a Transpose that swaps the last two axes and keeps the others.
 fn swaps_last_two(op: &Op) -> bool {
     let Op::Transpose { perm: Some(p) } = op else { return false };
@@ -126,9 +131,9 @@ fn matmul_transpose(g: &mut Graph) -> usize {
     let mut fused = 0;
     let producers = g.producers();
     for i in 0..g.nodes.len() {
-        let f32_out = g.nodes[i].output(0).and_then(|o| g.meta(o)).is_some_and(|m| m.dtype == DType::F32);
+        let gemm_out = g.nodes[i].output(0).and_then(|o| g.meta(o)).is_some_and(|m| gemm_type(m.dtype));
         let (ta, tb) = match &g.nodes[i].op {
-            Op::MatMul if f32_out => (false, false),
+            Op::MatMul if gemm_out => (false, false),
             Op::FusedMatMul { trans_a, trans_b, activation: None } => (*trans_a, *trans_b),
             _ => continue,
         };
