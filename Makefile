@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu images clean
 
 deps:
 	bash .ci/deps.sh
@@ -160,6 +160,17 @@ bench-load: deps k8s
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
 	TENSORFLEET_E2E_CLUSTER="$$cluster" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
 		$(CARGO) bench -p tensorfleet-e2e --bench load
+
+# GPT-2 124M training throughput on this machine's GPU, next to PyTorch eager and torch.compile
+# in the same run (worker/benches/gpu_gpt2_124m.py; results in target/gpu-bench/gpu-bench.json).
+# Needs a GPU, nvidia-smi and a CUDA build of torch: BENCH_GPU_PYTHON names its interpreter
+# (default: .venv-bench's, whose PyPI torch carries the CUDA runtime). Not part of `make bench`,
+# which runs on the development machines, and they have no GPU.
+BENCH_GPU_PYTHON ?= $(CURDIR)/.venv-bench/bin/python
+bench-gpu: deps
+	bash .ci/bench-deps.sh
+	$(CARGO) build --release -p tensorfleet-worker
+	$(BENCH_GPU_PYTHON) worker/benches/gpu_gpt2_124m.py --worker target/release/tensorfleet-worker --out target/gpu-bench
 
 # Needs a Docker engine; the development machines and CI have none, so this is not built there.
 images:

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""GPT-2 124M training throughput on one GPU: tensorfleet next to PyTorch, in the same run.
+
+    python worker/benches/gpu_gpt2_124m.py --worker target/release/tensorfleet-worker \
+        [--steps 20] [--warmup 5] [--micro-batches 32,16,8,4] [--out target/gpu-bench]
+
+`make bench-gpu` runs it. Needs a CUDA GPU, a CUDA build of torch, and nvidia-smi.
+
+The model is GPT-2 124M as llm.c and nanoGPT train it: 12 layers, 12 heads, embed 768, seq 1024,
+vocab 50257, tied LM head, tanh GELU, bf16 autocast over fp32 master weights, AdamW (lr 6e-4,
+betas (0.9, 0.95), weight decay 0.1), on random tokens. For each of
+
+  - PyTorch eager (F.scaled_dot_product_attention, fused AdamW),
+  - PyTorch with torch.compile (the same model compiled),
+  - tensorfleet (the worker binary, `precision: bf16`, `device: cuda`, fused attention),
+
+it takes the largest micro-batch of --micro-batches that trains without running out of memory,
+times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU memory:
+
+  - tokens/s: micro-batch × 1024 / the median step time (tensorfleet: the `itemsPerSec` of its
+    metrics.jsonl lines after the warm-up);
+  - MFU: model FLOPs per token (6·N + 12·L·C·T with N the parameters without the position
+    embedding, llm.c's and PaLM's count, the worker's too) × tokens/s over the GPU's dense bf16
+    peak (table below; --peak-tflops overrides);
+  - peak memory: torch.cuda.max_memory_allocated for PyTorch; for the worker the largest
+    `used_memory` nvidia-smi reports for its process, polled every 100 ms (which includes the
+    CUDA context, so it reads higher than an allocator's count).
+
+Writes <out>/gpu-bench.json and prints a table. This script has not run on a GPU yet (the
+machines it was written on have none): treat its first run as its test.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pytorch_peer import Gpt2  # noqa: E402  (the CPU peer's model, the same code)
+
+LAYERS, HEADS, EMBED, SEQ, VOCAB = 12, 12, 768, 1024, 50257
+DEVICE = "cuda"  # the worker's; a harness check on a machine without a GPU sets "cpu"
+
+# Dense bf16 tensor-core peaks, TFLOP/s, by a substring of the device name.
+PEAKS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.0)]
+
+
+def flops_per_token():
+    n = VOCAB * EMBED + LAYERS * (12 * EMBED * EMBED + 13 * EMBED) + 2 * EMBED  # without wpe
+    return 6 * n + 12 * LAYERS * EMBED * SEQ
+
+
+def peak_tflops(name, override):
+    if override:
+        return override
+    for key, tflops in PEAKS:
+        if key in name:
+            return tflops
+    return None
+
+
+def torch_run(compiled, micro_batch, steps, warmup):
+    torch.manual_seed(0)
+    model = Gpt2(LAYERS, EMBED, HEADS, SEQ, VOCAB).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    step_fn = torch.compile(model) if compiled else model
+    idx = torch.randint(0, VOCAB, (micro_batch, SEQ), device="cuda")
+    labels = torch.randint(0, VOCAB, (micro_batch, SEQ), device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for k in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(idx, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if k >= warmup:
+            times.append(time.perf_counter() - t0)
+    step = statistics.median(times)
+    return {"tokens_per_s": micro_batch * SEQ / step, "step_ms": step * 1e3, "peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def write_tokens(path, count):
+    """An llm.c token shard (header: magic 20240520, version 1, token count) of random tokens."""
+    import array
+    import random
+
+    rng = random.Random(0)
+    header = array.array("i", [20240520, 1, count] + [0] * 253)
+    tokens = array.array("H", (rng.randrange(VOCAB) for _ in range(count)))
+    with open(path, "wb") as f:
+        header.tofile(f)
+        tokens.tofile(f)
+
+
+def worker_run(worker, micro_batch, steps, warmup, out, peak):
+    os.makedirs(f"{out}/tokens", exist_ok=True)
+    shard = f"{out}/tokens/train_000000.bin"
+    need = (warmup + steps + 1) * micro_batch * SEQ + 1
+    if not os.path.exists(shard) or os.path.getsize(shard) < 1024 + 2 * need:
+        write_tokens(shard, need)
+    run_dir = f"{out}/tensorfleet-mb{micro_batch}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends; checkpoints would resume
+    config = {
+        "model": {"gpt2": {"layers": LAYERS, "heads": HEADS, "embed": EMBED, "seqLen": SEQ, "vocab": VOCAB}},
+        "data": {"train": {"path": f"{out}/tokens", "format": "tokens"}},
+        "batchSize": micro_batch,
+        "steps": warmup + steps,
+        "optimizer": {"name": "adamw", "lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "weightDecay": 0.1},
+        "gradClipNorm": 1.0,
+        "precision": "bf16",
+        "device": DEVICE,
+        "logging": {"every": 1, "tensorboard": False, "peakTflops": peak or 0},
+        "output": {"dir": run_dir},
+    }
+    cfg_path = f"{out}/tensorfleet-mb{micro_batch}.json"
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
+    proc = subprocess.Popen(
+        [worker, "train", "--config", cfg_path, "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    peak_mib = [0]
+
+    def poll():
+        while proc.poll() is None:
+            try:
+                q = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                )
+            except FileNotFoundError:
+                return  # no nvidia-smi: no memory figure (reported as 0)
+            for line in q.stdout.splitlines():
+                pid, mib = (s.strip() for s in line.split(","))
+                if pid == str(proc.pid):
+                    peak_mib[0] = max(peak_mib[0], int(mib))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=poll)
+    watcher.start()
+    _, err = proc.communicate()
+    watcher.join()
+    if proc.returncode != 0:
+        return {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"}
+    lines = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl") if '"itemsPerSec"' in l]
+    rates = [l["itemsPerSec"] for l in lines if l["step"] > warmup]
+    return {"tokens_per_s": statistics.median(rates), "peak_bytes": peak_mib[0] << 20}
+
+
+def largest_that_fits(run, sizes):
+    for mb in sizes:
+        try:
+            r = run(mb)
+        except torch.OutOfMemoryError as e:
+            r = {"error": f"out of memory: {e}".splitlines()[0]}
+        torch.cuda.empty_cache()
+        if "error" not in r:
+            return dict(r, micro_batch=mb)
+        print(f"  micro-batch {mb}: {r['error']}", file=sys.stderr)
+    return {"error": f"no micro-batch of {sizes} fits"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--micro-batches", default="32,16,8,4")
+    ap.add_argument("--peak-tflops", type=float, default=0.0)
+    ap.add_argument("--out", default="target/gpu-bench")
+    a = ap.parse_args()
+    sizes = [int(s) for s in a.micro_batches.split(",")]
+    name = torch.cuda.get_device_name(0)
+    peak = peak_tflops(name, a.peak_tflops)
+    os.makedirs(a.out, exist_ok=True)
+    results = {}
+    for label, run in [
+        ("pytorch_eager", lambda mb: torch_run(False, mb, a.steps, a.warmup)),
+        ("pytorch_compile", lambda mb: torch_run(True, mb, a.steps, a.warmup)),
+        ("tensorfleet", lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak)),
+    ]:
+        print(f"{label} ...", file=sys.stderr)
+        r = largest_that_fits(run, sizes)
+        if "tokens_per_s" in r and peak:
+            r["mfu"] = flops_per_token() * r["tokens_per_s"] / (peak * 1e12)
+        results[label] = r
+    summary = {
+        "gpu": name,
+        "peak_bf16_tflops": peak,
+        "torch": torch.__version__,
+        "model": {"layers": LAYERS, "heads": HEADS, "embed": EMBED, "seq": SEQ, "vocab": VOCAB},
+        "flops_per_token": flops_per_token(),
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "results": results,
+    }
+    with open(f"{a.out}/gpu-bench.json", "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"GPT-2 124M, seq {SEQ}, bf16, on {name} (dense bf16 peak {peak} TFLOP/s)")
+    print(f"{'':18} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    for label, r in results.items():
+        if "error" in r:
+            print(f"{label:18} {r['error']}")
+        else:
+            mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+            print(f"{label:18} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()
