@@ -121,9 +121,13 @@ fn every_node_of_tensor_parallel_gpt2_training_has_a_cuda_kernel() {
 fn every_node_of_squeezenet_training_has_a_cuda_kernel() {
     let model = models::load(&tiny_squeezenet(), 1).unwrap();
     let batch = squeezenet_batch(2, 32, 4);
-    let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &SessionOptions::new(ADAMW)).unwrap();
-    let missing = CudaBackend::unsupported_nodes(&s.train.graph);
-    assert!(missing.is_empty(), "no CUDA kernel for\n{}", missing.join("\n"));
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let loss_scaler = (half == Some(DType::F16)).then(|| LossScaler::new(0.0, DynamicLossScale::default()));
+        let opts = SessionOptions { half, loss_scaler, ..SessionOptions::new(ADAMW) };
+        let s = Session::new(Arc::new(CpuBackend::new()), &model, &batch, 1, &opts).unwrap();
+        let missing = CudaBackend::unsupported_nodes(&s.train.graph);
+        assert!(missing.is_empty(), "half {half:?}: no CUDA kernel for\n{}", missing.join("\n"));
+    }
 }
 
 #[test]

@@ -113,52 +113,66 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
 
 /// SqueezeNet 1.1 on 32×32 images: convolutions (3×3 stride 2, 1×1, padded 3×3), ceil-mode max
 /// pooling, dropout, global average pooling and their gradients.
+/// Per-step losses (and the evaluation loss, last) of 3 mixed-precision steps over `batches`.
+fn mixed_losses<B: Backend>(
+    backend: Arc<B>,
+    spec: &ModelSpec,
+    batches: &[BTreeMap<String, Tensor>],
+    opts: &SessionOptions,
+) -> Vec<f64> {
+    let model = models::load(spec, 11).unwrap();
+    let mut s = Session::new(backend, &model, &batches[0], batches.len(), opts).unwrap();
+    let mut losses: Vec<f64> = (0..3).map(|k| s.step(batches, 3e-3, 1.0, k).unwrap().loss).collect();
+    losses.push(s.evaluate(&batches[..1]).unwrap());
+    losses
+}
+
 /// Mixed precision on the emulated kernels: bf16 and fp16 GPT-2 (products through the
-/// half-precision GEMM, elementwise ops on half storage, bias gradients summed from half) train
-/// to the CPU backend's mixed-precision losses. The two differ in where f32 sums are rounded,
-/// so a half value can land one unit in its last place apart: the bound is half precision's.
+/// half-precision GEMM, fused attention, elementwise ops on half storage, bias gradients summed
+/// from half) and bf16 SqueezeNet (half convolutions and pooling) train to the CPU backend's
+/// mixed-precision losses. The two differ in where f32 sums are rounded (the GPU rounds a
+/// product before adding its bias), so a half value can land one unit in its last place apart:
+/// the bound is half precision's.
 #[test]
-fn gpt2_in_bf16_and_fp16_trains_on_the_emulated_kernels_to_the_cpu_losses() {
+fn mixed_precision_trains_on_the_emulated_kernels_to_the_cpu_losses() {
     let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
-    let spec = ModelSpec {
+    let gpt2 = ModelSpec {
         gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
         ..Default::default()
     };
-    let batches: Vec<_> = (0..2).map(|k| batch(2, 8, 48, k)).collect();
-    for (half, scaler) in [(DType::BF16, None), (DType::F16, Some(LossScaler::new(0.0, DynamicLossScale::default())))] {
-        let run = |gpu: bool| -> Vec<f64> {
-            let model = models::load(&spec, 11).unwrap();
-            let opts = SessionOptions {
-                half: Some(half),
-                loss_scaler: scaler.clone(),
-                recompute: Recompute::Gelu,
-                ..SessionOptions::new(adamw)
-            };
-            let mut losses = Vec::new();
-            if gpu {
-                let mut s = Session::new(Arc::new(EmulatedGpu::new()), &model, &batches[0], 2, &opts).unwrap();
-                for k in 0..3 {
-                    losses.push(s.step(&batches, 3e-3, 1.0, k).unwrap().loss);
-                }
-                losses.push(s.evaluate(&batches[..1]).unwrap());
-            } else {
-                let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 2, &opts).unwrap();
-                for k in 0..3 {
-                    losses.push(s.step(&batches, 3e-3, 1.0, k).unwrap().loss);
-                }
-                losses.push(s.evaluate(&batches[..1]).unwrap());
-            }
-            losses
+    let tokens: Vec<_> = (0..2).map(|k| batch(2, 8, 48, k)).collect();
+    let squeezenet =
+        ModelSpec { squeezenet: Some(SqueezeNetConfig { classes: 4, image_size: 32 }), ..Default::default() };
+    let (images, size) = (3, 32);
+    let pixels: Vec<f32> = (0..images * 3 * size * size).map(|i| ((i * 37 % 101) as f32 / 50.0) - 1.0).collect();
+    let pictures = vec![[
+        ("image".to_string(), Tensor::from_vec(&[images, 3, size, size], pixels)),
+        ("labels".to_string(), Tensor::from_vec(&[images], vec![0i64, 3, 1])),
+    ]
+    .into_iter()
+    .collect::<BTreeMap<_, _>>()];
+    let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 1e-4 };
+    let fp16_scaler = Some(LossScaler::new(0.0, DynamicLossScale::default()));
+    for (what, spec, batches, update, half, scaler, rtol) in [
+        ("GPT-2 bf16", &gpt2, &tokens, adamw, DType::BF16, None, 2e-3),
+        ("GPT-2 fp16", &gpt2, &tokens, adamw, DType::F16, fp16_scaler.clone(), 3e-4),
+        ("SqueezeNet bf16", &squeezenet, &pictures, sgd, DType::BF16, None, 3e-3),
+    ] {
+        let opts = SessionOptions {
+            half: Some(half),
+            loss_scaler: scaler,
+            recompute: Recompute::Gelu,
+            ..SessionOptions::new(update)
         };
-        let (gpu, cpu) = (run(true), run(false));
-        let rtol = if half == DType::BF16 { 2e-3 } else { 3e-4 };
+        let gpu = mixed_losses(Arc::new(EmulatedGpu::new()), spec, batches, &opts);
+        let cpu = mixed_losses(Arc::new(CpuBackend::new()), spec, batches, &opts);
         for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
             assert!(
                 (g - c).abs() <= rtol * c.abs(),
-                "{half}, loss {k} (the last: evaluation): emulated GPU {g}, CPU {c}"
+                "{what}, loss {k} (the last: evaluation): emulated GPU {g}, CPU {c}"
             );
         }
-        println!("{half}: emulated {gpu:?}, CPU {cpu:?}");
+        println!("{what}: emulated {gpu:?}, CPU {cpu:?}");
     }
 }
 
@@ -370,11 +384,7 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         };
         let within_ulp = |what: &str, op: &Op, inputs: &[Tensor], outs: &[Meta]| {
             let (g, c) = (run_typed(&gpu, op, inputs, outs), run_typed(&cpu, op, inputs, outs));
-            let (g, c) = (g[0].cast(DType::F32), c[0].cast(DType::F32));
-            let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
-            let largest = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-            let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(worst <= ulp * largest, "{t} {what}: differs by {worst} (largest {largest})");
+            close_as_f32(&format!("{t} {what}"), &g, &c, ulp);
         };
         let (a, b) = (half(&[2, 3, 4], 1), half(&[4], 2));
         let out = [Meta::new(t, &[2, 3, 4])];
@@ -410,6 +420,43 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             &[Meta::new(t, &[2, 1, 4])],
         );
         within_ulp("MatMul", &Op::MatMul, &[a.clone(), half(&[4, 5], 5)], &[Meta::new(t, &[2, 3, 5])]);
+        // Windows: a grouped, strided convolution and its gradient, max and average pooling and
+        // their gradients, global average pooling (sums of many terms: within one unit).
+        let win = Window::explicit(&[3, 2], &[2, 1], &[1, 1], &[1, 0, 1, 1], false);
+        let (x, w, bias) = (half(&[2, 4, 7, 6], 6), half(&[6, 2, 3, 2], 7), half(&[6], 8));
+        let y_shape: Vec<usize> = [2, 6].into_iter().chain(window_output(&win, &[7, 6]).unwrap()).collect();
+        let conv = Op::Conv { window: win.clone(), group: 2 };
+        // The GPU rounds the product before adding the bias, the CPU once: two units apart.
+        let ins = [x.clone(), w.clone(), bias];
+        let outs = [Meta::new(t, &y_shape)];
+        let (g, c) = (run_typed(&gpu, &conv, &ins, &outs), run_typed(&cpu, &conv, &ins, &outs));
+        close_as_f32(&format!("{t} Conv"), &g, &c, 2.0 * ulp);
+        let grad = Op::ConvGrad { window: win, group: 2 };
+        let outs = [Meta::new(t, &[2, 4, 7, 6]), Meta::new(t, &[6, 2, 3, 2]), Meta::new(t, &[6])];
+        // dX sums taps of columns the GPU stored in half, and dW adds the images' products in
+        // half, one after another: a few units apart from the CPU's single rounding.
+        let ins = [half(&y_shape, 9), x.clone(), w];
+        let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+        close_as_f32(&format!("{t} ConvGrad"), &g, &c, 4.0 * ulp);
+        for kind in [PoolKind::Max, PoolKind::Average { count_include_pad: false }] {
+            let win = Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[1, 1, 1, 1], false);
+            let y_shape: Vec<usize> = [2, 4].into_iter().chain(window_output(&win, &[7, 6]).unwrap()).collect();
+            let pool = Op::Pool { kind, window: win.clone() };
+            within_ulp(&format!("{kind:?} pool"), &pool, std::slice::from_ref(&x), &[Meta::new(t, &y_shape)]);
+            let grad = Op::PoolGrad { kind, window: win };
+            within_ulp(
+                &format!("{kind:?} pool gradient"),
+                &grad,
+                &[half(&y_shape, 10), x.clone()],
+                &[Meta::new(t, &[2, 4, 7, 6])],
+            );
+        }
+        within_ulp(
+            "GlobalAveragePool",
+            &Op::GlobalAveragePool,
+            std::slice::from_ref(&x),
+            &[Meta::new(t, &[2, 4, 1, 1])],
+        );
     }
 }
 

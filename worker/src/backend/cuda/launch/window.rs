@@ -2,10 +2,11 @@
 //! strided-batched cuBLASLt products over the images, one product per group; its gradient as
 //! the transposed products and col2im; pooling one thread per output (and per input element
 //! for the gradient, gathered so that no atomics make the sums' order vary). 1-D and 2-D
-//! windows, f32, with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
+//! windows, f32, f16 or bf16 (mixed precision's convolutions: half products with f32
+//! accumulation), with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{at_f32, elementwise, need_f32, per_row, reduce_strided, Dev, Product, Ptr, NULL, V};
+use super::{elementwise, per_row, reduce_strided, typed, Dev, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
 use crate::tensor::DType;
@@ -73,20 +74,36 @@ fn shape(g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, S
     Ok(Shape { images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
 }
 
+/// The element type every operand shares (f32, f16 or bf16), or why not.
+fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, String> {
+    let t = operands[0].0.dtype();
+    if let Some((v, what)) = operands.iter().find(|(v, _)| v.dtype() != t) {
+        return Err(format!("{what} is {} where {} is {t}", v.dtype(), operands[0].1));
+    }
+    match t {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(t),
+        _ => Err(format!("{} is {t}; the CUDA window kernels take f32, f16 or bf16", operands[0].1)),
+    }
+}
+
+/// `at` moved on by `elements` of `t`.
+fn at(at: Ptr, elements: usize, t: DType) -> Ptr {
+    Ptr(at.0 + (elements * t.size()) as u64)
+}
+
 /// Y = W ⊛ X (+ bias). Per group: Y_g[img] = W_g · col_g[img], batched over the images with W_g
 /// shared; a pointwise (1×1, stride 1, unpadded) window reads X itself as col.
 pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
-    for (v, what) in [(&x, "X"), (&w, "W"), (&y, "Y")] {
-        need_f32(v, what)?;
-    }
+    let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
     if let Some(b) = &bias {
-        need_f32(b, "B")?;
+        operands.push((b, "B"));
     }
+    let t = one_float_type(&operands)?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(&g, group, x.shape()[0], y.shape()[1])?;
-    let col = if is_pointwise(&g) { NULL } else { dev.scratch(s.images * s.kdim * s.plane * 4)? };
+    let col = if is_pointwise(&g) { NULL } else { dev.scratch(s.images * s.kdim * s.plane * t.size())? };
     for gr in 0..group {
-        let (b, b_stride) = group_columns(dev, &g, &s, gr, x.at, col)?;
+        let (b, b_stride) = group_columns(dev, t, &g, &s, gr, x.at, col)?;
         dev.gemm(&Product {
             m: s.mg as u64,
             n: s.plane as u64,
@@ -94,21 +111,21 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
             batch: s.images as u64,
             trans_a: false,
             trans_b: false,
-            a: at_f32(w.at, gr * s.mg * s.kdim).0,
+            a: at(w.at, gr * s.mg * s.kdim, t).0,
             a_stride: 0,
             b: b.0,
             b_stride: b_stride as i64,
-            d: at_f32(y.at, gr * s.mg * s.plane).0,
+            d: at(y.at, gr * s.mg * s.plane, t).0,
             d_stride: (s.m * s.plane) as i64,
             alpha: 1.0,
             beta: 0.0,
-            dtype: DType::F32,
+            dtype: t,
         })?;
     }
     if let Some(bias) = bias {
         let n = y.n();
         dev.kernel(
-            "channel_bias_f32",
+            &typed("channel_bias", t)?,
             elementwise(n),
             &mut params![n as i64, s.m as i64, s.plane as i64, bias.at, y.at],
         )?;
@@ -119,12 +136,20 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
 /// Group `gr`'s columns of every image, the product's operand: X's own channels for a pointwise
 /// window, else their im2col written to `col` ([images, kdim, plane]). Returns where they start
 /// and the stride from one image's to the next.
-fn group_columns(dev: Dev, g: &cpu::Geo, s: &Shape, gr: usize, x: Ptr, col: Ptr) -> Result<(Ptr, usize), String> {
+fn group_columns(
+    dev: Dev,
+    t: DType,
+    g: &cpu::Geo,
+    s: &Shape,
+    gr: usize,
+    x: Ptr,
+    col: Ptr,
+) -> Result<(Ptr, usize), String> {
     if is_pointwise(g) {
-        return Ok((at_f32(x, gr * s.cg * s.plane), g.c * s.plane));
+        return Ok((at(x, gr * s.cg * s.plane, t), g.c * s.plane));
     }
     dev.kernel(
-        "im2col_f32",
+        &typed("im2col", t)?,
         elementwise(s.images * s.kdim * s.plane),
         &mut params![s.images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
     )?;
@@ -136,20 +161,18 @@ fn group_columns(dev: Dev, g: &cpu::Geo, s: &Shape, gr: usize, x: Ptr, col: Ptr)
 /// dB sums dY over images and the plane.
 pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
     let [dx, dw, db] = outs;
-    for (v, what) in [(&dy, "dY"), (&x, "X"), (&w, "W")] {
-        need_f32(v, what)?;
-    }
+    let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
     let g = cpu::geo(win, x.shape(), dy.shape())?;
     let s = shape(&g, group, x.shape()[0], dy.shape()[1])?;
     let pointwise = is_pointwise(&g);
     let per_image = s.kdim * s.plane;
     // The columns and their gradient (neither is needed for a pointwise window).
-    let scratch = if pointwise { NULL } else { dev.scratch(2 * s.images * per_image * 4)? };
-    let (col, dcol) = (scratch, at_f32(scratch, s.images * per_image));
+    let scratch = if pointwise { NULL } else { dev.scratch(2 * s.images * per_image * t.size())? };
+    let (col, dcol) = (scratch, at(scratch, s.images * per_image, t));
     for gr in 0..group {
-        let (col_g, col_stride) = group_columns(dev, &g, &s, gr, x.at, col)?;
-        let dy_g = at_f32(dy.at, gr * s.mg * s.plane);
-        let w_g = at_f32(w.at, gr * s.mg * s.kdim);
+        let (col_g, col_stride) = group_columns(dev, t, &g, &s, gr, x.at, col)?;
+        let dy_g = at(dy.at, gr * s.mg * s.plane, t);
+        let w_g = at(w.at, gr * s.mg * s.kdim, t);
         for img in 0..s.images {
             dev.gemm(&Product {
                 m: s.mg as u64,
@@ -158,20 +181,20 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 batch: 1,
                 trans_a: false,
                 trans_b: true,
-                a: at_f32(dy_g, img * s.m * s.plane).0,
+                a: at(dy_g, img * s.m * s.plane, t).0,
                 a_stride: 0,
-                b: at_f32(col_g, img * col_stride).0,
+                b: at(col_g, img * col_stride, t).0,
                 b_stride: 0,
-                d: at_f32(dw.at, gr * s.mg * s.kdim).0,
+                d: at(dw.at, gr * s.mg * s.kdim, t).0,
                 d_stride: 0,
                 alpha: 1.0,
                 beta: if img == 0 { 0.0 } else { 1.0 },
-                dtype: DType::F32,
+                dtype: t,
             })?;
         }
         // dcol, or for a pointwise window dX's own rows (the same layout as X's).
         let (d, d_stride) =
-            if pointwise { (at_f32(dx.at, gr * s.cg * s.plane), g.c * s.plane) } else { (dcol, per_image) };
+            if pointwise { (at(dx.at, gr * s.cg * s.plane, t), g.c * s.plane) } else { (dcol, per_image) };
         dev.gemm(&Product {
             m: s.kdim as u64,
             n: s.plane as u64,
@@ -187,12 +210,12 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             d_stride: d_stride as i64,
             alpha: 1.0,
             beta: 0.0,
-            dtype: DType::F32,
+            dtype: t,
         })?;
         if !pointwise {
             let n = s.images * s.cg * g.h * g.w;
             dev.kernel(
-                "col2im_f32",
+                &typed("col2im", t)?,
                 elementwise(n),
                 &mut params![s.images as i64, Geo::from(&g), (gr * s.cg) as i64, s.cg as i64, dcol, dx.at],
             )?;
@@ -214,36 +237,35 @@ fn pool_flags(kind: PoolKind) -> (i32, i32) {
 
 /// MaxPool or AveragePool; `indices` is MaxPool's optional second output.
 pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<V>) -> Result<(), String> {
-    need_f32(&x, "X")?;
+    let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let (max, include_pad) = pool_flags(kind);
     let planes = (x.shape()[0] * x.shape()[1]) as i64;
     let indices = indices.map_or(NULL, |i| i.at);
     dev.kernel(
-        "pool_f32",
+        &typed("pool", t)?,
         elementwise(y.n()),
         &mut params![max, include_pad, planes, Geo::from(&g), x.at, y.at, indices],
     )
 }
 
 pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), String> {
-    need_f32(&dy, "dY")?;
-    need_f32(&x, "X")?;
+    let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&dx, "dX")])?;
     let g = cpu::geo(win, x.shape(), dy.shape())?;
     let (max, include_pad) = pool_flags(kind);
     let planes = (x.shape()[0] * x.shape()[1]) as i64;
     dev.kernel(
-        "pool_grad_f32",
+        &typed("pool_grad", t)?,
         elementwise(dx.n()),
         &mut params![max, include_pad, planes, Geo::from(&g), dy.at, x.at, dx.at],
     )
 }
 
 pub fn global_average_pool(dev: Dev, x: V, y: V) -> Result<(), String> {
-    need_f32(&x, "X")?;
+    let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
     if x.shape().len() < 3 {
         return Err(format!("GlobalAveragePool of a rank-{} input (N, C and spatial dims expected)", x.shape().len()));
     }
     let rows = x.shape()[0] * x.shape()[1];
-    dev.kernel("mean_rows", per_row(rows), &mut params![(x.n() / rows.max(1)) as i64, x.at, y.at])
+    dev.kernel(&typed("mean_rows", t)?, per_row(rows), &mut params![(x.n() / rows.max(1)) as i64, x.at, y.at])
 }
