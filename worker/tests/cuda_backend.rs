@@ -190,21 +190,41 @@ fn device_cuda_without_a_gpu_exits_2_naming_what_is_missing() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Mixed precision's session options: `half` (None: f32), with fp16's dynamic loss scale.
+fn precision(half: Option<DType>) -> SessionOptions {
+    let loss_scaler = (half == Some(DType::F16)).then(|| LossScaler::new(0.0, DynamicLossScale::default()));
+    SessionOptions { half, loss_scaler, ..SessionOptions::new(ADAMW) }
+}
+
+/// How far a GPU's losses may be from the CPU's: f32's rounding, or half precision's (the two
+/// backends round sums at different places).
+fn tolerance(half: Option<DType>) -> f64 {
+    match half {
+        None => 1e-4,
+        Some(DType::F16) => 1e-3,
+        Some(_) => 5e-3,
+    }
+}
+
 /// Per-step losses of `steps` AdamW updates of tiny GPT-2 (dropout 0.1: the GPU draws the
-/// CPU's masks) on one backend.
-fn gpt2_losses<B: tensorfleet_worker::backend::Backend>(backend: Arc<B>, steps: u64) -> Vec<f64> {
+/// CPU's masks) on one backend, in f32 or `half`.
+fn gpt2_losses<B: tensorfleet_worker::backend::Backend>(backend: Arc<B>, steps: u64, half: Option<DType>) -> Vec<f64> {
     let model = models::load(&tiny_gpt2(0.1), 5).unwrap();
     let batch = gpt2_batch(2, 16, 64);
-    let mut s = Session::new(backend, &model, &batch, 1, &SessionOptions::new(ADAMW)).unwrap();
+    let mut s = Session::new(backend, &model, &batch, 1, &precision(half)).unwrap();
     (0..steps).map(|k| s.step(std::slice::from_ref(&batch), 1e-3, 1.0, k).unwrap().loss).collect()
 }
 
 /// Per-step losses of `steps` AdamW updates of SqueezeNet 1.1 on 32×32 images (dropout 0.5
-/// before the classifier) on one backend.
-fn squeezenet_losses<B: tensorfleet_worker::backend::Backend>(backend: Arc<B>, steps: u64) -> Vec<f64> {
+/// before the classifier) on one backend, in f32 or `half`.
+fn squeezenet_losses<B: tensorfleet_worker::backend::Backend>(
+    backend: Arc<B>,
+    steps: u64,
+    half: Option<DType>,
+) -> Vec<f64> {
     let model = models::load(&tiny_squeezenet(), 3).unwrap();
     let batch = squeezenet_batch(4, 32, 4);
-    let mut s = Session::new(backend, &model, &batch, 1, &SessionOptions::new(ADAMW)).unwrap();
+    let mut s = Session::new(backend, &model, &batch, 1, &precision(half)).unwrap();
     (0..steps).map(|k| s.step(std::slice::from_ref(&batch), 1e-3, 1.0, k).unwrap().loss).collect()
 }
 
@@ -214,10 +234,13 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
         eprintln!("skipped: no GPU ({})", why.0);
         return;
     }
-    let gpu = squeezenet_losses(Arc::new(CudaBackend::new(0).unwrap()), 8);
-    let cpu = squeezenet_losses(Arc::new(CpuBackend::new()), 8);
-    for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-        assert!((g - c).abs() <= 1e-4 * c.abs(), "step {}: GPU loss {g}, CPU loss {c}", k + 1);
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let gpu = squeezenet_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half);
+        let cpu = squeezenet_losses(Arc::new(CpuBackend::new()), 8, half);
+        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            let ok = (g - c).abs() <= tolerance(half) * c.abs();
+            assert!(ok, "{half:?}, step {}: GPU loss {g}, CPU loss {c}", k + 1);
+        }
     }
 }
 
@@ -231,9 +254,12 @@ fn gpt2_on_the_gpu_trains_to_the_cpu_losses() {
         }
     };
     eprintln!("{count} GPU(s)");
-    let gpu = gpt2_losses(Arc::new(CudaBackend::new(0).unwrap()), 8);
-    let cpu = gpt2_losses(Arc::new(CpuBackend::new()), 8);
-    for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-        assert!((g - c).abs() <= 1e-4 * c.abs(), "step {}: GPU loss {g}, CPU loss {c}", k + 1);
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let gpu = gpt2_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half);
+        let cpu = gpt2_losses(Arc::new(CpuBackend::new()), 8, half);
+        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            let ok = (g - c).abs() <= tolerance(half) * c.abs();
+            assert!(ok, "{half:?}, step {}: GPU loss {g}, CPU loss {c}", k + 1);
+        }
     }
 }
