@@ -201,6 +201,9 @@ pub struct Session<B: Backend> {
     loss_scale_input: Option<ValueId>,
     /// The scale the last step's gradients carry (1 without loss scaling).
     last_loss_scale: f64,
+    /// The step's micro-batch losses, summed on the device (an f32 loss), and how many so far.
+    loss_sum: Option<B::Buffer>,
+    losses_summed: usize,
     /// Tensor parallelism: this rank's place, and how each split weight is divided.
     tensor: Option<TensorPlace>,
     splits: BTreeMap<String, TensorSplit>,
@@ -411,6 +414,12 @@ impl<B: Backend> Session<B> {
             let owner = first_stage && (splits.contains_key(name) || opts.tensor.is_none_or(|t| t.rank == 0));
             ps.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
+        let loss_sum = match train.graph.meta(loss) {
+            Some(m) if m.dtype == DType::F32 && train.graph.initializers.get(&loss).is_none() => {
+                Some(backend.alloc(m.bytes()).map_err(Error::Runtime)?)
+            }
+            _ => None,
+        };
         // Batch inputs only: a stage's received activations and their gradients are fed apart.
         let inputs = train
             .graph
@@ -446,6 +455,8 @@ impl<B: Backend> Session<B> {
             scaler: opts.loss_scaler.clone(),
             loss_scale_input,
             last_loss_scale: 1.0,
+            loss_sum,
+            losses_summed: 0,
             splits,
             tensor_group: None,
             step: 0,
@@ -555,14 +566,36 @@ impl<B: Backend> Session<B> {
         self.accumulate(k, n)
     }
 
-    /// Adds the run's loss (where it computes the model's) and scalars to `sums`.
-    fn collect_losses(&self, has_loss: bool, sums: &mut [f64]) -> Result<()> {
+    /// Adds the run's loss (where it computes the model's) and scalars to `sums`. An f32 loss is
+    /// summed on the device and read once, at the end of the step (`read_loss_sum`), so that a
+    /// micro-batch does not wait for the device before the next is enqueued.
+    fn collect_losses(&mut self, has_loss: bool, sums: &mut [f64]) -> Result<()> {
         if has_loss {
-            sums[0] += Self::scalar(&self.train.fetch(self.loss)?);
+            match &self.loss_sum {
+                Some(buf) => {
+                    let loss = self.train.arg(self.loss);
+                    let sum = Arg { buf, offset: 0, meta: loss.meta };
+                    let keep = if self.losses_summed == 0 { 0.0 } else { 1.0 };
+                    self.train.backend.accumulate(sum, keep, loss, 1.0).map_err(Error::Runtime)?;
+                    self.losses_summed += 1;
+                }
+                None => sums[0] += Self::scalar(&self.train.fetch(self.loss)?),
+            }
         }
         for (i, &(_, v)) in self.scalars.iter().enumerate() {
             sums[1 + i] += Self::scalar(&self.train.fetch(v)?);
         }
+        Ok(())
+    }
+
+    /// Adds the losses summed on the device this step to `sums[0]` (one wait for the device).
+    fn read_loss_sum(&mut self, sums: &mut [f64]) -> Result<()> {
+        if let (Some(buf), true) = (&self.loss_sum, self.losses_summed > 0) {
+            let meta = self.train.graph.meta(self.loss).expect("bound");
+            sums[0] +=
+                Self::scalar(&self.train.backend.download(Arg { buf, offset: 0, meta }).map_err(Error::Runtime)?);
+        }
+        self.losses_summed = 0;
         Ok(())
     }
 
@@ -621,6 +654,7 @@ impl<B: Backend> Session<B> {
                 }
             }
         }
+        self.read_loss_sum(&mut sums)?;
         // A weight held by several stages (a tied embedding) gets the sum of their gradients.
         self.sum_shared_gradients()?;
         // Data parallelism: every replica's gradient becomes the replicas' mean, the gradient
