@@ -415,7 +415,7 @@ impl<B: Backend> Session<B> {
             ps.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
         let loss_sum = match train.graph.meta(loss) {
-            Some(m) if m.dtype == DType::F32 && train.graph.initializers.get(&loss).is_none() => {
+            Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&loss) => {
                 Some(backend.alloc(m.bytes()).map_err(Error::Runtime)?)
             }
             _ => None,
