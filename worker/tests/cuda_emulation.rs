@@ -4,6 +4,7 @@
 //! (cuBLASLt is replaced by a plain loop here; the GPU tests in cuda_backend.rs cover it where a
 //! GPU is.)
 
+mod common;
 mod cuda_emulator;
 
 use cuda_emulator::EmulatedGpu;
@@ -21,15 +22,7 @@ use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::{DType, Tensor};
 
-fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
-    let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
-    [
-        ("input_ids".to_string(), Tensor::from_vec(&[rows, seq], ids[..rows * seq].to_vec())),
-        ("labels".to_string(), Tensor::from_vec(&[rows, seq], ids[1..].to_vec())),
-    ]
-    .into_iter()
-    .collect()
-}
+use common::token_batch as batch;
 
 /// What a run leaves to compare: each step's loss, the evaluation loss, the final weights.
 struct Run {

@@ -2,7 +2,7 @@
 //! becomes one Attention node whose backward recomputes the probabilities, and training with it
 //! follows training without it (`disabled_passes: ["attention"]`) while planning less memory.
 
-use std::collections::BTreeMap;
+mod common;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
@@ -10,17 +10,9 @@ use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
-use tensorfleet_worker::tensor::{DType, Tensor};
+use tensorfleet_worker::tensor::DType;
 
-fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
-    let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
-    [
-        ("input_ids".to_string(), Tensor::from_vec(&[rows, seq], ids[..rows * seq].to_vec())),
-        ("labels".to_string(), Tensor::from_vec(&[rows, seq], ids[1..].to_vec())),
-    ]
-    .into_iter()
-    .collect()
-}
+use common::token_batch as batch;
 
 fn session(fused: bool, half: Option<DType>) -> Session<CpuBackend> {
     let spec = ModelSpec {

@@ -3,6 +3,7 @@
 //! error, the autocast pass types each op as PyTorch autocast would, and fp16's loss scaler
 //! skips overflowing steps, halves and doubles its scale, and resumes from a checkpoint's state.
 
+mod common;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
@@ -12,19 +13,11 @@ use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions, LOSS_SCALE_KEY};
-use tensorfleet_worker::tensor::{DType, Tensor};
+use tensorfleet_worker::tensor::DType;
 
 const ADAMW: Update = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
 
-fn batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeMap<String, Tensor> {
-    let ids: Vec<i64> = (0..rows * seq + 1).map(|i| ((i * 7 + 3 + salt * 11) % vocab) as i64).collect();
-    [
-        ("input_ids".to_string(), Tensor::from_vec(&[rows, seq], ids[..rows * seq].to_vec())),
-        ("labels".to_string(), Tensor::from_vec(&[rows, seq], ids[1..].to_vec())),
-    ]
-    .into_iter()
-    .collect()
-}
+use common::token_batch as batch;
 
 fn session(half: Option<DType>, scaler: Option<LossScaler>) -> Session<CpuBackend> {
     session_accumulating(half, scaler, 1)

@@ -273,10 +273,14 @@ def lr_at(sched, lr, s, total):
             "linear": lr + (min_lr - lr) * r}[sched["name"]]
 
 
-def torch_train(case_dir, spec, cfg, dtype):
-    model = onnx.load(os.path.join(case_dir, "init.onnx"))
+def torch_train(case_dir, spec, cfg, dtype, model_file="init.onnx", gpt2_loss=None, autocast=False,
+                trained=lambda name: True):
+    """Trains the case in torch; returns the per-step losses and the final weights. `gpt2_loss`
+    replaces torch_gpt2_loss, `autocast` runs the loss under torch.autocast("cpu", bfloat16),
+    and `trained` picks the initializers that are weights (the others are left out)."""
+    model = onnx.load(os.path.join(case_dir, model_file))
     raw = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer
-           if i.data_type == onnx.TensorProto.FLOAT}
+           if i.data_type == onnx.TensorProto.FLOAT and trained(i.name)}
     back = {}  # our name -> (file's name, transposed)
     if spec["model"] == "torch_export":  # nanoGPT names; nn.Linear weights are [out, in]
         for name in raw:
@@ -292,7 +296,7 @@ def torch_train(case_dir, spec, cfg, dtype):
     if spec["model"] in ("gpt2", "torch_export"):
         batches = (torch_token_batches(data_dir, b, spec["seq"]) if spec["format"] == "tokens"
                    else torch_sample_batches(data_dir, b))
-        loss_fn = lambda batch: torch_gpt2_loss(p, batch, spec["heads"])  # noqa: E731
+        loss_fn = lambda batch: (gpt2_loss or torch_gpt2_loss)(p, batch, spec["heads"])  # noqa: E731
     else:
         batches = torch_sample_batches(data_dir, b)
         loss_fn = lambda batch: torch_mlp_loss(p, batch)  # noqa: E731
@@ -308,7 +312,8 @@ def torch_train(case_dir, spec, cfg, dtype):
     for s in range(steps):
         total = 0.0
         for _ in range(accum):
-            loss = loss_fn(next(batches)) / accum
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = loss_fn(next(batches)) / accum
             loss.backward()
             total += loss.item()
         if cfg["gradClipNorm"] > 0:

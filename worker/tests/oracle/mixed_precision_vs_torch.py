@@ -21,7 +21,6 @@ tensorfleet's bf16 run stays as close to autocast's as autocast's stays to fp32.
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -33,9 +32,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from check_against_torch import CASES, make_case, torch_token_batches, lr_at  # noqa: E402
+from check_against_torch import CASES, make_case, torch_train  # noqa: E402
 import onnx  # noqa: E402
-from onnx import numpy_helper  # noqa: E402
 
 
 def gpt2_loss(p, batch, n_head):
@@ -63,36 +61,11 @@ def gpt2_loss(p, batch, n_head):
     return F.cross_entropy(logits.float().reshape(bsz * t, -1), labels.reshape(-1), ignore_index=-100)
 
 
-def torch_train(case_dir, spec, cfg, autocast):
-    model = onnx.load(os.path.join(case_dir, "model.onnx"))
+def torch_losses(case_dir, spec, cfg, autocast):
     weight = lambda n: n in ("wte", "wpe") or n.startswith(("h.", "ln_f."))  # noqa: E731
-    p = {i.name: torch.tensor(numpy_helper.to_array(i), requires_grad=True) for i in model.graph.initializer
-         if i.data_type == onnx.TensorProto.FLOAT and weight(i.name)}
-    batches = torch_token_batches(os.path.join(case_dir, "data"), cfg["batchSize"], spec["seq"])
-    o = cfg["optimizer"]
-    groups = [{"params": [t for t in p.values() if t.ndim >= 2], "weight_decay": o["weightDecay"]},
-              {"params": [t for t in p.values() if t.ndim < 2], "weight_decay": 0.0}]
-    if o["name"] in ("adamw", "adam"):
-        cls = torch.optim.AdamW if o["name"] == "adamw" else torch.optim.Adam
-        opt = cls(groups, lr=o["lr"], betas=(o["beta1"], o["beta2"]), eps=o["epsilon"])
-    else:
-        opt = torch.optim.SGD(groups, lr=o["lr"], momentum=o["momentum"], nesterov=o["nesterov"])
-    accum, steps, losses = cfg["gradientAccumulationSteps"], cfg["steps"], []
-    for s in range(steps):
-        total = 0.0
-        for _ in range(accum):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                loss = gpt2_loss(p, next(batches), spec["heads"]) / accum
-            loss.backward()
-            total += loss.item()
-        if cfg["gradClipNorm"] > 0:
-            torch.nn.utils.clip_grad_norm_(list(p.values()), cfg["gradClipNorm"])
-        for g in opt.param_groups:
-            g["lr"] = lr_at(cfg["lrSchedule"], o["lr"], s, steps)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
-    return np.array(losses)
+    losses, _ = torch_train(case_dir, spec, cfg, torch.float32, model_file="model.onnx", gpt2_loss=gpt2_loss,
+                            autocast=autocast, trained=weight)
+    return losses
 
 
 def builtin_model(worker, case_dir, spec, cfg):
@@ -146,7 +119,7 @@ def main():
             continue
         builtin_model(worker, d, spec, cfg)
         tf32, tf16 = worker_train(worker, d, "fp32"), worker_train(worker, d, "bf16")
-        pt32, pt16 = torch_train(d, spec, cfg, False), torch_train(d, spec, cfg, True)
+        pt32, pt16 = torch_losses(d, spec, cfg, False), torch_losses(d, spec, cfg, True)
         print(f"{name}: loss {pt32[0]:.4f} -> {pt32[-1]:.4f} over {args.steps} steps")
         print(f"  step 1: tensorfleet bf16 vs autocast {rel(tf16[0], pt16[0]):.1e}; "
               f"autocast vs fp32 {rel(pt16[0], pt32[0]):.1e}; tensorfleet bf16 vs fp32 {rel(tf16[0], tf32[0]):.1e}; "
