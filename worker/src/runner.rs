@@ -169,9 +169,22 @@ fn check_watched(cfg: &TrainingConfig, weights: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// The peak FLOP/s MFU is measured against: logging.peakTflops, else unknown on the CPU.
-fn peak_flops(cfg: &TrainingConfig) -> Option<f64> {
-    (cfg.logging.peak_tflops > 0.0).then_some(cfg.logging.peak_tflops * 1e12)
+/// The peak FLOP/s MFU is measured against: logging.peakTflops, else the device's known dense
+/// peak for the precision's products (none on the CPU).
+fn peak_flops(cfg: &TrainingConfig, backend: &impl Backend) -> Option<f64> {
+    if cfg.logging.peak_tflops > 0.0 {
+        return Some(cfg.logging.peak_tflops * 1e12);
+    }
+    backend.peak_flops(half_type(cfg.precision).unwrap_or(DType::F32))
+}
+
+/// The half type `precision` computes its products in (None: f32).
+fn half_type(precision: Precision) -> Option<DType> {
+    match precision {
+        Precision::Fp32 => None,
+        Precision::Fp16 => Some(DType::F16),
+        Precision::Bf16 => Some(DType::BF16),
+    }
 }
 
 /// Runs the whole training described by `cfg` as one rank of the world mpirun started (or
@@ -253,11 +266,7 @@ fn train_on<B: Backend>(
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
         adasum: p.adasum,
         tensor: (p.tensor > 1).then_some(TensorPlace { rank: groups.coords.tp, size: p.tensor }),
-        half: match cfg.precision {
-            Precision::Fp32 => None,
-            Precision::Fp16 => Some(DType::F16),
-            Precision::Bf16 => Some(DType::BF16),
-        },
+        half: half_type(cfg.precision),
         loss_scaler: (cfg.precision == Precision::Fp16)
             .then(|| LossScaler::new(cfg.loss_scale, cfg.dynamic_loss_scale)),
     };
@@ -321,7 +330,7 @@ fn train_on<B: Backend>(
     }
     let console = Console::new(if leader { console } else { ConsoleMode::Quiet }, start_step, cfg.steps);
     let unit = if seq_len > 0 { "tok" } else { "samples" };
-    let peak = peak_flops(cfg);
+    let peak = peak_flops(cfg, backend.as_ref());
     let watched = |w: &str| watches(&cfg.logging.histograms, w) || watches(&cfg.logging.norms, w);
     let mut profiling = (leader && cfg.profiling.from_step > 0).then(|| Trace::new(world.rank()));
     let mut pending = Some(first);

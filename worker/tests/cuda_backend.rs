@@ -263,3 +263,17 @@ fn gpt2_on_the_gpu_trains_to_the_cpu_losses() {
         }
     }
 }
+
+#[test]
+fn mfu_is_measured_against_the_gpus_dense_peak_for_the_precision() {
+    use tensorfleet_worker::backend::cuda::peak_flops_of;
+    let tflops = |device: &str, t: DType| peak_flops_of(device, t).map(|f| (f / 1e9).round() / 1e3);
+    let h100 = "cuda:0 (NVIDIA H100 80GB HBM3, sm_90)";
+    assert_eq!(tflops(h100, DType::BF16), Some(989.4));
+    assert_eq!(tflops(h100, DType::F32), Some(66.9), "f32 products use no tensor cores (no TF32)");
+    assert_eq!(tflops("cuda:1 (NVIDIA H100 PCIe, sm_90)", DType::F16), Some(756.0));
+    assert_eq!(tflops("cuda:0 (NVIDIA A100-SXM4-80GB, sm_80)", DType::BF16), Some(312.0));
+    assert_eq!(tflops("cuda:0 (NVIDIA A10, sm_86)", DType::BF16), Some(125.0));
+    assert_eq!(tflops("cuda:0 (NVIDIA L40S, sm_89)", DType::BF16), Some(362.1));
+    assert_eq!(tflops("cuda:0 (Some Future GPU, sm_100)", DType::BF16), None, "unknown: no MFU");
+}

@@ -89,6 +89,12 @@ pub trait Backend: Send + Sync {
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;
 
+    /// The device's dense peak FLOP/s for products computing in `compute` (f32, or a half
+    /// type's tensor cores), when known: what model FLOPs utilization is measured against.
+    fn peak_flops(&self, _compute: crate::tensor::DType) -> Option<f64> {
+        None
+    }
+
     /// Lets `f` change an f32 value in host memory: the CPU hands over the value's own bytes; a
     /// device would copy it to the host and back. Host collectives (MPI) reduce gradients
     /// through it; device collectives (NCCL) will not need it.

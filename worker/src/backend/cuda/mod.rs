@@ -15,7 +15,7 @@ use super::{Arg, Backend, StepHyper};
 use crate::graph::ir::Graph;
 use crate::graph::op::Op;
 use crate::optim::Update;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use cudarc::driver::result as driver;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
@@ -239,11 +239,37 @@ impl CudaBackend {
     }
 }
 
+/// Dense peaks from NVIDIA's data sheets, TFLOP/s: (a substring of the device's name, FP32
+/// without tensor cores — the products run CUBLAS_COMPUTE_32F, no TF32 — and BF16/FP16 on
+/// tensor cores). More specific names come first (an "H100 PCIe" is also an "H100").
+const PEAKS: [(&str, f64, f64); 10] = [
+    ("H100 PCIe", 51.2, 756.0),
+    ("H100 NVL", 60.0, 835.0),
+    ("H100", 66.9, 989.4),
+    ("H200", 66.9, 989.4),
+    ("A100", 19.5, 312.0),
+    ("L40S", 91.6, 362.1),
+    ("L40", 90.5, 181.0),
+    ("L4", 30.3, 121.0),
+    ("A10", 31.2, 125.0),
+    ("A6000", 38.7, 154.8),
+];
+
+/// The peak of a device named `device` for products in `compute`, when the table knows it.
+pub fn peak_flops_of(device: &str, compute: DType) -> Option<f64> {
+    let (_, fp32, half) = PEAKS.iter().find(|(name, _, _)| device.contains(name))?;
+    Some(1e12 * if matches!(compute, DType::F16 | DType::BF16) { *half } else { *fp32 })
+}
+
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
 
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    fn peak_flops(&self, compute: DType) -> Option<f64> {
+        peak_flops_of(&self.name, compute)
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaBuffer, String> {
