@@ -413,6 +413,11 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             &[Meta::new(t, &[2, 1, 4])],
         );
         within_ulp("MatMul", &Op::MatMul, &[a.clone(), half(&[4, 5], 5)], &[Meta::new(t, &[2, 3, 5])]);
+        // The bias in the product's epilogue (added by the emulator's stand-in for cuBLASLt
+        // before D's rounding): the right vector, added per output column.
+        let fused = Op::FusedMatMul { trans_a: false, trans_b: true, activation: None };
+        let ins = [a.clone(), half(&[5, 4], 11), half(&[5], 12)];
+        within_ulp("FusedMatMul with a bias", &fused, &ins, &[Meta::new(t, &[2, 3, 5])]);
         // Windows: a grouped, strided convolution and its gradient, max and average pooling and
         // their gradients, global average pooling (sums of many terms: within one unit).
         let win = Window::explicit(&[3, 2], &[2, 1], &[1, 1], &[1, 0, 1, 1], false);

@@ -173,7 +173,7 @@ impl Target for EmulatedGpu {
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
         // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
-        // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices.
+        // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the bias in the epilogue.
         let size = p.dtype.size() as isize;
         let load = |at: *const u8| -> f32 {
             match p.dtype {
@@ -204,7 +204,10 @@ impl Target for EmulatedGpu {
                     }
                     let out = d.wrapping_offset((i * n + j) as isize * size);
                     let prior = if p.beta != 0.0 { p.beta * load(out) } else { 0.0 };
-                    store(out, p.alpha * s as f32 + prior);
+                    // The bias epilogue: added before D's one rounding.
+                    let bias =
+                        if p.bias != 0 { load((p.bias as *const u8).wrapping_offset(j as isize * size)) } else { 0.0 };
+                    store(out, p.alpha * s as f32 + prior + bias);
                 }
             }
         }

@@ -12,10 +12,11 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use std::ffi::c_void;
 
-/// One product D = alpha·op(A)·op(B) + beta·D over `batch` matrices, row-major: op(A) is
-/// [m, k], op(B) [k, n], D [m, n]; an operand's batch stride is 0 when every batch shares it.
+/// One product D = alpha·op(A)·op(B) + beta·D (+ bias) over `batch` matrices, row-major: op(A)
+/// is [m, k], op(B) [k, n], D [m, n]; an operand's batch stride is 0 when every batch shares it.
 /// D's is m·n when the outputs are packed, more when they interleave with others (one group
-/// of a grouped convolution's channels, per image).
+/// of a grouped convolution's channels, per image). `bias` (0: none) is a vector of n added to
+/// every row of every batch in the product's epilogue, before D is rounded to its type.
 #[derive(Clone, Copy, Debug)]
 pub struct Product {
     pub m: u64,
@@ -32,8 +33,10 @@ pub struct Product {
     pub d_stride: i64,
     pub alpha: f32,
     pub beta: f32,
-    /// The element type of A, B and D: f32, f16 or bf16 (accumulation and alpha/beta in f32).
+    /// The element type of A, B, D and the bias: f32, f16 or bf16 (accumulation and alpha/beta
+    /// in f32).
     pub dtype: DType,
+    pub bias: u64,
 }
 
 /// The cuBLASLt handle and its workspace (both live as long as the backend).
@@ -52,6 +55,20 @@ pub const WORKSPACE_BYTES: usize = 32 << 20;
 
 fn err(what: &str, e: lt::CublasError) -> String {
     format!("cuBLASLt {what}: {e:?}")
+}
+
+/// Why a product did not run: cuBLASLt offers no algorithm for it (with the bias epilogue, the
+/// caller can add the bias apart), or anything else.
+enum RunError {
+    Unsupported,
+    Failed(String),
+}
+use RunError::{Failed, Unsupported};
+
+impl From<String> for RunError {
+    fn from(e: String) -> RunError {
+        Failed(e)
+    }
 }
 
 /// A column-major matrix layout of `rows` × `cols` with leading dimension `ld`, batched.
@@ -106,7 +123,23 @@ impl Gemm {
         Ok(Gemm { handle, workspace, workspace_bytes })
     }
 
-    pub(super) fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<(), String> {
+    /// Runs `p`; returns whether its bias was added (false when cuBLASLt has no algorithm for
+    /// the bias epilogue with these layouts: the caller adds it).
+    pub(super) fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
+        if p.bias != 0 {
+            match self.run_with(p, true, stream) {
+                Ok(()) => return Ok(true),
+                Err(Failed(e)) => return Err(e),
+                Err(Unsupported) => {}
+            }
+        }
+        self.run_with(p, false, stream).map(|()| false).map_err(|e| match e {
+            Failed(e) => e,
+            Unsupported => format!("cuBLASLt has no algorithm for {p:?}"),
+        })
+    }
+
+    fn run_with(&self, p: &Product, epilogue: bool, stream: sys::cudaStream_t) -> Result<(), RunError> {
         // cuBLASLt's first operand is our B: as stored it reads (column-major) as Bᵀ [n, k] when
         // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
         let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };
@@ -117,7 +150,7 @@ impl Gemm {
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| err("descriptor", e))?;
         let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;
-        let result = (|| {
+        let result = (|| -> Result<(), RunError> {
             let (op_first, op_second) = (p.trans_b as i32, p.trans_a as i32);
             let ws = self.workspace_bytes as u64;
             // SAFETY: descriptors created above; attribute buffers outlive the calls; the
@@ -144,8 +177,29 @@ impl Gemm {
                     8,
                 )
                 .map_err(|e| err("workspace preference", e))?;
+                if epilogue {
+                    let bias = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
+                        &bias as *const sys::cublasLtEpilogue_t as *const c_void,
+                        std::mem::size_of::<sys::cublasLtEpilogue_t>(),
+                    )
+                    .map_err(|e| err("epilogue", e))?;
+                    // The bias is D's type (BIAS_DATA_TYPE's default) and shared by the batch
+                    // (BIAS_BATCH_STRIDE's default, 0).
+                    lt::set_matmul_desc_attribute(
+                        desc,
+                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                        &p.bias as *const u64 as *const c_void,
+                        8,
+                    )
+                    .map_err(|e| err("bias pointer", e))?;
+                }
                 let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc, first.0, second.0, out.0, out.0, pref)
-                    .map_err(|e| err(&format!("no algorithm for {p:?}"), e))?;
+                    .map_err(
+                        |e| if epilogue { Unsupported } else { Failed(err(&format!("no algorithm for {p:?}"), e)) },
+                    )?;
                 lt::matmul(
                     self.handle,
                     desc,
@@ -164,7 +218,7 @@ impl Gemm {
                     self.workspace_bytes,
                     stream,
                 )
-                .map_err(|e| err("matmul", e))
+                .map_err(|e| Failed(err("matmul", e)))
             }
         })();
         // SAFETY: created above, destroyed once.

@@ -597,7 +597,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 return Err("Gemm takes 2-D operands".into());
             }
             let beta = if c.is_some() { *beta } else { 0.0 };
-            product(dev, a, b, *trans_a, *trans_b, *alpha, beta, y)
+            product(dev, a, b, *trans_a, *trans_b, *alpha, beta, None, y)
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let a = x(0)?;
@@ -1129,8 +1129,12 @@ fn matmul(
     alpha: f32,
     y: V,
 ) -> Result<(), String> {
-    product(dev, a, b, trans_a, trans_b, alpha, 0.0, y)?;
-    if let Some(bias) = bias {
+    // A bias of the output's columns and type goes into the product's epilogue (added in f32
+    // before the one rounding of D); any other broadcasts after it.
+    let columns = y.shape().last().copied().unwrap_or(1);
+    let epilogue = bias.filter(|b| b.shape() == [columns] && b.dtype() == y.dtype());
+    product(dev, a, b, trans_a, trans_b, alpha, 0.0, epilogue, y)?;
+    if let Some(bias) = bias.filter(|_| epilogue.is_none()) {
         binary(dev, Binary::Add, y, bias, y)?;
     }
     if let Some(u) = act {
@@ -1140,10 +1144,20 @@ fn matmul(
     Ok(())
 }
 
-/// y = alpha·op(a)·op(b) + beta·y over the batch dims of y; each operand has those batch dims
-/// or none (shared by the whole batch).
+/// y = alpha·op(a)·op(b) + beta·y (+ bias, a vector of y's columns) over the batch dims of y;
+/// each operand has those batch dims or none (shared by the whole batch).
 #[allow(clippy::too_many_arguments)]
-fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta: f32, y: V) -> Result<(), String> {
+fn product(
+    dev: Dev,
+    a: V,
+    b: V,
+    trans_a: bool,
+    trans_b: bool,
+    alpha: f32,
+    beta: f32,
+    bias: Option<V>,
+    y: V,
+) -> Result<(), String> {
     let dtype = a.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || b.dtype() != dtype || y.dtype() != dtype {
         return Err(format!(
@@ -1190,6 +1204,7 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             alpha,
             beta,
             dtype,
+            bias: bias.map_or(0, |b| b.at.0),
         }
     } else {
         Product {
@@ -1208,9 +1223,22 @@ fn product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, alpha: f32, beta:
             alpha,
             beta,
             dtype,
+            bias: bias.map_or(0, |b| b.at.0),
         }
     };
     dev.gemm(&p)
+}
+
+/// A product's bias added after it, for when cuBLASLt's bias epilogue had no algorithm: D is
+/// packed (batch × m rows of n) and the bias a vector of n, both of the product's type.
+pub(super) fn add_bias(target: &dyn Target, p: &Product) -> Result<(), String> {
+    let (rows, n) = ((p.batch * p.m) as usize, p.n as usize);
+    if p.batch > 1 && p.d_stride != (p.m * p.n) as i64 {
+        return Err(format!("a bias for a product whose outputs are not packed: {p:?}"));
+    }
+    let (d, bias) = (Meta::new(p.dtype, &[rows, n]), Meta::new(p.dtype, &[n]));
+    let (d, bias) = (V { meta: &d, at: Ptr(p.d) }, V { meta: &bias, at: Ptr(p.bias) });
+    binary(Dev(target), Binary::Add, d, bias, d)
 }
 
 /// Gradient accumulation: dst = dst·keep + src·scale.

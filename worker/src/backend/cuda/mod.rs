@@ -173,7 +173,11 @@ impl CudaBackend {
     }
 
     pub(crate) fn gemm(&self, p: &gemm::Product) -> Result<(), String> {
-        self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)
+        let added = self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)?;
+        if p.bias != 0 && !added {
+            launch::add_bias(self, p)?;
+        }
+        Ok(())
     }
 
     /// At least `bytes` of scratch memory, valid until the next launch that asks for scratch.

@@ -120,6 +120,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
             alpha: 1.0,
             beta: 0.0,
             dtype: t,
+            bias: 0,
         })?;
     }
     if let Some(bias) = bias {
@@ -190,6 +191,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 alpha: 1.0,
                 beta: if img == 0 { 0.0 } else { 1.0 },
                 dtype: t,
+                bias: 0,
             })?;
         }
         // dcol, or for a pointwise window dX's own rows (the same layout as X's).
@@ -211,6 +213,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             alpha: 1.0,
             beta: 0.0,
             dtype: t,
+            bias: 0,
         })?;
         if !pointwise {
             let n = s.images * s.cg * g.h * g.w;
