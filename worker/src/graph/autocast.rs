@@ -68,7 +68,13 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
     for mut node in std::mem::take(&mut g.nodes) {
         let floats: Vec<usize> =
             (0..node.inputs.len()).filter(|&k| node.input(k).is_some_and(|v| dtype_of(g, v).is_float())).collect();
+        // f64 and the like are not autocast's business: a node reading one stays as it is.
+        let autocast_types = floats.iter().filter_map(|&k| node.input(k)).all(|v| {
+            let d = dtype_of(g, v);
+            d == half || d == DType::F32
+        });
         let compute = match rule(&node.op) {
+            _ if !autocast_types => None,
             Rule::Untouched => None,
             Rule::Low => Some(half),
             Rule::Full => Some(DType::F32),
@@ -83,10 +89,8 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
                     None
                 } else if batch.iter().all(|&d| d == half) {
                     Some(half)
-                } else if batch.iter().all(|&d| d == half || d == DType::F32) {
-                    Some(DType::F32)
                 } else {
-                    None // f64 and the like are not autocast's business
+                    Some(DType::F32)
                 }
             }
         };
@@ -97,8 +101,7 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
         if let Some(to) = compute {
             for &k in &floats {
                 let v = node.input(k).expect("a float input");
-                let from = dtype_of(g, v);
-                if (from == half || from == DType::F32) && from != to {
+                if dtype_of(g, v) != to {
                     node.inputs[k] = Some(cast(g, &mut casts, &mut from_batch, params, v, to));
                 }
             }
@@ -173,4 +176,46 @@ fn cast(
     }
     casts.insert((v, to), c);
     c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::infer::{bind, Bindings};
+    use crate::graph::ir::Dim;
+    use crate::tensor::Tensor;
+
+    #[test]
+    fn products_go_half_softmax_stays_f32_others_follow_and_f64_is_left_alone() {
+        let mut g = Graph::new("autocast", 17);
+        let x = g.add_input("x", DType::F32, vec![Dim::Fixed(2), Dim::Fixed(3)]);
+        let w = g.add_initializer("w", Tensor::from_vec(&[3, 4], vec![0.5f32; 12]));
+        let bias = g.add_initializer("bias", Tensor::from_vec(&[4], vec![0.25f32; 4]));
+        let y = g.op1("mm", Op::MatMul, &[x, w]);
+        let y = g.op1("bias_add", Op::Binary(Binary::Add), &[y, bias]);
+        let p = g.op1("softmax", Op::Softmax { axis: -1 }, &[y]);
+        let r = g.op1("residual", Op::Binary(Binary::Add), &[p, y]);
+        let xd = g.add_input("xd", DType::F64, vec![Dim::Fixed(2), Dim::Fixed(3)]);
+        let wd = g.add_initializer("wd", Tensor::from_vec(&[3, 3], vec![0.5f64; 9]));
+        let yd = g.op1("mm64", Op::MatMul, &[xd, wd]);
+        g.outputs = vec![r, yd];
+        let params: HashSet<ValueId> = [w, bias].into_iter().collect();
+        let mut b = bind(&g, &Bindings { variables: params.clone(), ..Default::default() }, true).unwrap();
+        autocast(&mut b, DType::BF16, &params, &[r]).unwrap();
+        let dtype = |name: &str| b.meta(b.find(name).unwrap()).unwrap().dtype;
+        let reads = |node: &str| -> Vec<DType> {
+            let n = b.nodes.iter().find(|n| n.name == node).unwrap();
+            n.inputs.iter().flatten().map(|&v| b.meta(v).unwrap().dtype).collect()
+        };
+        assert_eq!(reads("mm"), [DType::BF16, DType::BF16], "a product reads half");
+        assert_eq!(reads("bias_add"), [DType::BF16, DType::BF16], "a bias follows the product, cast down");
+        assert_eq!(reads("softmax"), [DType::F32], "softmax computes in f32");
+        assert_eq!(reads("residual"), [DType::F32, DType::F32], "mixed inputs promote to f32");
+        assert_eq!(reads("mm64"), [DType::F64, DType::F64], "f64 is not autocast's business");
+        assert_eq!((dtype("w"), dtype("bias"), dtype("mm64")), (DType::F32, DType::F32, DType::F64));
+        assert_eq!(dtype("residual"), DType::F32, "a kept value keeps its type");
+        // The weights are cast by nodes (they change every step); a cast is shared by its readers.
+        let casts = b.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
+        assert_eq!(casts, 4, "x, w and bias down; the biased product up, once, for softmax and residual");
+    }
 }
