@@ -196,13 +196,18 @@ fn precision(half: Option<DType>) -> SessionOptions {
     SessionOptions { half, loss_scaler, ..SessionOptions::new(ADAMW) }
 }
 
-/// How far a GPU's losses may be from the CPU's: f32's rounding, or half precision's (the two
-/// backends round sums at different places).
-fn tolerance(half: Option<DType>) -> f64 {
-    match half {
-        None => 1e-4,
-        Some(DType::F16) => 1e-3,
-        Some(_) => 5e-3,
+/// Each precision's per-step losses on the GPU against the CPU's, within that precision's
+/// rounding: f32's, or half precision's (the two backends round sums at different places).
+fn assert_gpu_follows_cpu(
+    what: &str,
+    gpu: impl Fn(Option<DType>) -> Vec<f64>,
+    cpu: impl Fn(Option<DType>) -> Vec<f64>,
+) {
+    for (half, tolerance) in [(None, 1e-4), (Some(DType::BF16), 5e-3), (Some(DType::F16), 1e-3)] {
+        for (k, (g, c)) in gpu(half).iter().zip(&cpu(half)).enumerate() {
+            let ok = (g - c).abs() <= tolerance * c.abs();
+            assert!(ok, "{what}, {half:?}, step {}: GPU loss {g}, CPU loss {c}", k + 1);
+        }
     }
 }
 
@@ -234,14 +239,11 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
         eprintln!("skipped: no GPU ({})", why.0);
         return;
     }
-    for half in [None, Some(DType::BF16), Some(DType::F16)] {
-        let gpu = squeezenet_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half);
-        let cpu = squeezenet_losses(Arc::new(CpuBackend::new()), 8, half);
-        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-            let ok = (g - c).abs() <= tolerance(half) * c.abs();
-            assert!(ok, "{half:?}, step {}: GPU loss {g}, CPU loss {c}", k + 1);
-        }
-    }
+    assert_gpu_follows_cpu(
+        "SqueezeNet",
+        |half| squeezenet_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half),
+        |half| squeezenet_losses(Arc::new(CpuBackend::new()), 8, half),
+    );
 }
 
 #[test]
@@ -254,14 +256,11 @@ fn gpt2_on_the_gpu_trains_to_the_cpu_losses() {
         }
     };
     eprintln!("{count} GPU(s)");
-    for half in [None, Some(DType::BF16), Some(DType::F16)] {
-        let gpu = gpt2_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half);
-        let cpu = gpt2_losses(Arc::new(CpuBackend::new()), 8, half);
-        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
-            let ok = (g - c).abs() <= tolerance(half) * c.abs();
-            assert!(ok, "{half:?}, step {}: GPU loss {g}, CPU loss {c}", k + 1);
-        }
-    }
+    assert_gpu_follows_cpu(
+        "GPT-2",
+        |half| gpt2_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half),
+        |half| gpt2_losses(Arc::new(CpuBackend::new()), 8, half),
+    );
 }
 
 #[test]

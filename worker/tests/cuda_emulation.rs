@@ -38,21 +38,20 @@ fn train<B: Backend>(backend: Arc<B>, update: Update, recompute: Recompute, micr
         ..Default::default()
     };
     let batches: Vec<_> = (0..micro_batches).map(|k| batch(2, 8, 48, k)).collect();
-    train_model(backend, &spec, &batches, update, recompute, steps)
+    train_model(backend, &spec, &batches, &SessionOptions { recompute, ..SessionOptions::new(update) }, steps)
 }
 
+/// `steps` updates over `batches` (one per micro-batch), then an evaluation of the first.
 fn train_model<B: Backend>(
     backend: Arc<B>,
     spec: &ModelSpec,
     batches: &[BTreeMap<String, Tensor>],
-    update: Update,
-    recompute: Recompute,
+    opts: &SessionOptions,
     steps: u64,
 ) -> Run {
     let micro_batches = batches.len();
     let model = models::load(spec, 11).unwrap();
-    let opts = SessionOptions { recompute, ..SessionOptions::new(update) };
-    let mut s = Session::new(backend, &model, &batches[0], micro_batches, &opts).unwrap();
+    let mut s = Session::new(backend, &model, &batches[0], micro_batches, opts).unwrap();
     let initial = s.weights().unwrap();
     let losses = (0..steps).map(|k| s.step(batches, 3e-3, 1.0, k).unwrap().loss).collect();
     let eval = s.evaluate(&batches[..1]).unwrap();
@@ -106,20 +105,6 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
 
 /// SqueezeNet 1.1 on 32×32 images: convolutions (3×3 stride 2, 1×1, padded 3×3), ceil-mode max
 /// pooling, dropout, global average pooling and their gradients.
-/// Per-step losses (and the evaluation loss, last) of 3 mixed-precision steps over `batches`.
-fn mixed_losses<B: Backend>(
-    backend: Arc<B>,
-    spec: &ModelSpec,
-    batches: &[BTreeMap<String, Tensor>],
-    opts: &SessionOptions,
-) -> Vec<f64> {
-    let model = models::load(spec, 11).unwrap();
-    let mut s = Session::new(backend, &model, &batches[0], batches.len(), opts).unwrap();
-    let mut losses: Vec<f64> = (0..3).map(|k| s.step(batches, 3e-3, 1.0, k).unwrap().loss).collect();
-    losses.push(s.evaluate(&batches[..1]).unwrap());
-    losses
-}
-
 /// Mixed precision on the emulated kernels: bf16 and fp16 GPT-2 (products through the
 /// half-precision GEMM, fused attention, elementwise ops on half storage, bias gradients summed
 /// from half) and bf16 SqueezeNet (half convolutions and pooling) train to the CPU backend's
@@ -157,8 +142,10 @@ fn mixed_precision_trains_on_the_emulated_kernels_to_the_cpu_losses() {
             recompute: Recompute::Gelu,
             ..SessionOptions::new(update)
         };
-        let gpu = mixed_losses(Arc::new(EmulatedGpu::new()), spec, batches, &opts);
-        let cpu = mixed_losses(Arc::new(CpuBackend::new()), spec, batches, &opts);
+        // Each step's loss, then the evaluation loss.
+        let losses = |r: Run| -> Vec<f64> { r.losses.into_iter().chain([r.eval]).collect() };
+        let gpu = losses(train_model(Arc::new(EmulatedGpu::new()), spec, batches, &opts, 3));
+        let cpu = losses(train_model(Arc::new(CpuBackend::new()), spec, batches, &opts, 3));
         for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
             assert!(
                 (g - c).abs() <= rtol * c.abs(),
@@ -184,8 +171,9 @@ fn squeezenet_trains_on_the_emulated_kernels_to_the_cpu_losses() {
     // SGD: Adam's normalisation would turn the two backends' rounding in near-zero gradients
     // into whole-step differences in the weights (GPT-2 above covers Adam's kernels).
     let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 1e-4 };
-    let gpu = train_model(Arc::new(EmulatedGpu::new()), &spec, &batches, sgd, Recompute::None, 3);
-    let cpu = train_model(Arc::new(CpuBackend::new()), &spec, &batches, sgd, Recompute::None, 3);
+    let opts = SessionOptions::new(sgd);
+    let gpu = train_model(Arc::new(EmulatedGpu::new()), &spec, &batches, &opts, 3);
+    let cpu = train_model(Arc::new(CpuBackend::new()), &spec, &batches, &opts, 3);
     assert_same("SqueezeNet, SGD with momentum", &gpu, &cpu);
     // Small steps move the weights less than assert_same's tolerance: the updates themselves
     // must agree, to 0.1% of each tensor's largest, plus the rounding of the weights they are

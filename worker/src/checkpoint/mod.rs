@@ -115,7 +115,7 @@ pub fn save(
     // (wrote a file, checksum's high and low 32 bits): exact in f64, so one all-gather
     // tells rank 0 every file's checksum.
     let mut mine = [0f64; 3];
-    let own = tensors.keys().any(|k| k != crate::session::STEP_KEY && k != crate::session::LOSS_SCALE_KEY);
+    let own = tensors.keys().any(|k| !crate::session::SHARED_KEYS.contains(&k.as_str()));
     if rank == 0 || own {
         let bytes = safetensors::encode(tensors);
         write_synced(&tmp.join(&file), &bytes)?;

@@ -204,12 +204,12 @@ struct AttentionChain {
 /// PyTorch with masked_fill) both read this way. Every value inside the chain must be read only
 /// by the chain.
 fn attention(g: &mut Graph, keep: &[ValueId]) -> usize {
-    let chains: Vec<AttentionChain> = (0..g.nodes.len()).filter_map(|i| attention_chain(g, i, keep)).collect();
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let chains: Vec<AttentionChain> =
+        (0..g.nodes.len()).filter_map(|i| attention_chain(g, &producers, &uses, i, keep)).collect();
     if chains.is_empty() {
         return 0;
     }
-    let producers = g.producers();
-    let uses = g.use_counts();
     let mut gone = vec![false; g.nodes.len()];
     let mut before: Vec<Vec<Node>> = vec![Vec::new(); g.nodes.len()];
     for c in &chains {
@@ -260,9 +260,14 @@ fn attention(g: &mut Graph, keep: &[ValueId]) -> usize {
     chains.len()
 }
 
-fn attention_chain(g: &Graph, context: usize, keep: &[ValueId]) -> Option<AttentionChain> {
-    let producers = g.producers();
-    let uses = g.use_counts();
+/// The attention whose product with v is node `context`, if it is one.
+fn attention_chain(
+    g: &Graph,
+    producers: &[Option<usize>],
+    uses: &[usize],
+    context: usize,
+    keep: &[ValueId],
+) -> Option<AttentionChain> {
     let node = &g.nodes[context];
     if node.op != Op::MatMul {
         return None;

@@ -43,9 +43,10 @@ type BatchShapes = BTreeMap<String, Vec<usize>>;
 
 /// Checkpointed optimizer tensors are named under this prefix; weights keep their own names.
 pub const OPTIMIZER_PREFIX: &str = "optimizer/";
-/// The step count and the loss scaler's state: every rank holds the same ones.
+/// The step count and the loss scaler's state: every rank holds the same ones (`SHARED_KEYS`).
 pub const STEP_KEY: &str = "optimizer/step";
 pub const LOSS_SCALE_KEY: &str = "optimizer/loss_scale";
+pub const SHARED_KEYS: [&str; 2] = [STEP_KEY, LOSS_SCALE_KEY];
 
 /// What the session needs to know beyond the model.
 #[derive(Clone, Debug)]
@@ -214,6 +215,25 @@ pub struct Session<B: Backend> {
 }
 
 /// The input shapes of a batch, as bindings for a graph.
+/// The passes over a forward graph (training's or evaluation's) before it is differentiated or
+/// planned: the forward fusions (attention), then mixed precision's casts around them. The loss
+/// and the activations a stage sends keep their values and types.
+fn forward_passes(
+    g: &mut Graph,
+    loss: ValueId,
+    sends: &[ValueId],
+    disabled: &[String],
+    half: Option<DType>,
+    variables: &HashSet<ValueId>,
+) -> Result<()> {
+    let keep: Vec<ValueId> = std::iter::once(loss).chain(sends.iter().copied()).collect();
+    fuse::run_forward(g, disabled, &keep);
+    match half {
+        Some(half) => crate::graph::autocast::autocast(g, half, variables, &keep),
+        None => Ok(()),
+    }
+}
+
 fn bindings_for(g: &Graph, batch: &BTreeMap<String, Tensor>, variables: &HashSet<ValueId>) -> Result<Bindings> {
     let mut b = Bindings { variables: variables.clone(), ..Default::default() };
     for d in &g.inputs {
@@ -323,14 +343,8 @@ impl<B: Backend> Session<B> {
             )));
         }
         let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
-        // Forward fusions (attention), then mixed precision's casts around them; the loss and
-        // the activations a stage sends keep their values and types.
-        let keep: Vec<ValueId> =
-            std::iter::once(loss).chain(part.as_ref().map_or(vec![], |p| p.sends.clone())).collect();
-        fuse::run_forward(&mut train, &opts.disabled_passes, &keep);
-        if let Some(half) = opts.half {
-            crate::graph::autocast::autocast(&mut train, half, &variables, &keep)?;
-        }
+        let sends = part.as_ref().map_or(&[][..], |p| &p.sends[..]);
+        forward_passes(&mut train, loss, sends, &opts.disabled_passes, opts.half, &variables)?;
         // fp16: the loss's gradient is the loss scale, fed each step (the last stage's loss is
         // the model's; the other stages' backward passes start from gradients already scaled).
         let loss_scale_input = (opts.loss_scaler.is_some() && part.as_ref().is_none_or(|p| p.is_last())).then(|| {
@@ -800,12 +814,8 @@ impl<B: Backend> Session<B> {
             if let Some(part) = &self.stage {
                 g = part.eval_graph(g, self.eval_loss)?;
             }
-            let sends = self.stage.as_ref().map_or(vec![], |p| p.sends.clone());
-            let keep: Vec<ValueId> = std::iter::once(self.eval_loss).chain(sends).collect();
-            fuse::run_forward(&mut g, &self.disabled_passes, &keep);
-            if let Some(half) = self.half {
-                crate::graph::autocast::autocast(&mut g, half, &self.variables, &keep)?;
-            }
+            let sends = self.stage.as_ref().map_or(&[][..], |p| &p.sends[..]);
+            forward_passes(&mut g, self.eval_loss, sends, &self.disabled_passes, self.half, &self.variables)?;
             fuse::run(&mut g, &self.disabled_passes);
             let mut ex = Executor::new(self.train.backend.clone(), g, &[])?;
             ex.tensor_group = self.tensor_group.clone();

@@ -865,28 +865,14 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
         return Err(format!("{op:?} of {} and {} has no CUDA kernel", a.dtype(), b.dtype()));
     }
     match (a.dtype(), op.is_predicate()) {
-        (t @ (DType::F16 | DType::BF16), predicate) if !matches!(op, Binary::And | Binary::Or) => {
-            if predicate {
-                let kernel = typed("compare", t)?;
-                dev.kernel(&kernel, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
-            } else {
-                let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
-                let kernel = typed("binary", t)?;
-                dev.kernel(
-                    &kernel,
-                    elementwise(n),
-                    &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
-                )
-            }
-        }
-        (DType::F32, false) => {
-            // Pow's exponent may be an integer (ONNX's T1): cast to f32 first.
+        (t @ (DType::F32 | DType::F16 | DType::BF16), false) => {
+            // Pow's exponent may be an integer (ONNX's T1; f32 bases only): cast to f32 first.
             let b_at = match b.dtype() {
-                DType::F32 => b.at,
-                t => {
-                    let from = float_code(t)
-                        .filter(|_| t != DType::Bool)
-                        .ok_or_else(|| format!("Pow with a {t} exponent has no CUDA kernel"))?;
+                bt if bt == t => b.at,
+                bt => {
+                    let from = float_code(bt)
+                        .filter(|_| bt != DType::Bool)
+                        .ok_or_else(|| format!("Pow with a {bt} exponent has no CUDA kernel"))?;
                     let at = dev.scratch(b.n() * 4)?;
                     dev.kernel("cast_to_f32", elementwise(b.n()), &mut params![from, b.n() as i64, b.at, at])?;
                     at
@@ -894,13 +880,13 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
             };
             let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
             dev.kernel(
-                "binary_f32",
+                &typed("binary", t)?,
                 elementwise(n),
                 &mut params![code, n as i64, d, a.at, sa, b_at, sb, contiguous, y.at],
             )
         }
-        (DType::F32, true) if !matches!(op, Binary::And | Binary::Or) => {
-            dev.kernel("compare_f32", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+        (t @ (DType::F32 | DType::F16 | DType::BF16), true) if !matches!(op, Binary::And | Binary::Or) => {
+            dev.kernel(&typed("compare", t)?, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
         }
         (DType::Bool, true) if matches!(op, Binary::And | Binary::Or | Binary::Equal) => {
             dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
@@ -929,10 +915,14 @@ fn around(shape: &[usize], a: usize) -> (usize, usize, usize) {
     (shape[..a].iter().product(), shape[a], shape[a + 1..].iter().product())
 }
 
-/// The loss kernels take scores [N, C] (classes contiguous).
-/// The byte address `elements` f32 past `at`.
-fn at_f32(at: Ptr, elements: usize) -> Ptr {
-    Ptr(at.0 + 4 * elements as u64)
+/// The byte address `elements` of `t` past `at`.
+fn at(at: Ptr, elements: usize, t: DType) -> Ptr {
+    Ptr(at.0 + (elements * t.size()) as u64)
+}
+
+/// The byte address `elements` f32 past `at` (the loss kernels' f32 scratch).
+fn at_f32(ptr: Ptr, elements: usize) -> Ptr {
+    at(ptr, elements, DType::F32)
 }
 
 /// SoftmaxCrossEntropyLoss's scores [N, C] or [N, C, d…] as the kernels' rows of C classes:

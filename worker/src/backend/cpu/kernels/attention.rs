@@ -5,6 +5,7 @@
 //! q [.., Tq, D], k and v [.., Tk, D]; the leading dims are groups (batch × heads), each
 //! independent. With `causal`, query i sees keys 0..=i (Tq = Tk).
 
+use super::fastmath::{dot, max};
 use super::{KResult, SharedSlice};
 use crate::tensor::{TensorView, TensorViewMut};
 use rayon::prelude::*;
@@ -15,20 +16,6 @@ fn dims(q: &TensorView, k: &TensorView) -> (usize, usize, usize, usize) {
     let (tq, d) = (q.shape[r - 2], q.shape[r - 1]);
     let groups = q.shape[..r - 2].iter().product();
     (groups, tq, k.shape[r - 2], d)
-}
-
-/// Σ a·b in eight lanes (which the compiler turns into vector instructions).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            lanes[l] += x[l] * y[l];
-        }
-    }
-    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
-    lanes.iter().sum::<f32>() + tail
 }
 
 /// y += a·x.
@@ -58,17 +45,19 @@ pub fn forward(
     let (qs, ks, vs) = (q.as_slice::<f32>(), k.as_slice::<f32>(), v.as_slice::<f32>());
     let (y, rest) = outputs.split_first_mut().ok_or("Attention has no output")?;
     let lse = rest.first_mut().map(|l| SharedSlice::new(l.as_mut_slice::<f32>()));
-    y.as_mut_slice::<f32>().par_chunks_mut(d.max(1)).enumerate().for_each(|(row, yr)| {
+    // Each worker's row of scores, reused from row to row.
+    let rows = y.as_mut_slice::<f32>().par_chunks_mut(d.max(1)).enumerate();
+    rows.for_each_init(Vec::new, |scores: &mut Vec<f32>, (row, yr)| {
         let (g, i) = (row / tq, row % tq);
         let qr = &qs[row * d..(row + 1) * d];
         let key = |j: usize| (g * tk + j) * d;
-        let n = visible(causal, i, tk);
-        let scores: Vec<f32> = (0..n).map(|j| scale * dot(qr, &ks[key(j)..key(j) + d])).collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        scores.clear();
+        scores.extend((0..visible(causal, i, tk)).map(|j| scale * dot(qr, &ks[key(j)..key(j) + d])));
+        let top = max(scores);
         yr.fill(0.0);
         let mut sum = 0f32;
         for (j, s) in scores.iter().enumerate() {
-            let e = (s - max).exp();
+            let e = (s - top).exp();
             sum += e;
             axpy(yr, e, &vs[key(j)..key(j) + d]);
         }
@@ -76,7 +65,7 @@ pub fn forward(
         yr.iter_mut().for_each(|o| *o *= inv);
         if let Some(lse) = lse {
             // SAFETY: one row per worker; the slice outlives the loop.
-            unsafe { lse.write(row, max + sum.ln()) };
+            unsafe { lse.write(row, top + sum.ln()) };
         }
     });
     Ok(())

@@ -41,6 +41,20 @@ pub fn max(v: &[f32]) -> f32 {
     tail.iter().fold(m.iter().copied().fold(f32::NEG_INFINITY, f32::max), |a, &b| a.max(b))
 }
 
+/// Σ a·b, in 8 lanes.
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut s = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..8 {
+            s[k] += x[k] * y[k];
+        }
+    }
+    s.iter().sum::<f32>() + tail
+}
+
 /// Σ e^(v − shift), in 8 lanes.
 #[inline]
 pub fn sum_exp(v: &[f32], shift: f32) -> f32 {

@@ -6,7 +6,7 @@
 //! accumulation), with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{elementwise, per_row, reduce_strided, typed, Dev, Product, Ptr, NULL, V};
+use super::{at, elementwise, per_row, reduce_strided, typed, Dev, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
 use crate::tensor::DType;
@@ -84,11 +84,6 @@ fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, String> {
         DType::F32 | DType::F16 | DType::BF16 => Ok(t),
         _ => Err(format!("{} is {t}; the CUDA window kernels take f32, f16 or bf16", operands[0].1)),
     }
-}
-
-/// `at` moved on by `elements` of `t`.
-fn at(at: Ptr, elements: usize, t: DType) -> Ptr {
-    Ptr(at.0 + (elements * t.size()) as u64)
 }
 
 /// Y = W ⊛ X (+ bias). Per group: Y_g[img] = W_g · col_g[img], batched over the images with W_g
