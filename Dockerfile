@@ -34,7 +34,8 @@ ENTRYPOINT ["/usr/local/bin/tensorfleet-operator"]
 
 # ---- worker: one image for the launcher and the worker pods -----------------------------------
 # The CUDA runtime base brings the libraries the worker loads at run time when a GPU is present
-# (it loads them dynamically and runs on CPUs without them). Its glibc (2.39) is newer than the
+# (it loads them dynamically and runs on CPUs without them): NVRTC, cuBLASLt, and NCCL's
+# libnccl2 (libnccl.so.2; where a base lacks it, GPU collectives fall back to MPI with a warning). Its glibc (2.39) is newer than the
 # builder's (2.36), which is the direction that works.
 FROM ${CUDA_IMAGE} AS worker
 # openmpi-bin: mpirun on the launcher and the OpenMPI libraries every rank links (libmpi.so.40,

@@ -93,13 +93,13 @@ test: deps k8s
 	"$$bin/helm" template tensorfleet charts/tensorfleet >/dev/null; \
 	"$$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
 	node_tests="$$($(VENV_PYTHON) .ci/onnx_node_tests_dir.py)"; \
-	nvrtc_lib="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/lib)"; \
+	cuda_libs="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/{cu13,nccl}/lib | tr ' ' :)"; \
 	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
 	trap 'bash e2e/control-plane/down.sh "$$cluster"' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
 	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
-	LD_LIBRARY_PATH="$$nvrtc_lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 \
+	LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
 		$(CARGO) test --workspace --release --exclude tensorfleet-e2e
 	$(MAKE) --no-print-directory e2e
 

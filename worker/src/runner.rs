@@ -264,6 +264,7 @@ fn train_on<B: Backend>(
         zero: p.zero,
         report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
+        device_collectives: p.nccl,
         adasum: p.adasum,
         tensor: (p.tensor > 1).then_some(TensorPlace { rank: groups.coords.tp, size: p.tensor }),
         half: half_type(cfg.precision),

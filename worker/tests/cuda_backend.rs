@@ -7,13 +7,16 @@
 //!   every launch it would make names a kernel of the program with the parameter types its
 //!   declaration has;
 //! - `device: cuda` on a machine without a usable GPU exits 2 naming what is missing;
-//! - with a GPU: GPT-2 and SqueezeNet train to the CPU backend's losses, step by step.
+//! - NCCL loads (the pip wheel here too, `TENSORFLEET_REQUIRE_NCCL=1` alike) and draws ids;
+//! - with a GPU: GPT-2 and SqueezeNet train to the CPU backend's losses, step by step, and
+//!   NCCL's collectives run on a communicator of one.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
-use tensorfleet_worker::backend::cuda::{compile, launch, probe, CudaBackend};
-use tensorfleet_worker::backend::StepHyper;
+use tensorfleet_worker::backend::cuda::{compile, launch, nccl, probe, CudaBackend};
+use tensorfleet_worker::backend::{Arg, Backend, StepHyper};
+use tensorfleet_worker::comm::{HostGroup, ReduceOp, SoloGroup};
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
@@ -213,7 +216,7 @@ fn assert_gpu_follows_cpu(
 
 /// Per-step losses of `steps` AdamW updates of tiny GPT-2 (dropout 0.1: the GPU draws the
 /// CPU's masks) on one backend, in f32 or `half`.
-fn gpt2_losses<B: tensorfleet_worker::backend::Backend>(backend: Arc<B>, steps: u64, half: Option<DType>) -> Vec<f64> {
+fn gpt2_losses<B: Backend>(backend: Arc<B>, steps: u64, half: Option<DType>) -> Vec<f64> {
     let model = models::load(&tiny_gpt2(0.1), 5).unwrap();
     let batch = gpt2_batch(2, 16, 64);
     let mut s = Session::new(backend, &model, &batch, 1, &precision(half)).unwrap();
@@ -222,11 +225,7 @@ fn gpt2_losses<B: tensorfleet_worker::backend::Backend>(backend: Arc<B>, steps: 
 
 /// Per-step losses of `steps` AdamW updates of SqueezeNet 1.1 on 32×32 images (dropout 0.5
 /// before the classifier) on one backend, in f32 or `half`.
-fn squeezenet_losses<B: tensorfleet_worker::backend::Backend>(
-    backend: Arc<B>,
-    steps: u64,
-    half: Option<DType>,
-) -> Vec<f64> {
+fn squeezenet_losses<B: Backend>(backend: Arc<B>, steps: u64, half: Option<DType>) -> Vec<f64> {
     let model = models::load(&tiny_squeezenet(), 3).unwrap();
     let batch = squeezenet_batch(4, 32, 4);
     let mut s = Session::new(backend, &model, &batch, 1, &precision(half)).unwrap();
@@ -275,4 +274,63 @@ fn mfu_is_measured_against_the_gpus_dense_peak_for_the_precision() {
     assert_eq!(tflops("cuda:0 (NVIDIA A10, sm_86)", DType::BF16), Some(125.0));
     assert_eq!(tflops("cuda:0 (NVIDIA L40S, sm_89)", DType::BF16), Some(362.1));
     assert_eq!(tflops("cuda:0 (Some Future GPU, sm_100)", DType::BF16), None, "unknown: no MFU");
+}
+
+/// NCCL (the pip wheel of `.ci/requirements.txt` where no CUDA image provides it): present, or
+/// the reason it is skipped. `TENSORFLEET_REQUIRE_NCCL=1`, set by `make test`, fails instead.
+fn nccl_or_skip() -> bool {
+    if nccl::present() {
+        return true;
+    }
+    let required = std::env::var("TENSORFLEET_REQUIRE_NCCL").is_ok_and(|v| v == "1");
+    assert!(!required, "TENSORFLEET_REQUIRE_NCCL=1 but NCCL (libnccl.so.2) cannot be loaded: is LD_LIBRARY_PATH set?");
+    eprintln!("skipped: NCCL (libnccl.so.2) is not on this machine");
+    false
+}
+
+#[test]
+fn nccl_loads_and_draws_unique_ids_without_a_gpu() {
+    if !nccl_or_skip() {
+        return;
+    }
+    let version = nccl::version().unwrap();
+    let major: u32 = version.split('.').next().unwrap().parse().unwrap();
+    assert_eq!(major, 2, "NCCL {version}: the bindings follow NCCL 2's ABI");
+    // Every entry point the backend calls resolved (present() binds them all); an id names a
+    // bootstrap socket, so two draws differ.
+    let (a, b) = (nccl::unique_id().unwrap(), nccl::unique_id().unwrap());
+    assert_ne!(a.bytes, [0; 128]);
+    assert_ne!(a.bytes, b.bytes, "two unique ids should differ");
+}
+
+#[test]
+fn nccl_collectives_run_on_the_gpu() {
+    if let Err(why) = probe::gpu_count() {
+        eprintln!("skipped: no GPU ({})", why.0);
+        return;
+    }
+    if !nccl_or_skip() {
+        return;
+    }
+    // A communicator of one rank on GPU 0 (mpi_comm.rs reduces across GPUs where there are
+    // several): every call the backend makes goes through NCCL and leaves the values as a
+    // group of one must.
+    let gpu = CudaBackend::new(0).unwrap();
+    let solo = HostGroup::Solo(SoloGroup::new("data", 0));
+    let d = gpu.open_collective(&solo).unwrap().expect("NCCL loads, so the GPU has device collectives");
+    assert!(d.name().starts_with("NCCL 2."), "{}", d.name());
+    let values: Vec<Tensor> = (0..3).map(|k| Tensor::from_vec(&[5], vec![k as f32 + 0.5; 5])).collect();
+    let metas: Vec<Meta> = values.iter().map(|t| Meta::new(DType::F32, t.shape())).collect();
+    let bufs: Vec<_> = values.iter().map(|t| gpu.alloc(t.byte_len()).unwrap()).collect();
+    let args: Vec<Arg<_>> = bufs.iter().zip(&metas).map(|(buf, meta)| Arg { buf, offset: 0, meta }).collect();
+    for (t, &a) in values.iter().zip(&args) {
+        gpu.upload(t, a).unwrap();
+    }
+    d.all_reduce(&args, ReduceOp::Sum).unwrap();
+    d.all_reduce(&args, ReduceOp::Average).unwrap();
+    d.all_reduce(&args, ReduceOp::Max).unwrap();
+    d.broadcast(&args, 0).unwrap();
+    for (t, &a) in values.iter().zip(&args) {
+        assert_eq!(gpu.download(a).unwrap().as_slice::<f32>(), t.as_slice::<f32>());
+    }
 }

@@ -411,3 +411,67 @@ fn adasum_gives_every_rank_the_pairwise_tree() {
         assert_same(&mine[t], expected, &format!("tensor {t} on rank {rank} of {np}"));
     }
 }
+
+/// NCCL's communicator id, drawn by rank 0 and broadcast over MPI, reaches every rank; where
+/// each rank has a GPU of its own, values on the GPUs are reduced and broadcast through it.
+#[cfg(feature = "cuda")]
+#[test]
+fn nccl_ids_reach_every_rank_and_gpus_reduce_through_them() {
+    use tensorfleet_worker::backend::cuda::{nccl, probe, CudaBackend};
+    use tensorfleet_worker::backend::{Arg, Backend, Group};
+    use tensorfleet_worker::graph::ir::Meta;
+    use tensorfleet_worker::tensor::{DType, Tensor};
+
+    let test = "nccl_ids_reach_every_rank_and_gpus_reduce_through_them";
+    if launched_on_2_and_4(test) {
+        return;
+    }
+    let w = world();
+    let g = w.world_group();
+    if !nccl::present() {
+        let required = std::env::var("TENSORFLEET_REQUIRE_NCCL").is_ok_and(|v| v == "1");
+        assert!(!required, "rank {}: TENSORFLEET_REQUIRE_NCCL=1 but NCCL (libnccl.so.2) cannot be loaded", w.rank());
+        eprintln!("skipped: NCCL (libnccl.so.2) is not on this machine");
+        return;
+    }
+    let id = nccl::shared_id(&g).unwrap().expect("NCCL loads on every rank");
+    let mine: Vec<f64> = bytemuck_f64(&id.bytes);
+    let mut all = vec![0f64; mine.len() * w.size()];
+    g.all_gather(&mine, &mut all).unwrap();
+    for (r, theirs) in all.chunks(mine.len()).enumerate() {
+        assert!(theirs.iter().zip(&mine).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {r} holds another id");
+    }
+    assert!(mine.iter().any(|x| x.to_bits() != 0), "the id is all zeros");
+
+    match probe::gpu_count() {
+        Ok(n) if n >= w.size() => {}
+        Ok(n) => return eprintln!("skipped: {n} GPU(s) for {} ranks (NCCL needs a GPU per rank)", w.size()),
+        Err(why) => return eprintln!("skipped: no GPU ({})", why.0),
+    }
+    let gpu = CudaBackend::new(w.rank()).unwrap();
+    let group: Group<CudaBackend> = Group::open(&gpu, g).unwrap();
+    assert!(group.on_device(), "rank {}: NCCL loads, so the values should be reduced on the GPUs", w.rank());
+    let len = 1 << 20;
+    let meta = Meta::new(DType::F32, &[len]);
+    let buf = gpu.alloc(meta.bytes()).unwrap();
+    let x = Arg { buf: &buf, offset: 0, meta: &meta };
+    let upload = |r: usize| gpu.upload(&Tensor::from_vec(&[len], (0..len).map(|i| value(r, i)).collect()), x).unwrap();
+    upload(w.rank());
+    group.all_reduce_values(&gpu, &[x], ReduceOp::Sum).unwrap();
+    let sum = sum_over(0..w.size(), len);
+    assert_same(gpu.download(x).unwrap().as_slice::<f32>(), &sum, &format!("NCCL sum on rank {}", w.rank()));
+    upload(w.rank());
+    group.all_reduce_values(&gpu, &[x], ReduceOp::Average).unwrap();
+    let average: Vec<f32> = sum.iter().map(|s| s / w.size() as f32).collect();
+    assert_same(gpu.download(x).unwrap().as_slice::<f32>(), &average, &format!("NCCL average on rank {}", w.rank()));
+    upload(w.rank());
+    group.broadcast_values(&gpu, &[x], w.size() - 1).unwrap();
+    let last: Vec<f32> = (0..len).map(|i| value(w.size() - 1, i)).collect();
+    assert_same(gpu.download(x).unwrap().as_slice::<f32>(), &last, &format!("NCCL broadcast on rank {}", w.rank()));
+}
+
+/// 128 id bytes as the f64 bit patterns they travel as.
+#[cfg(feature = "cuda")]
+fn bytemuck_f64(bytes: &[u8; 128]) -> Vec<f64> {
+    bytes.chunks(8).map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes"))).collect()
+}

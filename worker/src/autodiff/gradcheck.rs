@@ -4,6 +4,7 @@
 
 use super::gradients;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::Group;
 use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
@@ -75,7 +76,7 @@ fn check(name: &str, mut c: Case) {
     crate::graph::fuse::run(&mut train, &[]);
     // Tensor parallelism's collectives run over a group of one: the rules and kernels around them
     // are what is checked here (mpi_train.rs checks them across ranks).
-    let solo = || Some(std::rc::Rc::new(HostGroup::Solo(SoloGroup::new("tensor", 0))));
+    let solo = || Some(std::rc::Rc::new(Group::host(HostGroup::Solo(SoloGroup::new("tensor", 0)))));
     let mut ex = Executor::new(backend.clone(), train, &[]).unwrap();
     ex.tensor_group = solo();
     ex.run(1).unwrap();

@@ -6,11 +6,15 @@
 //! `sum_squares` and `synchronize` wait. A CUDA backend implements the same calls with a
 //! stream, device allocations and kernel launches.
 
+pub mod collective;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
 
+pub use collective::{DeviceCollective, Group};
+
+use crate::comm::HostGroup;
 use crate::graph::ir::{Graph, Meta};
 use crate::graph::op::Op;
 use crate::optim::Update;
@@ -86,6 +90,13 @@ pub trait Backend: Send + Sync {
         Vec::new()
     }
 
+    /// Opens `group`'s collectives over this backend's buffers, when the device has its own
+    /// (NCCL on GPUs). Collective: every member calls it for the group, and all must get the
+    /// same answer. None: values cross host memory (`with_host_f32`) and the group's MPI.
+    fn open_collective(&self, _group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<Self::Buffer>>>, String> {
+        Ok(None)
+    }
+
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;
 
@@ -96,8 +107,8 @@ pub trait Backend: Send + Sync {
     }
 
     /// Lets `f` change an f32 value in host memory: the CPU hands over the value's own bytes; a
-    /// device would copy it to the host and back. Host collectives (MPI) reduce gradients
-    /// through it; device collectives (NCCL) will not need it.
+    /// device copies it to the host and back. Host collectives (MPI) reduce values through it
+    /// where the device has no collectives of its own.
     fn with_host_f32(
         &self,
         x: Arg<Self::Buffer>,

@@ -3,8 +3,7 @@
 
 pub mod plan;
 
-use crate::backend::{Arg, Backend};
-use crate::comm::{Collective, HostGroup};
+use crate::backend::{Arg, Backend, Group};
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, ValueId};
 use crate::graph::op::Op;
@@ -26,7 +25,7 @@ pub struct Executor<B: Backend> {
     pub profile: Option<Vec<OpTiming>>,
     /// The tensor-parallel group that the graph's `AllReduce` ops reduce over (tensor
     /// parallelism's collectives run between the kernels, in graph order, on every rank).
-    pub tensor_group: Option<Rc<HostGroup>>,
+    pub tensor_group: Option<Rc<Group<B>>>,
 }
 
 /// One op's launch, timed to completion (the backend is synchronized after it).
@@ -163,9 +162,7 @@ impl<B: Backend> Executor<B> {
                 let group = self.tensor_group.as_ref().ok_or_else(|| {
                     Error::Runtime(format!("{}: the executor has no tensor-parallel group", node.describe()))
                 })?;
-                self.backend
-                    .with_host_f32(outputs[0], &mut |v| group.all_reduce(v, *op).map_err(|e| e.to_string()))
-                    .map_err(Error::Runtime)?;
+                group.all_reduce_values(&self.backend, &outputs[..1], *op)?;
             }
             if let Some(t0) = t0 {
                 self.backend.synchronize().map_err(Error::Runtime)?;

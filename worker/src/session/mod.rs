@@ -21,7 +21,7 @@ mod stage;
 pub use overlap::CommSpan;
 
 use crate::autodiff;
-use crate::backend::{Arg, Backend, StepHyper};
+use crate::backend::{Arg, Backend, Group, StepHyper};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::config::{ParamGroup, PipelineSchedule, Recompute};
 use crate::error::{Error, Result};
@@ -78,6 +78,9 @@ pub struct SessionOptions {
     pub bucket_bytes: usize,
     /// Combine the replicas' gradients with Adasum instead of averaging them.
     pub adasum: bool,
+    /// Reduce values on the device through its own collectives (NCCL) where it has them
+    /// (parallelism.nccl); false: through host memory and MPI.
+    pub device_collectives: bool,
     /// This rank's place in its tensor-parallel group (None: no tensor parallelism).
     pub tensor: Option<TensorPlace>,
     /// Mixed precision: the half type (F16 or BF16) products compute in (`graph::autocast`);
@@ -120,6 +123,7 @@ impl SessionOptions {
             zero: 0,
             report_gradients: false,
             bucket_bytes: 25 << 20,
+            device_collectives: true,
             adasum: false,
             tensor: None,
             half: None,
@@ -180,14 +184,15 @@ pub struct Session<B: Backend> {
     pub flops_per_batch: f64,
     /// The data-parallel group whose gradients, losses and evaluation losses are averaged
     /// with this rank's (None: this rank trains alone).
-    data_parallel: Option<HostGroup>,
+    data_parallel: Option<Group<B>>,
     /// The pipeline group: the ranks training the other stages of this replica.
-    pipeline: Option<HostGroup>,
+    pipeline: Option<Group<B>>,
     /// This rank's stage, when the model is cut into stages.
     stage: Option<stage::StagePart>,
     zero_stage: u8,
     bucket_bytes: usize,
     adasum: bool,
+    device_collectives: bool,
     /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
     zero: Option<sharded::Shard<B>>,
     /// The gradient all-reduce overlapping the backward pass (plain data parallelism).
@@ -209,7 +214,7 @@ pub struct Session<B: Backend> {
     tensor: Option<TensorPlace>,
     splits: BTreeMap<String, TensorSplit>,
     /// The tensor-parallel group (after `join`, when tensor parallelism is on).
-    tensor_group: Option<Rc<HostGroup>>,
+    tensor_group: Option<Rc<Group<B>>>,
     /// Weight updates done.
     pub step: u64,
 }
@@ -459,6 +464,7 @@ impl<B: Backend> Session<B> {
             stage: part,
             zero_stage: opts.zero,
             bucket_bytes: opts.bucket_bytes,
+            device_collectives: opts.device_collectives,
             adasum: opts.adasum,
             zero: None,
             overlap: None,
@@ -490,8 +496,13 @@ impl<B: Backend> Session<B> {
                 crate::comm::describe(&tensor)
             )));
         }
+        // The groups' device collectives (NCCL) are opened in one order on every rank: data,
+        // tensor, pipeline.
+        let backend = self.train.backend.clone();
+        let open = |host| if self.device_collectives { Group::open(&*backend, host) } else { Ok(Group::host(host)) };
+        let data = open(data)?;
         if ranks > 1 {
-            let group = Rc::new(tensor);
+            let group = Rc::new(open(tensor)?);
             self.train.tensor_group = Some(group.clone());
             self.tensor_group = Some(group);
         }
@@ -504,13 +515,8 @@ impl<B: Backend> Session<B> {
             )));
         }
         if data.size() > 1 {
-            for p in &self.params {
-                let arg = self.train.arg(p.value);
-                self.train
-                    .backend
-                    .with_host_f32(arg, &mut |w| data.broadcast(w, 0).map_err(|e| e.to_string()))
-                    .map_err(Error::Runtime)?;
-            }
+            let weights: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.train.arg(p.value)).collect();
+            data.broadcast_values(&backend, &weights, 0)?;
         }
         if self.adasum && !data.size().is_power_of_two() {
             return Err(Error::Config(format!(
@@ -521,9 +527,10 @@ impl<B: Backend> Session<B> {
         }
         if self.zero_stage > 0 {
             self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
-        } else if self.stage.is_none() && !self.adasum {
+        } else if self.stage.is_none() && !self.adasum && !data.on_device() {
             // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
-            // all-reduce after the schedule.)
+            // all-reduce after the schedule. Device collectives run on the compute stream, after
+            // the backward pass.)
             if let Some(detached) = data.detach() {
                 let o = overlap::Overlap::new(self, detached, self.bucket_bytes)?;
                 tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");
@@ -531,7 +538,7 @@ impl<B: Backend> Session<B> {
             }
         }
         self.data_parallel = (data.size() > 1).then_some(data);
-        self.pipeline = (stages > 1).then_some(pipeline);
+        self.pipeline = if stages > 1 { Some(open(pipeline)?) } else { None };
         Ok(())
     }
 
@@ -678,15 +685,8 @@ impl<B: Backend> Session<B> {
             0 if self.adasum => self.adasum_gradients()?,
             0 => {
                 if let Some(group) = &self.data_parallel {
-                    for p in &self.params {
-                        let grad = self.grad_of(p);
-                        self.train
-                            .backend
-                            .with_host_f32(grad, &mut |g| {
-                                group.all_reduce(g, ReduceOp::Average).map_err(|e| e.to_string())
-                            })
-                            .map_err(Error::Runtime)?;
-                    }
+                    let grads: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.grad_of(p)).collect();
+                    group.all_reduce_values(&self.train.backend, &grads, ReduceOp::Average)?;
                 }
             }
             1 => self.reduce_scatter_gradients()?,
@@ -745,7 +745,7 @@ impl<B: Backend> Session<B> {
             grads.push(v);
         }
         let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-        crate::parallel::adasum::all_reduce(group, &mut views)?;
+        crate::parallel::adasum::all_reduce(&**group, &mut views)?;
         for (p, g) in self.params.iter().zip(&grads) {
             write_f32(backend, self.grad_of(p), g)?;
         }
@@ -775,14 +775,16 @@ impl<B: Backend> Session<B> {
         let (Some(group), Some(part)) = (&self.pipeline, &self.stage) else { return Ok(()) };
         for (name, meta) in &part.shared {
             match self.params.iter().find(|p| self.train.graph.name_of(p.value) == name) {
-                Some(p) => {
-                    let grad = self.grad_of(p);
-                    self.train
-                        .backend
-                        .with_host_f32(grad, &mut |g| group.all_reduce(g, ReduceOp::Sum).map_err(|e| e.to_string()))
-                        .map_err(Error::Runtime)?;
+                Some(p) => group.all_reduce_values(&self.train.backend, &[self.grad_of(p)], ReduceOp::Sum)?,
+                None => {
+                    // Zeros of the weight's size, where this stage's collective expects them.
+                    let zeros = self.train.backend.alloc(meta.bytes()).map_err(Error::Runtime)?;
+                    group.all_reduce_values(
+                        &self.train.backend,
+                        &[Arg { buf: &zeros, offset: 0, meta }],
+                        ReduceOp::Sum,
+                    )?;
                 }
-                None => group.all_reduce(&mut vec![0f32; meta.numel()][..], ReduceOp::Sum)?,
             }
         }
         Ok(())

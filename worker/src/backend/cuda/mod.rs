@@ -1,6 +1,7 @@
 //! The CUDA backend: device memory from the driver API, kernels compiled at run time by NVRTC
 //! (`kernels/`, [`compile`]), matrix products through cuBLASLt ([`gemm`]), all enqueued on one
 //! stream. Only `download`, `sum_squares`, `synchronize` and `with_host_f32` wait for it.
+//! Collectives between GPUs go through NCCL ([`nccl`]) on the same stream, where NCCL loads.
 //!
 //! Every CUDA library is loaded at run time after [`probe`] has found it, so the worker builds
 //! and runs where there is no CUDA at all. Which ops have kernels, and with which types and
@@ -9,9 +10,11 @@
 pub mod compile;
 pub mod gemm;
 pub mod launch;
+pub mod nccl;
 pub mod probe;
 
-use super::{Arg, Backend, StepHyper};
+use super::{Arg, Backend, DeviceCollective, StepHyper};
+use crate::comm::{HostGroup, ProcessGroup, ReduceOp};
 use crate::graph::ir::Graph;
 use crate::graph::op::Op;
 use crate::optim::Update;
@@ -347,6 +350,18 @@ impl Backend for CudaBackend {
         self.wait()
     }
 
+    fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<CudaBuffer>>>, String> {
+        let Some(id) = nccl::shared_id(group)? else { return Ok(None) };
+        self.bind()?;
+        let comm = nccl::Comm::init(group.size(), group.rank(), &id)?;
+        Ok(Some(Box::new(NcclGroup {
+            comm,
+            stream: self.stream.clone(),
+            ctx: self.ctx.clone(),
+            version: nccl::version()?,
+        })))
+    }
+
     fn with_host_f32(
         &self,
         x: Arg<CudaBuffer>,
@@ -359,5 +374,48 @@ impl Backend for CudaBackend {
         // SAFETY: the value's bytes; the wait keeps `host` alive until the copy is done.
         unsafe { driver::memcpy_htod_async(addr(&x), &host, self.stream.cu_stream()) }.map_err(cuda_err("upload"))?;
         self.stream.synchronize().map_err(cuda_err("synchronize"))
+    }
+}
+
+/// A group's collectives through an NCCL communicator, on the backend's stream: ordered after
+/// the kernels that computed the values and before those that read them, with no host wait.
+struct NcclGroup {
+    comm: nccl::Comm,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    version: String,
+}
+
+impl NcclGroup {
+    fn region(x: &Arg<CudaBuffer>) -> nccl::Region {
+        nccl::Region { ptr: addr(x), count: x.meta.numel(), dtype: x.meta.dtype }
+    }
+
+    /// Runs `each` for every value inside one NCCL group, on the bound context.
+    fn grouped(
+        &self,
+        values: &[Arg<CudaBuffer>],
+        each: impl Fn(nccl::Region, *mut c_void) -> Result<(), String>,
+    ) -> Result<(), String> {
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        let stream = self.stream.cu_stream() as *mut c_void;
+        self.comm.grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
+    }
+}
+
+impl DeviceCollective<CudaBuffer> for NcclGroup {
+    fn name(&self) -> String {
+        format!("NCCL {}", self.version)
+    }
+
+    fn all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), String> {
+        // SAFETY: executor values on this backend's GPU, kept by their buffers' owners past the
+        // next wait on the stream (which every read of them does first).
+        self.grouped(values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
+    }
+
+    fn broadcast(&self, values: &[Arg<CudaBuffer>], root: usize) -> Result<(), String> {
+        // SAFETY: as above.
+        self.grouped(values, |x, stream| unsafe { self.comm.broadcast(x, root, stream) })
     }
 }
