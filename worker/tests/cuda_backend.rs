@@ -166,7 +166,7 @@ fn optimizer_launches_match_their_kernels() {
         launch::optimizer_step(dev, u, h, v, v, &state).unwrap_or_else(|e| panic!("{u:?}: {e}"));
     }
     launch::accumulate(dev, v, 1.0, v, 0.5).unwrap();
-    launch::sum_squares(dev, v).unwrap();
+    launch::sum_squares(dev, &[v, v]).unwrap();
 }
 
 #[test]

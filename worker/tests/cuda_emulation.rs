@@ -624,3 +624,39 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
     let empty = Tensor::from_vec(&[0, 3, 4, 4], Vec::<f32>::new());
     check("GlobalAveragePool of no images", &Op::GlobalAveragePool, &[empty], &[vec![0, 3, 1, 1]]);
 }
+
+/// A training step waits for the device once, where the gradient norm and the loss are read
+/// (issue 7: no host synchronisation inside a step except for the loss), however many weights
+/// and micro-batches; fp16's overflow check and clipping take their figures from that one read.
+#[test]
+fn a_training_step_waits_for_the_device_once() {
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let batches: Vec<_> = (0..2).map(|k| batch(2, 8, 48, k)).collect();
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    for (what, opts) in [
+        ("f32", SessionOptions::new(adamw)),
+        (
+            "fp16 with loss scaling",
+            SessionOptions {
+                half: Some(DType::F16),
+                loss_scaler: Some(LossScaler::new(0.0, DynamicLossScale::default())),
+                ..SessionOptions::new(adamw)
+            },
+        ),
+    ] {
+        let gpu = Arc::new(EmulatedGpu::new());
+        let model = models::load(&spec, 11).unwrap();
+        let mut s = Session::new(gpu.clone(), &model, &batches[0], batches.len(), &opts).unwrap();
+        let weights = s.weights().unwrap().len();
+        for k in 0..3 {
+            let before = gpu.waits.load(std::sync::atomic::Ordering::Relaxed);
+            s.step(&batches, 3e-3, 1.0, k).unwrap();
+            let waits = gpu.waits.load(std::sync::atomic::Ordering::Relaxed) - before;
+            // The norm's partial sums, then the loss (already computed by then).
+            assert_eq!(waits, 2, "{what}, step {}: {waits} waits for the device ({weights} weights)", k + 1);
+        }
+    }
+}

@@ -70,8 +70,9 @@ pub trait Backend: Send + Sync {
     /// keep 0 overwrites dst, whatever it held (the inf or NaN of a skipped fp16 step too).
     fn accumulate(&self, dst: Arg<Self::Buffer>, keep: f32, src: Arg<Self::Buffer>, scale: f32) -> Result<(), String>;
 
-    /// Σ x² over an f32 value, for global gradient norms; waits for pending work.
-    fn sum_squares(&self, x: Arg<Self::Buffer>) -> Result<f64, String>;
+    /// Σ x² over f32 values, for global gradient norms: summed per value, then over the values
+    /// in order. Waits for pending work, once for all of them.
+    fn sum_squares(&self, xs: &[Arg<Self::Buffer>]) -> Result<f64, String>;
 
     /// One optimizer update of `param` from `grad`, with per-parameter `state` buffers
     /// (momentum; or Adam's first and second moments), all f32 of the param's meta.

@@ -675,7 +675,6 @@ impl<B: Backend> Session<B> {
                 }
             }
         }
-        self.read_loss_sum(&mut sums)?;
         // A weight held by several stages (a tied embedding) gets the sum of their gradients.
         self.sum_shared_gradients()?;
         // Data parallelism: every replica's gradient becomes the replicas' mean, the gradient
@@ -692,6 +691,10 @@ impl<B: Backend> Session<B> {
             1 => self.reduce_scatter_gradients()?,
             _ => {} // ZeRO-2 reduced each micro-batch already
         }
+        // This rank's share of the global gradient norm, then the loss summed on the device:
+        // the step's one wait for a device, which has done all of the step's work by then.
+        let mut sq = [self.local_sum_squares()?];
+        self.read_loss_sum(&mut sums)?;
         // Per-stage values: the scalars this stage computed, the loss on the last stage.
         let mut means: Vec<f64> = sums.iter().map(|s| s / n as f64).collect();
         let names: Vec<String> = self.scalars.iter().map(|(name, _)| name.clone()).collect();
@@ -700,7 +703,6 @@ impl<B: Backend> Session<B> {
         let scalars = names.into_iter().zip(means[1..].iter().copied()).collect();
 
         // The global gradient norm: every weight once, over all stages and shards.
-        let mut sq = [self.local_sum_squares()?];
         self.sum_over_stages(&mut sq)?;
         self.sum_over_tensor_ranks(&mut sq)?;
         // Under loss scaling the gradients are the scale times the true ones; an inf or NaN
@@ -762,11 +764,8 @@ impl<B: Backend> Session<B> {
             }
             return Ok(sq[0]);
         }
-        let mut sq = 0.0;
-        for p in self.params.iter().filter(|p| p.owner) {
-            sq += self.train.backend.sum_squares(self.grad_of(p)).map_err(Error::Runtime)?;
-        }
-        Ok(sq)
+        let grads: Vec<Arg<B::Buffer>> = self.params.iter().filter(|p| p.owner).map(|p| self.grad_of(p)).collect();
+        self.train.backend.sum_squares(&grads).map_err(Error::Runtime)
     }
 
     /// Sums the gradients of weights several stages hold over the pipeline group. Every stage

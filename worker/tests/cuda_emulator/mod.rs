@@ -131,6 +131,9 @@ pub struct EmulatedGpu {
     scratch: Mutex<HostBuffer>,
     fault: HostBuffer,
     faults: Mutex<Vec<String>>,
+    /// How many times the host has waited for the device: every call that would wait on a GPU
+    /// (download, synchronize, a host copy, a read of partial sums).
+    pub waits: std::sync::atomic::AtomicUsize,
 }
 
 impl EmulatedGpu {
@@ -140,7 +143,14 @@ impl EmulatedGpu {
             scratch: Mutex::new(HostBuffer::new(8)),
             fault: HostBuffer::new(8),
             faults: Mutex::new(Vec::new()),
+            waits: Default::default(),
         }
+    }
+
+    /// A wait for the device, counted; reports a fault a kernel recorded since the last one.
+    fn wait(&self) -> Result<(), String> {
+        self.waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.fault_check()
     }
 
     fn fault_check(&self) -> Result<(), String> {
@@ -225,6 +235,8 @@ impl Target for EmulatedGpu {
         Ptr(self.fault.base())
     }
     fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+        // A read that waits for the stream without a fault check, as the GPU's does.
+        self.waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(unsafe { std::slice::from_raw_parts(at.0 as *const f64, count) }.to_vec())
     }
 }
@@ -247,7 +259,7 @@ impl Backend for EmulatedGpu {
     }
 
     fn download(&self, src: Arg<HostBuffer>) -> Result<Tensor, String> {
-        self.fault_check()?;
+        self.wait()?;
         let bytes = unsafe { std::slice::from_raw_parts(at(&src) as *const u8, src.meta.bytes()) };
         Ok(Tensor::from_bytes(src.meta.dtype, &src.meta.shape, bytes).expect("the meta's size"))
     }
@@ -262,8 +274,9 @@ impl Backend for EmulatedGpu {
         launch::accumulate(Dev(self), value(&dst), keep, value(&src), scale)
     }
 
-    fn sum_squares(&self, x: Arg<HostBuffer>) -> Result<f64, String> {
-        launch::sum_squares(Dev(self), value(&x))
+    fn sum_squares(&self, xs: &[Arg<HostBuffer>]) -> Result<f64, String> {
+        let xs: Vec<V> = xs.iter().map(value).collect();
+        launch::sum_squares(Dev(self), &xs)
     }
 
     fn optimizer_step(
@@ -283,7 +296,7 @@ impl Backend for EmulatedGpu {
     }
 
     fn synchronize(&self) -> Result<(), String> {
-        self.fault_check()
+        self.wait()
     }
 
     fn with_host_f32(
@@ -291,6 +304,7 @@ impl Backend for EmulatedGpu {
         x: Arg<HostBuffer>,
         f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
     ) -> Result<(), String> {
+        self.wait()?;
         f(unsafe { std::slice::from_raw_parts_mut(at(&x) as *mut f32, x.meta.numel()) })
     }
 }

@@ -102,15 +102,18 @@ impl Backend for CpuBackend {
         f(view_mut(&x).as_mut_slice::<f32>())
     }
 
-    fn sum_squares(&self, x: Arg<CpuBuffer>) -> Result<f64, String> {
+    fn sum_squares(&self, xs: &[Arg<CpuBuffer>]) -> Result<f64, String> {
         // Partial sums collected in order, then added in order: the same bits on every run,
         // whichever thread finished first (resumed runs must repeat the clipping exactly).
-        let partials: Vec<f64> = view(&x)
-            .as_slice::<f32>()
-            .par_chunks(4096)
-            .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
-            .collect();
-        Ok(partials.iter().sum())
+        let value = |x: &Arg<CpuBuffer>| -> f64 {
+            let partials: Vec<f64> = view(x)
+                .as_slice::<f32>()
+                .par_chunks(4096)
+                .map(|c| c.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>())
+                .collect();
+            partials.iter().sum()
+        };
+        Ok(xs.iter().map(value).fold(0.0, |total, sq| total + sq))
     }
 
     fn optimizer_step(

@@ -1238,13 +1238,26 @@ pub fn accumulate(dev: Dev, dst: V, keep: f32, src: V, scale: f32) -> Result<(),
 }
 
 /// Σ x² of an f32 value, in f64 (partials per block, added in order on the host).
-pub fn sum_squares(dev: Dev, x: V) -> Result<f64, String> {
-    let n = x.n();
-    let cfg = elementwise(n);
-    let blocks = cfg.grid_dim.0 as usize;
-    let partial = dev.scratch(blocks * 8)?;
-    dev.kernel("sum_squares_partial", cfg, &mut params![n as i64, x.at, partial])?;
-    Ok(dev.partials(partial, blocks)?.iter().sum())
+pub fn sum_squares(dev: Dev, xs: &[V]) -> Result<f64, String> {
+    // Every value's blocks write their partials side by side, read back in one wait; added per
+    // value in order, then over the values in order.
+    let cfgs: Vec<LaunchConfig> = xs.iter().map(|x| elementwise(x.n())).collect();
+    let blocks: Vec<usize> = cfgs.iter().map(|c| c.grid_dim.0 as usize).collect();
+    let partial = dev.scratch(blocks.iter().sum::<usize>() * 8)?;
+    let mut at = partial;
+    for ((x, &cfg), &b) in xs.iter().zip(&cfgs).zip(&blocks) {
+        dev.kernel("sum_squares_partial", cfg, &mut params![x.n() as i64, x.at, at])?;
+        at = Ptr(at.0 + b as u64 * 8);
+    }
+    let partials = dev.partials(partial, blocks.iter().sum())?;
+    let mut rest = &partials[..];
+    let mut total = 0.0;
+    for &b in &blocks {
+        let (mine, after) = rest.split_at(b);
+        total += mine.iter().sum::<f64>();
+        rest = after;
+    }
+    Ok(total)
 }
 
 /// One optimizer update (optim::cpu_step's formulas).

@@ -323,9 +323,10 @@ impl Backend for CudaBackend {
         launch::accumulate(launch::Dev(self), launch::value(&dst), keep, launch::value(&src), scale)
     }
 
-    fn sum_squares(&self, x: Arg<CudaBuffer>) -> Result<f64, String> {
+    fn sum_squares(&self, xs: &[Arg<CudaBuffer>]) -> Result<f64, String> {
         self.bind()?;
-        launch::sum_squares(launch::Dev(self), launch::value(&x))
+        let xs: Vec<launch::V> = xs.iter().map(launch::value).collect();
+        launch::sum_squares(launch::Dev(self), &xs)
     }
 
     fn optimizer_step(
