@@ -162,8 +162,8 @@ fn optimizer_launches_match_their_kernels() {
         Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 },
     ];
     for u in &updates {
-        let state = vec![v; u.state_count()];
-        launch::optimizer_step(dev, u, h, v, v, &state).unwrap_or_else(|e| panic!("{u:?}: {e}"));
+        let slot = || launch::Slot { p: v, g: v, state: vec![v; u.state_count()] };
+        launch::optimizer_step(dev, u, h, &[slot(), slot()]).unwrap_or_else(|e| panic!("{u:?}: {e}"));
     }
     launch::accumulate(dev, v, 1.0, v, 0.5).unwrap();
     launch::sum_squares(dev, &[v, v]).unwrap();

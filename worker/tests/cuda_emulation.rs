@@ -627,7 +627,9 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
 
 /// A training step waits for the device once, where the gradient norm and the loss are read
 /// (issue 7: no host synchronisation inside a step except for the loss), however many weights
-/// and micro-batches; fp16's overflow check and clipping take their figures from that one read.
+/// and micro-batches; fp16's overflow check and clipping take their figures from that one read,
+/// and LAMB's trust ratios stay on the device. Adam updates a parameter group's weights in one
+/// launch: two here, the decayed matrices and the undecayed biases and norms.
 #[test]
 fn a_training_step_waits_for_the_device_once() {
     let spec = ModelSpec {
@@ -636,6 +638,7 @@ fn a_training_step_waits_for_the_device_once() {
     };
     let batches: Vec<_> = (0..2).map(|k| batch(2, 8, 48, k)).collect();
     let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    let lamb = Update::Lamb { beta1: 0.9, beta2: 0.999, epsilon: 1e-6, weight_decay: 0.01 };
     for (what, opts) in [
         ("f32", SessionOptions::new(adamw)),
         (
@@ -646,17 +649,23 @@ fn a_training_step_waits_for_the_device_once() {
                 ..SessionOptions::new(adamw)
             },
         ),
+        ("LAMB", SessionOptions::new(lamb)),
     ] {
         let gpu = Arc::new(EmulatedGpu::new());
         let model = models::load(&spec, 11).unwrap();
         let mut s = Session::new(gpu.clone(), &model, &batches[0], batches.len(), &opts).unwrap();
         let weights = s.weights().unwrap().len();
+        let adam_launches = || gpu.launches.lock().unwrap().get("adam_f32").copied().unwrap_or(0);
         for k in 0..3 {
             let before = gpu.waits.load(std::sync::atomic::Ordering::Relaxed);
-            s.step(&batches, 3e-3, 1.0, k).unwrap();
+            let adam_before = adam_launches();
+            let r = s.step(&batches, 3e-3, 1.0, k).unwrap();
             let waits = gpu.waits.load(std::sync::atomic::Ordering::Relaxed) - before;
             // The norm's partial sums, then the loss (already computed by then).
             assert_eq!(waits, 2, "{what}, step {}: {waits} waits for the device ({weights} weights)", k + 1);
+            let adam = adam_launches() - adam_before;
+            let want = if matches!(opts.update, Update::Adam { .. }) && !r.skipped { 2 } else { 0 };
+            assert_eq!(adam, want, "{what}, step {}: {adam} Adam launches for {weights} weights", k + 1);
         }
     }
 }

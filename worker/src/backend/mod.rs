@@ -34,6 +34,14 @@ impl<B> Clone for Arg<'_, B> {
 }
 impl<B> Copy for Arg<'_, B> {}
 
+/// One weight's operands in an optimizer update: the weight, its gradient, and its state
+/// buffers (momentum; or Adam's first and second moments), all f32 of the weight's meta.
+pub struct Slot<'a, B> {
+    pub param: Arg<'a, B>,
+    pub grad: Arg<'a, B>,
+    pub state: Vec<Arg<'a, B>>,
+}
+
 /// The per-step numbers of an optimizer update.
 #[derive(Clone, Copy, Debug)]
 pub struct StepHyper {
@@ -74,16 +82,9 @@ pub trait Backend: Send + Sync {
     /// in order. Waits for pending work, once for all of them.
     fn sum_squares(&self, xs: &[Arg<Self::Buffer>]) -> Result<f64, String>;
 
-    /// One optimizer update of `param` from `grad`, with per-parameter `state` buffers
-    /// (momentum; or Adam's first and second moments), all f32 of the param's meta.
-    fn optimizer_step(
-        &self,
-        update: &Update,
-        hyper: StepHyper,
-        param: Arg<Self::Buffer>,
-        grad: Arg<Self::Buffer>,
-        state: &[Arg<Self::Buffer>],
-    ) -> Result<(), String>;
+    /// One optimizer update of every weight in `slots`, which share `update` and `hyper` (a
+    /// parameter group): a GPU updates them all in one launch rather than one per weight.
+    fn optimizer_step(&self, update: &Update, hyper: StepHyper, slots: &[Slot<Self::Buffer>]) -> Result<(), String>;
 
     /// The nodes of `graph` this backend has no kernel for, one line each naming the node and
     /// why; empty when it can run them all (the CPU runs every op).

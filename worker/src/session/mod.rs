@@ -21,7 +21,7 @@ mod stage;
 pub use overlap::CommSpan;
 
 use crate::autodiff;
-use crate::backend::{Arg, Backend, Group, StepHyper};
+use crate::backend::{Arg, Backend, Group, Slot, StepHyper};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::config::{ParamGroup, PipelineSchedule, Recompute};
 use crate::error::{Error, Result};
@@ -219,7 +219,28 @@ pub struct Session<B: Backend> {
     pub step: u64,
 }
 
-/// The input shapes of a batch, as bindings for a graph.
+/// Update `step` of every slot, by parameter group: the weights that share an update rule and
+/// a learning-rate scale go to the backend together (one launch on a GPU).
+fn update_in_groups<'a, B: Backend + 'a>(
+    backend: &B,
+    (lr, step, grad_scale): (f64, u64, f64),
+    slots: impl IntoIterator<Item = (&'a Param<B>, Slot<'a, B::Buffer>)>,
+) -> Result<()> {
+    // Each group with its first weight, which says the group's update and scale.
+    let mut groups: Vec<(&Param<B>, Vec<_>)> = Vec::new();
+    for (p, slot) in slots {
+        match groups.iter_mut().find(|(first, _)| first.update == p.update && first.lr_scale == p.lr_scale) {
+            Some((_, group)) => group.push(slot),
+            None => groups.push((p, vec![slot])),
+        }
+    }
+    for (first, group) in &groups {
+        let hyper = StepHyper { lr: (lr * first.lr_scale) as f32, step, grad_scale: grad_scale as f32 };
+        backend.optimizer_step(&first.update, hyper, group).map_err(Error::Runtime)?;
+    }
+    Ok(())
+}
+
 /// The passes over a forward graph (training's or evaluation's) before it is differentiated or
 /// planned: the forward fusions (attention), then mixed precision's casts around them. The loss
 /// and the activations a stage sends keep their values and types.
@@ -239,6 +260,7 @@ fn forward_passes(
     }
 }
 
+/// The input shapes of a batch, as bindings for a graph.
 fn bindings_for(g: &Graph, batch: &BTreeMap<String, Tensor>, variables: &HashSet<ValueId>) -> Result<Bindings> {
     let mut b = Bindings { variables: variables.clone(), ..Default::default() };
     for d in &g.inputs {
@@ -722,15 +744,12 @@ impl<B: Backend> Session<B> {
         if self.zero.is_some() {
             self.update_shard(lr, grad_scale)?;
         } else {
-            for p in &self.params {
-                let hyper = StepHyper { lr: (lr * p.lr_scale) as f32, step: self.step, grad_scale: grad_scale as f32 };
+            let slots = self.params.iter().map(|p| {
                 let meta: &Meta = self.train.graph.meta(p.value).expect("bound");
-                let state: Vec<Arg<B::Buffer>> = p.state.iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
-                self.train
-                    .backend
-                    .optimizer_step(&p.update, hyper, self.train.arg(p.value), self.grad_of(p), &state)
-                    .map_err(Error::Runtime)?;
-            }
+                let state = p.state.iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
+                (p, Slot { param: self.train.arg(p.value), grad: self.grad_of(p), state })
+            });
+            update_in_groups(&*self.train.backend, (lr, self.step, grad_scale), slots)?;
         }
         Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
     }

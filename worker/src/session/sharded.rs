@@ -11,7 +11,7 @@
 //! while the backward pass runs.)
 
 use super::{optimizer_state, read_f32, write_f32, Session, OPTIMIZER_PREFIX};
-use crate::backend::{Arg, Backend, StepHyper};
+use crate::backend::{Arg, Backend, Slot};
 use crate::comm::{Collective, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::graph::ir::Meta;
@@ -179,17 +179,21 @@ impl<B: Backend> Session<B> {
         let shard_meta = Meta::new(DType::F32, &[z.layout.shard]);
         let grad = Tensor::from_vec(&[z.layout.shard], z.grad.clone());
         backend.upload(&grad, Arg { buf: &z.grad_device, offset: 0, meta: &shard_meta }).map_err(Error::Runtime)?;
-        let mut mine = vec![0f32; z.layout.shard];
-        for (i, piece) in z.pieces.iter().enumerate() {
+        // This shard's piece of each weight it holds a piece of.
+        let slot = |i: usize| {
+            let piece = &z.pieces[i];
             let p = &self.params[piece.weight];
-            let hyper = StepHyper { lr: (lr * p.lr_scale) as f32, step: self.step, grad_scale: grad_scale as f32 };
             let meta = &z.metas[i];
             let w = self.train.arg(p.value);
-            let weight = Arg { buf: w.buf, offset: w.offset + piece.start * 4, meta };
+            let param = Arg { buf: w.buf, offset: w.offset + piece.start * 4, meta };
             let grad = Arg { buf: &z.grad_device, offset: piece.at * 4, meta };
-            let state: Vec<Arg<B::Buffer>> = z.state[i].iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
-            backend.optimizer_step(&p.update, hyper, weight, grad, &state).map_err(Error::Runtime)?;
-            read_f32(&**backend, weight, &mut mine[piece.at..piece.at + piece.len])?;
+            let state = z.state[i].iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
+            (p, Slot { param, grad, state })
+        };
+        super::update_in_groups(&**backend, (lr, self.step, grad_scale), (0..z.pieces.len()).map(slot))?;
+        let mut mine = vec![0f32; z.layout.shard];
+        for (i, piece) in z.pieces.iter().enumerate() {
+            read_f32(&**backend, slot(i).1.param, &mut mine[piece.at..piece.at + piece.len])?;
         }
         let whole = self.all_gather(&mine)?;
         for (i, p) in self.params.iter().enumerate() {

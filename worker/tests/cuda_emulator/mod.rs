@@ -13,7 +13,7 @@ use std::sync::{Mutex, OnceLock};
 use tensorfleet_worker::backend::cuda::gemm::Product;
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
-use tensorfleet_worker::backend::{Arg, Backend, StepHyper};
+use tensorfleet_worker::backend::{Arg, Backend, Slot, StepHyper};
 use tensorfleet_worker::graph::ir::Graph;
 use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::optim::Update;
@@ -134,6 +134,8 @@ pub struct EmulatedGpu {
     /// How many times the host has waited for the device: every call that would wait on a GPU
     /// (download, synchronize, a host copy, a read of partial sums).
     pub waits: std::sync::atomic::AtomicUsize,
+    /// How many times each kernel has been launched, by name.
+    pub launches: Mutex<std::collections::HashMap<String, usize>>,
 }
 
 impl EmulatedGpu {
@@ -144,6 +146,7 @@ impl EmulatedGpu {
             fault: HostBuffer::new(8),
             faults: Mutex::new(Vec::new()),
             waits: Default::default(),
+            launches: Default::default(),
         }
     }
 
@@ -169,6 +172,7 @@ impl EmulatedGpu {
 // executor's plan, or the scratch request, gave them.
 impl Target for EmulatedGpu {
     fn launch(&self, name: &str, cfg: cudarc::driver::LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String> {
+        *self.launches.lock().unwrap().entry(name.to_string()).or_default() += 1;
         self.emu.launch(name, cfg.grid_dim, cfg.block_dim.0, params)
     }
     fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
@@ -179,6 +183,10 @@ impl Target for EmulatedGpu {
     }
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
         unsafe { std::ptr::write_bytes(dst.0 as *mut u8, byte, bytes) };
+        Ok(())
+    }
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.0 as *mut u8, bytes.len()) };
         Ok(())
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
@@ -279,16 +287,8 @@ impl Backend for EmulatedGpu {
         launch::sum_squares(Dev(self), &xs)
     }
 
-    fn optimizer_step(
-        &self,
-        update: &Update,
-        h: StepHyper,
-        param: Arg<HostBuffer>,
-        grad: Arg<HostBuffer>,
-        state: &[Arg<HostBuffer>],
-    ) -> Result<(), String> {
-        let state: Vec<V> = state.iter().map(value).collect();
-        launch::optimizer_step(Dev(self), update, h, value(&param), value(&grad), &state)
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<HostBuffer>]) -> Result<(), String> {
+        launch::optimizer_step(Dev(self), update, h, &launch::slots(slots, value))
     }
 
     fn unsupported(&self, graph: &Graph) -> Vec<String> {

@@ -3,7 +3,7 @@
 
 pub mod kernels;
 
-use super::{Arg, Backend, StepHyper};
+use super::{Arg, Backend, Slot, StepHyper};
 use crate::graph::op::Op;
 use crate::optim::Update;
 use crate::tensor::{Tensor, TensorView, TensorViewMut};
@@ -116,18 +116,14 @@ impl Backend for CpuBackend {
         Ok(xs.iter().map(value).fold(0.0, |total, sq| total + sq))
     }
 
-    fn optimizer_step(
-        &self,
-        update: &Update,
-        h: StepHyper,
-        param: Arg<CpuBuffer>,
-        grad: Arg<CpuBuffer>,
-        state: &[Arg<CpuBuffer>],
-    ) -> Result<(), String> {
-        let mut p = view_mut(&param);
-        let g = view(&grad).as_slice::<f32>();
-        let mut st: Vec<TensorViewMut> = state.iter().map(view_mut).collect();
-        crate::optim::cpu_step(update, h, p.as_mut_slice::<f32>(), g, &mut st)
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CpuBuffer>]) -> Result<(), String> {
+        for s in slots {
+            let mut p = view_mut(&s.param);
+            let g = view(&s.grad).as_slice::<f32>();
+            let mut st: Vec<TensorViewMut> = s.state.iter().map(view_mut).collect();
+            crate::optim::cpu_step(update, h, p.as_mut_slice::<f32>(), g, &mut st)?;
+        }
+        Ok(())
     }
 
     fn synchronize(&self) -> Result<(), String> {

@@ -204,6 +204,8 @@ pub trait Target {
     fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String>;
     fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String>;
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String>;
+    /// Copies host bytes to `dst`, ordered with the launches (a kernel's table).
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String>;
     fn gemm(&self, p: &Product) -> Result<(), String>;
     /// At least `bytes` of temporary memory, valid until the next request.
     fn scratch(&self, bytes: usize) -> Result<Ptr, String>;
@@ -224,6 +226,9 @@ impl Target for Check {
         Ok(())
     }
     fn fill(&self, _: Ptr, _: u8, _: usize) -> Result<(), String> {
+        Ok(())
+    }
+    fn write(&self, _: Ptr, _: &[u8]) -> Result<(), String> {
         Ok(())
     }
     fn gemm(&self, _: &Product) -> Result<(), String> {
@@ -249,6 +254,9 @@ impl Target for CudaBackend {
     }
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
         self.memset(dst.0, byte, bytes)
+    }
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+        self.write_bytes(dst.0, bytes)
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
         CudaBackend::gemm(self, p)
@@ -301,6 +309,10 @@ impl Dev<'_> {
 
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
         self.0.fill(dst, byte, bytes)
+    }
+
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+        self.0.write(dst, bytes)
     }
 
     fn gemm(&self, p: &Product) -> Result<(), String> {
@@ -1260,25 +1272,84 @@ pub fn sum_squares(dev: Dev, xs: &[V]) -> Result<f64, String> {
     Ok(total)
 }
 
-/// One optimizer update (optim::cpu_step's formulas).
-pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state: &[V]) -> Result<(), String> {
-    let n = p.n() as i64;
-    let cfg = elementwise(p.n());
+/// One weight's operands of an optimizer update: the weight, its gradient, its state buffers.
+pub struct Slot<'a> {
+    pub p: V<'a>,
+    pub g: V<'a>,
+    pub state: Vec<V<'a>>,
+}
+
+/// The dispatch's view of a backend's slots, through its `value` of an argument.
+pub fn slots<'a, B>(slots: &'a [crate::backend::Slot<'a, B>], value: impl Fn(&Arg<'a, B>) -> V<'a>) -> Vec<Slot<'a>> {
+    slots
+        .iter()
+        .map(|s| Slot { p: value(&s.param), g: value(&s.grad), state: s.state.iter().map(&value).collect() })
+        .collect()
+}
+
+/// One piece of one weight for one block of a multi-tensor update (`Piece` in kernels/optim.cu).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Piece {
+    p: u64,
+    g: u64,
+    s0: u64,
+    s1: u64,
+    n: i64,
+}
+
+/// Elements per piece: small enough that a group's pieces spread over every SM, large enough
+/// that each block's loop amortises its start.
+const PIECE: usize = 1 << 15;
+
+/// The pieces of `slots` with `states` state buffers each, written to scratch memory; returns
+/// the table and how many pieces it holds.
+fn piece_table(dev: Dev, slots: &[Slot], states: usize) -> Result<(Ptr, usize), String> {
+    let mut pieces = Vec::new();
+    for s in slots {
+        if s.state.len() != states {
+            return Err(format!("the update keeps {states} state buffer(s) per weight, not {}", s.state.len()));
+        }
+        let at = |v: Option<&V>, start: usize| v.map_or(0, |v| v.at.0 + 4 * start as u64);
+        for start in (0..s.p.n()).step_by(PIECE) {
+            pieces.push(Piece {
+                p: at(Some(&s.p), start),
+                g: at(Some(&s.g), start),
+                s0: at(s.state.first(), start),
+                s1: at(s.state.get(1), start),
+                n: (s.p.n() - start).min(PIECE) as i64,
+            });
+        }
+    }
+    let table = dev.scratch(std::mem::size_of_val(&pieces[..]))?;
+    dev.write(table, bytemuck::cast_slice(&pieces))?;
+    Ok((table, pieces.len()))
+}
+
+/// One optimizer update (optim::cpu_step's formulas) of every weight of `slots`: SGD and Adam in
+/// one multi-tensor launch, LAMB in three launches per weight whose trust ratio never leaves
+/// the device.
+pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -> Result<(), String> {
+    if slots.is_empty() {
+        return Ok(());
+    }
+    let multi = |count: usize| LaunchConfig {
+        grid_dim: (count as u32, 1, 1),
+        block_dim: (super::BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
     match *update {
         Update::Sgd { momentum, nesterov, weight_decay } => {
-            let b = match momentum {
-                0.0 => NULL,
-                _ => state.first().map(|s| s.at).ok_or("SGD with momentum needs its buffer")?,
-            };
+            let (table, count) = piece_table(dev, slots, (momentum != 0.0) as usize)?;
             let first = (h.step == 1) as i32;
             dev.kernel(
                 "sgd_f32",
-                cfg,
-                &mut params![n, h.lr, h.grad_scale, momentum, nesterov as i32, weight_decay, first, p.at, g.at, b],
+                multi(count),
+                &mut params![table, h.lr, h.grad_scale, momentum, nesterov as i32, weight_decay, first],
             )
         }
         Update::Adam { beta1, beta2, epsilon, weight_decay, decoupled } => {
-            let [m, v] = state else { return Err("Adam needs two state buffers".into()) };
+            let (table, count) = piece_table(dev, slots, 2)?;
             let t = h.step as i32;
             let bc1 = 1.0 - (beta1 as f64).powi(t);
             let bc2 = 1.0 - (beta2 as f64).powi(t);
@@ -1286,9 +1357,9 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state
             let bc2_sqrt = bc2.sqrt() as f32;
             dev.kernel(
                 "adam_f32",
-                cfg,
+                multi(count),
                 &mut params![
-                    n,
+                    table,
                     h.lr,
                     h.grad_scale,
                     beta1,
@@ -1297,50 +1368,49 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, p: V, g: V, state
                     weight_decay,
                     decoupled as i32,
                     step_size,
-                    bc2_sqrt,
-                    p.at,
-                    g.at,
-                    m.at,
-                    v.at
+                    bc2_sqrt
                 ],
             )
         }
         Update::Lamb { beta1, beta2, epsilon, weight_decay } => {
-            let [m, v] = state else { return Err("LAMB needs two state buffers".into()) };
             let t = h.step as i32;
             let bc1 = (1.0 - (beta1 as f64).powi(t)) as f32;
             let bc2 = (1.0 - (beta2 as f64).powi(t)) as f32;
-            let blocks = cfg.grid_dim.0 as usize;
-            let partial = dev.scratch(blocks * 16)?;
-            dev.kernel(
-                "lamb_moments_f32",
-                cfg,
-                &mut params![
-                    n,
-                    h.grad_scale,
-                    beta1,
-                    beta2,
-                    epsilon,
-                    weight_decay,
-                    bc1,
-                    bc2,
-                    p.at,
-                    g.at,
-                    m.at,
-                    v.at,
-                    partial
-                ],
-            )?;
-            // The trust ratio needs both norms on the host: LAMB waits here once per weight.
-            let sums = dev.partials(partial, blocks * 2)?;
-            let wn: f64 = sums.iter().step_by(2).sum();
-            let un: f64 = sums.iter().skip(1).step_by(2).sum();
-            let trust = if wn > 0.0 && un > 0.0 { (wn.sqrt() / un.sqrt()) as f32 } else { 1.0 };
-            dev.kernel(
-                "lamb_step_f32",
-                cfg,
-                &mut params![n, h.lr * trust, epsilon, weight_decay, bc1, bc2, p.at, m.at, v.at],
-            )
+            for s in slots {
+                let [m, v] = s.state[..] else { return Err("LAMB needs two state buffers".into()) };
+                let (p, g, n) = (s.p.at, s.g.at, s.p.n() as i64);
+                let cfg = elementwise(s.p.n());
+                let blocks = cfg.grid_dim.0 as usize;
+                // The partial sums, then the trust ratio after them.
+                let partial = dev.scratch(blocks * 16 + 8)?;
+                let trust = Ptr(partial.0 + blocks as u64 * 16);
+                dev.kernel(
+                    "lamb_moments_f32",
+                    cfg,
+                    &mut params![
+                        n,
+                        h.grad_scale,
+                        beta1,
+                        beta2,
+                        epsilon,
+                        weight_decay,
+                        bc1,
+                        bc2,
+                        p,
+                        g,
+                        m.at,
+                        v.at,
+                        partial
+                    ],
+                )?;
+                dev.kernel("lamb_trust_f32", per_row(1), &mut params![blocks as i64, partial, trust])?;
+                dev.kernel(
+                    "lamb_step_f32",
+                    cfg,
+                    &mut params![n, h.lr, trust, epsilon, weight_decay, bc1, bc2, p, m.at, v.at],
+                )?;
+            }
+            Ok(())
         }
     }
 }

@@ -13,7 +13,7 @@ pub mod launch;
 pub mod nccl;
 pub mod probe;
 
-use super::{Arg, Backend, DeviceCollective, StepHyper};
+use super::{Arg, Backend, DeviceCollective, Slot, StepHyper};
 use crate::comm::{HostGroup, ProcessGroup, ReduceOp};
 use crate::graph::ir::Graph;
 use crate::graph::op::Op;
@@ -211,6 +211,13 @@ impl CudaBackend {
         unsafe { driver::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }.map_err(cuda_err("copy"))
     }
 
+    /// Copies host bytes to device memory at `dst`, ordered on the stream; `bytes` may go as
+    /// soon as this returns (a copy from pageable memory is staged before it does).
+    pub(crate) fn write_bytes(&self, dst: u64, bytes: &[u8]) -> Result<(), String> {
+        // SAFETY: `bytes.len()` bytes of device memory at `dst` (a scratch request of that size).
+        unsafe { driver::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }.map_err(cuda_err("upload"))
+    }
+
     pub(crate) fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<(), String> {
         // SAFETY: device memory of `bytes`.
         unsafe { driver::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }.map_err(cuda_err("memset"))
@@ -329,17 +336,9 @@ impl Backend for CudaBackend {
         launch::sum_squares(launch::Dev(self), &xs)
     }
 
-    fn optimizer_step(
-        &self,
-        update: &Update,
-        h: StepHyper,
-        param: Arg<CudaBuffer>,
-        grad: Arg<CudaBuffer>,
-        state: &[Arg<CudaBuffer>],
-    ) -> Result<(), String> {
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CudaBuffer>]) -> Result<(), String> {
         self.bind()?;
-        let state: Vec<launch::V> = state.iter().map(launch::value).collect();
-        launch::optimizer_step(launch::Dev(self), update, h, launch::value(&param), launch::value(&grad), &state)
+        launch::optimizer_step(launch::Dev(self), update, h, &launch::slots(slots, launch::value))
     }
 
     fn unsupported(&self, graph: &Graph) -> Vec<String> {

@@ -15,40 +15,54 @@ extern "C" __global__ void sum_squares_partial(i64 n, const float* x, double* pa
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-// SGD with L2 weight decay; momentum buffer `b` (null without momentum; `first` copies the
+// The updates of SGD and Adam are multi-tensor: one launch updates every weight of a parameter
+// group, each block one piece of one weight (PyTorch's multi_tensor_apply, llm.c's fused
+// AdamW over one flat buffer). A piece holds the addresses of its first element in the weight,
+// its gradient and the update's state buffers (null where the update keeps fewer), and its
+// length; the host cuts the weights into pieces and writes the table.
+struct Piece {
+    float* p;
+    const float* g;
+    float* s0;
+    float* s1;
+    i64 n;
+};
+
+// SGD with L2 weight decay; momentum buffer s0 (null without momentum; `first` copies the
 // direction into it, as PyTorch does), optional Nesterov.
-extern "C" __global__ void sgd_f32(i64 n, float lr, float gs, float momentum, int nesterov, float weight_decay,
-                                   int first, float* p, const float* g, float* b) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float d = g[i] * gs + weight_decay * p[i];
-        if (b) {
-            b[i] = first ? d : momentum * b[i] + d;
-            d = nesterov ? d + momentum * b[i] : b[i];
+extern "C" __global__ void sgd_f32(const Piece* pieces, float lr, float gs, float momentum, int nesterov,
+                                   float weight_decay, int first) {
+    const Piece c = pieces[blockIdx.x];
+    for (i64 i = threadIdx.x; i < c.n; i += blockDim.x) {
+        float d = c.g[i] * gs + weight_decay * c.p[i];
+        if (c.s0) {
+            c.s0[i] = first ? d : momentum * c.s0[i] + d;
+            d = nesterov ? d + momentum * c.s0[i] : c.s0[i];
         }
-        p[i] -= lr * d;
+        c.p[i] -= lr * d;
     }
 }
 
 // Adam (L2 decay on the gradient) or AdamW (decoupled decay), PyTorch's order of operations:
-// step_size = lr / bc1, denom = √v / √bc2 + ε.
-extern "C" __global__ void adam_f32(i64 n, float lr, float gs, float beta1, float beta2, float eps,
-                                    float weight_decay, int decoupled, float step_size, float bc2_sqrt, float* p,
-                                    const float* g, float* m, float* v) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float gi = g[i] * gs;
-        float pi = p[i];
+// step_size = lr / bc1, denom = √v / √bc2 + ε; s0 and s1 are the first and second moments.
+extern "C" __global__ void adam_f32(const Piece* pieces, float lr, float gs, float beta1, float beta2, float eps,
+                                    float weight_decay, int decoupled, float step_size, float bc2_sqrt) {
+    const Piece c = pieces[blockIdx.x];
+    for (i64 i = threadIdx.x; i < c.n; i += blockDim.x) {
+        float gi = c.g[i] * gs;
+        float pi = c.p[i];
         if (decoupled) pi *= 1.f - lr * weight_decay;
         else gi += weight_decay * pi;
-        float mi = beta1 * m[i] + (1.f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.f - beta2) * gi * gi;
-        m[i] = mi;
-        v[i] = vi;
-        p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        float mi = beta1 * c.s0[i] + (1.f - beta1) * gi;
+        float vi = beta2 * c.s1[i] + (1.f - beta2) * gi * gi;
+        c.s0[i] = mi;
+        c.s1[i] = vi;
+        c.p[i] = pi - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
     }
 }
 
 // LAMB, pass 1: the moments, and per block the partial sums of ‖w‖² and ‖u‖² (u the update
-// direction), written to partial[2·block], partial[2·block + 1] for the host to add in order.
+// direction), written to partial[2·block], partial[2·block + 1].
 extern "C" __global__ void lamb_moments_f32(i64 n, float gs, float beta1, float beta2, float eps,
                                             float weight_decay, float bc1, float bc2, const float* p,
                                             const float* g, float* m, float* v, double* partial) {
@@ -71,9 +85,23 @@ extern "C" __global__ void lamb_moments_f32(i64 n, float gs, float beta1, float 
     }
 }
 
+// LAMB, between the passes, in one block: the trust ratio ‖w‖ / ‖u‖ (1 where either is 0) from
+// pass 1's `blocks` pairs of partials, on the device, so that the host need not wait for it.
+extern "C" __global__ void lamb_trust_f32(i64 blocks, const double* partial, float* trust) {
+    double wn = 0.0, un = 0.0;
+    for (i64 b = threadIdx.x; b < blocks; b += blockDim.x) {
+        wn += partial[2 * b];
+        un += partial[2 * b + 1];
+    }
+    wn = block_sum_f64(wn);
+    un = block_sum_f64(un);
+    if (threadIdx.x == 0) *trust = wn > 0.0 && un > 0.0 ? (float)(sqrt(wn) / sqrt(un)) : 1.f;
+}
+
 // LAMB, pass 2: w −= lr·trust·u, from the moments pass 1 left.
-extern "C" __global__ void lamb_step_f32(i64 n, float lr_trust, float eps, float weight_decay, float bc1, float bc2,
-                                         float* p, const float* m, const float* v) {
+extern "C" __global__ void lamb_step_f32(i64 n, float lr, const float* trust, float eps, float weight_decay,
+                                         float bc1, float bc2, float* p, const float* m, const float* v) {
+    const float lr_trust = lr * *trust;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         float u = (m[i] / bc1) / (sqrtf(v[i] / bc2) + eps) + weight_decay * p[i];
         p[i] -= lr_trust * u;
