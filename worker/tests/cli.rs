@@ -176,6 +176,11 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
         let gemm = |e: &&serde_json::Value| ["MatMul", "Gemm", "FusedMatMul"].iter().any(|n| e["name"] == *n);
         assert!(ops.iter().any(gemm), "no GEMM among the ops");
         assert!(ops.iter().any(|e| e["name"] == "Attention"), "no fused attention among the ops");
+        // The MLP's GELU and its gradient run in the products' epilogues.
+        for gone in ["Gelu", "UnaryGrad"] {
+            assert!(!ops.iter().any(|e| e["name"] == gone), "a {gone} left unfused");
+        }
+        assert!(ops.iter().any(|e| e["name"] == "MatMulUnaryGrad"), "no GELU gradient fused into a product");
         for op in ops {
             let ts = op["ts"].as_f64().unwrap();
             assert!(ts >= start && ts + op["dur"].as_f64().unwrap() <= end + 1.0, "op outside its step: {op}");

@@ -406,6 +406,14 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         let fused = Op::FusedMatMul { trans_a: false, trans_b: true, activation: None };
         let ins = [a.clone(), half(&[5, 4], 11), half(&[5], 12)];
         within_ulp("FusedMatMul with a bias", &fused, &ins, &[Meta::new(t, &[2, 3, 5])]);
+        // GELU in the epilogue, keeping its input (training's MLP), and GELU's gradient in the
+        // epilogue of the product that is its output's gradient.
+        let gelu = Op::FusedMatMul { trans_a: false, trans_b: true, activation: Some(Unary::GeluTanh) };
+        let y = Meta::new(t, &[2, 3, 5]);
+        within_ulp("FusedMatMul with a bias and GELU", &gelu, &ins, &[y.clone(), y.clone()]);
+        let gelu_grad = Op::MatMulUnaryGrad { trans_a: false, trans_b: true, activation: Unary::GeluTanh };
+        let ins = [a.clone(), half(&[5, 4], 13), half(&[2, 3, 5], 14)];
+        within_ulp("MatMulUnaryGrad of GELU", &gelu_grad, &ins, std::slice::from_ref(&y));
         // Windows: a grouped, strided convolution and its gradient, max and average pooling and
         // their gradients, global average pooling (sums of many terms: within one unit).
         let win = Window::explicit(&[3, 2], &[2, 1], &[1, 1], &[1, 0, 1, 1], false);
@@ -487,6 +495,41 @@ fn close_as_f32(what: &str, gpu: &[Tensor], cpu: &[Tensor], tol: f32) {
         let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(worst <= tol * largest, "{what}, output {k}: differs by {worst} (largest {largest})");
     }
+}
+
+/// Where cuBLASLt offers no algorithm for an epilogue, the backend runs the product plain and
+/// applies the bias, the GELU (keeping its input or not) or the GELU's gradient with kernels
+/// after it (`launch::apply_epilogue`); the emulator declines every epilogue here, and the
+/// results still match the CPU's (in bf16 within a unit: the kernels' GELU reads D rounded).
+#[test]
+fn epilogues_applied_after_a_plain_product_match_the_cpu_backend() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    gpu.declines_epilogues.store(true, std::sync::atomic::Ordering::Relaxed);
+    for (t, tol) in [(DType::F32, 1e-6), (DType::BF16, 2f32.powi(-7))] {
+        let x = |shape: &[usize], salt: usize| {
+            let n = shape.iter().product();
+            Tensor::from_vec(shape, values(n, salt).iter().map(|v| v * 3.0).collect()).cast(t)
+        };
+        let (a, w, bias, pre) = (x(&[2, 3, 4], 1), x(&[8, 4], 2), x(&[8], 3), x(&[2, 3, 8], 4));
+        let y = Meta::new(t, &[2, 3, 8]);
+        let fused = |activation| Op::FusedMatMul { trans_a: false, trans_b: true, activation };
+        let gelu_grad = Op::MatMulUnaryGrad { trans_a: false, trans_b: true, activation: Unary::GeluTanh };
+        let with_bias = [a.clone(), w.clone(), bias];
+        let cases = [
+            ("a bias", fused(None), &with_bias[..], 1),
+            ("a bias and GELU", fused(Some(Unary::GeluTanh)), &with_bias[..], 1),
+            ("a bias and GELU, keeping its input", fused(Some(Unary::GeluTanh)), &with_bias[..], 2),
+            ("GELU without a bias", fused(Some(Unary::GeluTanh)), &with_bias[..2], 2),
+            ("GELU's gradient", gelu_grad, &[a.clone(), w.clone(), pre.clone()][..], 1),
+        ];
+        for (what, op, ins, outputs) in cases {
+            let outs = vec![y.clone(); outputs];
+            let (g, c) = (run_typed(&gpu, &op, ins, &outs), run_typed(&cpu, &op, ins, &outs));
+            close_as_f32(&format!("{t} product with {what} applied after it"), &g, &c, tol);
+        }
+    }
+    let declined = gpu.launches.lock().unwrap().get("unary_f32").copied().unwrap_or(0);
+    assert!(declined > 0, "no epilogue ran as a kernel");
 }
 
 /// Tensor parallelism's vocab-parallel ops and the row reductions, one at a time: ids and

@@ -59,7 +59,8 @@ fn attach_loss(c: &mut Case, rng: &mut Rng, out_shape: &[usize]) -> ValueId {
     c.g.op1("loss", Op::ReduceOp { kind: Reduce::Sum, axes: None, keepdims: false, noop_with_empty_axes: false }, &[p])
 }
 
-fn check(name: &str, mut c: Case) {
+/// Checks `c`'s gradients; returns what the fusion passes rewrote in its training graph.
+fn check(name: &str, mut c: Case) -> Vec<(&'static str, usize)> {
     let mut rng = Rng::new(99);
     let backend = Arc::new(CpuBackend::new());
     let vars = c.params.iter().copied().collect();
@@ -73,7 +74,7 @@ fn check(name: &str, mut c: Case) {
     let mut train = bind(&c.g, &bindings, true).unwrap_or_else(|e| panic!("{name}: {e}"));
     let grads = gradients(&mut train, loss, &c.params).unwrap_or_else(|e| panic!("{name}: {e}"));
     train.outputs = std::iter::once(loss).chain(grads.iter().copied()).collect();
-    crate::graph::fuse::run(&mut train, &[]);
+    let fused = crate::graph::fuse::run(&mut train, &[]);
     // Tensor parallelism's collectives run over a group of one: the rules and kernels around them
     // are what is checked here (mpi_train.rs checks them across ranks).
     let solo = || Some(std::rc::Rc::new(Group::host(HostGroup::Solo(SoloGroup::new("tensor", 0)))));
@@ -110,6 +111,7 @@ fn check(name: &str, mut c: Case) {
         }
         fx.feed(p, &base).unwrap();
     }
+    fused
 }
 
 fn unary_case(u: Unary, lo: f64, hi: f64) -> Case {
@@ -219,6 +221,22 @@ fn matmul_and_gemm() {
     let y = b.g.op1("add", Op::Binary(Binary::Add), &[y, bias]);
     let y = b.g.op1("gelu", Op::Unary(Unary::GeluTanh), &[y]);
     check("MatMul + bias + GELU (fused)", b.done(y));
+
+    // An MLP: the GELU joins the first product's epilogue (keeping its input for the
+    // gradient), and its gradient joins the epilogue of the product that feeds it.
+    let mut b = CaseBuilder::new(12);
+    let a = b.param("a", &[2, 3, 4], -1.0, 1.0);
+    let w = b.param("w", &[4, 6], -1.0, 1.0);
+    let bias = b.param("bias", &[6], -1.0, 1.0);
+    let w2 = b.param("w2", &[6, 5], -1.0, 1.0);
+    let y = b.g.op1("mm", Op::MatMul, &[a, w]);
+    let y = b.g.op1("add", Op::Binary(Binary::Add), &[y, bias]);
+    let y = b.g.op1("gelu", Op::Unary(Unary::GeluTanh), &[y]);
+    let y = b.g.op1("mm2", Op::MatMul, &[y, w2]);
+    let fused = check("MatMul + bias + GELU, MatMul (GELU and its gradient fused)", b.done(y));
+    for pass in ["matmul_bias_gelu", "matmul_gelu_grad"] {
+        assert!(fused.contains(&(pass, 1)), "{pass} did not fuse the MLP once: {fused:?}");
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@ use super::op::{Binary, Op, Unary};
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.
-pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose"];
+pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose", "matmul_gelu_grad"];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
@@ -35,6 +35,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "matmul_bias" => matmul_bias(g),
             "matmul_bias_gelu" => matmul_bias_gelu(g),
             "matmul_transpose" => matmul_transpose(g),
+            "matmul_gelu_grad" => matmul_gelu_grad(g),
             _ => 0,
         };
         report.push((p, n));
@@ -81,8 +82,10 @@ fn matmul_bias(g: &mut Graph) -> usize {
     fused
 }
 
-/// FusedMatMul(…) → Gelu(tanh)  ⇒  FusedMatMul(…, gelu), when the pre-activation is not read
-/// by anything else (in training the GELU gradient reads it, so this fuses in inference).
+/// FusedMatMul(…) → Gelu(tanh)  ⇒  FusedMatMul(…, gelu): the GELU in the GEMM's epilogue. When
+/// nothing else reads the pre-activation (inference) it goes; when something does (in training,
+/// the GELU's gradient, and a recomputed GELU) the fused node keeps it as a second output
+/// (cuBLASLt's GELU_AUX), and takes the product's place so that it precedes every reader.
 fn matmul_bias_gelu(g: &mut Graph) -> usize {
     let uses = g.use_counts();
     let producers = g.producers();
@@ -94,13 +97,49 @@ fn matmul_bias_gelu(g: &mut Graph) -> usize {
         let Some(x) = g.nodes[i].input(0) else { continue };
         let Some(p) = producers[x] else { continue };
         let Op::FusedMatMul { trans_a, trans_b, activation: None } = g.nodes[p].op else { continue };
-        if uses[x] != 1 || g.outputs.contains(&x) {
+        let Some(y) = g.nodes[i].output(0) else { continue };
+        let op = Op::FusedMatMul { trans_a, trans_b, activation: Some(Unary::GeluTanh) };
+        if uses[x] == 1 && !g.outputs.contains(&x) {
+            let inputs = g.nodes[p].inputs.clone();
+            let node = &mut g.nodes[i];
+            node.op = op;
+            node.inputs = inputs;
+        } else {
+            let product = &mut g.nodes[p];
+            product.op = op;
+            product.outputs = vec![Some(y), Some(x)];
+            // The GELU's node now writes nothing anyone reads; prune removes it.
+            g.nodes[i].outputs.clear();
+        }
+        fused += 1;
+    }
+    fused
+}
+
+/// FusedMatMul(A, B) → UnaryGrad(gelu)(·, X)  ⇒  MatMulUnaryGrad(A, B, X): the product that is
+/// the gradient of a GELU's output (dY·W₂ᵀ in an MLP's backward pass) becomes the gradient of
+/// its input in the GEMM's epilogue (cuBLASLt's DGELU), when nothing else reads the product.
+fn matmul_gelu_grad(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        if g.nodes[i].op != Op::UnaryGrad(Unary::GeluTanh) {
             continue;
         }
-        let inputs = g.nodes[p].inputs.clone();
+        let (Some(d), Some(x)) = (g.nodes[i].input(0), g.nodes[i].input(1)) else { continue };
+        let Some(p) = producers[d] else { continue };
+        let Op::FusedMatMul { trans_a, trans_b, activation: None } = g.nodes[p].op else { continue };
+        let no_bias = g.nodes[p].inputs.len() == 2;
+        let alike = g.meta(d).is_some_and(|m| gemm_type(m.dtype)) && g.meta(d) == g.meta(x);
+        if uses[d] != 1 || g.outputs.contains(&d) || !no_bias || !alike {
+            continue;
+        }
+        let (a, b) = (g.nodes[p].inputs[0], g.nodes[p].inputs[1]);
         let node = &mut g.nodes[i];
-        node.op = Op::FusedMatMul { trans_a, trans_b, activation: Some(Unary::GeluTanh) };
-        node.inputs = inputs;
+        node.op = Op::MatMulUnaryGrad { trans_a, trans_b, activation: Unary::GeluTanh };
+        node.inputs = vec![a, b, Some(x)];
+        // The product is now unread; prune removes it.
         fused += 1;
     }
     fused

@@ -281,7 +281,7 @@ pub fn infer_node(
             (op, vec![q.clone(), Meta::new(DType::F32, &q.shape[..r - 1])])
         }
         Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
-        Op::FusedMatMul { trans_a, trans_b, .. } => {
+        Op::FusedMatMul { trans_a, trans_b, .. } | Op::MatMulUnaryGrad { trans_a, trans_b, .. } => {
             let (a, b) = (m(0)?, m(1)?);
             let t = |s: &[usize], tr: bool| {
                 let mut s = s.to_vec();
@@ -293,7 +293,16 @@ pub fn infer_node(
             };
             let shape = matmul_shape(&t(&a.shape, *trans_a), &t(&b.shape, *trans_b))
                 .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
-            (op, vec![Meta::new(a.dtype, &shape)])
+            let y = Meta::new(a.dtype, &shape);
+            if matches!(op, Op::MatMulUnaryGrad { .. }) {
+                // X, the activation's input, is shaped like the product.
+                if *m(2)? != y {
+                    return Err(err(node, format!("the activation's input {:?} against the product {:?}", m(2)?, y)));
+                }
+            }
+            // A fused activation's second output is its input, the pre-activation.
+            let outputs = if node.outputs.len() > 1 { vec![y.clone(), y] } else { vec![y] };
+            (op, outputs)
         }
         Op::Gemm { trans_a, trans_b, .. } => {
             let (a, b) = (m(0)?, m(1)?);

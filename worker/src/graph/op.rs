@@ -360,11 +360,20 @@ pub enum Op {
         scale: f32,
         causal: bool,
     },
-    /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass.
+    /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass. With
+    /// an activation it may have a second output, the pre-activation, for the gradient to read.
     FusedMatMul {
         trans_a: bool,
         trans_b: bool,
         activation: Option<Unary>,
+    },
+    /// A, B, X -> op(A)·op(B) ⊙ activation'(X): a product that is the gradient of an
+    /// activation's output, taken to the gradient of its input X (UnaryGrad of a product, fused
+    /// like cuBLASLt's DGELU epilogue); emitted by the fusion pass.
+    MatMulUnaryGrad {
+        trans_a: bool,
+        trans_b: bool,
+        activation: Unary,
     },
 
     // ---- tensor parallelism (`parallel::tensor`); the executor runs the collectives ----
@@ -755,6 +764,7 @@ impl Op {
             Op::PoolGrad { .. } => internal("PoolGrad"),
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
+            Op::MatMulUnaryGrad { .. } => internal("MatMulUnaryGrad"),
             Op::Attention { .. } => internal("Attention"),
             Op::AttentionGrad { .. } => internal("AttentionGrad"),
             Op::AllReduce { .. } => internal("AllReduce"),
@@ -864,6 +874,11 @@ impl Op {
                 i("transA", *trans_a as i64),
                 i("transB", *trans_b as i64),
                 i("gelu", matches!(activation, Some(Unary::GeluTanh)) as i64),
+            ],
+            Op::MatMulUnaryGrad { trans_a, trans_b, activation } => vec![
+                i("transA", *trans_a as i64),
+                i("transB", *trans_b as i64),
+                i("gelu", (*activation == Unary::GeluTanh) as i64),
             ],
             _ => vec![],
         }

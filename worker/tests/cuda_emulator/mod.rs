@@ -10,7 +10,8 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
-use tensorfleet_worker::backend::cuda::gemm::Product;
+use tensorfleet_worker::backend::cpu::kernels::elementwise::{gelu_tanh, gelu_tanh_grad};
+use tensorfleet_worker::backend::cuda::gemm::{Epilogue, Product};
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
 use tensorfleet_worker::backend::{Arg, Backend, Slot, StepHyper};
@@ -136,6 +137,9 @@ pub struct EmulatedGpu {
     pub waits: std::sync::atomic::AtomicUsize,
     /// How many times each kernel has been launched, by name.
     pub launches: Mutex<std::collections::HashMap<String, usize>>,
+    /// Set, the stand-in for cuBLASLt offers no algorithm with an epilogue, as cuBLASLt may
+    /// not for some layouts: products run plain and the dispatch applies the epilogue after.
+    pub declines_epilogues: std::sync::atomic::AtomicBool,
 }
 
 impl EmulatedGpu {
@@ -147,6 +151,7 @@ impl EmulatedGpu {
             faults: Mutex::new(Vec::new()),
             waits: Default::default(),
             launches: Default::default(),
+            declines_epilogues: Default::default(),
         }
     }
 
@@ -191,7 +196,11 @@ impl Target for EmulatedGpu {
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
         // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
-        // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the bias in the epilogue.
+        // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the epilogue on the f32 sum.
+        if p.has_epilogue() && self.declines_epilogues.load(std::sync::atomic::Ordering::Relaxed) {
+            self.gemm(&Product { bias: 0, epilogue: Epilogue::Plain, ..*p })?;
+            return launch::apply_epilogue(self, p);
+        }
         let size = p.dtype.size() as isize;
         let load = |at: *const u8| -> f32 {
             match p.dtype {
@@ -220,12 +229,25 @@ impl Target for EmulatedGpu {
                         let bv = load(bm.wrapping_offset(bi as isize * size));
                         s += av as f64 * bv as f64;
                     }
-                    let out = d.wrapping_offset((i * n + j) as isize * size);
+                    let at = (i * n + j) as isize * size;
+                    let out = d.wrapping_offset(at);
                     let prior = if p.beta != 0.0 { p.beta * load(out) } else { 0.0 };
-                    // The bias epilogue: added before D's one rounding.
+                    // The epilogue: the bias, then GELU or its gradient, before D's one rounding;
+                    // an aux laid out like D.
                     let bias =
                         if p.bias != 0 { load((p.bias as *const u8).wrapping_offset(j as isize * size)) } else { 0.0 };
-                    store(out, p.alpha * s as f32 + prior + bias);
+                    let result = p.alpha * s as f32 + prior + bias;
+                    let aux = |aux: u64| (aux as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * size + at);
+                    let value = match p.epilogue {
+                        Epilogue::Plain => result,
+                        Epilogue::Gelu { aux: 0 } => gelu_tanh(result),
+                        Epilogue::Gelu { aux: pre } => {
+                            store(aux(pre), result);
+                            gelu_tanh(result)
+                        }
+                        Epilogue::GeluGrad { aux: pre } => result * gelu_tanh_grad(load(aux(pre))),
+                    };
+                    store(out, value);
                 }
             }
         }

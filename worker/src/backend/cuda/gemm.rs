@@ -12,11 +12,26 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use std::ffi::c_void;
 
+/// What a product does to its f32 result before D is rounded to its type: cuBLASLt's
+/// epilogues, GELU being GPT-2's tanh approximation (cuBLASLt's, which llm.c relies on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Epilogue {
+    /// D = result (+ bias).
+    Plain,
+    /// D = gelu(result + bias); `aux` (0: none) also gets result + bias, laid out like D, for
+    /// the gradient (GELU_AUX_BIAS).
+    Gelu { aux: u64 },
+    /// D = result ⊙ gelu'(aux), aux laid out like D: the result is the gradient of a GELU's
+    /// output, aux its input (DGELU; no bias).
+    GeluGrad { aux: u64 },
+}
+
 /// One product D = alpha·op(A)·op(B) + beta·D (+ bias) over `batch` matrices, row-major: op(A)
 /// is [m, k], op(B) [k, n], D [m, n]; an operand's batch stride is 0 when every batch shares it.
 /// D's is m·n when the outputs are packed, more when they interleave with others (one group
 /// of a grouped convolution's channels, per image). `bias` (0: none) is a vector of n added to
-/// every row of every batch in the product's epilogue, before D is rounded to its type.
+/// every row of every batch in the product's epilogue, before D is rounded to its type; then
+/// `epilogue`.
 #[derive(Clone, Copy, Debug)]
 pub struct Product {
     pub m: u64,
@@ -37,6 +52,14 @@ pub struct Product {
     /// in f32).
     pub dtype: DType,
     pub bias: u64,
+    pub epilogue: Epilogue,
+}
+
+impl Product {
+    /// Whether the product does more than D = alpha·op(A)·op(B) + beta·D.
+    pub fn has_epilogue(&self) -> bool {
+        self.bias != 0 || self.epilogue != Epilogue::Plain
+    }
 }
 
 /// The cuBLASLt handle and its workspace (both live as long as the backend).
@@ -57,8 +80,8 @@ fn err(what: &str, e: lt::CublasError) -> String {
     format!("cuBLASLt {what}: {e:?}")
 }
 
-/// Why a product did not run: cuBLASLt offers no algorithm for it (with the bias epilogue, the
-/// caller can add the bias apart), or anything else.
+/// Why a product did not run: cuBLASLt offers no algorithm for it (with an epilogue, the
+/// caller can apply it apart), or anything else.
 enum RunError {
     Unsupported,
     Failed(String),
@@ -123,10 +146,10 @@ impl Gemm {
         Ok(Gemm { handle, workspace, workspace_bytes })
     }
 
-    /// Runs `p`; returns whether its bias was added (false when cuBLASLt has no algorithm for
-    /// the bias epilogue with these layouts: the caller adds it).
+    /// Runs `p`; returns whether its bias and epilogue were applied (false when cuBLASLt has no
+    /// algorithm for the epilogue with these layouts: the caller applies them).
     pub(super) fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
-        if p.bias != 0 {
+        if p.has_epilogue() {
             match self.run_with(p, true, stream) {
                 Ok(()) => return Ok(true),
                 Err(Failed(e)) => return Err(e),
@@ -178,23 +201,7 @@ impl Gemm {
                 )
                 .map_err(|e| err("workspace preference", e))?;
                 if epilogue {
-                    let bias = sys::cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-                    lt::set_matmul_desc_attribute(
-                        desc,
-                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_EPILOGUE,
-                        &bias as *const sys::cublasLtEpilogue_t as *const c_void,
-                        std::mem::size_of::<sys::cublasLtEpilogue_t>(),
-                    )
-                    .map_err(|e| err("epilogue", e))?;
-                    // The bias is D's type (BIAS_DATA_TYPE's default) and shared by the batch
-                    // (BIAS_BATCH_STRIDE's default, 0).
-                    lt::set_matmul_desc_attribute(
-                        desc,
-                        sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                        &p.bias as *const u64 as *const c_void,
-                        8,
-                    )
-                    .map_err(|e| err("bias pointer", e))?;
+                    set_epilogue(desc, p)?;
                 }
                 let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc, first.0, second.0, out.0, out.0, pref)
                     .map_err(
@@ -228,6 +235,55 @@ impl Gemm {
         }
         result
     }
+}
+
+/// Sets `p`'s bias and epilogue on `desc`.
+///
+/// # Safety
+/// `desc` is a live matmul descriptor.
+unsafe fn set_epilogue(desc: sys::cublasLtMatmulDesc_t, p: &Product) -> Result<(), RunError> {
+    use sys::cublasLtEpilogue_t as E;
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    let set = |attr: A, value: *const c_void, bytes: usize, what: &str| {
+        // SAFETY: `value` points at `bytes` bytes that outlive the call.
+        unsafe { lt::set_matmul_desc_attribute(desc, attr, value, bytes) }.map_err(|e| Failed(err(what, e)))
+    };
+    let bias = p.bias != 0;
+    let (kind, aux) = match p.epilogue {
+        Epilogue::Plain => (E::CUBLASLT_EPILOGUE_BIAS, 0),
+        Epilogue::Gelu { aux: 0 } if bias => (E::CUBLASLT_EPILOGUE_GELU_BIAS, 0),
+        Epilogue::Gelu { aux: 0 } => (E::CUBLASLT_EPILOGUE_GELU, 0),
+        Epilogue::Gelu { aux } if bias => (E::CUBLASLT_EPILOGUE_GELU_AUX_BIAS, aux),
+        Epilogue::Gelu { aux } => (E::CUBLASLT_EPILOGUE_GELU_AUX, aux),
+        Epilogue::GeluGrad { .. } if bias => return Err(Failed(format!("a GELU gradient with a bias: {p:?}"))),
+        Epilogue::GeluGrad { aux } => (E::CUBLASLT_EPILOGUE_DGELU, aux),
+    };
+    // cuBLASLt wants the aux's leading dimension a multiple of 8 (ours is D's row, n).
+    if aux != 0 && !p.n.is_multiple_of(8) {
+        return Err(Unsupported);
+    }
+    set(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind as *const E as *const c_void, std::mem::size_of::<E>(), "epilogue")?;
+    if bias {
+        // The bias is D's type (BIAS_DATA_TYPE's default) and shared by the batch
+        // (BIAS_BATCH_STRIDE's default, 0).
+        set(A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias as *const u64 as *const c_void, 8, "bias pointer")?;
+    }
+    if aux != 0 {
+        // The aux is D's type and layout: column-major n × m per batch, D's batch stride.
+        let ld = p.n as i64;
+        set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux as *const u64 as *const c_void, 8, "aux pointer")?;
+        set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld as *const i64 as *const c_void, 8, "aux leading dimension")?;
+        if p.batch > 1 {
+            let stride = p.d_stride;
+            set(
+                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE,
+                &stride as *const i64 as *const c_void,
+                8,
+                "aux batch stride",
+            )?;
+        }
+    }
+    Ok(())
 }
 
 impl Drop for Gemm {

@@ -5,12 +5,12 @@
 //! is made, and every kernel named is looked up in the program's source with its parameter
 //! types compared to the ones passed, without a GPU. What check accepts, run launches.
 
-use super::gemm::Product;
+use super::gemm::{Epilogue, Product};
 use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
 use crate::backend::cpu::kernels::shape::slice_plan;
 use crate::backend::{Arg, StepHyper};
 use crate::graph::ir::Meta;
-use crate::graph::op::{Binary, LossReduction, Op, Reduce};
+use crate::graph::op::{Binary, LossReduction, Op, Reduce, Unary};
 use crate::optim::Update;
 use crate::tensor::{strides, DType};
 use cudarc::driver::LaunchConfig;
@@ -587,10 +587,23 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let (rows, cols) = (a.shape()[r - 2] as i64, a.shape()[r - 1] as i64);
             dev.kernel(&kernel, elementwise(n), &mut params![n as i64, rows, cols, *upper as i32, *k, a.at, y.at])
         }
-        Op::MatMul => matmul(dev, x(0)?, x(1)?, None, false, false, None, 1.0, y),
+        Op::MatMul => matmul(dev, x(0)?, x(1)?, None, false, false, Epilogue::Plain, y),
         Op::FusedMatMul { trans_a, trans_b, activation } => {
-            matmul(dev, x(0)?, x(1)?, ins.get(2).copied().flatten(), *trans_a, *trans_b, *activation, 1.0, y)
+            let epilogue = match activation {
+                None => Epilogue::Plain,
+                Some(Unary::GeluTanh) => Epilogue::Gelu { aux: outs.get(1).map_or(0, |pre| pre.at.0) },
+                Some(u) => return Err(format!("no CUDA epilogue for a fused {u:?}")),
+            };
+            matmul(dev, x(0)?, x(1)?, ins.get(2).copied().flatten(), *trans_a, *trans_b, epilogue, y)
         }
+        Op::MatMulUnaryGrad { trans_a, trans_b, activation: Unary::GeluTanh } => {
+            let pre = x(2)?;
+            if pre.meta != y.meta {
+                return Err(format!("a GELU's input {:?} against its gradient {:?}", pre.meta, y.meta));
+            }
+            matmul(dev, x(0)?, x(1)?, None, *trans_a, *trans_b, Epilogue::GeluGrad { aux: pre.at.0 }, y)
+        }
+        Op::MatMulUnaryGrad { activation, .. } => Err(format!("no CUDA epilogue for the gradient of {activation:?}")),
         Op::Gemm { alpha, beta, trans_a, trans_b } => {
             let c = ins.get(2).copied().flatten().filter(|_| *beta != 0.0);
             if let Some(c) = c {
@@ -609,7 +622,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 return Err("Gemm takes 2-D operands".into());
             }
             let beta = if c.is_some() { *beta } else { 0.0 };
-            product(dev, a, b, *trans_a, *trans_b, *alpha, beta, None, y)
+            product(dev, a, b, *trans_a, *trans_b, *alpha, beta, None, Epilogue::Plain, y)
         }
         Op::Softmax { axis } | Op::LogSoftmax { axis } => {
             let a = x(0)?;
@@ -1118,7 +1131,7 @@ fn slice_view(shape: &[usize], t: DType, starts: &[i64], ends: &[i64], axes: &[i
     (base * t.size() as i64, strides_of(&s))
 }
 
-/// MatMul and FusedMatMul: the product, then the bias and the activation in place.
+/// MatMul, FusedMatMul and MatMulUnaryGrad: the product with its bias and `epilogue`.
 #[allow(clippy::too_many_arguments)]
 fn matmul(
     dev: Dev,
@@ -1127,23 +1140,22 @@ fn matmul(
     bias: Option<V>,
     trans_a: bool,
     trans_b: bool,
-    act: Option<crate::graph::op::Unary>,
-    alpha: f32,
+    epilogue: Epilogue,
     y: V,
 ) -> Result<(), String> {
     // A bias of the output's columns and type goes into the product's epilogue (added in f32
-    // before the one rounding of D); any other broadcasts after it.
+    // before the one rounding of D); any other broadcasts after the product, and the rest of
+    // the epilogue after it.
     let columns = y.shape().last().copied().unwrap_or(1);
-    let epilogue = bias.filter(|b| b.shape() == [columns] && b.dtype() == y.dtype());
-    product(dev, a, b, trans_a, trans_b, alpha, 0.0, epilogue, y)?;
-    if let Some(bias) = bias.filter(|_| epilogue.is_none()) {
-        binary(dev, Binary::Add, y, bias, y)?;
+    let fits = bias.filter(|b| b.shape() == [columns] && b.dtype() == y.dtype());
+    match bias.filter(|_| fits.is_none()) {
+        None => product(dev, a, b, trans_a, trans_b, 1.0, 0.0, fits, epilogue, y),
+        Some(bias) => {
+            product(dev, a, b, trans_a, trans_b, 1.0, 0.0, None, Epilogue::Plain, y)?;
+            binary(dev, Binary::Add, y, bias, y)?;
+            activate(dev, epilogue, y)
+        }
     }
-    if let Some(u) = act {
-        let n = y.n();
-        dev.kernel(&typed("unary", y.dtype())?, elementwise(n), &mut params![u as i32, n as i64, y.at, y.at])?;
-    }
-    Ok(())
 }
 
 /// y = alpha·op(a)·op(b) + beta·y (+ bias, a vector of y's columns) over the batch dims of y;
@@ -1158,6 +1170,7 @@ fn product(
     alpha: f32,
     beta: f32,
     bias: Option<V>,
+    epilogue: Epilogue,
     y: V,
 ) -> Result<(), String> {
     let dtype = a.dtype();
@@ -1207,6 +1220,7 @@ fn product(
             beta,
             dtype,
             bias: bias.map_or(0, |b| b.at.0),
+            epilogue,
         }
     } else {
         Product {
@@ -1226,21 +1240,48 @@ fn product(
             beta,
             dtype,
             bias: bias.map_or(0, |b| b.at.0),
+            epilogue,
         }
     };
     dev.gemm(&p)
 }
 
-/// A product's bias added after it, for when cuBLASLt's bias epilogue had no algorithm: D is
-/// packed (batch × m rows of n) and the bias a vector of n, both of the product's type.
-pub(super) fn add_bias(target: &dyn Target, p: &Product) -> Result<(), String> {
+/// A product's bias and epilogue applied after it, for when cuBLASLt had no algorithm with
+/// them: D is packed (batch × m rows of n), the bias a vector of n and the aux laid out like D,
+/// all of the product's type. Unlike cuBLASLt's, the GELU reads D rounded to its type.
+pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), String> {
     let (rows, n) = ((p.batch * p.m) as usize, p.n as usize);
     if p.batch > 1 && p.d_stride != (p.m * p.n) as i64 {
-        return Err(format!("a bias for a product whose outputs are not packed: {p:?}"));
+        return Err(format!("an epilogue for a product whose outputs are not packed: {p:?}"));
     }
-    let (d, bias) = (Meta::new(p.dtype, &[rows, n]), Meta::new(p.dtype, &[n]));
-    let (d, bias) = (V { meta: &d, at: Ptr(p.d) }, V { meta: &bias, at: Ptr(p.bias) });
-    binary(Dev(target), Binary::Add, d, bias, d)
+    let dev = Dev(target);
+    let d = Meta::new(p.dtype, &[rows, n]);
+    let d = V { meta: &d, at: Ptr(p.d) };
+    if p.bias != 0 {
+        let bias = Meta::new(p.dtype, &[n]);
+        binary(dev, Binary::Add, d, V { meta: &bias, at: Ptr(p.bias) }, d)?;
+    }
+    activate(dev, p.epilogue, d)
+}
+
+/// An epilogue's activation (or activation gradient) over `y` in place, after the product.
+fn activate(dev: Dev, epilogue: Epilogue, y: V) -> Result<(), String> {
+    let n = y.n();
+    match epilogue {
+        Epilogue::Plain => Ok(()),
+        Epilogue::Gelu { aux } => {
+            if aux != 0 {
+                dev.copy(Ptr(aux), y.at, n * y.dtype().size())?;
+            }
+            let gelu = Unary::GeluTanh as i32;
+            dev.kernel(&typed("unary", y.dtype())?, elementwise(n), &mut params![gelu, n as i64, y.at, y.at])
+        }
+        Epilogue::GeluGrad { aux } => {
+            let gelu = Unary::GeluTanh as i32;
+            let kernel = typed("unary_grad", y.dtype())?;
+            dev.kernel(&kernel, elementwise(n), &mut params![gelu, n as i64, y.at, Ptr(aux), y.at])
+        }
+    }
 }
 
 /// Gradient accumulation: dst = dst·keep + src·scale.

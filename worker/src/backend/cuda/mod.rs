@@ -176,9 +176,9 @@ impl CudaBackend {
     }
 
     pub(crate) fn gemm(&self, p: &gemm::Product) -> Result<(), String> {
-        let added = self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)?;
-        if p.bias != 0 && !added {
-            launch::add_bias(self, p)?;
+        let applied = self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)?;
+        if p.has_epilogue() && !applied {
+            launch::apply_epilogue(self, p)?;
         }
         Ok(())
     }

@@ -168,25 +168,26 @@ pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
     Ok(())
 }
 
+/// f'(x) in f32 (the common activations without a detour through f64).
+fn derivative_f32(u: Unary, v: f32) -> f32 {
+    match u {
+        Unary::Relu => (v > 0.0) as u8 as f32,
+        Unary::GeluTanh => gelu_tanh_grad(v),
+        Unary::Tanh => {
+            let t = v.tanh();
+            1.0 - t * t
+        }
+        _ => unary_grad_f64(u, v as f64) as f32,
+    }
+}
+
 /// dX = dY · f'(X).
 pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorViewMut) -> KResult {
     match x.dtype {
         DType::F32 => {
             let (dy, x) = (dy.as_slice::<f32>(), x.as_slice::<f32>());
             let out = dx.as_mut_slice::<f32>();
-            let f = |i: usize| -> f32 {
-                let v = x[i];
-                let d = match u {
-                    Unary::Relu => (v > 0.0) as u8 as f32,
-                    Unary::GeluTanh => gelu_tanh_grad(v),
-                    Unary::Tanh => {
-                        let t = v.tanh();
-                        1.0 - t * t
-                    }
-                    _ => unary_grad_f64(u, v as f64) as f32,
-                };
-                dy[i] * d
-            };
+            let f = |i: usize| dy[i] * derivative_f32(u, x[i]);
             if out.len() >= PAR_MIN {
                 out.par_iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
             } else {
@@ -200,6 +201,29 @@ pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorView
             }
         }
         d => return Err(format!("the gradient of {u:?} is not implemented for {d}")),
+    }
+    Ok(())
+}
+
+/// d ← d · f'(X): `d` holds dY and becomes dX (a fused product's epilogue).
+pub fn unary_grad_in_place(u: Unary, x: &TensorView, d: &mut TensorViewMut) -> KResult {
+    match x.dtype {
+        DType::F32 => {
+            let x = x.as_slice::<f32>();
+            let out = d.as_mut_slice::<f32>();
+            if out.len() >= PAR_MIN {
+                out.par_iter_mut().enumerate().for_each(|(i, o)| *o *= derivative_f32(u, x[i]));
+            } else {
+                out.iter_mut().enumerate().for_each(|(i, o)| *o *= derivative_f32(u, x[i]));
+            }
+        }
+        DType::F64 => {
+            let x = x.as_slice::<f64>();
+            for (i, o) in d.as_mut_slice::<f64>().iter_mut().enumerate() {
+                *o *= unary_grad_f64(u, x[i]);
+            }
+        }
+        t => return Err(format!("the gradient of {u:?} is not implemented for {t}")),
     }
     Ok(())
 }

@@ -77,6 +77,25 @@ fn as_2d(shape: &[usize], transposed: bool) -> (Vec<usize>, usize, usize, bool) 
     (shape[..r - 2].to_vec(), m, k, transposed)
 }
 
+/// FusedMatMul: the product (+ bias), then the activation; `pre`, when given, keeps the
+/// pre-activation for the activation's gradient to read.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_activation(
+    a: &TensorView,
+    b: &TensorView,
+    bias: Option<TensorView>,
+    trans_a: bool,
+    trans_b: bool,
+    act: Option<Unary>,
+    y: &mut TensorViewMut,
+    pre: Option<&mut TensorViewMut>,
+) -> KResult {
+    let Some(pre) = pre else { return matmul(a, b, bias, trans_a, trans_b, act, y) };
+    let act = act.ok_or("a pre-activation output without an activation")?;
+    matmul(a, b, bias, trans_a, trans_b, None, pre)?;
+    super::elementwise::unary(act, &pre.as_view(), y)
+}
+
 /// out = act(A · B + bias) with numpy batch broadcasting; A and B may be transposed on their
 /// last two dims. `bias` broadcasts along the last output dim.
 pub fn matmul(

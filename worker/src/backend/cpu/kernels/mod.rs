@@ -76,15 +76,19 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::AttentionGrad { scale, causal } => {
             attention::backward(*scale, *causal, [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, &x(5)?], outputs)
         }
-        Op::FusedMatMul { trans_a, trans_b, activation } => matmul::matmul(
-            &x(0)?,
-            &x(1)?,
-            inputs.get(2).copied().flatten(),
-            *trans_a,
-            *trans_b,
-            *activation,
-            &mut outputs[0],
-        ),
+        Op::FusedMatMul { trans_a, trans_b, activation } => {
+            let (y, pre) = match outputs {
+                [y, pre] => (y, Some(pre)),
+                [y, ..] => (y, None),
+                [] => return Err("FusedMatMul has no output".into()),
+            };
+            let bias = inputs.get(2).copied().flatten();
+            matmul::matmul_activation(&x(0)?, &x(1)?, bias, *trans_a, *trans_b, *activation, y, pre)
+        }
+        Op::MatMulUnaryGrad { trans_a, trans_b, activation } => {
+            matmul::matmul(&x(0)?, &x(1)?, None, *trans_a, *trans_b, None, &mut outputs[0])?;
+            elementwise::unary_grad_in_place(*activation, &x(2)?, &mut outputs[0])
+        }
         Op::Gemm { alpha, beta, trans_a, trans_b } => matmul::gemm(
             *alpha,
             *beta,

@@ -6,7 +6,7 @@
 //! accumulation), with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{at, elementwise, per_row, reduce_strided, typed, Dev, Product, Ptr, NULL, V};
+use super::{at, elementwise, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::op::{PoolKind, Reduce, Window};
 use crate::tensor::DType;
@@ -116,6 +116,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
             beta: 0.0,
             dtype: t,
             bias: 0,
+            epilogue: Epilogue::Plain,
         })?;
     }
     if let Some(bias) = bias {
@@ -187,6 +188,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 beta: if img == 0 { 0.0 } else { 1.0 },
                 dtype: t,
                 bias: 0,
+                epilogue: Epilogue::Plain,
             })?;
         }
         // dcol, or for a pointwise window dX's own rows (the same layout as X's).
@@ -209,6 +211,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             beta: 0.0,
             dtype: t,
             bias: 0,
+            epilogue: Epilogue::Plain,
         })?;
         if !pointwise {
             let n = s.images * s.cg * g.h * g.w;
