@@ -8,6 +8,8 @@
 #![cfg(feature = "mpi")]
 
 mod common;
+#[cfg(feature = "cuda")]
+mod cuda_emulator;
 
 use std::io::Read;
 use std::process::{Command, ExitStatus, Stdio};
@@ -468,6 +470,93 @@ fn nccl_ids_reach_every_rank_and_gpus_reduce_through_them() {
     group.broadcast_values(&gpu, &[x], w.size() - 1).unwrap();
     let last: Vec<f32> = (0..len).map(|i| value(w.size() - 1, i)).collect();
     assert_same(gpu.download(x).unwrap().as_slice::<f32>(), &last, &format!("NCCL broadcast on rank {}", w.rank()));
+}
+
+/// Emulated GPUs whose groups have collectives of their own (NCCL's stand-in: MPI straight on
+/// the device memory) train like the host path (the CPU backend, values through MPI), over two
+/// micro-batches with dropout, 2 ranks:
+/// - data parallel: rank 0's weights broadcast on the device, each gradient bucket's all-reduce
+///   started as the backward pass finishes it, the compute stream joining them once before the
+///   update (the host path copies the buckets to a thread's MPI);
+/// - tensor parallel: the all-reduces completing each split pair's partial sums, in the graph.
+#[cfg(feature = "cuda")]
+#[test]
+fn device_collectives_train_like_the_host_path() {
+    use cuda_emulator::EmulatedGpu;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+    use tensorfleet_worker::backend::cpu::CpuBackend;
+
+    let test = "device_collectives_train_like_the_host_path";
+    if !is_rank() {
+        return mpirun(test, 2, &[], DEADLINE).assert_every_rank_passed(test, 2);
+    }
+    let w = world();
+    for layout in [Axis::Data, Axis::Tensor] {
+        let gpu = Arc::new(EmulatedGpu::new());
+        gpu.device_collectives.store(true, Ordering::Relaxed);
+        let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout);
+        let (cpu_losses, cpu_weights) = train_in_parallel(Arc::new(CpuBackend::new()), &w, layout);
+        let what = format!("{layout:?} parallel, rank {}", w.rank());
+        for (k, (g, c)) in gpu_losses.iter().zip(&cpu_losses).enumerate() {
+            assert!((g - c).abs() <= 1e-5 * c.abs(), "{what}, step {}: loss {g} against {c}", k + 1);
+        }
+        for ((name, g), c) in gpu_weights.iter().zip(cpu_weights.values()) {
+            let (g, c) = (g.as_slice::<f32>(), c.as_slice::<f32>());
+            let worst = g.iter().zip(c).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(worst <= 1e-4, "{what}: weight {name} differs by {worst}");
+        }
+        let calls = gpu.collective_calls.lock().unwrap().clone();
+        let count = |call: &str| calls.get(call).copied().unwrap_or(0);
+        if layout == Axis::Data {
+            assert_eq!(count("broadcast"), 1, "{what}: the weights' first broadcast: {calls:?}");
+            assert_eq!(count("join"), 3, "{what}: one join per step: {calls:?}");
+            assert!(count("start_all_reduce") >= 3 * 4, "{what}: several buckets per step: {calls:?}");
+            assert_eq!(count("all_reduce"), 0, "{what}: an all-reduce after the backward pass: {calls:?}");
+        } else {
+            assert!(count("all_reduce") >= 3 * 4, "{what}: the split pairs' all-reduces: {calls:?}");
+            assert_eq!(count("start_all_reduce") + count("join"), 0, "{what}: {calls:?}");
+        }
+    }
+}
+
+/// Three steps of a 2-layer GPT-2 with the world as its `layout` group: data parallel, each
+/// rank its own micro-batches and, until rank 0's are broadcast, its own weights; tensor
+/// parallel, the same batches and weights split. The losses and the final weights (shards).
+#[cfg(feature = "cuda")]
+fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
+    backend: std::sync::Arc<B>,
+    w: &World,
+    layout: Axis,
+) -> (Vec<f64>, std::collections::BTreeMap<String, tensorfleet_worker::tensor::Tensor>) {
+    use tensorfleet_worker::comm::{HostGroup, SoloGroup};
+    use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
+    use tensorfleet_worker::models;
+    use tensorfleet_worker::optim::Update;
+    use tensorfleet_worker::session::{Session, SessionOptions, TensorPlace};
+
+    let spec = ModelSpec {
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
+        ..Default::default()
+    };
+    let data = layout == Axis::Data;
+    let own = if data { w.rank() } else { 0 };
+    let batches: Vec<_> = (0..2).map(|k| common::token_batch(2, 8, 48, 2 * own + k)).collect();
+    let model = models::load(&spec, 11 + own as u64).unwrap();
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    let opts = SessionOptions {
+        // Buckets of 4 KiB: several per step.
+        bucket_bytes: 4 << 10,
+        tensor: (!data).then_some(TensorPlace { rank: w.rank(), size: w.size() }),
+        ..SessionOptions::new(adamw)
+    };
+    let mut s = Session::new(backend, &model, &batches[0], batches.len(), &opts).unwrap();
+    let solo = |name| HostGroup::Solo(SoloGroup::new(name, w.rank()));
+    let (data_group, tensor_group) =
+        if data { (w.world_group(), solo("tensor")) } else { (solo("data"), w.world_group()) };
+    s.join(data_group, tensor_group, solo("pipeline")).unwrap();
+    let losses = (0..3).map(|k| s.step(&batches, 3e-3, 1.0, k).unwrap().loss).collect();
+    (losses, s.weights().unwrap())
 }
 
 /// 128 id bytes as the f64 bit patterns they travel as.

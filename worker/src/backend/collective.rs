@@ -22,6 +22,14 @@ pub trait DeviceCollective<Buf>: Send + Sync {
 
     /// Every member's `values` become group rank `root`'s.
     fn broadcast(&self, values: &[Arg<Buf>], root: usize) -> std::result::Result<(), String>;
+
+    /// `all_reduce` beside the device's later work: ordered after the work enqueued so far,
+    /// on the group's communication stream, which the device's work waits for only from
+    /// `join` on. Until then nothing may write `values` (nor read the reduction).
+    fn start_all_reduce(&self, values: &[Arg<Buf>], op: ReduceOp) -> std::result::Result<(), String>;
+
+    /// The device's work from here on waits for every collective started.
+    fn join(&self) -> std::result::Result<(), String>;
 }
 
 pub struct Group<B: Backend> {
@@ -64,6 +72,26 @@ impl<B: Backend> Group<B> {
         match &self.device {
             Some(d) => d.all_reduce(values, op).map_err(|e| self.error("all_reduce", e)),
             None => self.through_host(backend, values, &mut |x| self.host.all_reduce(x, op)),
+        }
+    }
+
+    /// Every member's `values` become their reduction over the group, on the device's
+    /// communication stream beside its later work, until `join` (see
+    /// [`DeviceCollective::start_all_reduce`]); only for a group `on_device`.
+    pub fn start_all_reduce(&self, values: &[Arg<B::Buffer>], op: ReduceOp) -> Result<()> {
+        let d = self
+            .device
+            .as_ref()
+            .ok_or_else(|| self.error("start_all_reduce", "the group is not on a device".into()))?;
+        d.start_all_reduce(values, op).map_err(|e| self.error("all_reduce", e))
+    }
+
+    /// The device's work from here on waits for every all-reduce started (nothing to wait for
+    /// on the host).
+    pub fn join(&self) -> Result<()> {
+        match &self.device {
+            Some(d) => d.join().map_err(|e| self.error("join", e)),
+            None => Ok(()),
         }
     }
 

@@ -549,12 +549,13 @@ impl<B: Backend> Session<B> {
         }
         if self.zero_stage > 0 {
             self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
-        } else if self.stage.is_none() && !self.adasum && !data.on_device() {
+        } else if self.stage.is_none() && !self.adasum {
             // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
-            // all-reduce after the schedule. Device collectives run on the compute stream, after
-            // the backward pass.)
-            if let Some(detached) = data.detach() {
-                let o = overlap::Overlap::new(self, detached, self.bucket_bytes)?;
+            // all-reduce after the schedule.) Device collectives overlap on a communication
+            // stream, host ones on a thread with a duplicate of the group.
+            let carrier = if data.on_device() { Some(None) } else { data.detach().map(Some) };
+            if let Some(host) = carrier {
+                let o = overlap::Overlap::new(self, host, self.bucket_bytes)?;
                 tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");
                 self.overlap = Some(o);
             }
@@ -679,15 +680,16 @@ impl<B: Backend> Session<B> {
             for (k, batch) in batches.iter().enumerate() {
                 Self::feed(&self.train, &self.inputs, batch)?;
                 let seed = crate::rng::mix(seed ^ k as u64);
-                match self.overlap.as_mut() {
-                    Some(overlap) if k + 1 == n => {
+                match (self.overlap.as_mut(), self.data_parallel.as_ref()) {
+                    (Some(overlap), Some(group)) if k + 1 == n => {
                         // The last micro-batch: each bucket's all-reduce starts as soon as the
                         // backward pass has finished its gradients.
                         let scale = (n > 1).then_some(1.0 / n as f32);
                         let params = &self.params;
-                        self.train
-                            .run_observed(seed, |_| true, &mut |ex, node| overlap.node_done(ex, params, node, scale))?;
-                        overlap.finish(&self.train, &self.params)?;
+                        self.train.run_observed(seed, |_| true, &mut |ex, node| {
+                            overlap.node_done(ex, params, group, node, scale)
+                        })?;
+                        overlap.finish(&self.train, &self.params, group)?;
                         self.collect_losses(true, &mut sums)?;
                     }
                     _ => {

@@ -3,14 +3,18 @@
 //!
 //! The weights are grouped into buckets of about `bucket_bytes` (parallelism.bucketMb) in the order the backward pass
 //! finishes their gradients (the last layer's first). While the executor runs the last
-//! micro-batch's backward pass, each bucket whose gradients are all computed is copied out and
-//! handed to a communication thread, which all-reduces it on its own duplicate of the
-//! data-parallel communicator; the executor goes on with the next ops meanwhile. After the run
-//! the session waits for every bucket and copies the averages back. Micro-batches before the
-//! last only accumulate: no communication until the update.
+//! micro-batch's backward pass, each bucket whose gradients are all computed is all-reduced
+//! while the executor goes on with the next ops. Micro-batches before the last only
+//! accumulate: no communication until the update. Two carriers:
+//! - host values: the bucket is copied out and handed to a communication thread, which
+//!   all-reduces it on its own duplicate of the data-parallel communicator; after the run the
+//!   session waits for every bucket and copies the averages back;
+//! - a device with collectives of its own (NCCL): the bucket's all-reduce is enqueued on the
+//!   group's communication stream, after the kernels that computed it and beside the ones that
+//!   follow; after the run the compute stream joins it, and nothing waits on the host.
 
 use super::{Param, Session};
-use crate::backend::{Arg, Backend};
+use crate::backend::{Arg, Backend, Group};
 use crate::comm::{Collective, DetachedHostGroup, ReduceOp};
 use crate::error::{Error, Result};
 use crate::exec::Executor;
@@ -38,12 +42,52 @@ pub(super) struct Overlap {
     buckets: Vec<Vec<usize>>,
     /// For each node of the training graph, the buckets whose last gradient it computes.
     ready: Vec<Vec<usize>>,
+    /// The host carrier; None where the data-parallel group reduces on the device.
+    thread: Option<HostThread>,
+    /// The last step's all-reduces, for the profile (the host carrier's: the device's run
+    /// unobserved on its stream).
+    pub spans: Vec<CommSpan>,
+}
+
+/// The communication thread of host values and the channels to it.
+struct HostThread {
     requests: Option<mpsc::Sender<(usize, Vec<f32>, Instant)>>,
     replies: mpsc::Receiver<Reply>,
-    thread: Option<JoinHandle<()>>,
+    handle: Option<JoinHandle<()>>,
     in_flight: usize,
-    /// The last step's all-reduces, for the profile.
-    pub spans: Vec<CommSpan>,
+}
+
+impl HostThread {
+    /// The thread that all-reduces buckets on `group`.
+    fn start(group: DetachedHostGroup) -> Result<HostThread> {
+        let (requests, work) = mpsc::channel::<(usize, Vec<f32>, Instant)>();
+        let (done, replies) = mpsc::channel::<Reply>();
+        let handle = std::thread::Builder::new()
+            .name("dp-allreduce".into())
+            .spawn(move || {
+                let group = group.into_group();
+                for (bucket, mut flat, queued) in work {
+                    let start = Instant::now();
+                    let r = group.all_reduce(&mut flat[..], ReduceOp::Average);
+                    let span = CommSpan { bucket, bytes: flat.len() * 4, queued, start, duration: start.elapsed() };
+                    if done.send((bucket, flat, r.map(|_| span))).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| Error::Runtime(format!("cannot start the all-reduce thread: {e}")))?;
+        Ok(HostThread { requests: Some(requests), replies, handle: Some(handle), in_flight: 0 })
+    }
+}
+
+impl Drop for HostThread {
+    fn drop(&mut self) {
+        // Closing the request channel ends the thread's loop; join it before MPI can go away.
+        self.requests.take();
+        if let Some(t) = self.handle.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Where the update reads a weight's gradient: its accumulator, or the graph's output.
@@ -56,9 +100,14 @@ pub(super) fn gradient<'a, B: Backend>(ex: &'a Executor<B>, p: &'a Param<B>) -> 
 }
 
 impl Overlap {
-    /// Buckets of about `bucket_bytes` for `session`'s weights, and the thread that
-    /// all-reduces them on `group`.
-    pub fn new<B: Backend>(session: &Session<B>, group: DetachedHostGroup, bucket_bytes: usize) -> Result<Overlap> {
+    /// Buckets of about `bucket_bytes` for `session`'s weights, all-reduced by a thread on
+    /// `host` (a detached duplicate of the data-parallel group), or, without one, on the data
+    /// group's device collectives.
+    pub fn new<B: Backend>(
+        session: &Session<B>,
+        host: Option<DetachedHostGroup>,
+        bucket_bytes: usize,
+    ) -> Result<Overlap> {
         let ex = &session.train;
         let producers = ex.graph.producers();
         let position: std::collections::HashMap<usize, usize> =
@@ -98,75 +147,63 @@ impl Overlap {
         if !buckets.is_empty() {
             ready[last_node].push(buckets.len() - 1);
         }
-        let (requests, work) = mpsc::channel::<(usize, Vec<f32>, Instant)>();
-        let (done, replies) = mpsc::channel::<Reply>();
-        let thread = std::thread::Builder::new()
-            .name("dp-allreduce".into())
-            .spawn(move || {
-                let group = group.into_group();
-                for (bucket, mut flat, queued) in work {
-                    let start = Instant::now();
-                    let r = group.all_reduce(&mut flat[..], ReduceOp::Average);
-                    let span = CommSpan { bucket, bytes: flat.len() * 4, queued, start, duration: start.elapsed() };
-                    if done.send((bucket, flat, r.map(|_| span))).is_err() {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| Error::Runtime(format!("cannot start the all-reduce thread: {e}")))?;
-        Ok(Overlap {
-            buckets,
-            ready,
-            requests: Some(requests),
-            replies,
-            thread: Some(thread),
-            in_flight: 0,
-            spans: Vec::new(),
-        })
+        let thread = host.map(HostThread::start).transpose()?;
+        Ok(Overlap { buckets, ready, thread, spans: Vec::new() })
     }
 
-    /// Called after each node of the last micro-batch's run: starts the all-reduce of every
-    /// bucket `node` completes. `scale`, when accumulating, adds this micro-batch's gradient
-    /// (times `scale`) to the accumulator first.
+    /// Called after each node of the last micro-batch's run: starts the all-reduce over `group`
+    /// of every bucket `node` completes. `scale`, when accumulating, adds this micro-batch's
+    /// gradient (times `scale`) to the accumulator first.
     pub fn node_done<B: Backend>(
         &mut self,
         ex: &Executor<B>,
         params: &[Param<B>],
+        group: &Group<B>,
         node: usize,
         scale: Option<f32>,
     ) -> Result<()> {
         for &b in &self.ready[node] {
+            if let Some(scale) = scale {
+                for &i in &self.buckets[b] {
+                    let p = &params[i];
+                    if let Some(acc) = &p.accum {
+                        let g = ex.arg(p.grad);
+                        let acc = Arg { buf: acc, offset: 0, meta: g.meta };
+                        ex.backend.accumulate(acc, 1.0, g, scale).map_err(Error::Runtime)?;
+                    }
+                }
+            }
+            let Some(thread) = self.thread.as_mut() else {
+                let grads: Vec<Arg<B::Buffer>> = self.buckets[b].iter().map(|&i| gradient(ex, &params[i])).collect();
+                group.start_all_reduce(&grads, ReduceOp::Average)?;
+                continue;
+            };
             let mut flat = Vec::new();
             for &i in &self.buckets[b] {
-                let p = &params[i];
-                if let (Some(scale), Some(acc)) = (scale, &p.accum) {
-                    let g = ex.arg(p.grad);
-                    let acc = Arg { buf: acc, offset: 0, meta: g.meta };
-                    ex.backend.accumulate(acc, 1.0, g, scale).map_err(Error::Runtime)?;
-                }
                 ex.backend
-                    .with_host_f32(gradient(ex, p), &mut |g| {
+                    .with_host_f32(gradient(ex, &params[i]), &mut |g| {
                         flat.extend_from_slice(g);
                         Ok(())
                     })
                     .map_err(Error::Runtime)?;
             }
-            let requests = self.requests.as_ref().expect("open until dropped");
+            let requests = thread.requests.as_ref().expect("open until dropped");
             requests
                 .send((b, flat, Instant::now()))
                 .map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
-            self.in_flight += 1;
+            thread.in_flight += 1;
         }
         Ok(())
     }
 
-    /// Waits for every bucket started and copies the averaged gradients back.
-    pub fn finish<B: Backend>(&mut self, ex: &Executor<B>, params: &[Param<B>]) -> Result<()> {
+    /// Waits for every bucket started: the host's are copied back, the device's joined.
+    pub fn finish<B: Backend>(&mut self, ex: &Executor<B>, params: &[Param<B>], group: &Group<B>) -> Result<()> {
         self.spans.clear();
-        while self.in_flight > 0 {
+        let Some(thread) = self.thread.as_mut() else { return group.join() };
+        while thread.in_flight > 0 {
             let (b, flat, span) =
-                self.replies.recv().map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
-            self.in_flight -= 1;
+                thread.replies.recv().map_err(|_| Error::Runtime("the all-reduce thread has stopped".into()))?;
+            thread.in_flight -= 1;
             self.spans.push(span?);
             let mut at = 0;
             for &i in &self.buckets[b] {
@@ -184,15 +221,5 @@ impl Overlap {
 
     pub fn bucket_count(&self) -> usize {
         self.buckets.len()
-    }
-}
-
-impl Drop for Overlap {
-    fn drop(&mut self) {
-        // Closing the request channel ends the thread's loop; join it before MPI can go away.
-        self.requests.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }

@@ -6,15 +6,17 @@
 
 use libloading::{Library, Symbol};
 use std::cell::UnsafeCell;
+use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use tensorfleet_worker::backend::cpu::kernels::elementwise::{gelu_tanh, gelu_tanh_grad};
 use tensorfleet_worker::backend::cuda::gemm::{Epilogue, Product};
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
-use tensorfleet_worker::backend::{Arg, Backend, Slot, StepHyper};
+use tensorfleet_worker::backend::{Arg, Backend, DeviceCollective, Slot, StepHyper};
+use tensorfleet_worker::comm::{Collective, HostGroup, ReduceOp};
 use tensorfleet_worker::graph::ir::Graph;
 use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::optim::Update;
@@ -136,10 +138,62 @@ pub struct EmulatedGpu {
     /// (download, synchronize, a host copy, a read of partial sums).
     pub waits: std::sync::atomic::AtomicUsize,
     /// How many times each kernel has been launched, by name.
-    pub launches: Mutex<std::collections::HashMap<String, usize>>,
+    pub launches: Mutex<HashMap<String, usize>>,
     /// Set, the stand-in for cuBLASLt offers no algorithm with an epilogue, as cuBLASLt may
     /// not for some layouts: products run plain and the dispatch applies the epilogue after.
     pub declines_epilogues: std::sync::atomic::AtomicBool,
+    /// Set, groups of more than one rank get the device's own collectives (`Collectives`) as a
+    /// GPU's get NCCL; each call is counted by name.
+    pub device_collectives: std::sync::atomic::AtomicBool,
+    pub collective_calls: Arc<Mutex<HashMap<&'static str, usize>>>,
+}
+
+/// The collectives of emulated GPUs, NCCL's stand-in: the group's MPI collectives run straight
+/// on the emulator's memory (host memory), as NCCL's would on the GPU's. The emulator has one
+/// stream, so a started all-reduce runs at once: a session that started one before its values
+/// were final, or wrote them before joining, would get other sums than the host path's.
+struct Collectives {
+    group: HostGroup,
+    calls: Arc<Mutex<HashMap<&'static str, usize>>>,
+}
+
+// SAFETY: the group is a duplicate communicator of its own (`HostGroup::detach`, which
+// requires MPI_THREAD_MULTIPLE), used by the session that opened it, one call at a time.
+unsafe impl Send for Collectives {}
+unsafe impl Sync for Collectives {}
+
+impl Collectives {
+    fn each(
+        &self,
+        call: &'static str,
+        values: &[Arg<HostBuffer>],
+        f: impl Fn(&mut [f32]) -> Result<(), String>,
+    ) -> Result<(), String> {
+        *self.calls.lock().unwrap().entry(call).or_default() += 1;
+        for v in values {
+            assert_eq!(v.meta.dtype, DType::F32, "{call} of a {} value", v.meta.dtype);
+            f(unsafe { std::slice::from_raw_parts_mut(at(v) as *mut f32, v.meta.numel()) })?;
+        }
+        Ok(())
+    }
+}
+
+impl DeviceCollective<HostBuffer> for Collectives {
+    fn name(&self) -> String {
+        "the emulator's MPI".into()
+    }
+    fn all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+        self.each("all_reduce", values, |x| self.group.all_reduce(x, op).map_err(|e| e.to_string()))
+    }
+    fn broadcast(&self, values: &[Arg<HostBuffer>], root: usize) -> Result<(), String> {
+        self.each("broadcast", values, |x| self.group.broadcast(x, root).map_err(|e| e.to_string()))
+    }
+    fn start_all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+        self.each("start_all_reduce", values, |x| self.group.all_reduce(x, op).map_err(|e| e.to_string()))
+    }
+    fn join(&self) -> Result<(), String> {
+        self.each("join", &[], |_| Ok(()))
+    }
 }
 
 impl EmulatedGpu {
@@ -152,6 +206,8 @@ impl EmulatedGpu {
             waits: Default::default(),
             launches: Default::default(),
             declines_epilogues: Default::default(),
+            device_collectives: Default::default(),
+            collective_calls: Default::default(),
         }
     }
 
@@ -276,6 +332,14 @@ impl Backend for EmulatedGpu {
 
     fn name(&self) -> String {
         "the CUDA kernels, emulated on the CPU".into()
+    }
+
+    fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<HostBuffer>>>, String> {
+        if !self.device_collectives.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let group = group.detach().ok_or("the device's collectives need MPI_THREAD_MULTIPLE")?.into_group();
+        Ok(Some(Box::new(Collectives { group, calls: self.collective_calls.clone() })))
     }
 
     fn alloc(&self, bytes: usize) -> Result<HostBuffer, String> {

@@ -354,9 +354,11 @@ impl Backend for CudaBackend {
         let Some(id) = nccl::shared_id(group)? else { return Ok(None) };
         self.bind()?;
         let comm = nccl::Comm::init(group.size(), group.rank(), &id)?;
+        let side = self.ctx.new_stream().map_err(cuda_err("communication stream"))?;
         Ok(Some(Box::new(NcclGroup {
             comm,
             stream: self.stream.clone(),
+            side,
             ctx: self.ctx.clone(),
             version: nccl::version()?,
         })))
@@ -379,9 +381,12 @@ impl Backend for CudaBackend {
 
 /// A group's collectives through an NCCL communicator, on the backend's stream: ordered after
 /// the kernels that computed the values and before those that read them, with no host wait.
+/// Started ones run on the group's own communication stream, beside the compute stream's
+/// kernels, until the compute stream joins it.
 struct NcclGroup {
     comm: nccl::Comm,
     stream: Arc<CudaStream>,
+    side: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     version: String,
 }
@@ -391,14 +396,15 @@ impl NcclGroup {
         nccl::Region { ptr: addr(x), count: x.meta.numel(), dtype: x.meta.dtype }
     }
 
-    /// Runs `each` for every value inside one NCCL group, on the bound context.
+    /// Runs `each` for every value inside one NCCL group on `stream`, on the bound context.
     fn grouped(
         &self,
+        stream: &CudaStream,
         values: &[Arg<CudaBuffer>],
         each: impl Fn(nccl::Region, *mut c_void) -> Result<(), String>,
     ) -> Result<(), String> {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
-        let stream = self.stream.cu_stream() as *mut c_void;
+        let stream = stream.cu_stream() as *mut c_void;
         self.comm.grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
     }
 }
@@ -411,11 +417,24 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
     fn all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), String> {
         // SAFETY: executor values on this backend's GPU, kept by their buffers' owners past the
         // next wait on the stream (which every read of them does first).
-        self.grouped(values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
+        self.grouped(&self.stream, values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
     }
 
     fn broadcast(&self, values: &[Arg<CudaBuffer>], root: usize) -> Result<(), String> {
         // SAFETY: as above.
-        self.grouped(values, |x, stream| unsafe { self.comm.broadcast(x, root, stream) })
+        self.grouped(&self.stream, values, |x, stream| unsafe { self.comm.broadcast(x, root, stream) })
+    }
+
+    fn start_all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), String> {
+        // The communication stream takes up after the compute stream's work so far (which
+        // computed the values), then goes its own way.
+        self.side.join(&self.stream).map_err(cuda_err("ordering the communication stream"))?;
+        // SAFETY: as above; nothing on the compute stream writes the values before it joins
+        // this stream (the caller's promise: they are final until `join`).
+        self.grouped(&self.side, values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
+    }
+
+    fn join(&self) -> Result<(), String> {
+        self.stream.join(&self.side).map_err(cuda_err("joining the communication stream"))
     }
 }
