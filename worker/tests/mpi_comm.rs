@@ -478,6 +478,8 @@ fn nccl_ids_reach_every_rank_and_gpus_reduce_through_them() {
 /// - data parallel: rank 0's weights broadcast on the device, each gradient bucket's all-reduce
 ///   started as the backward pass finishes it, the compute stream joining them once before the
 ///   update (the host path copies the buckets to a thread's MPI);
+/// - ZeRO-1 and ZeRO-2: the gradients reduce-scattered (once per step, or per micro-batch) and
+///   the updated shards all-gathered, in device memory;
 /// - tensor parallel: the all-reduces completing each split pair's partial sums, in the graph.
 #[cfg(feature = "cuda")]
 #[test]
@@ -492,14 +494,22 @@ fn device_collectives_train_like_the_host_path() {
         return mpirun(test, 2, &[], DEADLINE).assert_every_rank_passed(test, 2);
     }
     let w = world();
-    for layout in [Axis::Data, Axis::Tensor] {
+    // ZeRO trains like plain data parallelism.
+    let mut plain: Vec<f64> = Vec::new();
+    for (layout, zero) in [(Axis::Data, 0), (Axis::Data, 1), (Axis::Data, 2), (Axis::Tensor, 0)] {
         let gpu = Arc::new(EmulatedGpu::new());
         gpu.device_collectives.store(true, Ordering::Relaxed);
-        let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout);
-        let (cpu_losses, cpu_weights) = train_in_parallel(Arc::new(CpuBackend::new()), &w, layout);
-        let what = format!("{layout:?} parallel, rank {}", w.rank());
+        let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout, zero);
+        let (cpu_losses, cpu_weights) = train_in_parallel(Arc::new(CpuBackend::new()), &w, layout, zero);
+        let what = format!("{layout:?} parallel, ZeRO-{zero}, rank {}", w.rank());
         for (k, (g, c)) in gpu_losses.iter().zip(&cpu_losses).enumerate() {
             assert!((g - c).abs() <= 1e-5 * c.abs(), "{what}, step {}: loss {g} against {c}", k + 1);
+        }
+        if layout == Axis::Data && zero == 0 {
+            plain = gpu_losses.clone();
+        }
+        for (k, (z, p)) in gpu_losses.iter().zip(&plain).enumerate().filter(|_| zero > 0) {
+            assert!((z - p).abs() <= 1e-5 * p.abs(), "{what}, step {}: loss {z}, without ZeRO {p}", k + 1);
         }
         for ((name, g), c) in gpu_weights.iter().zip(cpu_weights.values()) {
             let (g, c) = (g.as_slice::<f32>(), c.as_slice::<f32>());
@@ -510,9 +520,15 @@ fn device_collectives_train_like_the_host_path() {
         let count = |call: &str| calls.get(call).copied().unwrap_or(0);
         if layout == Axis::Data {
             assert_eq!(count("broadcast"), 1, "{what}: the weights' first broadcast: {calls:?}");
+            assert_eq!(count("all_reduce"), 0, "{what}: an all-reduce after the backward pass: {calls:?}");
+        }
+        if layout == Axis::Data && zero == 0 {
             assert_eq!(count("join"), 3, "{what}: one join per step: {calls:?}");
             assert!(count("start_all_reduce") >= 3 * 4, "{what}: several buckets per step: {calls:?}");
-            assert_eq!(count("all_reduce"), 0, "{what}: an all-reduce after the backward pass: {calls:?}");
+        } else if layout == Axis::Data {
+            let per_step = if zero == 2 { 2 } else { 1 };
+            assert_eq!(count("reduce_scatter"), 3 * per_step, "{what}: {calls:?}");
+            assert_eq!(count("all_gather"), 3, "{what}: {calls:?}");
         } else {
             assert!(count("all_reduce") >= 3 * 4, "{what}: the split pairs' all-reduces: {calls:?}");
             assert_eq!(count("start_all_reduce") + count("join"), 0, "{what}: {calls:?}");
@@ -520,7 +536,8 @@ fn device_collectives_train_like_the_host_path() {
     }
 }
 
-/// Three steps of a 2-layer GPT-2 with the world as its `layout` group: data parallel, each
+/// Three steps of a 2-layer GPT-2 with the world as its `layout` group (ZeRO stage `zero`
+/// over a data group): data parallel, each
 /// rank its own micro-batches and, until rank 0's are broadcast, its own weights; tensor
 /// parallel, the same batches and weights split. The losses and the final weights (shards).
 #[cfg(feature = "cuda")]
@@ -528,6 +545,7 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
     backend: std::sync::Arc<B>,
     w: &World,
     layout: Axis,
+    zero: u8,
 ) -> (Vec<f64>, std::collections::BTreeMap<String, tensorfleet_worker::tensor::Tensor>) {
     use tensorfleet_worker::comm::{HostGroup, SoloGroup};
     use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
@@ -548,6 +566,7 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
         // Buckets of 4 KiB: several per step.
         bucket_bytes: 4 << 10,
         tensor: (!data).then_some(TensorPlace { rank: w.rank(), size: w.size() }),
+        zero,
         ..SessionOptions::new(adamw)
     };
     let mut s = Session::new(backend, &model, &batches[0], batches.len(), &opts).unwrap();

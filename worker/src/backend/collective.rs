@@ -30,6 +30,14 @@ pub trait DeviceCollective<Buf>: Send + Sync {
 
     /// The device's work from here on waits for every collective started.
     fn join(&self) -> std::result::Result<(), String>;
+
+    /// Every member's `recv` becomes its part of the reduction of all members' `send`, which
+    /// holds `recv`'s count per member, in member order.
+    fn reduce_scatter(&self, send: Arg<Buf>, recv: Arg<Buf>, op: ReduceOp) -> std::result::Result<(), String>;
+
+    /// Every member's `recv` becomes all members' `send` end to end, in member order; `send`
+    /// may be this member's part of `recv`.
+    fn all_gather(&self, send: Arg<Buf>, recv: Arg<Buf>) -> std::result::Result<(), String>;
 }
 
 pub struct Group<B: Backend> {
@@ -95,6 +103,40 @@ impl<B: Backend> Group<B> {
         }
     }
 
+    /// Every member's `recv` (f32) becomes its part of the reduction of all members' `send`
+    /// (ZeRO's gradient shards).
+    pub fn reduce_scatter_values(
+        &self,
+        backend: &B,
+        send: Arg<B::Buffer>,
+        recv: Arg<B::Buffer>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        match &self.device {
+            Some(d) => d.reduce_scatter(send, recv, op).map_err(|e| self.error("reduce_scatter", e)),
+            None => {
+                let whole = host_copy(backend, send)?;
+                let mut part = vec![0f32; recv.meta.numel()];
+                self.host.reduce_scatter(&whole, &mut part[..], op)?;
+                write_host(backend, recv, &part)
+            }
+        }
+    }
+
+    /// Every member's `recv` (f32) becomes all members' `send` end to end (ZeRO's updated
+    /// shards); `send` may be this member's part of `recv`.
+    pub fn all_gather_values(&self, backend: &B, send: Arg<B::Buffer>, recv: Arg<B::Buffer>) -> Result<()> {
+        match &self.device {
+            Some(d) => d.all_gather(send, recv).map_err(|e| self.error("all_gather", e)),
+            None => {
+                let mine = host_copy(backend, send)?;
+                let mut whole = vec![0f32; recv.meta.numel()];
+                self.host.all_gather(&mine, &mut whole[..])?;
+                write_host(backend, recv, &whole)
+            }
+        }
+    }
+
     /// Every member's `values` (f32) become group rank `root`'s.
     pub fn broadcast_values(&self, backend: &B, values: &[Arg<B::Buffer>], root: usize) -> Result<()> {
         crate::comm::check::root(&self.host, "broadcast", root)?;
@@ -120,6 +162,28 @@ impl<B: Backend> Group<B> {
     fn error(&self, op: &str, e: String) -> Error {
         Error::Runtime(format!("{op} on {}: {e}", describe(&self.host)))
     }
+}
+
+/// An f32 value's elements in host memory.
+fn host_copy<B: Backend>(backend: &B, x: Arg<B::Buffer>) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    backend
+        .with_host_f32(x, &mut |v| {
+            out.extend_from_slice(v);
+            Ok(())
+        })
+        .map_err(Error::Runtime)?;
+    Ok(out)
+}
+
+/// Sets an f32 value's elements from host memory.
+fn write_host<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> Result<()> {
+    backend
+        .with_host_f32(x, &mut |v| {
+            v.copy_from_slice(src);
+            Ok(())
+        })
+        .map_err(Error::Runtime)
 }
 
 impl<B: Backend> std::ops::Deref for Group<B> {

@@ -779,7 +779,7 @@ impl<B: Backend> Session<B> {
     /// only), or under ZeRO its shard, summed over the data-parallel replicas.
     fn local_sum_squares(&self) -> Result<f64> {
         if let Some(z) = &self.zero {
-            let mut sq = [z.sum_squares(&self.params)];
+            let mut sq = [z.sum_squares(self)?];
             if let Some(group) = &self.data_parallel {
                 group.all_reduce(&mut sq[..], ReduceOp::Sum)?;
             }

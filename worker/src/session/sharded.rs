@@ -9,10 +9,15 @@
 //! micro-batch's gradient at once and accumulates only its shard, keeping no whole
 //! accumulation buffers. (The executor's arena still holds one micro-batch's whole gradient
 //! while the backward pass runs.)
+//!
+//! Everything stays in the backend's memory: the flat vector is a device buffer that the
+//! gradients are copied into and the updated shards gathered into, and the collectives are the
+//! data group's (NCCL's reduce-scatter and all-gather on GPUs; through host memory and MPI
+//! elsewhere).
 
-use super::{optimizer_state, read_f32, write_f32, Session, OPTIMIZER_PREFIX};
+use super::{optimizer_state, Session, OPTIMIZER_PREFIX};
 use crate::backend::{Arg, Backend, Slot};
-use crate::comm::{Collective, ProcessGroup, ReduceOp};
+use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 use crate::graph::ir::Meta;
 use crate::optim::Update;
@@ -23,15 +28,21 @@ use std::collections::BTreeMap;
 /// This replica's shard of the training state.
 pub(super) struct Shard<B: Backend> {
     layout: FlatLayout,
+    /// This replica's place among the data-parallel replicas.
+    rank: usize,
     pieces: Vec<Piece>,
     /// f32 [len] of each piece.
     metas: Vec<Meta>,
     /// The optimizer state of each piece.
     state: Vec<Vec<B::Buffer>>,
-    /// This replica's shard of the step's mean gradient (f32 [layout.shard]).
-    grad: Vec<f32>,
-    /// The same on the device, where the optimizer reads it.
-    grad_device: B::Buffer,
+    /// The flat vector (f32 [layout.padded()]): the gradients laid end to end for the
+    /// reduce-scatter, then the updated shards gathered. Its padding stays zero.
+    flat: B::Buffer,
+    /// This replica's shard of the step's mean gradient (f32 [layout.shard]), which the
+    /// optimizer reads.
+    grad: B::Buffer,
+    /// ZeRO-2: one micro-batch's shard, before it is added to `grad`.
+    part: B::Buffer,
     /// The whole mean gradient (flat), kept when the session reports gradients.
     reported: Option<Vec<f32>>,
 }
@@ -58,18 +69,23 @@ impl<B: Backend> Shard<B> {
             let count = session.params[piece.weight].update.state_count();
             state.push((0..count).map(|_| backend.alloc(meta.bytes()).map_err(Error::Runtime)).collect::<Result<_>>()?);
         }
-        let grad_device = backend.alloc(layout.shard * 4).map_err(Error::Runtime)?;
-        Ok(Shard { grad: vec![0.0; layout.shard], layout, pieces, metas, state, grad_device, reported: None })
+        let alloc = |elements: usize| backend.alloc(elements * 4).map_err(Error::Runtime);
+        let (flat, grad, part) = (alloc(layout.padded())?, alloc(layout.shard)?, alloc(layout.shard)?);
+        Ok(Shard { layout, rank, pieces, metas, state, flat, grad, part, reported: None })
     }
 
     /// Σ g² over the pieces of weights this stage counts (see `Param::owner`).
-    pub fn sum_squares(&self, params: &[super::Param<B>]) -> f64 {
-        self.pieces
-            .iter()
-            .filter(|p| params[p.weight].owner)
-            .flat_map(|p| &self.grad[p.at..p.at + p.len])
-            .map(|&g| (g as f64) * (g as f64))
-            .sum()
+    pub fn sum_squares(&self, session: &Session<B>) -> Result<f64> {
+        let pieces: Vec<Arg<B::Buffer>> = (0..self.pieces.len())
+            .filter(|&i| session.params[self.pieces[i].weight].owner)
+            .map(|i| Arg { buf: &self.grad, offset: self.pieces[i].at * 4, meta: &self.metas[i] })
+            .collect();
+        session.train.backend.sum_squares(&pieces).map_err(Error::Runtime)
+    }
+
+    /// The flat vector from element `at`, as `meta` says (f32).
+    fn flat_arg<'a>(&'a self, at: usize, meta: &'a Meta) -> Arg<'a, B::Buffer> {
+        Arg { buf: &self.flat, offset: at * 4, meta }
     }
 
     /// Weight `i`'s gradient of the last step, from the whole gradient kept for reporting.
@@ -125,60 +141,45 @@ impl<B: Backend> Session<B> {
         self.zero.as_ref().expect("ZeRO is on")
     }
 
-    /// Every weight's current gradient (accumulated, or this micro-batch's), laid end to end.
-    fn flat_gradients(&self) -> Result<Vec<f32>> {
-        let layout = &self.shard().layout;
-        let mut flat = vec![0f32; layout.padded()];
+    /// This replica's shard of the replicas' mean of every weight's current gradient
+    /// (accumulated, or this micro-batch's), into `into` (the shard's `grad` or `part`).
+    fn reduce_scatter_mean(&self, into: impl Fn(&Shard<B>) -> &B::Buffer) -> Result<()> {
+        let z = self.shard();
+        let backend = &*self.train.backend;
         for (i, p) in self.params.iter().enumerate() {
-            let dst = &mut flat[layout.offsets[i]..layout.offsets[i] + layout.lens[i]];
-            read_f32(&*self.train.backend, self.grad_of(p), dst)?;
+            let g = self.grad_of(p);
+            backend.accumulate(z.flat_arg(z.layout.offsets[i], g.meta), 0.0, g, 1.0).map_err(Error::Runtime)?;
         }
-        Ok(flat)
-    }
-
-    /// The replicas' mean of `flat`, this replica's shard of it.
-    fn reduce_scatter_mean(&self, flat: &[f32]) -> Result<Vec<f32>> {
-        let shard = self.shard().layout.shard;
+        let (padded, shard) = (Meta::new(DType::F32, &[z.layout.padded()]), Meta::new(DType::F32, &[z.layout.shard]));
+        let recv = Arg { buf: into(z), offset: 0, meta: &shard };
         match &self.data_parallel {
-            Some(group) => {
-                let mut out = vec![0f32; shard];
-                group.reduce_scatter(flat, &mut out[..], ReduceOp::Average)?;
-                Ok(out)
-            }
-            None => Ok(flat[..shard].to_vec()),
+            Some(group) => group.reduce_scatter_values(backend, z.flat_arg(0, &padded), recv, ReduceOp::Average),
+            None => backend.accumulate(recv, 0.0, z.flat_arg(0, &shard), 1.0).map_err(Error::Runtime),
         }
     }
 
     /// ZeRO-1: the accumulated gradients become this replica's shard of their mean.
     pub(super) fn reduce_scatter_gradients(&mut self) -> Result<()> {
-        let flat = self.flat_gradients()?;
-        let grad = self.reduce_scatter_mean(&flat)?;
-        self.zero.as_mut().expect("ZeRO is on").grad = grad;
-        Ok(())
+        self.reduce_scatter_mean(|z| &z.grad)
     }
 
     /// ZeRO-2, after micro-batch `k` of `n`: its mean gradient's shard, divided by `n`, added
     /// to the step's.
     pub(super) fn accumulate_gradient_shard(&mut self, k: usize, n: usize) -> Result<()> {
-        let flat = self.flat_gradients()?;
-        let part = self.reduce_scatter_mean(&flat)?;
-        let z = self.zero.as_mut().expect("ZeRO is on");
-        let scale = 1.0 / n as f32;
+        self.reduce_scatter_mean(|z| &z.part)?;
+        let z = self.shard();
+        let shard = Meta::new(DType::F32, &[z.layout.shard]);
+        let (grad, part) =
+            (Arg { buf: &z.grad, offset: 0, meta: &shard }, Arg { buf: &z.part, offset: 0, meta: &shard });
         let keep = if k == 0 { 0.0 } else { 1.0 };
-        for (acc, g) in z.grad.iter_mut().zip(part) {
-            *acc = if keep == 0.0 { g * scale } else { *acc * keep + g * scale };
-        }
-        Ok(())
+        self.train.backend.accumulate(grad, keep, part, 1.0 / n as f32).map_err(Error::Runtime)
     }
 
     /// Updates this replica's shard of the weights, then gathers every replica's shard into
     /// the whole weights.
     pub(super) fn update_shard(&mut self, lr: f64, grad_scale: f64) -> Result<()> {
         let z = self.shard();
-        let backend = &self.train.backend;
-        let shard_meta = Meta::new(DType::F32, &[z.layout.shard]);
-        let grad = Tensor::from_vec(&[z.layout.shard], z.grad.clone());
-        backend.upload(&grad, Arg { buf: &z.grad_device, offset: 0, meta: &shard_meta }).map_err(Error::Runtime)?;
+        let backend = &*self.train.backend;
         // This shard's piece of each weight it holds a piece of.
         let slot = |i: usize| {
             let piece = &z.pieces[i];
@@ -186,36 +187,36 @@ impl<B: Backend> Session<B> {
             let meta = &z.metas[i];
             let w = self.train.arg(p.value);
             let param = Arg { buf: w.buf, offset: w.offset + piece.start * 4, meta };
-            let grad = Arg { buf: &z.grad_device, offset: piece.at * 4, meta };
+            let grad = Arg { buf: &z.grad, offset: piece.at * 4, meta };
             let state = z.state[i].iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
             (p, Slot { param, grad, state })
         };
-        super::update_in_groups(&**backend, (lr, self.step, grad_scale), (0..z.pieces.len()).map(slot))?;
-        let mut mine = vec![0f32; z.layout.shard];
+        super::update_in_groups(backend, (lr, self.step, grad_scale), (0..z.pieces.len()).map(slot))?;
+        // The updated pieces go to this replica's part of the flat vector, every replica's
+        // parts to every replica, and the flat vector back into the weights.
+        let mine = z.rank * z.layout.shard;
         for (i, piece) in z.pieces.iter().enumerate() {
-            read_f32(&**backend, slot(i).1.param, &mut mine[piece.at..piece.at + piece.len])?;
+            let dst = z.flat_arg(mine + piece.at, &z.metas[i]);
+            backend.accumulate(dst, 0.0, slot(i).1.param, 1.0).map_err(Error::Runtime)?;
         }
-        let whole = self.all_gather(&mine)?;
+        let (padded, shard) = (Meta::new(DType::F32, &[z.layout.padded()]), Meta::new(DType::F32, &[z.layout.shard]));
+        if let Some(group) = &self.data_parallel {
+            group.all_gather_values(backend, z.flat_arg(mine, &shard), z.flat_arg(0, &padded))?;
+        }
         for (i, p) in self.params.iter().enumerate() {
-            let src = &whole[z.layout.offsets[i]..z.layout.offsets[i] + z.layout.lens[i]];
-            write_f32(&**backend, self.train.arg(p.value), src)?;
+            let w = self.train.arg(p.value);
+            backend.accumulate(w, 0.0, z.flat_arg(z.layout.offsets[i], w.meta), 1.0).map_err(Error::Runtime)?;
         }
         if self.report_gradients {
-            let reported = self.all_gather(&z.grad)?;
-            self.zero.as_mut().expect("ZeRO is on").reported = Some(reported);
+            let grad = Arg { buf: &z.grad, offset: 0, meta: &shard };
+            if let Some(group) = &self.data_parallel {
+                group.all_gather_values(backend, grad, z.flat_arg(0, &padded))?;
+            } else {
+                backend.accumulate(z.flat_arg(0, &shard), 0.0, grad, 1.0).map_err(Error::Runtime)?;
+            }
+            let reported = backend.download(z.flat_arg(0, &padded)).map_err(Error::Runtime)?;
+            self.zero.as_mut().expect("ZeRO is on").reported = Some(reported.as_slice::<f32>().to_vec());
         }
         Ok(())
-    }
-
-    /// Every replica's shard, end to end.
-    fn all_gather(&self, mine: &[f32]) -> Result<Vec<f32>> {
-        match &self.data_parallel {
-            Some(group) => {
-                let mut whole = vec![0f32; mine.len() * group.size()];
-                group.all_gather(mine, &mut whole[..])?;
-                Ok(whole)
-            }
-            None => Ok(mine.to_vec()),
-        }
     }
 }

@@ -163,18 +163,20 @@ unsafe impl Send for Collectives {}
 unsafe impl Sync for Collectives {}
 
 impl Collectives {
-    fn each(
-        &self,
-        call: &'static str,
-        values: &[Arg<HostBuffer>],
-        f: impl Fn(&mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String> {
+    fn count(&self, call: &'static str) {
         *self.calls.lock().unwrap().entry(call).or_default() += 1;
-        for v in values {
-            assert_eq!(v.meta.dtype, DType::F32, "{call} of a {} value", v.meta.dtype);
-            f(unsafe { std::slice::from_raw_parts_mut(at(v) as *mut f32, v.meta.numel()) })?;
-        }
-        Ok(())
+    }
+
+    /// A value's f32 elements, in the emulator's (host) memory.
+    #[allow(clippy::mut_from_ref)]
+    fn elements<'a>(&self, v: &Arg<'a, HostBuffer>) -> &'a mut [f32] {
+        assert_eq!(v.meta.dtype, DType::F32, "a collective of a {} value", v.meta.dtype);
+        unsafe { std::slice::from_raw_parts_mut(at(v) as *mut f32, v.meta.numel()) }
+    }
+
+    fn each(&self, call: &'static str, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+        self.count(call);
+        values.iter().try_for_each(|v| self.group.all_reduce(self.elements(v), op).map_err(|e| e.to_string()))
     }
 }
 
@@ -183,16 +185,29 @@ impl DeviceCollective<HostBuffer> for Collectives {
         "the emulator's MPI".into()
     }
     fn all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
-        self.each("all_reduce", values, |x| self.group.all_reduce(x, op).map_err(|e| e.to_string()))
+        self.each("all_reduce", values, op)
     }
     fn broadcast(&self, values: &[Arg<HostBuffer>], root: usize) -> Result<(), String> {
-        self.each("broadcast", values, |x| self.group.broadcast(x, root).map_err(|e| e.to_string()))
+        self.count("broadcast");
+        values.iter().try_for_each(|v| self.group.broadcast(self.elements(v), root).map_err(|e| e.to_string()))
     }
     fn start_all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
-        self.each("start_all_reduce", values, |x| self.group.all_reduce(x, op).map_err(|e| e.to_string()))
+        self.each("start_all_reduce", values, op)
     }
     fn join(&self) -> Result<(), String> {
-        self.each("join", &[], |_| Ok(()))
+        self.count("join");
+        Ok(())
+    }
+    fn reduce_scatter(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>, op: ReduceOp) -> Result<(), String> {
+        self.count("reduce_scatter");
+        let whole = self.elements(&send).to_vec();
+        self.group.reduce_scatter(&whole, self.elements(&recv), op).map_err(|e| e.to_string())
+    }
+    fn all_gather(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>) -> Result<(), String> {
+        self.count("all_gather");
+        // `send` may lie inside `recv`: a copy of it first.
+        let mine = self.elements(&send).to_vec();
+        self.group.all_gather(&mine, self.elements(&recv)).map_err(|e| e.to_string())
     }
 }
 

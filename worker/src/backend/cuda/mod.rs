@@ -437,4 +437,18 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
     fn join(&self) -> Result<(), String> {
         self.stream.join(&self.side).map_err(cuda_err("joining the communication stream"))
     }
+
+    fn reduce_scatter(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>, op: ReduceOp) -> Result<(), String> {
+        let (send, recv) = (Self::region(&send), Self::region(&recv));
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        // SAFETY: as for all_reduce, both values.
+        unsafe { self.comm.reduce_scatter(send, recv, op, self.stream.cu_stream() as *mut c_void) }
+    }
+
+    fn all_gather(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>) -> Result<(), String> {
+        let (send, recv) = (Self::region(&send), Self::region(&recv));
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        // SAFETY: as for all_reduce, both values.
+        unsafe { self.comm.all_gather(send, recv, self.stream.cu_stream() as *mut c_void) }
+    }
 }

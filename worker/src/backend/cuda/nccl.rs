@@ -44,6 +44,10 @@ struct Api {
     group_end: unsafe extern "C" fn() -> Result_,
     all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, Stream) -> Result_,
     broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, Stream) -> Result_,
+    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, Stream) -> Result_,
+    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, Stream) -> Result_,
+    send: unsafe extern "C" fn(*const c_void, usize, c_int, c_int, RawComm, Stream) -> Result_,
+    recv: unsafe extern "C" fn(*mut c_void, usize, c_int, c_int, RawComm, Stream) -> Result_,
 }
 
 fn load() -> Result<Api, String> {
@@ -76,6 +80,10 @@ fn bind(lib: libloading::Library) -> Result<Api, libloading::Error> {
             group_end: *lib.get(b"ncclGroupEnd\0")?,
             all_reduce: *lib.get(b"ncclAllReduce\0")?,
             broadcast: *lib.get(b"ncclBroadcast\0")?,
+            reduce_scatter: *lib.get(b"ncclReduceScatter\0")?,
+            all_gather: *lib.get(b"ncclAllGather\0")?,
+            send: *lib.get(b"ncclSend\0")?,
+            recv: *lib.get(b"ncclRecv\0")?,
             _lib: lib,
         })
     }
@@ -202,6 +210,8 @@ pub struct Comm {
     /// Whether a call failed: the communicator is then aborted, not destroyed (destroying
     /// waits for peers that may never come).
     failed: AtomicBool,
+    /// The group's size.
+    members: usize,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread, one call at a time; the backend
@@ -222,7 +232,7 @@ impl Comm {
             None,
             "ncclCommInitRank",
         )?;
-        Ok(Comm { raw, api, failed: AtomicBool::new(false) })
+        Ok(Comm { raw, api, failed: AtomicBool::new(false), members: size })
     }
 
     fn call(&self, code: Result_, what: &str) -> Result<(), String> {
@@ -266,6 +276,72 @@ impl Comm {
         let code = unsafe { (self.api.broadcast)(p, p, x.count, data_type(x.dtype)?, root as c_int, self.raw, stream) };
         self.call(code, "ncclBroadcast")
     }
+
+    /// Every member's `recv` becomes its part of the reduction of all members' `send`, which
+    /// holds `recv.count` values per member, in member order.
+    ///
+    /// # Safety
+    /// As for [`Comm::all_reduce`], for both regions.
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: Region,
+        recv: Region,
+        op: ReduceOp,
+        stream: Stream,
+    ) -> Result<(), String> {
+        same_type(send, recv, recv.count * self.members)?;
+        let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
+        // SAFETY: as the caller promises.
+        let code = unsafe {
+            (self.api.reduce_scatter)(s, r, recv.count, data_type(recv.dtype)?, reduce_op(op), self.raw, stream)
+        };
+        self.call(code, "ncclReduceScatter")
+    }
+
+    /// Every member's `recv` becomes all members' `send`, end to end in member order (in place
+    /// when `send` is this member's part of `recv`).
+    ///
+    /// # Safety
+    /// As for [`Comm::all_reduce`], for both regions.
+    pub unsafe fn all_gather(&self, send: Region, recv: Region, stream: Stream) -> Result<(), String> {
+        same_type(recv, send, send.count * self.members)?;
+        let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
+        // SAFETY: as the caller promises.
+        let code = unsafe { (self.api.all_gather)(s, r, send.count, data_type(send.dtype)?, self.raw, stream) };
+        self.call(code, "ncclAllGather")
+    }
+
+    /// Sends `x` to group rank `peer` (which receives it with [`Comm::recv`]).
+    ///
+    /// # Safety
+    /// As for [`Comm::all_reduce`].
+    pub unsafe fn send(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+        // SAFETY: as the caller promises.
+        let code = unsafe {
+            (self.api.send)(x.ptr as *const c_void, x.count, data_type(x.dtype)?, peer as c_int, self.raw, stream)
+        };
+        self.call(code, "ncclSend")
+    }
+
+    /// Receives into `x` what group rank `peer` sends.
+    ///
+    /// # Safety
+    /// As for [`Comm::all_reduce`].
+    pub unsafe fn recv(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+        // SAFETY: as the caller promises.
+        let code = unsafe {
+            (self.api.recv)(x.ptr as *mut c_void, x.count, data_type(x.dtype)?, peer as c_int, self.raw, stream)
+        };
+        self.call(code, "ncclRecv")
+    }
+}
+
+/// Checks that `whole` holds `count` values of `part`'s type.
+fn same_type(whole: Region, part: Region, count: usize) -> Result<(), String> {
+    if whole.dtype != part.dtype || whole.count != count {
+        return Err(format!("{} values of {:?} against {count} of {:?}", whole.count, whole.dtype, part.dtype));
+    }
+    Ok(())
 }
 
 impl Drop for Comm {
