@@ -480,7 +480,9 @@ fn nccl_ids_reach_every_rank_and_gpus_reduce_through_them() {
 ///   update (the host path copies the buckets to a thread's MPI);
 /// - ZeRO-1 and ZeRO-2: the gradients reduce-scattered (once per step, or per micro-batch) and
 ///   the updated shards all-gathered, in device memory;
-/// - tensor parallel: the all-reduces completing each split pair's partial sums, in the graph.
+/// - tensor parallel: the all-reduces completing each split pair's partial sums, in the graph;
+/// - two pipeline stages (1F1B): the activations and their gradients sent between the stages
+///   from message buffers in device memory, the tied embedding's gradients summed.
 #[cfg(feature = "cuda")]
 #[test]
 fn device_collectives_train_like_the_host_path() {
@@ -496,7 +498,8 @@ fn device_collectives_train_like_the_host_path() {
     let w = world();
     // ZeRO trains like plain data parallelism.
     let mut plain: Vec<f64> = Vec::new();
-    for (layout, zero) in [(Axis::Data, 0), (Axis::Data, 1), (Axis::Data, 2), (Axis::Tensor, 0)] {
+    let cases = [(Axis::Data, 0), (Axis::Data, 1), (Axis::Data, 2), (Axis::Tensor, 0), (Axis::Pipeline, 0)];
+    for (layout, zero) in cases {
         let gpu = Arc::new(EmulatedGpu::new());
         gpu.device_collectives.store(true, Ordering::Relaxed);
         let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout, zero);
@@ -529,9 +532,14 @@ fn device_collectives_train_like_the_host_path() {
             let per_step = if zero == 2 { 2 } else { 1 };
             assert_eq!(count("reduce_scatter"), 3 * per_step, "{what}: {calls:?}");
             assert_eq!(count("all_gather"), 3, "{what}: {calls:?}");
-        } else {
+        } else if layout == Axis::Tensor {
             assert!(count("all_reduce") >= 3 * 4, "{what}: the split pairs' all-reduces: {calls:?}");
             assert_eq!(count("start_all_reduce") + count("join"), 0, "{what}: {calls:?}");
+        } else {
+            // Per step and stage: 2 micro-batches' activations one way and gradients back.
+            let messages = count("send") + count("recv") + 2 * count("send_recv");
+            assert_eq!(messages, 3 * 2 * 2, "{what}: {calls:?}");
+            assert_eq!(count("all_reduce"), 3, "{what}: the tied embedding's gradient: {calls:?}");
         }
     }
 }
@@ -539,7 +547,8 @@ fn device_collectives_train_like_the_host_path() {
 /// Three steps of a 2-layer GPT-2 with the world as its `layout` group (ZeRO stage `zero`
 /// over a data group): data parallel, each
 /// rank its own micro-batches and, until rank 0's are broadcast, its own weights; tensor
-/// parallel, the same batches and weights split. The losses and the final weights (shards).
+/// parallel and pipeline, the same batches and weights split. The losses and the final weights
+/// (this rank's).
 #[cfg(feature = "cuda")]
 fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
     backend: std::sync::Arc<B>,
@@ -548,32 +557,37 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
     zero: u8,
 ) -> (Vec<f64>, std::collections::BTreeMap<String, tensorfleet_worker::tensor::Tensor>) {
     use tensorfleet_worker::comm::{HostGroup, SoloGroup};
+    use tensorfleet_worker::config::PipelineSchedule;
     use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
     use tensorfleet_worker::models;
     use tensorfleet_worker::optim::Update;
-    use tensorfleet_worker::session::{Session, SessionOptions, TensorPlace};
+    use tensorfleet_worker::session::{PipelineOptions, Session, SessionOptions, TensorPlace};
 
     let spec = ModelSpec {
         gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
         ..Default::default()
     };
-    let data = layout == Axis::Data;
-    let own = if data { w.rank() } else { 0 };
+    let own = if layout == Axis::Data { w.rank() } else { 0 };
     let batches: Vec<_> = (0..2).map(|k| common::token_batch(2, 8, 48, 2 * own + k)).collect();
     let model = models::load(&spec, 11 + own as u64).unwrap();
     let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
     let opts = SessionOptions {
         // Buckets of 4 KiB: several per step.
         bucket_bytes: 4 << 10,
-        tensor: (!data).then_some(TensorPlace { rank: w.rank(), size: w.size() }),
+        tensor: (layout == Axis::Tensor).then_some(TensorPlace { rank: w.rank(), size: w.size() }),
+        pipeline: (layout == Axis::Pipeline).then(|| PipelineOptions {
+            stage: w.rank(),
+            stages: w.size(),
+            cuts: vec![],
+            schedule: PipelineSchedule::OneFOneB,
+        }),
         zero,
         ..SessionOptions::new(adamw)
     };
     let mut s = Session::new(backend, &model, &batches[0], batches.len(), &opts).unwrap();
     let solo = |name| HostGroup::Solo(SoloGroup::new(name, w.rank()));
-    let (data_group, tensor_group) =
-        if data { (w.world_group(), solo("tensor")) } else { (solo("data"), w.world_group()) };
-    s.join(data_group, tensor_group, solo("pipeline")).unwrap();
+    let group = |axis: Axis, name| if axis == layout { w.world_group() } else { solo(name) };
+    s.join(group(Axis::Data, "data"), group(Axis::Tensor, "tensor"), group(Axis::Pipeline, "pipeline")).unwrap();
     let losses = (0..3).map(|k| s.step(&batches, 3e-3, 1.0, k).unwrap().loss).collect();
     (losses, s.weights().unwrap())
 }

@@ -38,6 +38,16 @@ pub trait DeviceCollective<Buf>: Send + Sync {
     /// Every member's `recv` becomes all members' `send` end to end, in member order; `send`
     /// may be this member's part of `recv`.
     fn all_gather(&self, send: Arg<Buf>, recv: Arg<Buf>) -> std::result::Result<(), String>;
+
+    /// Sends `x` to group rank `to`, which receives it with `recv` (a pipeline's messages).
+    fn send(&self, x: Arg<Buf>, to: usize) -> std::result::Result<(), String>;
+
+    /// Receives into `x` what group rank `from` sends.
+    fn recv(&self, x: Arg<Buf>, from: usize) -> std::result::Result<(), String>;
+
+    /// Sends `send` to `to` and receives `recv` from `from` together, so that two ranks
+    /// exchanging messages cannot wait on each other.
+    fn send_recv(&self, send: Arg<Buf>, to: usize, recv: Arg<Buf>, from: usize) -> std::result::Result<(), String>;
 }
 
 pub struct Group<B: Backend> {
@@ -137,6 +147,40 @@ impl<B: Backend> Group<B> {
         }
     }
 
+    /// Sends the f32 value `x` to group rank `to` (a pipeline's messages).
+    pub fn send_value(&self, backend: &B, x: Arg<B::Buffer>, to: usize) -> Result<()> {
+        match &self.device {
+            Some(d) => d.send(x, to).map_err(|e| self.error("send", e)),
+            None => self.on_host(backend, x, &mut |v| self.host.send(v, to)),
+        }
+    }
+
+    /// Receives into the f32 value `x` what group rank `from` sends.
+    pub fn recv_value(&self, backend: &B, x: Arg<B::Buffer>, from: usize) -> Result<()> {
+        match &self.device {
+            Some(d) => d.recv(x, from).map_err(|e| self.error("recv", e)),
+            None => self.on_host(backend, x, &mut |v| self.host.recv(v, from)),
+        }
+    }
+
+    /// Sends `send` to `to` and receives `recv` from `from`, neither waiting for the other.
+    pub fn send_recv_values(
+        &self,
+        backend: &B,
+        send: Arg<B::Buffer>,
+        to: usize,
+        recv: Arg<B::Buffer>,
+        from: usize,
+    ) -> Result<()> {
+        match &self.device {
+            Some(d) => d.send_recv(send, to, recv, from).map_err(|e| self.error("send_recv", e)),
+            None => {
+                let outgoing = host_copy(backend, send)?;
+                self.on_host(backend, recv, &mut |v| self.host.send_recv(&outgoing, to, v, from))
+            }
+        }
+    }
+
     /// Every member's `values` (f32) become group rank `root`'s.
     pub fn broadcast_values(&self, backend: &B, values: &[Arg<B::Buffer>], root: usize) -> Result<()> {
         crate::comm::check::root(&self.host, "broadcast", root)?;
@@ -153,10 +197,12 @@ impl<B: Backend> Group<B> {
         values: &[Arg<B::Buffer>],
         collective: &mut dyn FnMut(&mut [f32]) -> Result<()>,
     ) -> Result<()> {
-        for &v in values {
-            backend.with_host_f32(v, &mut |x| collective(x).map_err(|e| e.to_string())).map_err(Error::Runtime)?;
-        }
-        Ok(())
+        values.iter().try_for_each(|&v| self.on_host(backend, v, collective))
+    }
+
+    /// Runs `f` on the value `x` in host memory (the CPU's own bytes; a device's, copied).
+    fn on_host(&self, backend: &B, x: Arg<B::Buffer>, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
+        backend.with_host_f32(x, &mut |v| f(v).map_err(|e| e.to_string())).map_err(Error::Runtime)
     }
 
     fn error(&self, op: &str, e: String) -> Error {

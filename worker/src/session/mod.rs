@@ -197,6 +197,8 @@ pub struct Session<B: Backend> {
     zero: Option<sharded::Shard<B>>,
     /// The gradient all-reduce overlapping the backward pass (plain data parallelism).
     overlap: Option<overlap::Overlap>,
+    /// A pipeline stage's messages, per micro-batch (allocated on the first step).
+    messages: Vec<stage::Messages<B>>,
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
     report_gradients: bool,
@@ -490,6 +492,7 @@ impl<B: Backend> Session<B> {
             adasum: opts.adasum,
             zero: None,
             overlap: None,
+            messages: Vec::new(),
             all_weights,
             report_gradients: opts.report_gradients,
             tensor: opts.tensor,

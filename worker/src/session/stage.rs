@@ -11,10 +11,15 @@
 //! its backward pass runs the whole training graph, computing the forward part again: a stage
 //! keeps only its received activations between the two (GPipe's re-materialization at stage
 //! boundaries), at the cost of one more forward pass on every stage but the last.
+//!
+//! The messages between stages live in the backend's memory: a stage copies the values it
+//! sends end to end into a message buffer and the values it receives out of one, and the
+//! pipeline group carries the buffers (NCCL's send and receive on GPUs; host memory and MPI
+//! elsewhere).
 
 use super::Session;
 use crate::autodiff::Builder;
-use crate::backend::Backend;
+use crate::backend::{Arg, Backend, Group};
 use crate::comm::{Collective, HostGroup};
 use crate::config::PipelineSchedule;
 use crate::error::{Error, Result};
@@ -125,26 +130,55 @@ pub(super) fn cut(bound: Graph, loss: ValueId, opts: &super::PipelineOptions, pa
     Ok((g, stage_loss, Some(part), held))
 }
 
-/// The values' data, end to end: one message.
-fn pack(ex: &Executor<impl Backend>, values: &[Option<ValueId>], like: &[ValueId]) -> Result<Vec<f32>> {
-    let mut out = Vec::new();
-    for (v, &shape_of) in values.iter().zip(like) {
-        match v {
-            Some(v) => out.extend_from_slice(ex.fetch(*v)?.as_slice::<f32>()),
-            None => out.resize(out.len() + ex.graph.meta(shape_of).expect("bound").numel(), 0.0),
-        }
-    }
-    Ok(out)
+/// One message's buffer: `len` f32 in the backend's memory, zeroed.
+fn message<B: Backend>(ex: &Executor<B>, len: usize) -> Result<B::Buffer> {
+    ex.backend.alloc(len * 4).map_err(Error::Runtime)
 }
 
-/// Feeds a message into the graph inputs `values`.
-fn unpack(ex: &Executor<impl Backend>, values: &[ValueId], flat: &[f32]) -> Result<()> {
+/// The whole of a message buffer, as one value.
+fn whole<'a, B: Backend>(buf: &'a B::Buffer, meta: &'a Meta) -> Arg<'a, B::Buffer> {
+    Arg { buf, offset: 0, meta }
+}
+
+/// Each value's place in a message: its f32 elements, end to end. Messages carry f32 only
+/// (the activations at a cut keep their type under mixed precision, and that type is f32).
+fn places<'a>(g: &'a Graph, values: &[ValueId]) -> Result<Vec<(usize, &'a Meta)>> {
     let mut at = 0;
-    for &v in values {
-        let meta = ex.graph.meta(v).expect("bound");
-        let n = meta.numel();
-        ex.feed(v, &Tensor::from_vec(&meta.shape, flat[at..at + n].to_vec()))?;
-        at += n;
+    values
+        .iter()
+        .map(|&v| {
+            let meta = g.meta(v).expect("bound");
+            if meta.dtype != DType::F32 {
+                return Err(Error::Runtime(format!(
+                    "pipeline messages carry f32; '{}' at a stage boundary is {}",
+                    g.name_of(v),
+                    meta.dtype
+                )));
+            }
+            let place = (at, meta);
+            at += meta.numel();
+            Ok(place)
+        })
+        .collect()
+}
+
+/// Copies `values` into the message `into`, end to end (on the device). A None leaves its place
+/// as it is: zero, since nothing else writes it.
+fn pack<B: Backend>(ex: &Executor<B>, values: &[Option<ValueId>], like: &[ValueId], into: &B::Buffer) -> Result<()> {
+    for (v, (at, meta)) in values.iter().zip(places(&ex.graph, like)?) {
+        if let Some(v) = v {
+            let dst = Arg { buf: into, offset: at * 4, meta };
+            ex.backend.accumulate(dst, 0.0, ex.arg(*v), 1.0).map_err(Error::Runtime)?;
+        }
+    }
+    Ok(())
+}
+
+/// Copies the message `from` into the graph inputs `values` (on the device).
+fn unpack<B: Backend>(ex: &Executor<B>, values: &[ValueId], from: &B::Buffer) -> Result<()> {
+    for (&v, (at, meta)) in values.iter().zip(places(&ex.graph, values)?) {
+        let src = Arg { buf: from, offset: at * 4, meta };
+        ex.backend.accumulate(ex.arg(v), 0.0, src, 1.0).map_err(Error::Runtime)?;
     }
     Ok(())
 }
@@ -172,20 +206,24 @@ impl StagePart {
     }
 
     /// Feeds the previous stage's activations into `ex` (nothing on the first stage).
-    pub fn recv_activations(&self, ex: &Executor<impl Backend>, group: &HostGroup) -> Result<()> {
+    pub fn recv_activations<B: Backend>(&self, ex: &Executor<B>, group: &Group<B>) -> Result<()> {
         if self.index > 0 {
-            let mut flat = vec![0f32; message_len(&ex.graph, &self.receives)];
-            group.recv(&mut flat[..], self.index - 1)?;
+            let meta = Meta::new(DType::F32, &[message_len(&ex.graph, &self.receives)]);
+            let flat = message(ex, meta.numel())?;
+            group.recv_value(&ex.backend, whole::<B>(&flat, &meta), self.index - 1)?;
             unpack(ex, &self.receives, &flat)?;
         }
         Ok(())
     }
 
     /// Sends the activations `ex` computed to the next stage (nothing on the last stage).
-    pub fn send_activations(&self, ex: &Executor<impl Backend>, group: &HostGroup) -> Result<()> {
+    pub fn send_activations<B: Backend>(&self, ex: &Executor<B>, group: &Group<B>) -> Result<()> {
         if !self.is_last() {
+            let meta = Meta::new(DType::F32, &[message_len(&ex.graph, &self.sends)]);
+            let flat = message(ex, meta.numel())?;
             let sends: Vec<Option<ValueId>> = self.sends.iter().map(|&v| Some(v)).collect();
-            group.send(&pack(ex, &sends, &self.sends)?[..], self.index + 1)?;
+            pack(ex, &sends, &self.sends, &flat)?;
+            group.send_value(&ex.backend, whole::<B>(&flat, &meta), self.index + 1)?;
         }
         Ok(())
     }
@@ -242,80 +280,96 @@ impl<B: Backend> Session<B> {
         let Some(group) = self.pipeline.take() else {
             return Err(Error::Runtime("a pipeline stage must join its pipeline group before training".into()));
         };
-        let result = self.run_actions(part, &group, batches, seed, sums);
-        self.pipeline = Some(group);
+        // Each micro-batch's messages, allocated on the first step and kept.
+        let mut messages = std::mem::take(&mut self.messages);
+        let result = self.run_actions(part, &group, &mut messages, batches, seed, sums);
+        (self.pipeline, self.messages) = (Some(group), messages);
         result
     }
 
     fn run_actions(
         &mut self,
         part: &StagePart,
-        group: &HostGroup,
+        group: &Group<B>,
+        messages: &mut Vec<Messages<B>>,
         batches: &[BTreeMap<String, Tensor>],
         seed: u64,
         sums: &mut [f64],
     ) -> Result<()> {
         let n = batches.len();
         let (prev, next) = (part.index.wrapping_sub(1), part.index + 1);
-        let in_len = message_len(&self.train.graph, &part.receives);
-        let out_len = message_len(&self.train.graph, &part.sends);
-        // Per micro-batch: received activations (kept until its backward pass), activations to
-        // send, gradients received for them, gradients to send back.
-        let mut acts: Vec<Vec<f32>> = vec![vec![]; n];
-        let mut outs: Vec<Vec<f32>> = vec![vec![]; n];
-        let mut grads_in: Vec<Vec<f32>> = vec![vec![]; n];
-        let mut grads_out: Vec<Vec<f32>> = vec![vec![]; n];
+        let ins = Meta::new(DType::F32, &[message_len(&self.train.graph, &part.receives)]);
+        let outs = Meta::new(DType::F32, &[message_len(&self.train.graph, &part.sends)]);
+        while messages.len() < n {
+            let ex = &self.train;
+            let (acts, grads_out) = (message(ex, ins.numel())?, message(ex, ins.numel())?);
+            let (outs, grads_in) = (message(ex, outs.numel())?, message(ex, outs.numel())?);
+            messages.push(Messages { acts, outs, grads_in, grads_out });
+        }
+        let backend = self.train.backend.clone();
+        let m = |mb: usize| &messages[mb];
         for action in schedule::actions(part.schedule, part.index, part.count, n) {
             match action {
-                Action::RecvForward(mb) => {
-                    acts[mb] = vec![0.0; in_len];
-                    group.recv(&mut acts[mb][..], prev)?;
-                }
+                Action::RecvForward(mb) => group.recv_value(&backend, whole::<B>(&m(mb).acts, &ins), prev)?,
                 Action::Forward(mb) => {
+                    let m = m(mb);
                     Self::feed(&self.train, &self.inputs, &batches[mb])?;
-                    unpack(&self.train, &part.receives, &acts[mb])?;
+                    unpack(&self.train, &part.receives, &m.acts)?;
                     let seed = crate::rng::mix(seed ^ mb as u64);
                     if part.is_last() {
                         // The loss is here: forward and backward in one run.
                         self.train.run(seed)?;
                         self.collect_micro_batch(mb, n, part.is_last(), sums)?;
-                        grads_out[mb] = pack(&self.train, &part.input_grads, &part.receives)?;
-                        acts[mb] = vec![];
+                        pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
                     } else {
                         let nodes = &part.forward_nodes;
                         self.train.run_where(seed, |i| nodes[i])?;
                         let sends: Vec<Option<ValueId>> = part.sends.iter().map(|&v| Some(v)).collect();
-                        outs[mb] = pack(&self.train, &sends, &part.sends)?;
+                        pack(&self.train, &sends, &part.sends, &m.outs)?;
                     }
                 }
-                Action::SendForward(mb) => group.send(&std::mem::take(&mut outs[mb])[..], next)?,
-                Action::RecvBackward(mb) => {
-                    grads_in[mb] = vec![0.0; out_len];
-                    group.recv(&mut grads_in[mb][..], next)?;
-                }
+                Action::SendForward(mb) => group.send_value(&backend, whole::<B>(&m(mb).outs, &outs), next)?,
+                Action::RecvBackward(mb) => group.recv_value(&backend, whole::<B>(&m(mb).grads_in, &outs), next)?,
                 Action::Backward(mb) => {
+                    let m = m(mb);
                     if !part.is_last() {
                         Self::feed(&self.train, &self.inputs, &batches[mb])?;
-                        unpack(&self.train, &part.receives, &std::mem::take(&mut acts[mb]))?;
-                        unpack(&self.train, &part.send_grads, &std::mem::take(&mut grads_in[mb]))?;
+                        unpack(&self.train, &part.receives, &m.acts)?;
+                        unpack(&self.train, &part.send_grads, &m.grads_in)?;
                         self.train.run(crate::rng::mix(seed ^ mb as u64))?;
                         self.collect_micro_batch(mb, n, part.is_last(), sums)?;
                         if part.index > 0 {
-                            grads_out[mb] = pack(&self.train, &part.input_grads, &part.receives)?;
+                            pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
                         }
                     }
                 }
-                Action::SendBackward(mb) => group.send(&std::mem::take(&mut grads_out[mb])[..], prev)?,
-                Action::SendForwardRecvBackward { send, recv } => {
-                    grads_in[recv] = vec![0.0; out_len];
-                    group.send_recv(&std::mem::take(&mut outs[send])[..], next, &mut grads_in[recv][..], next)?;
-                }
-                Action::SendBackwardRecvForward { send, recv } => {
-                    acts[recv] = vec![0.0; in_len];
-                    group.send_recv(&std::mem::take(&mut grads_out[send])[..], prev, &mut acts[recv][..], prev)?;
-                }
+                Action::SendBackward(mb) => group.send_value(&backend, whole::<B>(&m(mb).grads_out, &ins), prev)?,
+                Action::SendForwardRecvBackward { send, recv } => group.send_recv_values(
+                    &backend,
+                    whole::<B>(&m(send).outs, &outs),
+                    next,
+                    whole::<B>(&m(recv).grads_in, &outs),
+                    next,
+                )?,
+                Action::SendBackwardRecvForward { send, recv } => group.send_recv_values(
+                    &backend,
+                    whole::<B>(&m(send).grads_out, &ins),
+                    prev,
+                    whole::<B>(&m(recv).acts, &ins),
+                    prev,
+                )?,
             }
         }
         Ok(())
     }
+}
+
+/// One micro-batch's messages on a stage, in the backend's memory (f32, kept across steps):
+/// the activations received (kept for its backward pass), the activations sent, the gradients
+/// received for them, and the gradients sent back.
+pub(super) struct Messages<B: Backend> {
+    acts: B::Buffer,
+    outs: B::Buffer,
+    grads_in: B::Buffer,
+    grads_out: B::Buffer,
 }

@@ -209,6 +209,18 @@ impl DeviceCollective<HostBuffer> for Collectives {
         let mine = self.elements(&send).to_vec();
         self.group.all_gather(&mine, self.elements(&recv)).map_err(|e| e.to_string())
     }
+    fn send(&self, x: Arg<HostBuffer>, to: usize) -> Result<(), String> {
+        self.count("send");
+        self.group.send(self.elements(&x), to).map_err(|e| e.to_string())
+    }
+    fn recv(&self, x: Arg<HostBuffer>, from: usize) -> Result<(), String> {
+        self.count("recv");
+        self.group.recv(self.elements(&x), from).map_err(|e| e.to_string())
+    }
+    fn send_recv(&self, send: Arg<HostBuffer>, to: usize, recv: Arg<HostBuffer>, from: usize) -> Result<(), String> {
+        self.count("send_recv");
+        self.group.send_recv(self.elements(&send), to, self.elements(&recv), from).map_err(|e| e.to_string())
+    }
 }
 
 impl EmulatedGpu {

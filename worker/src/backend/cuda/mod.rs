@@ -451,4 +451,24 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         // SAFETY: as for all_reduce, both values.
         unsafe { self.comm.all_gather(send, recv, self.stream.cu_stream() as *mut c_void) }
     }
+
+    fn send(&self, x: Arg<CudaBuffer>, to: usize) -> Result<(), String> {
+        // SAFETY: as for all_reduce.
+        self.grouped(&self.stream, &[x], |x, stream| unsafe { self.comm.send(x, to, stream) })
+    }
+
+    fn recv(&self, x: Arg<CudaBuffer>, from: usize) -> Result<(), String> {
+        // SAFETY: as for all_reduce.
+        self.grouped(&self.stream, &[x], |x, stream| unsafe { self.comm.recv(x, from, stream) })
+    }
+
+    fn send_recv(&self, send: Arg<CudaBuffer>, to: usize, recv: Arg<CudaBuffer>, from: usize) -> Result<(), String> {
+        let (send, recv) = (Self::region(&send), Self::region(&recv));
+        self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
+        let stream = self.stream.cu_stream() as *mut c_void;
+        // One NCCL group: both are posted before either waits.
+        // SAFETY: as for all_reduce, both values.
+        self.comm
+            .grouped(|| unsafe { self.comm.send(send, to, stream).and_then(|()| self.comm.recv(recv, from, stream)) })
+    }
 }
