@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu gpu-bundle images clean
 
 deps:
 	bash .ci/deps.sh
@@ -171,6 +171,23 @@ bench-gpu: deps
 	bash .ci/bench-deps.sh
 	$(CARGO) build --release -p tensorfleet-worker
 	$(BENCH_GPU_PYTHON) worker/benches/gpu_gpt2_124m.py --worker target/release/tensorfleet-worker --out target/gpu-bench
+
+# What a session lent a GPU machine (the `device` tool) carries there, for
+# worker/benches/gpu_session.sh to run: the worker and the GPU tests built as single processes
+# (that machine has CUDA and no MPI), stripped, with the ONNX node tests' data and the path they
+# were built at (test binaries find their sources by it).
+GPU_BUNDLE := .gpu-bundle
+gpu-bundle: deps
+	$(CARGO) build --release -p tensorfleet-worker --no-default-features --features cli --target-dir target/solo
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
+	strip -o $(GPU_BUNDLE)/tensorfleet-worker target/solo/release/tensorfleet-worker
+	$(CARGO) test --release -p tensorfleet-worker --no-default-features --features cli --target-dir target/solo \
+		--test cuda_backend --test onnx_node_tests --no-run --message-format=json \
+		| $(CURDIR)/.venv/bin/python -c 'import json, sys; [print(m["target"]["name"], m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
+		| while read -r name exe; do strip -o $(GPU_BUNDLE)/$$name "$$exe"; done
+	tar czf $(GPU_BUNDLE)/onnx-node-tests.tgz -C "$$(dirname "$$(.venv/bin/python .ci/onnx_node_tests_dir.py)")" node
+	echo "$(CURDIR)" > $(GPU_BUNDLE)/built-at
+	du -sh $(GPU_BUNDLE)
 
 # Needs a Docker engine; the development machines and CI have none, so this is not built there.
 images:

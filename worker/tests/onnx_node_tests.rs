@@ -1,5 +1,6 @@
 //! The ONNX backend node tests (the `node/` data shipped in the `onnx` Python package), run
-//! forward on the CPU backend, and on the CUDA backend's kernels under the CPU emulator.
+//! forward on the CPU backend, on the CUDA backend's kernels under the CPU emulator, and on a
+//! GPU where there is one.
 //!
 //! `$TENSORFLEET_ONNX_NODE_TESTS` names the directory (`make test` sets it). Each test there is
 //! a directory with `model.onnx` and `test_data_set_0/{input,output}_<i>.pb`. A model that the
@@ -98,12 +99,13 @@ enum Outcome {
     NoKernel(String),
 }
 
-/// What runs the tests: the CPU backend, or the CUDA backend's dispatch and kernels on the
-/// CPU emulator of tests/cuda_emulator.
+/// What runs the tests: the CPU backend, the CUDA backend's dispatch and kernels on the CPU
+/// emulator of tests/cuda_emulator, or on GPU 0.
 #[derive(Clone, Copy)]
 enum Engine {
     Cpu,
     EmulatedCuda,
+    Gpu,
 }
 
 /// Writes to the real stderr: libtest captures `print!`, and the summary must show in `make test`.
@@ -237,6 +239,19 @@ fn onnx_backend_node_tests() {
 /// the CUDA backend has no kernel for are counted, by op, not run.
 #[test]
 fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
+    on_the_cuda_kernels(Engine::EmulatedCuda, "the emulated CUDA kernels");
+}
+
+/// The same on GPU 0, where there is one (`make gpu-bundle` carries this test to a GPU machine).
+#[test]
+fn onnx_backend_node_tests_on_the_gpu() {
+    if let Err(why) = tensorfleet_worker::backend::cuda::probe::gpu_count() {
+        return report!("skipped: no GPU ({})", why.0);
+    }
+    on_the_cuda_kernels(Engine::Gpu, "the GPU");
+}
+
+fn on_the_cuda_kernels(engine: Engine, label: &str) {
     let Some((_, dirs)) = node_tests() else { return };
     let known = known_failures();
     let started = Instant::now();
@@ -251,7 +266,7 @@ fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
             skipped += 1;
             continue;
         }
-        match panic::catch_unwind(AssertUnwindSafe(|| run_test(dir, Engine::EmulatedCuda))) {
+        match panic::catch_unwind(AssertUnwindSafe(|| run_test(dir, engine))) {
             Ok(Outcome::Passed) => passed += 1,
             Ok(Outcome::Unsupported(_)) => unsupported += 1,
             Ok(Outcome::NoKernel(why)) => no_kernel.entry(op_of_test(dir)).or_insert((0, why)).0 += 1,
@@ -262,9 +277,8 @@ fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
     panic::set_hook(default_hook);
     let without: usize = no_kernel.values().map(|(n, _)| n).sum();
     report!(
-        "ONNX node tests on the emulated CUDA kernels: {passed} passed, {} failed, {without} with a node \
-         without a CUDA kernel, {unsupported} unsupported by the engine, {skipped} known CPU failures \
-         not run (of {}) in {:.1} s",
+        "ONNX node tests on {label}: {passed} passed, {} failed, {without} with a node without a CUDA kernel, \
+         {unsupported} unsupported by the engine, {skipped} known CPU failures not run (of {}) in {:.1} s",
         failures.len(),
         dirs.len(),
         started.elapsed().as_secs_f64()
@@ -274,14 +288,9 @@ fn onnx_backend_node_tests_on_the_emulated_cuda_kernels() {
         report!("    {op} ({n}): {}", why.split("; ").next().unwrap_or(why));
     }
     for f in &failures {
-        report!("FAILED on the emulated CUDA kernels: {f}");
+        report!("FAILED on {label}: {f}");
     }
-    assert!(
-        failures.is_empty(),
-        "{} node test(s) fail on the emulated CUDA kernels:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    assert!(failures.is_empty(), "{} node test(s) fail on {label}:\n{}", failures.len(), failures.join("\n"));
 }
 
 /// Test name → reason, from `node_tests_known_failures.txt`: a test name per line; a block of
@@ -406,15 +415,24 @@ fn run_graph(dir: &Path, model: &ModelProto, graph: Graph, on: Engine) -> Result
     let bound = infer::bind(&graph, &bindings, false).map_err(|e| format!("bind: {e}"))?;
     match on {
         Engine::Cpu => execute(Arc::new(CpuBackend::new()), bound, &fed, gp, &data),
-        Engine::EmulatedCuda => {
+        Engine::EmulatedCuda | Engine::Gpu => {
             let missing = CudaBackend::unsupported_nodes(&bound);
             if !missing.is_empty() {
                 return Err(Rejected::NoKernel(missing.join("; ")));
             }
-            execute(Arc::new(EmulatedGpu::new()), bound, &fed, gp, &data)
+            match on {
+                Engine::Gpu => execute(gpu()?, bound, &fed, gp, &data),
+                _ => execute(Arc::new(EmulatedGpu::new()), bound, &fed, gp, &data),
+            }
         }
     }
     .map_err(Rejected::Failed)
+}
+
+/// GPU 0's backend, made once (its kernels compiled once) for every test.
+fn gpu() -> Result<Arc<CudaBackend>, Rejected> {
+    static GPU: std::sync::OnceLock<Result<Arc<CudaBackend>, String>> = std::sync::OnceLock::new();
+    GPU.get_or_init(|| CudaBackend::new(0).map(Arc::new)).clone().map_err(Rejected::Failed)
 }
 
 /// Runs the bound graph on `backend` with the test's inputs and compares its outputs.
