@@ -200,7 +200,8 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             let gpu = crate::backend::cuda::CudaBackend::new(ordinal)
-                .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?;
+                .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?
+                .with_wait_limit(Duration::from_secs(p.timeout_seconds));
             train_on(Arc::new(gpu), cfg, console, world, layout)
         }
         #[cfg(not(feature = "cuda"))]

@@ -24,6 +24,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Device memory: a pointer from cuMemAlloc, freed when dropped. The executor's plan keeps
 /// live values apart, so kernels write through shared references to it.
@@ -87,6 +88,11 @@ pub struct CudaBackend {
     fault: CudaBuffer,
     fault_sources: Mutex<Vec<String>>,
     name: String,
+    /// How long a wait for the stream may last while NCCL communicators are open
+    /// (parallelism.timeoutSeconds): NCCL itself waits for a hung peer forever.
+    wait_limit: Option<Duration>,
+    /// This backend's NCCL communicators, aborted when a wait outlasts its limit.
+    comms: Mutex<Vec<Arc<nccl::Comm>>>,
 }
 
 fn cuda_err(what: &str) -> impl Fn(driver::DriverError) -> String + '_ {
@@ -129,7 +135,55 @@ impl CudaBackend {
             scratch: Mutex::new(None),
             fault,
             fault_sources: Mutex::new(Vec::new()),
+            wait_limit: None,
+            comms: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Makes a wait for the GPU's work that outlasts `limit`, while collectives are open, an
+    /// error: a collective waiting for a rank that has stopped (MPI's collectives have their
+    /// own watchdog; NCCL's have none).
+    pub fn with_wait_limit(mut self, limit: Duration) -> CudaBackend {
+        self.wait_limit = Some(limit);
+        self
+    }
+
+    /// Waits until the stream has run everything enqueued. With NCCL communicators open and a
+    /// wait limit, polls instead of blocking, so that a hung peer or an NCCL error ends this
+    /// rank with an error (its communicators aborted) rather than hanging it.
+    fn sync(&self) -> Result<(), String> {
+        let comms = self.comms.lock().unwrap().clone();
+        let (Some(limit), false) = (self.wait_limit, comms.is_empty()) else {
+            return self.stream.synchronize().map_err(cuda_err("synchronize"));
+        };
+        let start = Instant::now();
+        loop {
+            // SAFETY: the backend's live stream.
+            match unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) } {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return Err(cuda_err("synchronize")(driver::DriverError(e))),
+            }
+            let failed = comms.iter().find_map(|c| c.async_error());
+            let waited = start.elapsed();
+            if failed.is_some() || waited > limit {
+                comms.iter().for_each(|c| c.abort());
+                return Err(match failed {
+                    Some(e) => format!("{e}; this rank's NCCL communicators are aborted"),
+                    None => format!(
+                        "the GPU's work has not finished after {} s (parallelism.timeoutSeconds): a collective is \
+                         waiting for a rank that has stopped; this rank's NCCL communicators are aborted",
+                        limit.as_secs()
+                    ),
+                });
+            }
+            // Spin for the first millisecond (a step's wait is usually short), then nap.
+            if waited < Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
     }
 
     /// The nodes of `graph` the CUDA backend cannot run, one line each; empty when it can run
@@ -188,7 +242,7 @@ impl CudaBackend {
         let mut s = self.scratch.lock().unwrap();
         if s.as_ref().is_none_or(|b| b.bytes < bytes) {
             // The old buffer may still be in use by enqueued work.
-            self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+            self.sync()?;
             *s = None;
             // SAFETY: the context is bound (every entry point binds it).
             let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(cuda_err("scratch allocation"))?;
@@ -228,13 +282,13 @@ impl CudaBackend {
         // SAFETY: `count` elements of device memory at `src`; the wait below completes the copy
         // before `host` is read or dropped.
         unsafe { driver::memcpy_dtoh_async(&mut host, src, self.stream.cu_stream()) }.map_err(cuda_err("download"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        self.sync()?;
         Ok(host)
     }
 
     /// Waits for the stream, then reports a fault a kernel recorded since the last wait.
     fn wait(&self) -> Result<(), String> {
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        self.sync()?;
         let sources = std::mem::take(&mut *self.fault_sources.lock().unwrap());
         if sources.is_empty() {
             return Ok(());
@@ -314,7 +368,7 @@ impl Backend for CudaBackend {
         // SAFETY: the value's bytes; the wait completes the copy before `t` is used.
         unsafe { driver::memcpy_dtoh_async(t.bytes_mut(), addr(&src), self.stream.cu_stream()) }
             .map_err(cuda_err("download"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronize"))?;
+        self.sync()?;
         Ok(t)
     }
 
@@ -353,7 +407,8 @@ impl Backend for CudaBackend {
     fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<CudaBuffer>>>, String> {
         let Some(id) = nccl::shared_id(group)? else { return Ok(None) };
         self.bind()?;
-        let comm = nccl::Comm::init(group.size(), group.rank(), &id)?;
+        let comm = Arc::new(nccl::Comm::init(group.size(), group.rank(), &id)?);
+        self.comms.lock().unwrap().push(comm.clone());
         let side = self.ctx.new_stream().map_err(cuda_err("communication stream"))?;
         Ok(Some(Box::new(NcclGroup {
             comm,
@@ -375,7 +430,7 @@ impl Backend for CudaBackend {
         f(&mut host)?;
         // SAFETY: the value's bytes; the wait keeps `host` alive until the copy is done.
         unsafe { driver::memcpy_htod_async(addr(&x), &host, self.stream.cu_stream()) }.map_err(cuda_err("upload"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronize"))
+        self.sync()
     }
 }
 
@@ -384,7 +439,7 @@ impl Backend for CudaBackend {
 /// Started ones run on the group's own communication stream, beside the compute stream's
 /// kernels, until the compute stream joins it.
 struct NcclGroup {
-    comm: nccl::Comm,
+    comm: Arc<nccl::Comm>,
     stream: Arc<CudaStream>,
     side: Arc<CudaStream>,
     ctx: Arc<CudaContext>,

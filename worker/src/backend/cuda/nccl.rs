@@ -38,6 +38,7 @@ struct Api {
     comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int) -> Result_,
     comm_destroy: unsafe extern "C" fn(RawComm) -> Result_,
     comm_abort: unsafe extern "C" fn(RawComm) -> Result_,
+    comm_get_async_error: unsafe extern "C" fn(RawComm, *mut Result_) -> Result_,
     get_error_string: unsafe extern "C" fn(Result_) -> *const c_char,
     get_last_error: unsafe extern "C" fn(RawComm) -> *const c_char,
     group_start: unsafe extern "C" fn() -> Result_,
@@ -74,6 +75,7 @@ fn bind(lib: libloading::Library) -> Result<Api, libloading::Error> {
             comm_init_rank: *lib.get(b"ncclCommInitRank\0")?,
             comm_destroy: *lib.get(b"ncclCommDestroy\0")?,
             comm_abort: *lib.get(b"ncclCommAbort\0")?,
+            comm_get_async_error: *lib.get(b"ncclCommGetAsyncError\0")?,
             get_error_string: *lib.get(b"ncclGetErrorString\0")?,
             get_last_error: *lib.get(b"ncclGetLastError\0")?,
             group_start: *lib.get(b"ncclGroupStart\0")?,
@@ -210,6 +212,8 @@ pub struct Comm {
     /// Whether a call failed: the communicator is then aborted, not destroyed (destroying
     /// waits for peers that may never come).
     failed: AtomicBool,
+    /// Whether it has been aborted already (`abort`): dropping it then releases nothing.
+    aborted: AtomicBool,
     /// The group's size.
     members: usize,
 }
@@ -232,7 +236,7 @@ impl Comm {
             None,
             "ncclCommInitRank",
         )?;
-        Ok(Comm { raw, api, failed: AtomicBool::new(false), members: size })
+        Ok(Comm { raw, api, failed: AtomicBool::new(false), aborted: AtomicBool::new(false), members: size })
     }
 
     fn call(&self, code: Result_, what: &str) -> Result<(), String> {
@@ -241,6 +245,26 @@ impl Comm {
             self.failed.store(true, Ordering::Relaxed);
         }
         r
+    }
+
+    /// An error NCCL met while running this communicator's enqueued work (a peer's connection
+    /// lost, say), which no call returns: None while there is none.
+    pub fn async_error(&self) -> Option<String> {
+        let mut code: Result_ = 0;
+        // SAFETY: writes one ncclResult_t; the communicator is live.
+        let r = unsafe { (self.api.comm_get_async_error)(self.raw, &mut code) };
+        // 7 is ncclInProgress: a non-blocking communicator still initialising, not an error.
+        let code = if r != 0 { r } else { code };
+        (code != 0 && code != 7).then(|| check(self.api, code, Some(self.raw), "NCCL").unwrap_err())
+    }
+
+    /// Aborts the communicator: its enqueued work ends, whatever its peers do, so that a rank
+    /// whose peer hangs can stop. Once only; the communicator is unusable after.
+    pub fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: the handle is live, and aborted once (Drop then releases nothing).
+            unsafe { (self.api.comm_abort)(self.raw) };
+        }
     }
 
     /// Runs `f`'s collectives as one NCCL group: they are launched together (one kernel for
@@ -346,13 +370,12 @@ fn same_type(whole: Region, part: Region, count: usize) -> Result<(), String> {
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        // SAFETY: the handle came from ncclCommInitRank and is released once.
-        unsafe {
-            if self.failed.load(Ordering::Relaxed) {
-                (self.api.comm_abort)(self.raw);
-            } else {
-                (self.api.comm_destroy)(self.raw);
-            }
+        if self.failed.load(Ordering::Relaxed) {
+            return self.abort();
+        }
+        if !self.aborted.load(Ordering::Acquire) {
+            // SAFETY: the handle came from ncclCommInitRank and is released once.
+            unsafe { (self.api.comm_destroy)(self.raw) };
         }
     }
 }
