@@ -555,8 +555,14 @@ impl<B: Backend> Session<B> {
         } else if self.stage.is_none() && !self.adasum {
             // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
             // all-reduce after the schedule.) Device collectives overlap on a communication
-            // stream, host ones on a thread with a duplicate of the group.
-            let carrier = if data.on_device() { Some(None) } else { data.detach().map(Some) };
+            // stream, host ones on a thread with a duplicate of the group. The stream only where
+            // the data group's is the one communicator: NCCL can deadlock when two
+            // communicators' work runs at once on two streams (a tensor group's all-reduces
+            // beside the buckets), since nothing makes every rank launch them in one order.
+            let carrier = match data.on_device() {
+                true => (ranks == 1).then_some(None),
+                false => data.detach().map(Some),
+            };
             if let Some(host) = carrier {
                 let o = overlap::Overlap::new(self, host, self.bucket_bytes)?;
                 tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");

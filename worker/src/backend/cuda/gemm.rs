@@ -200,6 +200,19 @@ impl Gemm {
                     8,
                 )
                 .map_err(|e| err("workspace preference", e))?;
+                // cuBLASLt's operands A, B, C and D are our B, A, D and D.
+                use sys::cublasLtMatmulPreferenceAttributes_t as P;
+                let size = p.dtype.size();
+                let aligned = [
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(p.b, p.b_stride, p.batch, size)),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(p.a, p.a_stride, p.batch, size)),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(p.d, p.d_stride, p.batch, size)),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(p.d, p.d_stride, p.batch, size)),
+                ];
+                for (attribute, bytes) in aligned {
+                    lt::set_matmul_pref_attribute(pref, attribute, &bytes as *const u32 as *const c_void, 4)
+                        .map_err(|e| err("alignment preference", e))?;
+                }
                 if epilogue {
                     set_epilogue(desc, p)?;
                 }
@@ -225,7 +238,11 @@ impl Gemm {
                     self.workspace_bytes,
                     stream,
                 )
-                .map_err(|e| Failed(err("matmul", e)))
+                .map_err(|e| match e.0 {
+                    // An epilogue the heuristic offered and the product then refused: run it apart.
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if epilogue => Unsupported,
+                    _ => Failed(err("matmul", e)),
+                })
             }
         })();
         // SAFETY: created above, destroyed once.
@@ -235,6 +252,18 @@ impl Gemm {
         }
         result
     }
+}
+
+/// The largest power of two up to 256 that divides an operand's byte address and, over a batch,
+/// the byte stride between its matrices: what cuBLASLt may assume of it. Its MIN_ALIGNMENT
+/// preferences default to 256, which the executor's values (64-byte aligned) and a convolution
+/// group's operands (element offsets) need not be.
+fn alignment(at: u64, stride: i64, batch: u64, size: usize) -> u32 {
+    let mut bits = at | 256;
+    if batch > 1 && stride != 0 {
+        bits |= stride.unsigned_abs() * size as u64;
+    }
+    1 << bits.trailing_zeros()
 }
 
 /// Sets `p`'s bias and epilogue on `desc`.

@@ -121,8 +121,9 @@ impl CudaBackend {
         };
         let workspace = alloc(gemm::WORKSPACE_BYTES)?;
         let fault = alloc(8)?;
-        // SAFETY: 8 bytes of the allocation above.
-        unsafe { driver::memset_d8_sync(fault.ptr, 0, 8) }.map_err(cuda_err("memset"))?;
+        // SAFETY: 8 bytes of the allocation above, zeroed on the stream the kernels write it on.
+        unsafe { driver::memset_d8_async(fault.ptr, 0, 8, stream.cu_stream()) }.map_err(cuda_err("memset"))?;
+        stream.synchronize().map_err(cuda_err("synchronize"))?;
         let gemm = gemm::Gemm::new(workspace.ptr, gemm::WORKSPACE_BYTES)?;
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         Ok(CudaBackend {
@@ -168,6 +169,7 @@ impl CudaBackend {
             let waited = start.elapsed();
             if failed.is_some() || waited > limit {
                 comms.iter().for_each(|c| c.abort());
+                self.comms.lock().unwrap().clear();
                 return Err(match failed {
                     Some(e) => format!("{e}; this rank's NCCL communicators are aborted"),
                     None => format!(

@@ -250,12 +250,25 @@ impl Comm {
     /// An error NCCL met while running this communicator's enqueued work (a peer's connection
     /// lost, say), which no call returns: None while there is none.
     pub fn async_error(&self) -> Option<String> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Some("the NCCL communicator was aborted".into());
+        }
         let mut code: Result_ = 0;
         // SAFETY: writes one ncclResult_t; the communicator is live.
         let r = unsafe { (self.api.comm_get_async_error)(self.raw, &mut code) };
         // 7 is ncclInProgress: a non-blocking communicator still initialising, not an error.
         let code = if r != 0 { r } else { code };
         (code != 0 && code != 7).then(|| check(self.api, code, Some(self.raw), "NCCL").unwrap_err())
+    }
+
+    /// Refuses work on an aborted communicator (its handle is gone).
+    fn live(&self) -> Result<(), String> {
+        match self.aborted.load(Ordering::Acquire) {
+            false => Ok(()),
+            true => Err("the NCCL communicator was aborted (a wait outlasted parallelism.timeoutSeconds, or NCCL \
+                         reported an error)"
+                .into()),
+        }
     }
 
     /// Aborts the communicator: its enqueued work ends, whatever its peers do, so that a rank
@@ -270,6 +283,7 @@ impl Comm {
     /// Runs `f`'s collectives as one NCCL group: they are launched together (one kernel for
     /// many small all-reduces rather than a launch and a synchronisation each).
     pub fn grouped(&self, f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+        self.live()?;
         // SAFETY: group calls nest and take no arguments.
         self.call(unsafe { (self.api.group_start)() }, "ncclGroupStart")?;
         let inner = f();
@@ -283,6 +297,7 @@ impl Comm {
     /// `x` must be device memory of this communicator's GPU holding `count` values, and
     /// `stream` a stream of its context; `x` must stay allocated until the stream has run it.
     pub unsafe fn all_reduce(&self, x: Region, op: ReduceOp, stream: Stream) -> Result<(), String> {
+        self.live()?;
         let p = x.ptr as *mut c_void;
         // SAFETY: as the caller promises; NCCL allows the same buffer as source and result.
         let code =
@@ -295,6 +310,7 @@ impl Comm {
     /// # Safety
     /// As for [`Comm::all_reduce`].
     pub unsafe fn broadcast(&self, x: Region, root: usize, stream: Stream) -> Result<(), String> {
+        self.live()?;
         let p = x.ptr as *mut c_void;
         // SAFETY: as the caller promises.
         let code = unsafe { (self.api.broadcast)(p, p, x.count, data_type(x.dtype)?, root as c_int, self.raw, stream) };
@@ -313,6 +329,7 @@ impl Comm {
         op: ReduceOp,
         stream: Stream,
     ) -> Result<(), String> {
+        self.live()?;
         same_type(send, recv, recv.count * self.members)?;
         let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
         // SAFETY: as the caller promises.
@@ -328,6 +345,7 @@ impl Comm {
     /// # Safety
     /// As for [`Comm::all_reduce`], for both regions.
     pub unsafe fn all_gather(&self, send: Region, recv: Region, stream: Stream) -> Result<(), String> {
+        self.live()?;
         same_type(recv, send, send.count * self.members)?;
         let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
         // SAFETY: as the caller promises.
@@ -340,6 +358,7 @@ impl Comm {
     /// # Safety
     /// As for [`Comm::all_reduce`].
     pub unsafe fn send(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+        self.live()?;
         // SAFETY: as the caller promises.
         let code = unsafe {
             (self.api.send)(x.ptr as *const c_void, x.count, data_type(x.dtype)?, peer as c_int, self.raw, stream)
@@ -352,6 +371,7 @@ impl Comm {
     /// # Safety
     /// As for [`Comm::all_reduce`].
     pub unsafe fn recv(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+        self.live()?;
         // SAFETY: as the caller promises.
         let code = unsafe {
             (self.api.recv)(x.ptr as *mut c_void, x.count, data_type(x.dtype)?, peer as c_int, self.raw, stream)
