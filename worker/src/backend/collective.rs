@@ -125,10 +125,10 @@ impl<B: Backend> Group<B> {
         match &self.device {
             Some(d) => d.reduce_scatter(send, recv, op).map_err(|e| self.error("reduce_scatter", e)),
             None => {
-                let whole = host_copy(backend, send)?;
+                let whole = super::read_f32(backend, send)?;
                 let mut part = vec![0f32; recv.meta.numel()];
                 self.host.reduce_scatter(&whole, &mut part[..], op)?;
-                write_host(backend, recv, &part)
+                super::write_f32(backend, recv, &part)
             }
         }
     }
@@ -139,10 +139,10 @@ impl<B: Backend> Group<B> {
         match &self.device {
             Some(d) => d.all_gather(send, recv).map_err(|e| self.error("all_gather", e)),
             None => {
-                let mine = host_copy(backend, send)?;
+                let mine = super::read_f32(backend, send)?;
                 let mut whole = vec![0f32; recv.meta.numel()];
                 self.host.all_gather(&mine, &mut whole[..])?;
-                write_host(backend, recv, &whole)
+                super::write_f32(backend, recv, &whole)
             }
         }
     }
@@ -175,7 +175,7 @@ impl<B: Backend> Group<B> {
         match &self.device {
             Some(d) => d.send_recv(send, to, recv, from).map_err(|e| self.error("send_recv", e)),
             None => {
-                let outgoing = host_copy(backend, send)?;
+                let outgoing = super::read_f32(backend, send)?;
                 self.on_host(backend, recv, &mut |v| self.host.send_recv(&outgoing, to, v, from))
             }
         }
@@ -208,28 +208,6 @@ impl<B: Backend> Group<B> {
     fn error(&self, op: &str, e: String) -> Error {
         Error::Runtime(format!("{op} on {}: {e}", describe(&self.host)))
     }
-}
-
-/// An f32 value's elements in host memory.
-fn host_copy<B: Backend>(backend: &B, x: Arg<B::Buffer>) -> Result<Vec<f32>> {
-    let mut out = Vec::new();
-    backend
-        .with_host_f32(x, &mut |v| {
-            out.extend_from_slice(v);
-            Ok(())
-        })
-        .map_err(Error::Runtime)?;
-    Ok(out)
-}
-
-/// Sets an f32 value's elements from host memory.
-fn write_host<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> Result<()> {
-    backend
-        .with_host_f32(x, &mut |v| {
-            v.copy_from_slice(src);
-            Ok(())
-        })
-        .map_err(Error::Runtime)
 }
 
 impl<B: Backend> std::ops::Deref for Group<B> {

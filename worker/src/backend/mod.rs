@@ -42,6 +42,28 @@ pub struct Slot<'a, B> {
     pub state: Vec<Arg<'a, B>>,
 }
 
+/// An f32 value's elements, copied to host memory (where host collectives reduce it).
+pub fn read_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>) -> crate::error::Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(x.meta.numel());
+    backend
+        .with_host_f32(x, &mut |v| {
+            out.extend_from_slice(v);
+            Ok(())
+        })
+        .map_err(crate::error::Error::Runtime)?;
+    Ok(out)
+}
+
+/// Sets an f32 value's elements from host memory (`src` of its length).
+pub fn write_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> crate::error::Result<()> {
+    backend
+        .with_host_f32(x, &mut |v| {
+            v.copy_from_slice(src);
+            Ok(())
+        })
+        .map_err(crate::error::Error::Runtime)
+}
+
 /// The per-step numbers of an optimizer update.
 #[derive(Clone, Copy, Debug)]
 pub struct StepHyper {

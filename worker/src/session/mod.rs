@@ -772,14 +772,12 @@ impl<B: Backend> Session<B> {
         let mut grads: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
         for p in &self.params {
             let g = self.grad_of(p);
-            let mut v = vec![0f32; g.meta.numel()];
-            read_f32(backend, g, &mut v)?;
-            grads.push(v);
+            grads.push(crate::backend::read_f32(backend, g)?);
         }
         let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
         crate::parallel::adasum::all_reduce(&**group, &mut views)?;
         for (p, g) in self.params.iter().zip(&grads) {
-            write_f32(backend, self.grad_of(p), g)?;
+            crate::backend::write_f32(backend, self.grad_of(p), g)?;
         }
         Ok(())
     }
@@ -1080,27 +1078,6 @@ impl<B: Backend> Session<B> {
     pub fn memory(&self) -> (usize, usize) {
         (self.train.plan.arena_bytes, self.train.plan.persistent_bytes)
     }
-}
-
-/// Copies an f32 value from the device into `dst` (of its length): host collectives reduce
-/// gradients and weights through it.
-fn read_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, dst: &mut [f32]) -> Result<()> {
-    backend
-        .with_host_f32(x, &mut |v| {
-            dst.copy_from_slice(v);
-            Ok(())
-        })
-        .map_err(Error::Runtime)
-}
-
-/// Copies `src` (of the value's length) into an f32 value on the device.
-fn write_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> Result<()> {
-    backend
-        .with_host_f32(x, &mut |v| {
-            v.copy_from_slice(src);
-            Ok(())
-        })
-        .map_err(Error::Runtime)
 }
 
 /// Optimizer state `k` of weight `name` from an assembled checkpoint state, shaped like the
