@@ -8,8 +8,9 @@
 #
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
 # then the ONNX node tests on the GPU. bench: worker/benches/gpu_gpt2_124m.py next to PyTorch
-# eager and torch.compile (arguments after the mode go to it). Logs and results go to $OUT, or
-# to gpu-session/ where OUT is unset. Each mode fits one call (10 minutes).
+# eager and torch.compile (arguments after the mode go to it, e.g. --micro-batches 16,8 to try
+# fewer sizes). Logs and results go to $OUT, or to gpu-session/ where OUT is unset. Each mode is
+# meant to fit one call (10 minutes); neither has run on a GPU yet.
 set -euo pipefail
 mode=${1:?"usage: gpu_session.sh check|bench [benchmark arguments]"}
 shift
@@ -46,8 +47,14 @@ check)
     exit $status
     ;;
 bench)
+    # The runs' token shard, outputs and exported models stay out of $OUT (what comes back is
+    # limited): the table, its JSON and the log go there.
+    work=$(mktemp -d)
+    status=0
     PYTHONUNBUFFERED=1 python3 worker/benches/gpu_gpt2_124m.py --worker "$bundle/tensorfleet-worker" \
-        --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+        --out "$work" "$@" 2>&1 | tee "$out/bench.log" || status=1
+    cp "$work/gpu-bench.json" "$out/" 2>/dev/null || true
+    exit $status
     ;;
 *)
     echo "gpu_session: the mode is check or bench, not '$mode'" >&2
