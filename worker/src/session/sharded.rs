@@ -43,6 +43,9 @@ pub(super) struct Shard<B: Backend> {
     grad: B::Buffer,
     /// ZeRO-2: one micro-batch's shard, before it is added to `grad`.
     part: B::Buffer,
+    /// f32 [layout.padded()] and f32 [layout.shard]: the flat vector's meta and a shard's.
+    flat_meta: Meta,
+    shard_meta: Meta,
     /// The whole mean gradient (flat), kept when the session reports gradients.
     reported: Option<Vec<f32>>,
 }
@@ -71,7 +74,9 @@ impl<B: Backend> Shard<B> {
         }
         let alloc = |elements: usize| backend.alloc(elements * 4).map_err(Error::Runtime);
         let (flat, grad, part) = (alloc(layout.padded())?, alloc(layout.shard)?, alloc(layout.shard)?);
-        Ok(Shard { layout, rank, pieces, metas, state, flat, grad, part, reported: None })
+        let (flat_meta, shard_meta) =
+            (Meta::new(DType::F32, &[layout.padded()]), Meta::new(DType::F32, &[layout.shard]));
+        Ok(Shard { layout, rank, pieces, metas, state, flat, grad, part, flat_meta, shard_meta, reported: None })
     }
 
     /// Σ g² over the pieces of weights this stage counts (see `Param::owner`).
@@ -150,11 +155,11 @@ impl<B: Backend> Session<B> {
             let g = self.grad_of(p);
             backend.accumulate(z.flat_arg(z.layout.offsets[i], g.meta), 0.0, g, 1.0).map_err(Error::Runtime)?;
         }
-        let (padded, shard) = (Meta::new(DType::F32, &[z.layout.padded()]), Meta::new(DType::F32, &[z.layout.shard]));
-        let recv = Arg { buf: into(z), offset: 0, meta: &shard };
+        let (padded, shard) = (&z.flat_meta, &z.shard_meta);
+        let recv = Arg { buf: into(z), offset: 0, meta: shard };
         match &self.data_parallel {
-            Some(group) => group.reduce_scatter_values(backend, z.flat_arg(0, &padded), recv, ReduceOp::Average),
-            None => backend.accumulate(recv, 0.0, z.flat_arg(0, &shard), 1.0).map_err(Error::Runtime),
+            Some(group) => group.reduce_scatter_values(backend, z.flat_arg(0, padded), recv, ReduceOp::Average),
+            None => backend.accumulate(recv, 0.0, z.flat_arg(0, shard), 1.0).map_err(Error::Runtime),
         }
     }
 
@@ -168,9 +173,8 @@ impl<B: Backend> Session<B> {
     pub(super) fn accumulate_gradient_shard(&mut self, k: usize, n: usize) -> Result<()> {
         self.reduce_scatter_mean(|z| &z.part)?;
         let z = self.shard();
-        let shard = Meta::new(DType::F32, &[z.layout.shard]);
-        let (grad, part) =
-            (Arg { buf: &z.grad, offset: 0, meta: &shard }, Arg { buf: &z.part, offset: 0, meta: &shard });
+        let shard = &z.shard_meta;
+        let (grad, part) = (Arg { buf: &z.grad, offset: 0, meta: shard }, Arg { buf: &z.part, offset: 0, meta: shard });
         let keep = if k == 0 { 0.0 } else { 1.0 };
         self.train.backend.accumulate(grad, keep, part, 1.0 / n as f32).map_err(Error::Runtime)
     }
@@ -199,22 +203,22 @@ impl<B: Backend> Session<B> {
             let dst = z.flat_arg(mine + piece.at, &z.metas[i]);
             backend.accumulate(dst, 0.0, slot(i).1.param, 1.0).map_err(Error::Runtime)?;
         }
-        let (padded, shard) = (Meta::new(DType::F32, &[z.layout.padded()]), Meta::new(DType::F32, &[z.layout.shard]));
+        let (padded, shard) = (&z.flat_meta, &z.shard_meta);
         if let Some(group) = &self.data_parallel {
-            group.all_gather_values(backend, z.flat_arg(mine, &shard), z.flat_arg(0, &padded))?;
+            group.all_gather_values(backend, z.flat_arg(mine, shard), z.flat_arg(0, padded))?;
         }
         for (i, p) in self.params.iter().enumerate() {
             let w = self.train.arg(p.value);
             backend.accumulate(w, 0.0, z.flat_arg(z.layout.offsets[i], w.meta), 1.0).map_err(Error::Runtime)?;
         }
         if self.report_gradients {
-            let grad = Arg { buf: &z.grad, offset: 0, meta: &shard };
+            let grad = Arg { buf: &z.grad, offset: 0, meta: shard };
             if let Some(group) = &self.data_parallel {
-                group.all_gather_values(backend, grad, z.flat_arg(0, &padded))?;
+                group.all_gather_values(backend, grad, z.flat_arg(0, padded))?;
             } else {
-                backend.accumulate(z.flat_arg(0, &shard), 0.0, grad, 1.0).map_err(Error::Runtime)?;
+                backend.accumulate(z.flat_arg(0, shard), 0.0, grad, 1.0).map_err(Error::Runtime)?;
             }
-            let reported = backend.download(z.flat_arg(0, &padded)).map_err(Error::Runtime)?;
+            let reported = backend.download(z.flat_arg(0, padded)).map_err(Error::Runtime)?;
             self.zero.as_mut().expect("ZeRO is on").reported = Some(reported.as_slice::<f32>().to_vec());
         }
         Ok(())

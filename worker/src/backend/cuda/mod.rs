@@ -153,7 +153,10 @@ impl CudaBackend {
     /// wait limit, polls instead of blocking, so that a hung peer or an NCCL error ends this
     /// rank with an error (its communicators aborted) rather than hanging it.
     fn sync(&self) -> Result<(), String> {
-        let comms = self.comms.lock().unwrap().clone();
+        let comms = match self.wait_limit {
+            Some(_) => self.comms.lock().unwrap().clone(),
+            None => Vec::new(),
+        };
         let (Some(limit), false) = (self.wait_limit, comms.is_empty()) else {
             return self.stream.synchronize().map_err(cuda_err("synchronize"));
         };

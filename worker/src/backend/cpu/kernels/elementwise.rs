@@ -183,46 +183,34 @@ fn derivative_f32(u: Unary, v: f32) -> f32 {
 
 /// dX = dY · f'(X).
 pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorViewMut) -> KResult {
-    match x.dtype {
-        DType::F32 => {
-            let (dy, x) = (dy.as_slice::<f32>(), x.as_slice::<f32>());
-            let out = dx.as_mut_slice::<f32>();
-            let f = |i: usize| dy[i] * derivative_f32(u, x[i]);
-            if out.len() >= PAR_MIN {
-                out.par_iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
-            } else {
-                out.iter_mut().enumerate().for_each(|(i, o)| *o = f(i));
-            }
-        }
-        DType::F64 => {
-            let (dy, x) = (dy.as_slice::<f64>(), x.as_slice::<f64>());
-            for (i, o) in dx.as_mut_slice::<f64>().iter_mut().enumerate() {
-                *o = dy[i] * unary_grad_f64(u, x[i]);
-            }
-        }
-        d => return Err(format!("the gradient of {u:?} is not implemented for {d}")),
-    }
-    Ok(())
+    times_derivative(u, Some(dy), x, dx)
 }
 
 /// d ← d · f'(X): `d` holds dY and becomes dX (a fused product's epilogue).
 pub fn unary_grad_in_place(u: Unary, x: &TensorView, d: &mut TensorViewMut) -> KResult {
+    times_derivative(u, None, x, d)
+}
+
+/// d = dY · f'(X), dY read from `dy`, or (None) from `d` itself.
+fn times_derivative(u: Unary, dy: Option<&TensorView>, x: &TensorView, d: &mut TensorViewMut) -> KResult {
     match x.dtype {
         DType::F32 => {
-            let x = x.as_slice::<f32>();
+            let (dy, x) = (dy.map(|t| t.as_slice::<f32>()), x.as_slice::<f32>());
+            let f = |i: usize, o: &mut f32| *o = dy.map_or(*o, |dy| dy[i]) * derivative_f32(u, x[i]);
             let out = d.as_mut_slice::<f32>();
             if out.len() >= PAR_MIN {
-                out.par_iter_mut().enumerate().for_each(|(i, o)| *o *= derivative_f32(u, x[i]));
+                out.par_iter_mut().enumerate().for_each(|(i, o)| f(i, o));
             } else {
-                out.iter_mut().enumerate().for_each(|(i, o)| *o *= derivative_f32(u, x[i]));
+                out.iter_mut().enumerate().for_each(|(i, o)| f(i, o));
             }
         }
         DType::F64 => {
-            let x = x.as_slice::<f64>();
+            let (dy, x) = (dy.map(|t| t.as_slice::<f64>()), x.as_slice::<f64>());
             for (i, o) in d.as_mut_slice::<f64>().iter_mut().enumerate() {
-                *o *= unary_grad_f64(u, x[i]);
+                *o = dy.map_or(*o, |dy| dy[i]) * unary_grad_f64(u, x[i]);
             }
         }
+        // Half types reach the CPU's kernels widened to f32 (`run_half_in_f32`).
         t => return Err(format!("the gradient of {u:?} is not implemented for {t}")),
     }
     Ok(())
