@@ -100,6 +100,7 @@ test: deps k8s
 	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 	LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
+	TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)" \
 		$(CARGO) test --workspace --release --exclude tensorfleet-e2e
 	$(MAKE) --no-print-directory e2e
 

@@ -16,6 +16,10 @@ APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin
     openssh-server openssh-client iproute2)
 
 REQUIREMENTS=.ci/requirements.txt
+# ptxas, CUDA 13.0's PTX assembler: `make test` assembles the CUDA kernels' PTX for sm_80 and
+# sm_90 with it, as the driver does on a GPU. Installed apart, without its dependencies (the
+# rest of nvcc's compiler, 80 MB more), which ptxas does not use.
+PTXAS_WHEEL=nvidia-cuda-nvcc==13.0.88
 VENV=.venv
 STAMP=$VENV/.tensorfleet-requirements.sha256
 PIP_CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/tensorfleet/pip
@@ -57,7 +61,7 @@ fi
 
 # --- Python venv of the test oracles ---------------------------------------------------------
 # The stamp covers the requirements and the interpreter, so either changing re-creates the venv.
-want=$({ cat "$REQUIREMENTS"; "$BOOTSTRAP_PYTHON" -c 'import sys; print(sys.version)'; } \
+want=$({ cat "$REQUIREMENTS"; echo "$PTXAS_WHEEL"; "$BOOTSTRAP_PYTHON" -c 'import sys; print(sys.version)'; } \
     | sha256sum | cut -d' ' -f1)
 if [[ -x $VENV/bin/python && -f $STAMP && $(<"$STAMP") == "$want" ]]; then
     venv_note="$VENV up to date"
@@ -67,6 +71,8 @@ else
     "$BOOTSTRAP_PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --cache-dir "$PIP_CACHE" \
         --only-binary=:all: --requirement "$REQUIREMENTS"
+    "$VENV/bin/python" -m pip install --quiet --cache-dir "$PIP_CACHE" --only-binary=:all: --no-deps "$PTXAS_WHEEL"
+    "$VENV"/lib/python3*/site-packages/nvidia/cu13/bin/ptxas --version >/dev/null
     # The node tests are why onnx is pinned: fail here, not in the middle of `cargo test`.
     node_tests=$("$VENV/bin/python" .ci/onnx_node_tests_dir.py)
     "$VENV/bin/python" -c 'import numpy, onnx, onnxruntime'

@@ -2,7 +2,8 @@
 //! the CPU backend where a GPU is present:
 //! - NVRTC compiles the kernels (the pip wheel of `.ci/requirements.txt` where the CUDA
 //!   toolkit is absent; `TENSORFLEET_REQUIRE_NVRTC=1`, set by `make test`, fails the test
-//!   instead of skipping it when NVRTC cannot be loaded);
+//!   instead of skipping it when NVRTC cannot be loaded), and ptxas, where `TENSORFLEET_PTXAS`
+//!   names one, assembles the PTX for sm_80 and sm_90 without spills;
 //! - the dispatch has a kernel for every node of GPT-2's and SqueezeNet's training graphs, and
 //!   every launch it would make names a kernel of the program with the parameter types its
 //!   declaration has;
@@ -67,7 +68,41 @@ fn nvrtc_compiles_the_kernels() {
                 "the PTX for compute_{major}{minor} lacks kernel {name}"
             );
         }
+        if let Ok(ptxas) = std::env::var("TENSORFLEET_PTXAS") {
+            assemble(&ptxas, &text, major, minor);
+        }
     }
+}
+
+/// ptxas (`TENSORFLEET_PTXAS`, which `make test` points at the pip wheel's) assembles the PTX
+/// for the GPU, as the driver's JIT compiler does when the backend loads it: the inline PTX
+/// that NVRTC passes through unread (the half conversions, the tensor-core products) is
+/// checked here. No kernel may spill registers to local memory (the tensor-core attention's
+/// fragments are meant to stay in registers; none of the others comes near the limit).
+fn assemble(ptxas: &str, ptx: &str, major: i32, minor: i32) {
+    let path = std::env::temp_dir().join(format!("tf-kernels-{}-sm{major}{minor}.ptx", std::process::id()));
+    std::fs::write(&path, ptx).unwrap();
+    let out = std::process::Command::new(ptxas)
+        .args([&format!("-arch=sm_{major}{minor}"), "-v", "-o", "/dev/null"])
+        .arg(&path)
+        .output()
+        .unwrap_or_else(|e| panic!("TENSORFLEET_PTXAS={ptxas}: {e}"));
+    std::fs::remove_file(&path).ok();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ptxas refuses the kernels' PTX for sm_{major}{minor}:\n{log}");
+    // `-v` writes "Function properties for NAME" and then "N bytes stack frame, N bytes spill
+    // stores, N bytes spill loads" for each kernel.
+    let mut kernel = "";
+    let mut assembled = 0;
+    for line in log.lines() {
+        if let Some(name) = line.split("Function properties for ").nth(1) {
+            kernel = name.trim();
+        } else if line.contains("spill stores") {
+            assembled += 1;
+            assert!(line.contains(" 0 bytes spill stores"), "sm_{major}{minor}: {kernel} spills: {}", line.trim());
+        }
+    }
+    assert!(assembled >= compile::kernel_names().len(), "ptxas -v reported {assembled} kernels:\n{log}");
 }
 
 #[test]

@@ -144,7 +144,8 @@ fn mixed_precision_trains_on_the_emulated_kernels_to_the_cpu_losses() {
         };
         // Each step's loss, then the evaluation loss.
         let losses = |r: Run| -> Vec<f64> { r.losses.into_iter().chain([r.eval]).collect() };
-        let gpu = losses(train_model(Arc::new(EmulatedGpu::new()), spec, batches, &opts, 3));
+        let emulated = Arc::new(EmulatedGpu::new());
+        let gpu = losses(train_model(emulated.clone(), spec, batches, &opts, 3));
         let cpu = losses(train_model(Arc::new(CpuBackend::new()), spec, batches, &opts, 3));
         for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
             assert!(
@@ -153,6 +154,8 @@ fn mixed_precision_trains_on_the_emulated_kernels_to_the_cpu_losses() {
             );
         }
         println!("{what}: emulated {gpu:?}, CPU {cpu:?}");
+        // GPT-2's heads of 16 half elements run on the tensor-core attention.
+        assert_eq!(tensor_core_launches(&emulated) > 0, spec.gpt2.is_some(), "{what}: tensor-core attention");
     }
 }
 
@@ -454,36 +457,61 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
     }
 }
 
-/// Fused attention forward and backward, causal and not, in f32 and bf16, with a head size
-/// that is not a multiple of the warp (lanes past it idle) and more rows than one block's warps.
+/// Fused attention forward and backward, causal and not, in f32, bf16 and f16. A head of 40
+/// (not a multiple of the warp, lanes past it idle) runs on the warp kernels in every type; heads
+/// of 16, 64 and 128 in half precision run on the tensor-core kernels (attention_mma.cu), with
+/// sequences that end inside a tile, several key tiles and more tiles than one block. Those
+/// round the probabilities (and the scores' gradient) to the half type before their products,
+/// as FlashAttention does, so they are held to a few of its units rather than one.
 #[test]
 fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
-    let (groups, t, d) = (3, 11, 40);
-    let shape = vec![groups, t, d];
-    let lse_shape = vec![groups, t];
-    for causal in [true, false] {
-        for dtype in [DType::F32, DType::BF16] {
-            let x = |salt: usize| {
-                Tensor::from_vec(&shape, values(groups * t * d, salt).iter().map(|v| v * 1.7).collect()).cast(dtype)
-            };
-            let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
-            let op = Op::Attention { scale: 0.3, causal };
-            let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
-            let (g, c) = (
-                run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-                run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-            );
-            let what = format!("Attention, causal {causal}, {dtype}");
-            let tol = if dtype == DType::F32 { 1e-5 } else { 2f32.powi(-8) };
-            close_as_f32(&what, &g, &c, tol);
-            let grad = Op::AttentionGrad { scale: 0.3, causal };
-            let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
-            let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
-            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
-            close_as_f32(&format!("{what}: gradient"), &g, &c, if dtype == DType::F32 { 1e-5 } else { 2f32.powi(-7) });
+    let mut ran_on_tensor_cores = 0;
+    for (groups, t, d) in [(3, 11, 40), (2, 75, 64), (3, 9, 16), (1, 37, 128)] {
+        let shape = vec![groups, t, d];
+        let lse_shape = vec![groups, t];
+        for causal in [true, false] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let x = |salt: usize| {
+                    let values = values(groups * t * d, salt).iter().map(|v| v * 1.7).collect();
+                    Tensor::from_vec(&shape, values).cast(dtype)
+                };
+                let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
+                let scale = 1.0 / (d as f32).sqrt();
+                let op = Op::Attention { scale, causal };
+                let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
+                let before = tensor_core_launches(&gpu);
+                let (g, c) = (
+                    run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+                    run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+                );
+                let tensor_cores = dtype != DType::F32 && d % 16 == 0;
+                let what = format!("Attention over heads of {d}, {t} rows, causal {causal}, {dtype}");
+                let unit = match dtype {
+                    DType::F32 => 1e-5,
+                    DType::BF16 => 2f32.powi(-8),
+                    _ => 2f32.powi(-11),
+                };
+                let (fwd, bwd) = if tensor_cores { (2.0 * unit, 4.0 * unit) } else { (unit, 2.0 * unit) };
+                close_as_f32(&what, &g, &c, if dtype == DType::F32 { 1e-5 } else { fwd });
+                let grad = Op::AttentionGrad { scale, causal };
+                let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
+                let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
+                let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+                close_as_f32(&format!("{what}: gradient"), &g, &c, if dtype == DType::F32 { 1e-5 } else { bwd });
+                // The forward kernel, dq's and dk's and dv's; none for the warp kernels' cases.
+                let expected = if tensor_cores { 3 } else { 0 };
+                assert_eq!(tensor_core_launches(&gpu) - before, expected, "{what}: tensor-core launches");
+                ran_on_tensor_cores += tensor_cores as usize;
+            }
         }
     }
+    assert_eq!(ran_on_tensor_cores, 12);
+}
+
+fn tensor_core_launches(gpu: &EmulatedGpu) -> usize {
+    let launches = gpu.launches.lock().unwrap();
+    launches.iter().filter(|(name, _)| name.starts_with("attention_mma")).map(|(_, n)| n).sum()
 }
 
 /// Every output within `tol` of the largest magnitude of the CPU's, compared in f32.

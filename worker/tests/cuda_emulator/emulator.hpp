@@ -29,6 +29,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3 {
     unsigned x, y, z;
@@ -170,6 +171,50 @@ static inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     T r = (T)emu::shuffled[t ^ (unsigned)lane_mask];
     emu::wait(emu::AT_WARP_BARRIER);
     return r;
+}
+
+// A half (f16 or bf16 bits) as f32.
+static inline float emu_half(unsigned short h, bool bf16) {
+    if (bf16) return __uint_as_float((unsigned)h << 16);
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+namespace emu {
+// The warp's fragments during a tensor-core product, by thread index.
+static unsigned mma_a[1024][4], mma_b[1024][2];
+}  // namespace emu
+
+// PTX's `mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}`: c (16×8, f32) += a (16×16) · b (16×8),
+// collective over the warp. Each lane leaves its fragments, the warp meets, and each lane computes
+// its own four outputs from everyone's. Where each element sits is spelled here from the PTX ISA
+// ("Matrix Fragments for mma.m16n8k16 with floating point type"), apart from the kernels' own use
+// of it, so that a kernel that reads the layout wrongly computes the wrong product here too.
+static inline void emu_mma_m16n8k16(float* c, const unsigned* a, const unsigned* b, bool bf16) {
+    unsigned t = threadIdx.x, warp = t & ~31u, lane = t & 31u;
+    memcpy(emu::mma_a[t], a, sizeof emu::mma_a[t]);
+    memcpy(emu::mma_b[t], b, sizeof emu::mma_b[t]);
+    emu::wait(emu::AT_WARP_BARRIER);
+    auto half_of = [&](unsigned word, unsigned which) {
+        return emu_half((unsigned short)(which ? word >> 16 : word & 0xffffu), bf16);
+    };
+    // a's (row r, col k): lane 4 (r mod 8) + (k mod 8) / 2, register r / 8 + 2 (k / 8), half k mod 2.
+    auto a_at = [&](unsigned r, unsigned k) {
+        return half_of(emu::mma_a[warp + 4 * (r % 8) + (k % 8) / 2][r / 8 + 2 * (k / 8)], k % 2);
+    };
+    // b's (row k, col n): lane 4 n + (k mod 8) / 2, register k / 8, half k mod 2.
+    auto b_at = [&](unsigned k, unsigned n) { return half_of(emu::mma_b[warp + 4 * n + (k % 8) / 2][k / 8], k % 2); };
+    // c[i]: row lane / 4 (+ 8 for i ≥ 2), col 2 (lane mod 4) + i mod 2. A half's product is exact in f32.
+    float out[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        unsigned r = lane / 4 + 8 * (i / 2), n = 2 * (lane % 4) + i % 2;
+        float s = c[i];
+        for (unsigned k = 0; k < 16; ++k) s += a_at(r, k) * b_at(k, n);
+        out[i] = s;
+    }
+    emu::wait(emu::AT_WARP_BARRIER);
+    memcpy(c, out, sizeof out);
 }
 
 // Runs `kernel` over the grid; 0 when done, 1 on a deadlock (the message in emu_failure).

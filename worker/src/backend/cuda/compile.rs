@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The program's source: the shared prelude, then each family of kernels.
-pub const SOURCE_FILES: [(&str, &str); 8] = [
+pub const SOURCE_FILES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("rows.cu", include_str!("kernels/rows.cu")),
@@ -16,6 +16,7 @@ pub const SOURCE_FILES: [(&str, &str); 8] = [
     ("channels.cu", include_str!("kernels/channels.cu")),
     ("shard.cu", include_str!("kernels/shard.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("attention_mma.cu", include_str!("kernels/attention_mma.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
 ];
 

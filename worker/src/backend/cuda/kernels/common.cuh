@@ -73,6 +73,45 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 }
 #endif
 
+// Two adjacent halves as one 32-bit word (the lower index in the low bits), read from or
+// written to a 4-byte-aligned address.
+#ifdef TF_EMULATE
+__device__ __forceinline__ u32 ld_pair(const u16* p) {
+    u32 w;
+    memcpy(&w, p, 4);
+    return w;
+}
+__device__ __forceinline__ void st_pair(u16* p, u32 w) { memcpy(p, &w, 4); }
+#else
+__device__ __forceinline__ u32 ld_pair(const u16* p) { return *(const u32*)p; }
+__device__ __forceinline__ void st_pair(u16* p, u32 w) { *(u32*)p = w; }
+#endif
+
+// One warp's tensor-core product c += a·b (PTX `mma.sync` m16n8k16): a is 16×16 and b 16×8 in
+// half precision, two elements per word, c is 16×8 in f32. Lane (g = lane / 4, t = lane % 4)
+// holds, as the PTX ISA lays the fragments out:
+//   a[0] (row g, cols 2t, 2t+1)  a[1] (g + 8, 2t..)  a[2] (g, 2t + 8..)  a[3] (g + 8, 2t + 8..)
+//   b[0] (rows 2t, 2t+1, col g)  b[1] (rows 2t + 8.., col g)
+//   c[0], c[1] (row g, cols 2t, 2t+1)  c[2], c[3] (row g + 8, cols 2t, 2t+1)
+#ifdef TF_EMULATE
+// The emulator (tests/cuda_emulator/emulator.hpp) gathers the warp's fragments and multiplies.
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) { emu_mma_m16n8k16(c, a, b, false); }
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) { emu_mma_m16n8k16(c, a, b, true); }
+#else
+__device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 // The element types of the float kernels: a value is loaded to f32, computed in f32 and stored
 // rounded to its type (f16 and bf16 are storage types, as on the CPU backend). A kernel family
 // is a template over one of these, with an extern "C" entry point per type.
@@ -81,15 +120,18 @@ struct F32 {
     static __device__ __forceinline__ float load(float v) { return v; }
     static __device__ __forceinline__ float store(float v) { return v; }
 };
+// The half types also name their tensor-core product.
 struct F16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+    static __device__ __forceinline__ void mma(float* c, const u32* a, const u32* b) { mma_f16(c, a, b); }
 };
 struct BF16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+    static __device__ __forceinline__ void mma(float* c, const u32* a, const u32* b) { mma_bf16(c, a, b); }
 };
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -1,10 +1,15 @@
-//! Fused attention on the CUDA backend (kernels/attention.cu), with the CPU backend's
-//! semantics (cpu/kernels/attention.rs): the forward kernel keeps each query row's
-//! log-sum-exp; the backward pass is three sweeps over rows (the softmax's row term, dq per
-//! query row, dk and dv per key row), none of which races.
+//! Fused attention on the CUDA backend, with the CPU backend's semantics
+//! (cpu/kernels/attention.rs): the forward kernel keeps each query row's log-sum-exp; the
+//! backward pass is three sweeps over rows (the softmax's row term, dq per query row, dk and dv
+//! per key row), none of which races.
+//!
+//! Two kernel families compute it: f16 and bf16 heads of a multiple of 16 elements up to 128
+//! run on the tensor cores in tiles (kernels/attention_mma.cu); everything else (f32, other
+//! head sizes) runs one warp per row (kernels/attention.cu).
 
-use super::{elementwise, typed, Dev, NULL, V};
+use super::{elementwise, typed, Dev, Ptr, NULL, V};
 use crate::tensor::DType;
+use cudarc::driver::LaunchConfig;
 
 /// The kernels' largest head (a warp's 32 lanes hold 8 elements each).
 const MAX_HEAD: usize = 256;
@@ -24,8 +29,35 @@ fn dims(q: &V, k: &V, v: &V) -> Result<(usize, usize, usize, usize), String> {
 }
 
 /// One warp per row.
-fn per_warp(rows: usize) -> cudarc::driver::LaunchConfig {
+fn per_warp(rows: usize) -> LaunchConfig {
     elementwise(rows * 32)
+}
+
+/// The tensor-core kernels' register tier (64 or 128, the largest head they hold) for heads of
+/// `d` elements of type `t`, or None where the warp kernels run: f32, a head that is not a
+/// multiple of 16 or is over 128, or an operand not 4-byte aligned (the kernels move two
+/// halves as one word).
+fn mma_tier(t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
+    let half = matches!(t, DType::F16 | DType::BF16);
+    let aligned = operands.iter().all(|p| p.0.is_multiple_of(4));
+    match d {
+        _ if !half || !aligned || !d.is_multiple_of(16) => None,
+        16..=64 => Some(64),
+        65..=128 => Some(128),
+        _ => None,
+    }
+}
+
+/// `MMA_ROWS` of attention_mma.cu: a block of 4 warps takes 64 rows (of queries, or of keys
+/// for dk and dv); the blocks stride over the tiles past CUDA's grid.
+fn per_tile(groups: usize, rows: usize) -> LaunchConfig {
+    const MMA_ROWS: usize = 64;
+    let tiles = groups * rows.div_ceil(MMA_ROWS);
+    LaunchConfig { grid_dim: (tiles.min(1 << 20) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, String> {
+    Ok(format!("{}_d{tier}", typed(family, t)?))
 }
 
 pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), String> {
@@ -35,6 +67,15 @@ pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse:
     }
     let rows = groups * tq;
     let lse = lse.map_or(NULL, |l| l.at);
+    if let Some(tier) = mma_tier(q.dtype(), d, &[q.at, k.at, v.at, y.at]) {
+        let cfg = per_tile(groups, tq);
+        let (groups, tq, tk, d) = (groups as i64, tq as i64, tk as i64, d as i64);
+        return dev.kernel(
+            &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
+            cfg,
+            &mut params![groups, tq, tk, d, scale, causal as i32, q.at, k.at, v.at, y.at, lse],
+        );
+    }
     dev.kernel(
         &typed("attention_fwd", q.dtype())?,
         per_warp(rows),
@@ -61,6 +102,20 @@ pub fn backward(
         per_warp(qrows),
         &mut params![qrows as i64, d as i64, dy.at, y.at, delta],
     )?;
+    if let Some(tier) = mma_tier(t, d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
+        let g = groups as i64;
+        let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
+        dev.kernel(
+            &mma_kernel("attention_mma_bwd_dq", t, tier)?,
+            per_tile(groups, tq as usize),
+            &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
+        )?;
+        return dev.kernel(
+            &mma_kernel("attention_mma_bwd_dkv", t, tier)?,
+            per_tile(groups, tk as usize),
+            &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
+        );
+    }
     let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
     dev.kernel(
         &typed("attention_bwd_dq", t)?,

@@ -1,0 +1,361 @@
+// Attention on the tensor cores, for f16 and bf16 heads of 16 to 128 elements (a multiple of
+// 16): FlashAttention-2's tiling over PTX's m16n8k16 products (common.cuh's mma_*). The warp
+// kernels of attention.cu take every other case (f32, other head sizes) and define what is
+// computed; these compute the same in tiles, forward and backward side by side:
+//
+// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward and for dq, key rows
+//   for dk and dv); a warp's own operands stay in registers as product fragments;
+// - the other side streams through shared memory KT rows at a time (64, or 32 for heads over
+//   64, which bounds the registers), each tile read by every warp of the block;
+// - scores and probabilities live in the products' f32 accumulators, and enter the next product
+//   rounded to the half type (the probabilities for P·V, the scores' gradient for dq and dk),
+//   as in FlashAttention; the softmax's running maximum and sum stay in f32.
+//
+// The backward pass keeps attention.cu's race-free split: dq per query tile, dk and dv per key
+// tile, each recomputing the probabilities from the forward pass's log-sum-exp; delta (the
+// softmax gradient's row term) comes from attention.cu's attention_bwd_delta.
+//
+// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32.
+// DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 4-byte aligned (d is
+// even and the dispatch checks the bases), so two halves move as one word.
+
+#define MMA_WARPS 4
+#define MMA_ROWS (MMA_WARPS * 16)
+
+// Two f32 values rounded to the half type S and packed, the first in the low half.
+template <class S>
+__device__ __forceinline__ u32 pack(float lo, float hi) {
+    return (u32)S::store(lo) | ((u32)S::store(hi) << 16);
+}
+
+// The a fragments (one per 16 columns of d) of rows r0..r0+16 of an [n, d] matrix in global
+// memory; zeros past n and past d.
+template <int DMAX>
+__device__ __forceinline__ void load_rows(u32 (&a)[DMAX / 16][4], const u16* m, i64 n, int d, i64 r0, int g, int t) {
+#pragma unroll
+    for (int kt = 0; kt < DMAX / 16; ++kt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            i64 r = r0 + g + 8 * (j & 1);
+            int c = kt * 16 + 2 * t + 8 * (j >> 1);
+            a[kt][j] = r < n && c < d ? ld_pair(m + r * d + c) : 0u;
+        }
+}
+
+// Rows r0..r0+KT of an [n, d] matrix into a shared tile of row stride DMAX + 8 halves (zeros
+// past n), by the whole block; consecutive threads read consecutive words. The 8 halves of
+// padding put the eight rows that one fragment read touches in different banks.
+template <int DMAX, int KT>
+__device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d, i64 r0) {
+    int words = d / 2;
+    for (int w = threadIdx.x; w < KT * words; w += blockDim.x) {
+        int r = w / words, c = 2 * (w % words);
+        st_pair(tile + r * (DMAX + 8) + c, r0 + r < n ? ld_pair(m + (r0 + r) * d + c) : 0u);
+    }
+}
+
+// b of a product with a tile's transpose: b's (k, n) is the tile's (n0 + n, k0 + k), so each
+// register is two adjacent halves of a tile row.
+__device__ __forceinline__ void b_across(u32* b, const u16* tile, int stride, int n0, int k0, int g, int t) {
+    const u16* p = tile + (n0 + g) * stride + k0 + 2 * t;
+    b[0] = ld_pair(p);
+    b[1] = ld_pair(p + 8);
+}
+// b of a product with the tile itself: b's (k, n) is the tile's (k0 + k, n0 + n), each register
+// two rows' halves of one column.
+__device__ __forceinline__ void b_down(u32* b, const u16* tile, int stride, int k0, int n0, int g, int t) {
+    const u16* p = tile + (k0 + 2 * t) * stride + n0 + g;
+    b[0] = (u32)p[0] | ((u32)p[stride] << 16);
+    b[1] = (u32)p[8 * stride] | ((u32)p[9 * stride] << 16);
+}
+
+// s (16 × KT, f32) = a (the warp's 16 rows, d wide) · tileᵀ: each row against every tile row.
+template <class S, int DMAX, int KT>
+__device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const u32 (&a)[DMAX / 16][4], const u16* tile,
+                                              int d, int g, int t) {
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < DMAX / 16; ++kt) {
+        if (kt * 16 >= d) break;
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; ++nt) {
+            u32 b[2];
+            b_across(b, tile, DMAX + 8, nt * 8, kt * 16, g, t);
+            S::mma(s[nt], a[kt], b);
+        }
+    }
+}
+
+// acc (16 × d, f32) += p (16 × KT, f32 accumulators, rounded to S) · tile (KT × d). The
+// accumulators of two 8-column products are, element for element, one a fragment.
+template <class S, int DMAX, int KT>
+__device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const float (&p)[KT / 8][4], const u16* tile,
+                                               int d, int g, int t) {
+#pragma unroll
+    for (int kk = 0; kk < KT / 16; ++kk) {
+        const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
+        u32 a[4] = {pack<S>(lo[0], lo[1]), pack<S>(lo[2], lo[3]), pack<S>(hi[0], hi[1]), pack<S>(hi[2], hi[3])};
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt) {
+            if (nt * 8 >= d) break;
+            u32 b[2];
+            b_down(b, tile, DMAX + 8, kk * 16, nt * 8, g, t);
+            S::mma(acc[nt], a, b);
+        }
+    }
+}
+
+// Rows r0 + g and r0 + g + 8 of a 16 × d accumulator, times `by`, stored to an [n, d] matrix.
+template <class S, int DMAX>
+__device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 r0, const float (&acc)[DMAX / 8][4],
+                                           const float* by, int g, int t) {
+    for (int h = 0; h < 2; ++h) {
+        i64 r = r0 + g + 8 * h;
+        if (r >= n) continue;
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt) {
+            if (nt * 8 >= d) break;
+            st_pair(m + r * d + nt * 8 + 2 * t, pack<S>(acc[nt][2 * h] * by[h], acc[nt][2 * h + 1] * by[h]));
+        }
+    }
+}
+
+// The sum (or max) over the four lanes that hold one accumulator row.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+template <class S, int DMAX>
+__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+                                  const u16* k, const u16* v, u16* y, float* lse) {
+    const int KT = DMAX <= 64 ? 64 : 32;
+    __shared__ __align__(16) u16 ks[KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 vs[KT * (DMAX + 8)];
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
+    for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
+        // The last query tiles first: with a causal mask they see the most keys.
+        i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
+        const u16 *kg = k + grp * tk * d, *vg = v + grp * tk * d;
+        u32 qa[DMAX / 16][4];
+        load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
+        float o[DMAX / 8][4] = {};
+        // Each lane holds rows g and g + 8 (h = 0, 1): their running maximum and (partial) sum.
+        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+        i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
+        for (i64 k0 = 0; k0 < keys; k0 += KT) {
+            __syncthreads();  // every warp is done with the previous tile
+            load_tile<DMAX, KT>(ks, kg, tk, d, k0);
+            load_tile<DMAX, KT>(vs, vg, tk, d, k0);
+            __syncthreads();
+            float s[KT / 8][4];
+            rows_dot_tile<S, DMAX, KT>(s, qa, ks, d, g, t);
+            float mx[2] = {m[0], m[1]};
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    i64 row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
+                    float x = col < tk && (!causal || col <= row) ? s[nt][i] * scale : NEG_INF;
+                    s[nt][i] = x;
+                    mx[i >> 1] = fmaxf(mx[i >> 1], x);
+                }
+            float base[2];
+            for (int h = 0; h < 2; ++h) {
+                mx[h] = quad_max(mx[h]);
+                // A row that has seen no key yet (all masked) takes its exponentials from 0, so
+                // that none is NaN; they are all 0.
+                base[h] = mx[h] == NEG_INF ? 0.f : mx[h];
+                float rescale = expf(m[h] - base[h]);
+                l[h] *= rescale;
+#pragma unroll
+                for (int nt = 0; nt < DMAX / 8; ++nt) {
+                    o[nt][2 * h] *= rescale;
+                    o[nt][2 * h + 1] *= rescale;
+                }
+                m[h] = mx[h];
+            }
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    float p = expf(s[nt][i] - base[i >> 1]);
+                    s[nt][i] = p;
+                    l[i >> 1] += p;
+                }
+            acc_times_tile<S, DMAX, KT>(o, s, vs, d, g, t);
+        }
+        float inv[2];
+        for (int h = 0; h < 2; ++h) {
+            l[h] = quad_sum(l[h]);
+            inv[h] = 1.f / l[h];
+            i64 row = r0 + g + 8 * h;
+            if (lse && t == 0 && row < tq) lse[grp * tq + row] = m[h] + logf(l[h]);
+        }
+        store_rows<S, DMAX>(y + grp * tq * d, tq, d, r0, o, inv, g, t);
+    }
+}
+
+// dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, per tile of query rows.
+template <class S, int DMAX>
+__device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+                                     const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
+                                     u16* dq) {
+    const int KT = DMAX <= 64 ? 64 : 32;
+    __shared__ __align__(16) u16 ks[KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 vs[KT * (DMAX + 8)];
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
+    for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
+        i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
+        const u16 *kg = k + grp * tk * d, *vg = v + grp * tk * d;
+        u32 qa[DMAX / 16][4], dya[DMAX / 16][4];
+        load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
+        load_rows<DMAX>(dya, dy + grp * tq * d, tq, d, r0, g, t);
+        float row_lse[2], row_delta[2];
+        for (int h = 0; h < 2; ++h) {
+            i64 row = r0 + g + 8 * h;
+            row_lse[h] = row < tq ? lse[grp * tq + row] : 0.f;
+            row_delta[h] = row < tq ? delta[grp * tq + row] : 0.f;
+        }
+        float acc[DMAX / 8][4] = {};
+        i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
+        for (i64 k0 = 0; k0 < keys; k0 += KT) {
+            __syncthreads();
+            load_tile<DMAX, KT>(ks, kg, tk, d, k0);
+            load_tile<DMAX, KT>(vs, vg, tk, d, k0);
+            __syncthreads();
+            float p[KT / 8][4], dp[KT / 8][4];
+            rows_dot_tile<S, DMAX, KT>(p, qa, ks, d, g, t);
+            rows_dot_tile<S, DMAX, KT>(dp, dya, vs, d, g, t);
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int h = i >> 1;
+                    i64 row = r0 + g + 8 * h, col = k0 + nt * 8 + 2 * t + (i & 1);
+                    float pij = col < tk && (!causal || col <= row) ? expf(p[nt][i] * scale - row_lse[h]) : 0.f;
+                    p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
+                }
+            acc_times_tile<S, DMAX, KT>(acc, p, ks, d, g, t);
+        }
+        float by[2] = {scale, scale};
+        store_rows<S, DMAX>(dq + grp * tq * d, tq, d, r0, acc, by, g, t);
+    }
+}
+
+// dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, per tile of key rows (the queries that
+// see key j: i ≥ j when causal). The products run transposed: scores as keys × queries.
+template <class S, int DMAX>
+__device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+                                      const u16* k, const u16* v, const u16* dy, const float* lse,
+                                      const float* delta, u16* dk, u16* dv) {
+    const int KT = DMAX <= 64 ? 64 : 32;
+    __shared__ __align__(16) u16 qs[KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 dys[KT * (DMAX + 8)];
+    __shared__ float tile_lse[KT], tile_delta[KT];
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    i64 tiles = (tk + MMA_ROWS - 1) / MMA_ROWS;
+    for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
+        // The first key tiles first: with a causal mask the most queries see them.
+        i64 grp = b / tiles, k0 = b % tiles * MMA_ROWS, r0 = k0 + (threadIdx.x >> 5) * 16;
+        const u16 *qg = q + grp * tq * d, *dyg = dy + grp * tq * d;
+        u32 ka[DMAX / 16][4], va[DMAX / 16][4];
+        load_rows<DMAX>(ka, k + grp * tk * d, tk, d, r0, g, t);
+        load_rows<DMAX>(va, v + grp * tk * d, tk, d, r0, g, t);
+        float dk_acc[DMAX / 8][4] = {}, dv_acc[DMAX / 8][4] = {};
+        for (i64 q0 = causal ? k0 / KT * KT : 0; q0 < tq; q0 += KT) {
+            __syncthreads();
+            load_tile<DMAX, KT>(qs, qg, tq, d, q0);
+            load_tile<DMAX, KT>(dys, dyg, tq, d, q0);
+            for (int r = threadIdx.x; r < KT; r += blockDim.x) {
+                tile_lse[r] = q0 + r < tq ? lse[grp * tq + q0 + r] : 0.f;
+                tile_delta[r] = q0 + r < tq ? delta[grp * tq + q0 + r] : 0.f;
+            }
+            __syncthreads();
+            float p[KT / 8][4], dp[KT / 8][4];
+            rows_dot_tile<S, DMAX, KT>(p, ka, qs, d, g, t);   // scoresᵀ: keys × queries
+            rows_dot_tile<S, DMAX, KT>(dp, va, dys, d, g, t);  // (dy·vᵀ)ᵀ
+#pragma unroll
+            for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    int c = nt * 8 + 2 * t + (i & 1);
+                    i64 key = r0 + g + 8 * (i >> 1), query = q0 + c;
+                    bool seen = query < tq && key < tk && (!causal || query >= key);
+                    float pij = seen ? expf(p[nt][i] * scale - tile_lse[c]) : 0.f;
+                    p[nt][i] = pij;
+                    dp[nt][i] = pij * (dp[nt][i] - tile_delta[c]);
+                }
+            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys, d, g, t);
+            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs, d, g, t);
+        }
+        float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
+        store_rows<S, DMAX>(dk + grp * tk * d, tk, d, r0, dk_acc, by_k, g, t);
+        store_rows<S, DMAX>(dv + grp * tk * d, tk, d, r0, dv_acc, by_v, g, t);
+    }
+}
+
+// The entry points: f16 and bf16, heads up to 64 and up to 128.
+extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                     const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
+    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+}
+extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                      const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
+    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+}
+extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                      const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
+    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+}
+extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
+    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+}
+extern "C" __global__ void attention_mma_bwd_dq_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                        const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                        const float* lse, const float* delta, u16* dq) {
+    attention_mma_bwd_dq<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+}
+extern "C" __global__ void attention_mma_bwd_dq_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                         const float* lse, const float* delta, u16* dq) {
+    attention_mma_bwd_dq<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+}
+extern "C" __global__ void attention_mma_bwd_dq_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                         const float* lse, const float* delta, u16* dq) {
+    attention_mma_bwd_dq<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+}
+extern "C" __global__ void attention_mma_bwd_dq_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                          const float* lse, const float* delta, u16* dq) {
+    attention_mma_bwd_dq<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+}
+extern "C" __global__ void attention_mma_bwd_dkv_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                         const float* lse, const float* delta, u16* dk, u16* dv) {
+    attention_mma_bwd_dkv<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+}
+extern "C" __global__ void attention_mma_bwd_dkv_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                          const float* lse, const float* delta, u16* dk, u16* dv) {
+    attention_mma_bwd_dkv<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+}
+extern "C" __global__ void attention_mma_bwd_dkv_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                          const float* lse, const float* delta, u16* dk, u16* dv) {
+    attention_mma_bwd_dkv<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+}
+extern "C" __global__ void attention_mma_bwd_dkv_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+                                                           const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                           const float* lse, const float* delta, u16* dk, u16* dv) {
+    attention_mma_bwd_dkv<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+}
