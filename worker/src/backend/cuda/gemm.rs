@@ -10,6 +10,7 @@
 use crate::tensor::DType;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
+use std::collections::HashMap;
 use std::ffi::c_void;
 
 /// What a product does to its f32 result before D is rounded to its type: cuBLASLt's
@@ -62,11 +63,13 @@ impl Product {
     }
 }
 
-/// The cuBLASLt handle and its workspace (both live as long as the backend).
+/// The cuBLASLt handle, its workspace (both live as long as the backend) and the plans made so
+/// far, by shape.
 pub(super) struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: u64,
     workspace_bytes: usize,
+    plans: HashMap<Shape, Option<Plan>>,
 }
 
 // SAFETY: the handle is used under the backend's lock, one call at a time.
@@ -91,6 +94,64 @@ use RunError::{Failed, Unsupported};
 impl From<String> for RunError {
     fn from(e: String) -> RunError {
         Failed(e)
+    }
+}
+
+/// Everything a product's plan depends on: all of [`Product`] but the addresses (of which only
+/// the alignment counts) and alpha and beta (passed at each call).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Shape {
+    m: u64,
+    n: u64,
+    k: u64,
+    batch: u64,
+    trans_a: bool,
+    trans_b: bool,
+    strides: [i64; 3],
+    dtype: DType,
+    /// cuBLASLt's A, B, C and D alignments (our B, A, D and D).
+    alignment: [u32; 3],
+    /// With the bias and epilogue (false: plain, the caller applies them).
+    epilogue: bool,
+    bias: bool,
+    kind: EpilogueKind,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum EpilogueKind {
+    Plain,
+    Gelu,
+    GeluKeepingInput,
+    GeluGrad,
+}
+
+impl Shape {
+    fn of(p: &Product, epilogue: bool) -> Shape {
+        let size = p.dtype.size();
+        let kind = match p.epilogue {
+            Epilogue::Plain => EpilogueKind::Plain,
+            Epilogue::Gelu { aux: 0 } => EpilogueKind::Gelu,
+            Epilogue::Gelu { .. } => EpilogueKind::GeluKeepingInput,
+            Epilogue::GeluGrad { .. } => EpilogueKind::GeluGrad,
+        };
+        Shape {
+            m: p.m,
+            n: p.n,
+            k: p.k,
+            batch: p.batch,
+            trans_a: p.trans_a,
+            trans_b: p.trans_b,
+            strides: [p.a_stride, p.b_stride, p.d_stride],
+            dtype: p.dtype,
+            alignment: [
+                alignment(p.b, p.b_stride, p.batch, size),
+                alignment(p.a, p.a_stride, p.batch, size),
+                alignment(p.d, p.d_stride, p.batch, size),
+            ],
+            epilogue,
+            bias: epilogue && p.bias != 0,
+            kind: if epilogue { kind } else { EpilogueKind::Plain },
+        }
     }
 }
 
@@ -139,16 +200,50 @@ impl Drop for Layout {
     }
 }
 
+struct Desc(sys::cublasLtMatmulDesc_t);
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matmul_desc and dropped once.
+        unsafe {
+            let _ = lt::destroy_matmul_desc(self.0);
+        }
+    }
+}
+
+struct Pref(sys::cublasLtMatmulPreference_t);
+
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: created by create_matmul_pref and dropped once.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(self.0);
+        }
+    }
+}
+
+/// A shape's descriptors and the algorithm cuBLASLt's heuristic chose for it, made at its first
+/// product and kept: creating them and asking the heuristic cost more host time than the
+/// launch, and a training step repeats the same few dozen shapes. Only the bias and aux
+/// addresses are set again at each call.
+struct Plan {
+    first: Layout,
+    second: Layout,
+    out: Layout,
+    desc: Desc,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
 impl Gemm {
     /// `workspace` is device memory of `workspace_bytes` that the backend owns.
     pub(super) fn new(workspace: u64, workspace_bytes: usize) -> Result<Gemm, String> {
         let handle = lt::create_handle().map_err(|e| err("create", e))?;
-        Ok(Gemm { handle, workspace, workspace_bytes })
+        Ok(Gemm { handle, workspace, workspace_bytes, plans: HashMap::new() })
     }
 
     /// Runs `p`; returns whether its bias and epilogue were applied (false when cuBLASLt has no
     /// algorithm for the epilogue with these layouts: the caller applies them).
-    pub(super) fn run(&self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
+    pub(super) fn run(&mut self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
         if p.has_epilogue() {
             match self.run_with(p, true, stream) {
                 Ok(()) => return Ok(true),
@@ -162,7 +257,57 @@ impl Gemm {
         })
     }
 
-    fn run_with(&self, p: &Product, epilogue: bool, stream: sys::cudaStream_t) -> Result<(), RunError> {
+    fn run_with(&mut self, p: &Product, epilogue: bool, stream: sys::cudaStream_t) -> Result<(), RunError> {
+        let shape = Shape::of(p, epilogue);
+        if !self.plans.contains_key(&shape) {
+            // A shape cuBLASLt has no algorithm for with its epilogue is remembered as such.
+            let plan = match self.plan(p, &shape) {
+                Ok(plan) => Some(plan),
+                Err(Unsupported) => None,
+                Err(e) => return Err(e),
+            };
+            self.plans.insert(shape, plan);
+        }
+        let Some(plan) = &self.plans[&shape] else { return Err(Unsupported) };
+        // SAFETY: the plan's descriptors are live; the pointers are device memory of the sizes
+        // the layouts describe (the caller's plan); alpha and beta outlive the call.
+        let done = unsafe {
+            if epilogue {
+                set_epilogue_addresses(plan.desc.0, p)?;
+            }
+            lt::matmul(
+                self.handle,
+                plan.desc.0,
+                &p.alpha as *const f32 as *const c_void,
+                &p.beta as *const f32 as *const c_void,
+                p.b as *const c_void,
+                plan.first.0,
+                p.a as *const c_void,
+                plan.second.0,
+                p.d as *const c_void,
+                plan.out.0,
+                p.d as *mut c_void,
+                plan.out.0,
+                &plan.algo,
+                self.workspace as *mut c_void,
+                self.workspace_bytes,
+                stream,
+            )
+        };
+        match done {
+            Ok(()) => Ok(()),
+            // An epilogue the heuristic offered and the product then refused: run it apart,
+            // now and for the rest of the run.
+            Err(e) if epilogue && e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+                self.plans.insert(shape, None);
+                Err(Unsupported)
+            }
+            Err(e) => Err(Failed(err("matmul", e))),
+        }
+    }
+
+    /// The descriptors of `shape` and the heuristic's first algorithm for them.
+    fn plan(&self, p: &Product, shape: &Shape) -> Result<Plan, RunError> {
         // cuBLASLt's first operand is our B: as stored it reads (column-major) as Bᵀ [n, k] when
         // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
         let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };
@@ -170,87 +315,63 @@ impl Gemm {
         let first = Layout::new(p.dtype, b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
         let second = Layout::new(p.dtype, a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
         let out = Layout::new(p.dtype, p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
-        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
-            .map_err(|e| err("descriptor", e))?;
-        let pref = lt::create_matmul_pref().map_err(|e| err("preference", e))?;
-        let result = (|| -> Result<(), RunError> {
-            let (op_first, op_second) = (p.trans_b as i32, p.trans_a as i32);
-            let ws = self.workspace_bytes as u64;
-            // SAFETY: descriptors created above; attribute buffers outlive the calls; the
-            // pointers are device memory of the sizes the layouts describe (the caller's plan).
-            unsafe {
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                    &op_first as *const i32 as *const c_void,
-                    4,
-                )
-                .map_err(|e| err("transa", e))?;
-                lt::set_matmul_desc_attribute(
-                    desc,
-                    sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                    &op_second as *const i32 as *const c_void,
-                    4,
-                )
-                .map_err(|e| err("transb", e))?;
-                lt::set_matmul_pref_attribute(
-                    pref,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                    &ws as *const u64 as *const c_void,
-                    8,
-                )
-                .map_err(|e| err("workspace preference", e))?;
-                // cuBLASLt's operands A, B, C and D are our B, A, D and D.
-                use sys::cublasLtMatmulPreferenceAttributes_t as P;
-                let size = p.dtype.size();
-                let aligned = [
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment(p.b, p.b_stride, p.batch, size)),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment(p.a, p.a_stride, p.batch, size)),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment(p.d, p.d_stride, p.batch, size)),
-                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment(p.d, p.d_stride, p.batch, size)),
-                ];
-                for (attribute, bytes) in aligned {
-                    lt::set_matmul_pref_attribute(pref, attribute, &bytes as *const u32 as *const c_void, 4)
-                        .map_err(|e| err("alignment preference", e))?;
-                }
-                if epilogue {
-                    set_epilogue(desc, p)?;
-                }
-                let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc, first.0, second.0, out.0, out.0, pref)
-                    .map_err(
-                        |e| if epilogue { Unsupported } else { Failed(err(&format!("no algorithm for {p:?}"), e)) },
-                    )?;
-                lt::matmul(
-                    self.handle,
-                    desc,
-                    &p.alpha as *const f32 as *const c_void,
-                    &p.beta as *const f32 as *const c_void,
-                    p.b as *const c_void,
-                    first.0,
-                    p.a as *const c_void,
-                    second.0,
-                    p.d as *const c_void,
-                    out.0,
-                    p.d as *mut c_void,
-                    out.0,
-                    &heuristic.algo,
-                    self.workspace as *mut c_void,
-                    self.workspace_bytes,
-                    stream,
-                )
-                .map_err(|e| match e.0 {
-                    // An epilogue the heuristic offered and the product then refused: run it apart.
-                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if epilogue => Unsupported,
-                    _ => Failed(err("matmul", e)),
-                })
-            }
-        })();
-        // SAFETY: created above, destroyed once.
+        let desc = Desc(
+            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
+                .map_err(|e| err("descriptor", e))?,
+        );
+        let pref = Pref(lt::create_matmul_pref().map_err(|e| err("preference", e))?);
+        let (op_first, op_second) = (p.trans_b as i32, p.trans_a as i32);
+        let ws = self.workspace_bytes as u64;
+        // SAFETY: descriptors created above; attribute buffers outlive the calls.
         unsafe {
-            let _ = lt::destroy_matmul_pref(pref);
-            let _ = lt::destroy_matmul_desc(desc);
+            lt::set_matmul_desc_attribute(
+                desc.0,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &op_first as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(|e| err("transa", e))?;
+            lt::set_matmul_desc_attribute(
+                desc.0,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &op_second as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(|e| err("transb", e))?;
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            )
+            .map_err(|e| err("workspace preference", e))?;
+            // cuBLASLt's operands A, B, C and D are our B, A, D and D.
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
+            let [first_align, second_align, out_align] = shape.alignment;
+            let aligned = [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, first_align),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, second_align),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, out_align),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, out_align),
+            ];
+            for (attribute, bytes) in aligned {
+                lt::set_matmul_pref_attribute(pref.0, attribute, &bytes as *const u32 as *const c_void, 4)
+                    .map_err(|e| err("alignment preference", e))?;
+            }
+            if shape.epilogue {
+                set_epilogue(desc.0, p)?;
+                set_epilogue_addresses(desc.0, p)?;
+            }
+            let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc.0, first.0, second.0, out.0, out.0, pref.0)
+                .map_err(|e| {
+                    if shape.epilogue {
+                        Unsupported
+                    } else {
+                        Failed(err(&format!("no algorithm for {p:?}"), e))
+                    }
+                })?;
+            Ok(Plan { first, second, out, desc, algo: heuristic.algo })
         }
-        result
     }
 }
 
@@ -266,17 +387,14 @@ fn alignment(at: u64, stride: i64, batch: u64, size: usize) -> u32 {
     1 << bits.trailing_zeros()
 }
 
-/// Sets `p`'s bias and epilogue on `desc`.
+/// Sets `p`'s epilogue on `desc`: its kind and the aux's layout (the addresses are
+/// [`set_epilogue_addresses`]'s).
 ///
 /// # Safety
 /// `desc` is a live matmul descriptor.
 unsafe fn set_epilogue(desc: sys::cublasLtMatmulDesc_t, p: &Product) -> Result<(), RunError> {
     use sys::cublasLtEpilogue_t as E;
     use sys::cublasLtMatmulDescAttributes_t as A;
-    let set = |attr: A, value: *const c_void, bytes: usize, what: &str| {
-        // SAFETY: `value` points at `bytes` bytes that outlive the call.
-        unsafe { lt::set_matmul_desc_attribute(desc, attr, value, bytes) }.map_err(|e| Failed(err(what, e)))
-    };
     let bias = p.bias != 0;
     let (kind, aux) = match p.epilogue {
         Epilogue::Plain => (E::CUBLASLT_EPILOGUE_BIAS, 0),
@@ -291,28 +409,56 @@ unsafe fn set_epilogue(desc: sys::cublasLtMatmulDesc_t, p: &Product) -> Result<(
     if aux != 0 && !p.n.is_multiple_of(8) {
         return Err(Unsupported);
     }
-    set(A::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind as *const E as *const c_void, std::mem::size_of::<E>(), "epilogue")?;
-    if bias {
-        // The bias is D's type (BIAS_DATA_TYPE's default) and shared by the batch
-        // (BIAS_BATCH_STRIDE's default, 0).
-        set(A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias as *const u64 as *const c_void, 8, "bias pointer")?;
-    }
-    if aux != 0 {
-        // The aux is D's type and layout: column-major n × m per batch, D's batch stride.
-        let ld = p.n as i64;
-        set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux as *const u64 as *const c_void, 8, "aux pointer")?;
-        set(A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld as *const i64 as *const c_void, 8, "aux leading dimension")?;
-        if p.batch > 1 {
-            let stride = p.d_stride;
-            set(
-                A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE,
-                &stride as *const i64 as *const c_void,
-                8,
-                "aux batch stride",
-            )?;
+    // SAFETY: `desc` is live (the caller's promise); the values outlive the calls.
+    unsafe {
+        set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind, "epilogue")?;
+        if aux != 0 {
+            // The aux is D's type and layout: column-major n × m per batch, D's batch stride.
+            let ld = p.n as i64;
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, "aux leading dimension")?;
+            if p.batch > 1 {
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, &p.d_stride, "aux batch stride")?;
+            }
         }
     }
     Ok(())
+}
+
+/// Points `desc`'s epilogue at `p`'s bias and aux, which differ from call to call of one plan.
+/// The bias is D's type (BIAS_DATA_TYPE's default) and shared by the batch (BIAS_BATCH_STRIDE's
+/// default, 0).
+///
+/// # Safety
+/// `desc` is a live matmul descriptor.
+unsafe fn set_epilogue_addresses(desc: sys::cublasLtMatmulDesc_t, p: &Product) -> Result<(), RunError> {
+    use sys::cublasLtMatmulDescAttributes_t as A;
+    // SAFETY: `desc` is live (the caller's promise); the values outlive the calls.
+    unsafe {
+        if p.bias != 0 {
+            set_desc(desc, A::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, "bias pointer")?;
+        }
+        if let Epilogue::Gelu { aux } | Epilogue::GeluGrad { aux } = p.epilogue {
+            if aux != 0 {
+                set_desc(desc, A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, "aux pointer")?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Sets one attribute of `desc` to `value`.
+///
+/// # Safety
+/// `desc` is a live matmul descriptor and `T` the attribute's type.
+unsafe fn set_desc<T>(
+    desc: sys::cublasLtMatmulDesc_t,
+    attr: sys::cublasLtMatmulDescAttributes_t,
+    value: &T,
+    what: &str,
+) -> Result<(), RunError> {
+    // SAFETY: `value` points at size_of::<T>() bytes that outlive the call.
+    unsafe { lt::set_matmul_desc_attribute(desc, attr, value as *const T as *const c_void, std::mem::size_of::<T>()) }
+        .map_err(|e| Failed(err(what, e)))
 }
 
 impl Drop for Gemm {
