@@ -430,11 +430,21 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         close_as_f32(&format!("{t} Conv"), &g, &c, 2.0 * ulp);
         let grad = Op::ConvGrad { window: win, group: 2 };
         let outs = [Meta::new(t, &[2, 4, 7, 6]), Meta::new(t, &[6, 2, 3, 2]), Meta::new(t, &[6])];
-        // dX sums taps of columns the GPU stored in half, and dW adds the images' products in
-        // half, one after another: a few units apart from the CPU's single rounding.
+        // dX sums taps of columns the GPU stored in half: a few units apart from the CPU's
+        // single rounding. dW keeps each image's product and their sum in f32 and rounds once,
+        // as the CPU does, and so does dB: within a unit. The second run splits dW's images
+        // into chunks of one (a scratch budget of one image's f32 product), the later adding
+        // into the first's sums.
         let ins = [half(&y_shape, 9), x.clone(), w];
-        let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
-        close_as_f32(&format!("{t} ConvGrad"), &g, &c, 4.0 * ulp);
+        let c = run_typed(&cpu, &grad, &ins, &outs);
+        for budget in [64 << 20, 3 * 2 * 3 * 2 * 4] {
+            gpu.scratch_budget.store(budget, std::sync::atomic::Ordering::Relaxed);
+            let g = run_typed(&gpu, &grad, &ins, &outs);
+            let what = format!("{t} ConvGrad, scratch budget {budget}");
+            close_as_f32(&format!("{what}: dX"), &g[..1], &c[..1], 4.0 * ulp);
+            close_as_f32(&format!("{what}: dW and dB"), &g[1..], &c[1..], ulp);
+        }
+        gpu.scratch_budget.store(64 << 20, std::sync::atomic::Ordering::Relaxed);
         for kind in [PoolKind::Max, PoolKind::Average { count_include_pad: false }] {
             let win = Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[1, 1, 1, 1], false);
             let y_shape: Vec<usize> = [2, 4].into_iter().chain(window_output(&win, &[7, 6]).unwrap()).collect();

@@ -146,6 +146,9 @@ pub struct EmulatedGpu {
     /// GPU's get NCCL; each call is counted by name.
     pub device_collectives: std::sync::atomic::AtomicBool,
     pub collective_calls: Arc<Mutex<HashMap<&'static str, usize>>>,
+    /// What the dispatch is told to keep its splittable temporaries to (`Target::scratch_budget`;
+    /// the GPU's 64 MiB unless a test makes it small to split the work).
+    pub scratch_budget: std::sync::atomic::AtomicUsize,
 }
 
 /// The collectives of emulated GPUs, NCCL's stand-in: the group's MPI collectives run straight
@@ -235,6 +238,7 @@ impl EmulatedGpu {
             declines_epilogues: Default::default(),
             device_collectives: Default::default(),
             collective_calls: Default::default(),
+            scratch_budget: std::sync::atomic::AtomicUsize::new(64 << 20),
         }
     }
 
@@ -284,15 +288,17 @@ impl Target for EmulatedGpu {
             self.gemm(&Product { bias: 0, epilogue: Epilogue::Plain, ..*p })?;
             return launch::apply_epilogue(self, p);
         }
-        let size = p.dtype.size() as isize;
-        let load = |at: *const u8| -> f32 {
-            match p.dtype {
+        let (size, d_size) = (p.dtype.size() as isize, p.d_dtype.size() as isize);
+        let load_as = |t: DType, at: *const u8| -> f32 {
+            match t {
                 DType::F16 => half::f16::from_bits(unsafe { *(at as *const u16) }).to_f32(),
                 DType::BF16 => half::bf16::from_bits(unsafe { *(at as *const u16) }).to_f32(),
                 _ => unsafe { *(at as *const f32) },
             }
         };
-        let store = |at: *mut u8, v: f32| match p.dtype {
+        let load = |at: *const u8| load_as(p.dtype, at);
+        // D (and the aux, laid out like it) of D's type.
+        let store = |at: *mut u8, v: f32| match p.d_dtype {
             DType::F16 => unsafe { *(at as *mut u16) = half::f16::from_f32(v).to_bits() },
             DType::BF16 => unsafe { *(at as *mut u16) = half::bf16::from_f32(v).to_bits() },
             _ => unsafe { *(at as *mut f32) = v },
@@ -301,7 +307,7 @@ impl Target for EmulatedGpu {
         for b in 0..p.batch as usize {
             let a = (p.a as *const u8).wrapping_offset(b as isize * p.a_stride as isize * size);
             let bm = (p.b as *const u8).wrapping_offset(b as isize * p.b_stride as isize * size);
-            let d = (p.d as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * size);
+            let d = (p.d as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * d_size);
             for i in 0..m {
                 for j in 0..n {
                     let mut s = 0f64;
@@ -312,15 +318,16 @@ impl Target for EmulatedGpu {
                         let bv = load(bm.wrapping_offset(bi as isize * size));
                         s += av as f64 * bv as f64;
                     }
-                    let at = (i * n + j) as isize * size;
+                    let at = (i * n + j) as isize * d_size;
                     let out = d.wrapping_offset(at);
-                    let prior = if p.beta != 0.0 { p.beta * load(out) } else { 0.0 };
+                    let prior = if p.beta != 0.0 { p.beta * load_as(p.d_dtype, out) } else { 0.0 };
                     // The epilogue: the bias, then GELU or its gradient, before D's one rounding;
                     // an aux laid out like D.
                     let bias =
                         if p.bias != 0 { load((p.bias as *const u8).wrapping_offset(j as isize * size)) } else { 0.0 };
                     let result = p.alpha * s as f32 + prior + bias;
-                    let aux = |aux: u64| (aux as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * size + at);
+                    let aux =
+                        |aux: u64| (aux as *mut u8).wrapping_offset(b as isize * p.d_stride as isize * d_size + at);
                     let value = match p.epilogue {
                         Epilogue::Plain => result,
                         Epilogue::Gelu { aux: 0 } => gelu_tanh(result),
@@ -328,7 +335,7 @@ impl Target for EmulatedGpu {
                             store(aux(pre), result);
                             gelu_tanh(result)
                         }
-                        Epilogue::GeluGrad { aux: pre } => result * gelu_tanh_grad(load(aux(pre))),
+                        Epilogue::GeluGrad { aux: pre } => result * gelu_tanh_grad(load_as(p.d_dtype, aux(pre))),
                     };
                     store(out, value);
                 }
@@ -342,6 +349,9 @@ impl Target for EmulatedGpu {
             *s = HostBuffer::new(bytes);
         }
         Ok(Ptr(s.base()))
+    }
+    fn scratch_budget(&self) -> usize {
+        self.scratch_budget.load(std::sync::atomic::Ordering::Relaxed)
     }
     fn fault(&self, what: String) -> Ptr {
         self.faults.lock().unwrap().push(what);

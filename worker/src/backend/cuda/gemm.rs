@@ -52,6 +52,9 @@ pub struct Product {
     /// The element type of A, B, D and the bias: f32, f16 or bf16 (accumulation and alpha/beta
     /// in f32).
     pub dtype: DType,
+    /// D's element type: `dtype`, or f32 for a half product whose f32 sums are wanted unrounded
+    /// (convolution's weight gradient, summed over images after it). No epilogue then.
+    pub d_dtype: DType,
     pub bias: u64,
     pub epilogue: Epilogue,
 }
@@ -109,6 +112,7 @@ struct Shape {
     trans_b: bool,
     strides: [i64; 3],
     dtype: DType,
+    d_dtype: DType,
     /// cuBLASLt's A, B, C and D alignments (our B, A, D and D).
     alignment: [u32; 3],
     /// With the bias and epilogue (false: plain, the caller applies them).
@@ -143,10 +147,11 @@ impl Shape {
             trans_b: p.trans_b,
             strides: [p.a_stride, p.b_stride, p.d_stride],
             dtype: p.dtype,
+            d_dtype: p.d_dtype,
             alignment: [
                 alignment(p.b, p.b_stride, p.batch, size),
                 alignment(p.a, p.a_stride, p.batch, size),
-                alignment(p.d, p.d_stride, p.batch, size),
+                alignment(p.d, p.d_stride, p.batch, p.d_dtype.size()),
             ],
             epilogue,
             bias: epilogue && p.bias != 0,
@@ -244,6 +249,12 @@ impl Gemm {
     /// Runs `p`; returns whether its bias and epilogue were applied (false when cuBLASLt has no
     /// algorithm for the epilogue with these layouts: the caller applies them).
     pub(super) fn run(&mut self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
+        if p.d_dtype != p.dtype && (p.has_epilogue() || p.d_dtype != DType::F32) {
+            return Err(format!(
+                "a product of {} into {} (only f32 sums, without an epilogue): {p:?}",
+                p.dtype, p.d_dtype
+            ));
+        }
         if p.has_epilogue() {
             match self.run_with(p, true, stream) {
                 Ok(()) => return Ok(true),
@@ -314,7 +325,7 @@ impl Gemm {
         let (a_rows, a_cols, a_ld) = if p.trans_a { (p.m, p.k, p.m as i64) } else { (p.k, p.m, p.k as i64) };
         let first = Layout::new(p.dtype, b_rows, b_cols, b_ld, p.batch, p.b_stride)?;
         let second = Layout::new(p.dtype, a_rows, a_cols, a_ld, p.batch, p.a_stride)?;
-        let out = Layout::new(p.dtype, p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
+        let out = Layout::new(p.d_dtype, p.n, p.m, p.n as i64, p.batch, p.d_stride)?;
         let desc = Desc(
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
                 .map_err(|e| err("descriptor", e))?,

@@ -209,6 +209,11 @@ pub trait Target {
     fn gemm(&self, p: &Product) -> Result<(), String>;
     /// At least `bytes` of temporary memory, valid until the next request.
     fn scratch(&self, bytes: usize) -> Result<Ptr, String>;
+    /// How much temporary memory an op that can split its work (convolution's weight gradient,
+    /// in chunks of images) should keep to.
+    fn scratch_budget(&self) -> usize {
+        64 << 20
+    }
     /// The word a kernel that can meet bad data reports it in; `what` says what ran.
     fn fault(&self, what: String) -> Ptr;
     /// f64 partial sums a kernel left at `at`, for the host to add in order.
@@ -321,6 +326,10 @@ impl Dev<'_> {
 
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
         self.0.scratch(bytes)
+    }
+
+    fn scratch_budget(&self) -> usize {
+        self.0.scratch_budget()
     }
 
     fn fault(&self, what: impl FnOnce() -> String) -> Ptr {
@@ -477,9 +486,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 (Some(from), Some(_)) if *to == DType::F32 => {
                     dev.kernel("cast_to_f32", elementwise(n), &mut params![from, n as i64, a.at, y.at])
                 }
-                (Some(0), Some(code)) => {
-                    dev.kernel("cast_from_f32", elementwise(n), &mut params![code, n as i64, a.at, y.at])
-                }
+                (Some(0), Some(_)) => cast_from_f32(dev, *to, a.at, y.at, n),
                 _ => Err(format!("no CUDA cast from {} to {to} (only to and from f32)", a.dtype())),
             }
         }
@@ -1122,6 +1129,12 @@ fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Resul
     )
 }
 
+/// `n` f32 values at `x` rounded (or converted) to `to` at `y`.
+fn cast_from_f32(dev: Dev, to: DType, x: Ptr, y: Ptr, n: usize) -> Result<(), String> {
+    let code = float_code(to).ok_or_else(|| format!("no CUDA cast from f32 to {to}"))?;
+    dev.kernel("cast_from_f32", elementwise(n), &mut params![code, n as i64, x, y])
+}
+
 /// A slice of `shape` as (byte offset of its first element, element strides per output dim).
 fn slice_view(shape: &[usize], t: DType, starts: &[i64], ends: &[i64], axes: &[i64], steps: &[i64]) -> (i64, Strides) {
     let plan = slice_plan(starts, ends, axes, steps, shape);
@@ -1219,6 +1232,7 @@ fn product(
             alpha,
             beta,
             dtype,
+            d_dtype: dtype,
             bias: bias.map_or(0, |b| b.at.0),
             epilogue,
         }
@@ -1239,6 +1253,7 @@ fn product(
             alpha,
             beta,
             dtype,
+            d_dtype: dtype,
             bias: bias.map_or(0, |b| b.at.0),
             epilogue,
         }

@@ -6,8 +6,9 @@
 //! accumulation), with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
 //! are checked against.
 
-use super::{at, elementwise, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
+use super::{at, cast_from_f32, elementwise, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
+use crate::graph::ir::Meta;
 use crate::graph::op::{PoolKind, Reduce, Window};
 use crate::tensor::DType;
 
@@ -115,6 +116,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
             alpha: 1.0,
             beta: 0.0,
             dtype: t,
+            d_dtype: t,
             bias: 0,
             epilogue: Epilogue::Plain,
         })?;
@@ -154,8 +156,9 @@ fn group_columns(
 }
 
 /// dY, X, W → dX, dW, dB. Per group: dcol[img] = W_gᵀ · dY_g[img] (batched), dX_g = col2im(dcol);
-/// dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, the images added in order (beta = 1 after the first);
-/// dB sums dY over images and the plane.
+/// dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, each image's product in f32 (batched, a chunk of images
+/// per launch, later chunks adding into the first's slots), then the slots summed in f32 and
+/// rounded once to dW's type, as the CPU backend sums; dB sums dY over images and the plane.
 pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
     let [dx, dw, db] = outs;
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
@@ -163,33 +166,50 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
     let s = shape(&g, group, x.shape()[0], dy.shape()[1])?;
     let pointwise = is_pointwise(&g);
     let per_image = s.kdim * s.plane;
-    // The columns and their gradient (neither is needed for a pointwise window).
-    let scratch = if pointwise { NULL } else { dev.scratch(2 * s.images * per_image * t.size())? };
-    let (col, dcol) = (scratch, at(scratch, s.images * per_image, t));
+    let dw_g_len = s.mg * s.kdim;
+    // The per-image f32 products held at once, within the target's scratch budget; past it,
+    // the images go through in chunks that add into the same slots.
+    let slots = (dev.scratch_budget() / (dw_g_len * 4).max(1)).clamp(1, s.images.max(1));
+    // One scratch, each part 256-byte aligned: the columns and their gradient (neither is
+    // needed for a pointwise window), the weight gradient's f32 slots, and their f32 sum.
+    let round = |bytes: usize| bytes.next_multiple_of(256);
+    let cols = if pointwise { 0 } else { round(s.images * per_image * t.size()) };
+    let partials = round(slots * dw_g_len * 4);
+    let scratch = dev.scratch(2 * cols + partials + dw_g_len * 4)?;
+    let (col, dcol) = (scratch, Ptr(scratch.0 + cols as u64));
+    let (partial, summed) = (Ptr(scratch.0 + 2 * cols as u64), Ptr(scratch.0 + (2 * cols + partials) as u64));
+    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[slots, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
     for gr in 0..group {
         let (col_g, col_stride) = group_columns(dev, t, &g, &s, gr, x.at, col)?;
         let dy_g = at(dy.at, gr * s.mg * s.plane, t);
         let w_g = at(w.at, gr * s.mg * s.kdim, t);
-        for img in 0..s.images {
+        for first in (0..s.images).step_by(slots) {
             dev.gemm(&Product {
                 m: s.mg as u64,
                 n: s.kdim as u64,
                 k: s.plane as u64,
-                batch: 1,
+                batch: slots.min(s.images - first) as u64,
                 trans_a: false,
                 trans_b: true,
-                a: at(dy_g, img * s.m * s.plane, t).0,
-                a_stride: 0,
-                b: at(col_g, img * col_stride, t).0,
-                b_stride: 0,
-                d: at(dw.at, gr * s.mg * s.kdim, t).0,
-                d_stride: 0,
+                a: at(dy_g, first * s.m * s.plane, t).0,
+                a_stride: (s.m * s.plane) as i64,
+                b: at(col_g, first * col_stride, t).0,
+                b_stride: col_stride as i64,
+                d: partial.0,
+                d_stride: dw_g_len as i64,
                 alpha: 1.0,
-                beta: if img == 0 { 0.0 } else { 1.0 },
+                beta: if first == 0 { 0.0 } else { 1.0 },
                 dtype: t,
+                d_dtype: DType::F32,
                 bias: 0,
                 epilogue: Epilogue::Plain,
             })?;
+        }
+        let dw_g = at(dw.at, gr * dw_g_len, t);
+        let sum = V { meta: &sum_meta, at: if t == DType::F32 { dw_g } else { summed } };
+        reduce_strided(dev, Reduce::Sum, V { meta: &slots_meta, at: partial }, &[true, false], sum)?;
+        if t != DType::F32 {
+            cast_from_f32(dev, t, summed, dw_g, dw_g_len)?;
         }
         // dcol, or for a pointwise window dX's own rows (the same layout as X's).
         let (d, d_stride) =
@@ -210,6 +230,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             alpha: 1.0,
             beta: 0.0,
             dtype: t,
+            d_dtype: t,
             bias: 0,
             epilogue: Epilogue::Plain,
         })?;
