@@ -423,26 +423,27 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         let (x, w, bias) = (half(&[2, 4, 7, 6], 6), half(&[6, 2, 3, 2], 7), half(&[6], 8));
         let y_shape: Vec<usize> = [2, 6].into_iter().chain(window_output(&win, &[7, 6]).unwrap()).collect();
         let conv = Op::Conv { window: win.clone(), group: 2 };
-        // The GPU rounds the product before adding the bias, the CPU once: two units apart.
-        let ins = [x.clone(), w.clone(), bias];
-        let outs = [Meta::new(t, &y_shape)];
-        let (g, c) = (run_typed(&gpu, &conv, &ins, &outs), run_typed(&cpu, &conv, &ins, &outs));
-        close_as_f32(&format!("{t} Conv"), &g, &c, 2.0 * ulp);
+        let conv_ins = [x.clone(), w.clone(), bias];
+        let conv_outs = [Meta::new(t, &y_shape)];
+        let conv_cpu = run_typed(&cpu, &conv, &conv_ins, &conv_outs);
         let grad = Op::ConvGrad { window: win, group: 2 };
-        let outs = [Meta::new(t, &[2, 4, 7, 6]), Meta::new(t, &[6, 2, 3, 2]), Meta::new(t, &[6])];
-        // dX sums taps of columns the GPU stored in half: a few units apart from the CPU's
-        // single rounding. dW keeps each image's product and their sum in f32 and rounds once,
-        // as the CPU does, and so does dB: within a unit. The second run splits dW's images
-        // into chunks of one (a scratch budget of one image's f32 product), the later adding
-        // into the first's sums.
-        let ins = [half(&y_shape, 9), x.clone(), w];
-        let c = run_typed(&cpu, &grad, &ins, &outs);
-        for budget in [64 << 20, 3 * 2 * 3 * 2 * 4] {
+        let grad_outs = [Meta::new(t, &[2, 4, 7, 6]), Meta::new(t, &[6, 2, 3, 2]), Meta::new(t, &[6])];
+        let grad_ins = [half(&y_shape, 9), x.clone(), w];
+        let grad_cpu = run_typed(&cpu, &grad, &grad_ins, &grad_outs);
+        // The second budget (bytes of temporaries) is less than one image's: the images go
+        // through one at a time (im2col, col2im and dW's f32 slot), later ones adding into dW's.
+        for budget in [64 << 20, 16] {
             gpu.scratch_budget.store(budget, std::sync::atomic::Ordering::Relaxed);
-            let g = run_typed(&gpu, &grad, &ins, &outs);
-            let what = format!("{t} ConvGrad, scratch budget {budget}");
-            close_as_f32(&format!("{what}: dX"), &g[..1], &c[..1], 4.0 * ulp);
-            close_as_f32(&format!("{what}: dW and dB"), &g[1..], &c[1..], ulp);
+            let what = format!("{t}, scratch budget {budget}");
+            // The GPU rounds the product before adding the bias, the CPU once: two units apart.
+            let g = run_typed(&gpu, &conv, &conv_ins, &conv_outs);
+            close_as_f32(&format!("{what}: Conv"), &g, &conv_cpu, 2.0 * ulp);
+            // dX sums taps of columns the GPU stored in half: a few units apart from the CPU's
+            // single rounding. dW keeps each image's product and their sum in f32 and rounds
+            // once, as the CPU does, and so does dB: within a unit.
+            let g = run_typed(&gpu, &grad, &grad_ins, &grad_outs);
+            close_as_f32(&format!("{what}: ConvGrad's dX"), &g[..1], &grad_cpu[..1], 4.0 * ulp);
+            close_as_f32(&format!("{what}: ConvGrad's dW and dB"), &g[1..], &grad_cpu[1..], ulp);
         }
         gpu.scratch_budget.store(64 << 20, std::sync::atomic::Ordering::Relaxed);
         for kind in [PoolKind::Max, PoolKind::Average { count_include_pad: false }] {

@@ -56,9 +56,10 @@ impl From<&cpu::Geo> for Geo {
     }
 }
 
-/// A convolution's sizes: images, output channels, channels and output channels per group,
-/// one group's im2col rows (cg·kh·kw), and the output plane.
+/// A convolution's element type and sizes: images, output channels, channels and output
+/// channels per group, one group's im2col rows (cg·kh·kw), and the output plane.
 struct Shape {
+    t: DType,
     images: usize,
     m: usize,
     cg: usize,
@@ -67,12 +68,12 @@ struct Shape {
     plane: usize,
 }
 
-fn shape(g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, String> {
+fn shape(t: DType, g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, String> {
     if group == 0 || !g.c.is_multiple_of(group) || !m.is_multiple_of(group) {
         return Err(format!("Conv: group {group} does not divide {} input and {m} output channels", g.c));
     }
     let (cg, mg) = (g.c / group, m / group);
-    Ok(Shape { images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
+    Ok(Shape { t, images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
 }
 
 /// The element type every operand shares (f32, f16 or bf16), or why not.
@@ -87,8 +88,17 @@ fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, String> {
     }
 }
 
-/// Y = W ⊛ X (+ bias). Per group: Y_g[img] = W_g · col_g[img], batched over the images with W_g
-/// shared; a pointwise (1×1, stride 1, unpadded) window reads X itself as col.
+/// How many images a convolution takes per chunk: as many as fit the target's scratch budget
+/// at `bytes_per_image` of temporaries each, at least one. Chunks bound the im2col columns
+/// (about 0.9 GB for 64 images of a 3×3 layer at 56×56 at once), which live outside the plan's
+/// memory accounting.
+fn images_per_chunk(dev: Dev, images: usize, bytes_per_image: usize) -> usize {
+    (dev.scratch_budget() / bytes_per_image.max(1)).clamp(1, images.max(1))
+}
+
+/// Y = W ⊛ X (+ bias). Per group and chunk of images: Y_g[img] = W_g · col_g[img], batched over
+/// the chunk's images with W_g shared; a pointwise (1×1, stride 1, unpadded) window reads X
+/// itself as col.
 pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
     let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
     if let Some(b) = &bias {
@@ -96,30 +106,35 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     }
     let t = one_float_type(&operands)?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
-    let s = shape(&g, group, x.shape()[0], y.shape()[1])?;
-    let col = if is_pointwise(&g) { NULL } else { dev.scratch(s.images * s.kdim * s.plane * t.size())? };
-    for gr in 0..group {
-        let (b, b_stride) = group_columns(dev, t, &g, &s, gr, x.at, col)?;
-        dev.gemm(&Product {
-            m: s.mg as u64,
-            n: s.plane as u64,
-            k: s.kdim as u64,
-            batch: s.images as u64,
-            trans_a: false,
-            trans_b: false,
-            a: at(w.at, gr * s.mg * s.kdim, t).0,
-            a_stride: 0,
-            b: b.0,
-            b_stride: b_stride as i64,
-            d: at(y.at, gr * s.mg * s.plane, t).0,
-            d_stride: (s.m * s.plane) as i64,
-            alpha: 1.0,
-            beta: 0.0,
-            dtype: t,
-            d_dtype: t,
-            bias: 0,
-            epilogue: Epilogue::Plain,
-        })?;
+    let s = shape(t, &g, group, x.shape()[0], y.shape()[1])?;
+    let col_bytes = if is_pointwise(&g) { 0 } else { s.kdim * s.plane * t.size() };
+    let chunk = images_per_chunk(dev, s.images, col_bytes);
+    let col = if is_pointwise(&g) { NULL } else { dev.scratch(chunk * col_bytes)? };
+    for first in (0..s.images).step_by(chunk) {
+        let images = chunk.min(s.images - first);
+        for gr in 0..group {
+            let (b, b_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col)?;
+            dev.gemm(&Product {
+                m: s.mg as u64,
+                n: s.plane as u64,
+                k: s.kdim as u64,
+                batch: images as u64,
+                trans_a: false,
+                trans_b: false,
+                a: at(w.at, gr * s.mg * s.kdim, t).0,
+                a_stride: 0,
+                b: b.0,
+                b_stride: b_stride as i64,
+                d: at(y.at, (first * s.m + gr * s.mg) * s.plane, t).0,
+                d_stride: (s.m * s.plane) as i64,
+                alpha: 1.0,
+                beta: 0.0,
+                dtype: t,
+                d_dtype: t,
+                bias: 0,
+                epilogue: Epilogue::Plain,
+            })?;
+        }
     }
     if let Some(bias) = bias {
         let n = y.n();
@@ -132,68 +147,77 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     Ok(())
 }
 
-/// Group `gr`'s columns of every image, the product's operand: X's own channels for a pointwise
-/// window, else their im2col written to `col` ([images, kdim, plane]). Returns where they start
-/// and the stride from one image's to the next.
+/// Group `gr`'s columns of the images `first..first + images`, the product's operand: X's own
+/// channels for a pointwise window, else their im2col written to `col` ([images, kdim, plane]).
+/// Returns where they start and the stride from one image's to the next.
 fn group_columns(
     dev: Dev,
-    t: DType,
     g: &cpu::Geo,
     s: &Shape,
     gr: usize,
+    (first, images): (usize, usize),
     x: Ptr,
     col: Ptr,
 ) -> Result<(Ptr, usize), String> {
+    let t = s.t;
+    let x = at(x, first * g.c * g.h * g.w, t);
     if is_pointwise(g) {
         return Ok((at(x, gr * s.cg * s.plane, t), g.c * s.plane));
     }
     dev.kernel(
         &typed("im2col", t)?,
-        elementwise(s.images * s.kdim * s.plane),
-        &mut params![s.images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
+        elementwise(images * s.kdim * s.plane),
+        &mut params![images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
     )?;
     Ok((col, s.kdim * s.plane))
 }
 
-/// dY, X, W → dX, dW, dB. Per group: dcol[img] = W_gᵀ · dY_g[img] (batched), dX_g = col2im(dcol);
-/// dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, each image's product in f32 (batched, a chunk of images
-/// per launch, later chunks adding into the first's slots), then the slots summed in f32 and
-/// rounded once to dW's type, as the CPU backend sums; dB sums dY over images and the plane.
+/// dY, X, W → dX, dW, dB, per group and chunk of images: dcol[img] = W_gᵀ · dY_g[img] (batched),
+/// dX_g = col2im(dcol); dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, each image's product in f32 in a
+/// slot of its own (batched; later chunks add into the first's slots), then the slots summed in
+/// f32 and rounded once to dW's type, as the CPU backend sums. dB sums dY over images and the
+/// plane.
 pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
     let [dx, dw, db] = outs;
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
     let g = cpu::geo(win, x.shape(), dy.shape())?;
-    let s = shape(&g, group, x.shape()[0], dy.shape()[1])?;
+    let s = shape(t, &g, group, x.shape()[0], dy.shape()[1])?;
+    if s.images == 0 {
+        // No images: no dX, and dW and dB sum nothing.
+        dev.fill(dw.at, 0, dw.meta.bytes())?;
+        return dev.fill(db.at, 0, db.meta.bytes());
+    }
     let pointwise = is_pointwise(&g);
     let per_image = s.kdim * s.plane;
     let dw_g_len = s.mg * s.kdim;
-    // The per-image f32 products held at once, within the target's scratch budget; past it,
-    // the images go through in chunks that add into the same slots.
-    let slots = (dev.scratch_budget() / (dw_g_len * 4).max(1)).clamp(1, s.images.max(1));
-    // One scratch, each part 256-byte aligned: the columns and their gradient (neither is
-    // needed for a pointwise window), the weight gradient's f32 slots, and their f32 sum.
+    // Per image: its columns and their gradient (neither for a pointwise window), and its f32
+    // slot of dW_g.
+    let col_bytes = if pointwise { 0 } else { per_image * t.size() };
+    let chunk = images_per_chunk(dev, s.images, 2 * col_bytes + dw_g_len * 4);
+    // One scratch, each part 256-byte aligned: the chunk's columns, their gradient, dW's f32
+    // slots and their f32 sum.
     let round = |bytes: usize| bytes.next_multiple_of(256);
-    let cols = if pointwise { 0 } else { round(s.images * per_image * t.size()) };
-    let partials = round(slots * dw_g_len * 4);
-    let scratch = dev.scratch(2 * cols + partials + dw_g_len * 4)?;
-    let (col, dcol) = (scratch, Ptr(scratch.0 + cols as u64));
-    let (partial, summed) = (Ptr(scratch.0 + 2 * cols as u64), Ptr(scratch.0 + (2 * cols + partials) as u64));
-    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[slots, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
+    let (cols, slots) = (round(chunk * col_bytes), round(chunk * dw_g_len * 4));
+    let scratch = dev.scratch(2 * cols + slots + dw_g_len * 4)?.0;
+    let (col, dcol) = (Ptr(scratch), Ptr(scratch + cols as u64));
+    let (partial, summed) = (Ptr(scratch + 2 * cols as u64), Ptr(scratch + (2 * cols + slots) as u64));
+    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[chunk, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
     for gr in 0..group {
-        let (col_g, col_stride) = group_columns(dev, t, &g, &s, gr, x.at, col)?;
-        let dy_g = at(dy.at, gr * s.mg * s.plane, t);
         let w_g = at(w.at, gr * s.mg * s.kdim, t);
-        for first in (0..s.images).step_by(slots) {
+        for first in (0..s.images).step_by(chunk) {
+            let images = chunk.min(s.images - first);
+            let (col_g, col_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col)?;
+            let dy_g = at(dy.at, (first * s.m + gr * s.mg) * s.plane, t);
             dev.gemm(&Product {
                 m: s.mg as u64,
                 n: s.kdim as u64,
                 k: s.plane as u64,
-                batch: slots.min(s.images - first) as u64,
+                batch: images as u64,
                 trans_a: false,
                 trans_b: true,
-                a: at(dy_g, first * s.m * s.plane, t).0,
+                a: dy_g.0,
                 a_stride: (s.m * s.plane) as i64,
-                b: at(col_g, first * col_stride, t).0,
+                b: col_g.0,
                 b_stride: col_stride as i64,
                 d: partial.0,
                 d_stride: dw_g_len as i64,
@@ -204,43 +228,44 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 bias: 0,
                 epilogue: Epilogue::Plain,
             })?;
+            // dcol, or for a pointwise window dX's own rows (the same layout as X's).
+            let dx_first = at(dx.at, first * g.c * g.h * g.w, t);
+            let (d, d_stride) =
+                if pointwise { (at(dx_first, gr * s.cg * s.plane, t), g.c * s.plane) } else { (dcol, per_image) };
+            dev.gemm(&Product {
+                m: s.kdim as u64,
+                n: s.plane as u64,
+                k: s.mg as u64,
+                batch: images as u64,
+                trans_a: true,
+                trans_b: false,
+                a: w_g.0,
+                a_stride: 0,
+                b: dy_g.0,
+                b_stride: (s.m * s.plane) as i64,
+                d: d.0,
+                d_stride: d_stride as i64,
+                alpha: 1.0,
+                beta: 0.0,
+                dtype: t,
+                d_dtype: t,
+                bias: 0,
+                epilogue: Epilogue::Plain,
+            })?;
+            if !pointwise {
+                let n = images * s.cg * g.h * g.w;
+                dev.kernel(
+                    &typed("col2im", t)?,
+                    elementwise(n),
+                    &mut params![images as i64, Geo::from(&g), (gr * s.cg) as i64, s.cg as i64, dcol, dx_first],
+                )?;
+            }
         }
         let dw_g = at(dw.at, gr * dw_g_len, t);
         let sum = V { meta: &sum_meta, at: if t == DType::F32 { dw_g } else { summed } };
         reduce_strided(dev, Reduce::Sum, V { meta: &slots_meta, at: partial }, &[true, false], sum)?;
         if t != DType::F32 {
             cast_from_f32(dev, t, summed, dw_g, dw_g_len)?;
-        }
-        // dcol, or for a pointwise window dX's own rows (the same layout as X's).
-        let (d, d_stride) =
-            if pointwise { (at(dx.at, gr * s.cg * s.plane, t), g.c * s.plane) } else { (dcol, per_image) };
-        dev.gemm(&Product {
-            m: s.kdim as u64,
-            n: s.plane as u64,
-            k: s.mg as u64,
-            batch: s.images as u64,
-            trans_a: true,
-            trans_b: false,
-            a: w_g.0,
-            a_stride: 0,
-            b: dy_g.0,
-            b_stride: (s.m * s.plane) as i64,
-            d: d.0,
-            d_stride: d_stride as i64,
-            alpha: 1.0,
-            beta: 0.0,
-            dtype: t,
-            d_dtype: t,
-            bias: 0,
-            epilogue: Epilogue::Plain,
-        })?;
-        if !pointwise {
-            let n = s.images * s.cg * g.h * g.w;
-            dev.kernel(
-                &typed("col2im", t)?,
-                elementwise(n),
-                &mut params![s.images as i64, Geo::from(&g), (gr * s.cg) as i64, s.cg as i64, dcol, dx.at],
-            )?;
         }
     }
     // dB[k] = Σ over images and the plane of dY[img, k, ·].
