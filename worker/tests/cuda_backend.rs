@@ -12,6 +12,9 @@
 //! - with a GPU: GPT-2 and SqueezeNet train to the CPU backend's losses, step by step, and
 //!   NCCL's collectives run on a communicator of one.
 
+mod common;
+
+use common::{close_as_f32, run_typed, values};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
@@ -278,6 +281,41 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
         |half| squeezenet_losses(Arc::new(CudaBackend::new(0).unwrap()), 8, half),
         |half| squeezenet_losses(Arc::new(CpuBackend::new()), 8, half),
     );
+}
+
+/// Fused attention at GPT-2 124M's shape (heads of 64 over 1024 positions, causal) against the
+/// CPU's kernel: f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the
+/// emulator holds them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`).
+/// The first place to look when GPT-2 does not train on a GPU.
+#[test]
+fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
+    if let Err(why) = probe::gpu_count() {
+        eprintln!("skipped: no GPU ({})", why.0);
+        return;
+    }
+    let (gpu, cpu) = (CudaBackend::new(0).unwrap(), CpuBackend::new());
+    let (groups, t, d) = (4, 1024, 64);
+    let (shape, lse_shape) = (vec![groups, t, d], vec![groups, t]);
+    let scale = 1.0 / (d as f32).sqrt();
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let x = |salt: usize| Tensor::from_vec(&shape, values(groups * t * d, salt)).cast(dtype);
+        let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
+        let op = Op::Attention { scale, causal: true };
+        let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
+        let ins = [q.clone(), k.clone(), v.clone()];
+        let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
+        let (fwd, bwd) = match dtype {
+            DType::F32 => (1e-4, 1e-4),
+            DType::BF16 => (2.0 * 2f32.powi(-8), 4.0 * 2f32.powi(-8)),
+            _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
+        };
+        close_as_f32(&format!("Attention, {dtype}"), &g, &c, fwd);
+        let grad = Op::AttentionGrad { scale, causal: true };
+        let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
+        let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
+        let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+        close_as_f32(&format!("AttentionGrad, {dtype}"), &g, &c, bwd);
+    }
 }
 
 #[test]

@@ -1,9 +1,13 @@
-//! What the integration tests share: how they start `mpirun`, and GPT-2's token batches.
+//! What the integration tests share: how they start `mpirun`, GPT-2's token batches, and how
+//! the backend tests run one op and compare its outputs.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
-use tensorfleet_worker::tensor::Tensor;
+use tensorfleet_worker::backend::{Arg, Backend};
+use tensorfleet_worker::graph::ir::Meta;
+use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::tensor::{DType, Tensor};
 
 /// `mpirun -np <np>` as the tests run it: more ranks than cores allowed, no pinning (the ranks
 /// share two cores with each other), and as root, which OpenMPI refuses unless told twice.
@@ -33,4 +37,39 @@ pub fn token_batch(rows: usize, seq: usize, vocab: usize, salt: usize) -> BTreeM
     ]
     .into_iter()
     .collect()
+}
+
+/// Runs one op on `backend`: uploads `inputs`, launches into outputs of `out_metas`, and
+/// downloads them.
+#[allow(dead_code)] // the backend tests'
+pub fn run_typed<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_metas: &[Meta]) -> Vec<Tensor> {
+    let in_metas: Vec<Meta> = inputs.iter().map(|t| Meta::new(t.dtype(), t.shape())).collect();
+    let in_bufs: Vec<B::Buffer> = in_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
+    let out_bufs: Vec<B::Buffer> = out_metas.iter().map(|m| backend.alloc(m.bytes()).unwrap()).collect();
+    let arg = |buf, meta| Arg { buf, offset: 0, meta };
+    for ((t, buf), meta) in inputs.iter().zip(&in_bufs).zip(&in_metas) {
+        backend.upload(t, arg(buf, meta)).unwrap();
+    }
+    let ins: Vec<Option<Arg<B::Buffer>>> = in_bufs.iter().zip(&in_metas).map(|(b, m)| Some(arg(b, m))).collect();
+    let outs: Vec<Arg<B::Buffer>> = out_bufs.iter().zip(out_metas).map(|(b, m)| arg(b, m)).collect();
+    backend.launch(op, &ins, &outs).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+    outs.into_iter().map(|o| backend.download(o).unwrap()).collect()
+}
+
+/// `n` values in [-1, 1), a different sequence for each salt.
+#[allow(dead_code)] // the backend tests'
+pub fn values(n: usize, salt: usize) -> Vec<f32> {
+    (0..n).map(|i| (((i * 37 + salt * 11) % 101) as f32 / 50.0) - 1.0).collect()
+}
+
+/// Every output within `tol` of the largest magnitude of the reference's, compared in f32.
+#[allow(dead_code)] // the backend tests'
+pub fn close_as_f32(what: &str, got: &[Tensor], reference: &[Tensor], tol: f32) {
+    for (k, (g, c)) in got.iter().zip(reference).enumerate() {
+        let (g, c) = (g.cast(DType::F32), c.cast(DType::F32));
+        let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
+        let largest = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= tol * largest, "{what}, output {k}: differs by {worst} (largest {largest})");
+    }
 }
