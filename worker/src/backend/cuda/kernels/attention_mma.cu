@@ -21,12 +21,10 @@
 
 #define MMA_WARPS 4
 #define MMA_ROWS (MMA_WARPS * 16)
-
-// Two f32 values rounded to the half type S and packed, the first in the low half.
-template <class S>
-__device__ __forceinline__ u32 pack(float lo, float hi) {
-    return (u32)S::store(lo) | ((u32)S::store(hi) << 16);
-}
+// The exponentials are taken base 2 (one instruction, exp2f), the scores scaled by log2(e)
+// to match; the log-sum-exp kept for the backward pass stays natural, as the CPU's is.
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 
 // The a fragments (one per 16 columns of d) of rows r0..r0+16 of an [n, d] matrix in global
 // memory; zeros past n and past d.
@@ -95,7 +93,7 @@ __device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const 
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
         const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
-        u32 a[4] = {pack<S>(lo[0], lo[1]), pack<S>(lo[2], lo[3]), pack<S>(hi[0], hi[1]), pack<S>(hi[2], hi[3])};
+        u32 a[4] = {S::pack(lo[0], lo[1]), S::pack(lo[2], lo[3]), S::pack(hi[0], hi[1]), S::pack(hi[2], hi[3])};
 #pragma unroll
         for (int nt = 0; nt < DMAX / 8; ++nt) {
             if (nt * 8 >= d) break;
@@ -116,7 +114,7 @@ __device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 r0, const f
 #pragma unroll
         for (int nt = 0; nt < DMAX / 8; ++nt) {
             if (nt * 8 >= d) break;
-            st_pair(m + r * d + nt * 8 + 2 * t, pack<S>(acc[nt][2 * h] * by[h], acc[nt][2 * h + 1] * by[h]));
+            st_pair(m + r * d + nt * 8 + 2 * t, S::pack(acc[nt][2 * h] * by[h], acc[nt][2 * h + 1] * by[h]));
         }
     }
 }
@@ -146,7 +144,8 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
         u32 qa[DMAX / 16][4];
         load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
         float o[DMAX / 8][4] = {};
-        // Each lane holds rows g and g + 8 (h = 0, 1): their running maximum and (partial) sum.
+        // Each lane holds rows g and g + 8 (h = 0, 1): their running maximum (of the scores
+        // times log2(e)) and (partial) sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
         for (i64 k0 = 0; k0 < keys; k0 += KT) {
@@ -162,7 +161,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     i64 row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
-                    float x = col < tk && (!causal || col <= row) ? s[nt][i] * scale : NEG_INF;
+                    float x = col < tk && (!causal || col <= row) ? s[nt][i] * (scale * LOG2E) : NEG_INF;
                     s[nt][i] = x;
                     mx[i >> 1] = fmaxf(mx[i >> 1], x);
                 }
@@ -172,7 +171,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
                 // A row that has seen no key yet (all masked) takes its exponentials from 0, so
                 // that none is NaN; they are all 0.
                 base[h] = mx[h] == NEG_INF ? 0.f : mx[h];
-                float rescale = expf(m[h] - base[h]);
+                float rescale = exp2f(m[h] - base[h]);
                 l[h] *= rescale;
 #pragma unroll
                 for (int nt = 0; nt < DMAX / 8; ++nt) {
@@ -185,7 +184,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float p = expf(s[nt][i] - base[i >> 1]);
+                    float p = exp2f(s[nt][i] - base[i >> 1]);
                     s[nt][i] = p;
                     l[i >> 1] += p;
                 }
@@ -196,7 +195,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
             l[h] = quad_sum(l[h]);
             inv[h] = 1.f / l[h];
             i64 row = r0 + g + 8 * h;
-            if (lse && t == 0 && row < tq) lse[grp * tq + row] = m[h] + logf(l[h]);
+            if (lse && t == 0 && row < tq) lse[grp * tq + row] = (m[h] + log2f(l[h])) * LN2;
         }
         store_rows<S, DMAX>(y + grp * tq * d, tq, d, r0, o, inv, g, t);
     }
@@ -218,10 +217,10 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
         u32 qa[DMAX / 16][4], dya[DMAX / 16][4];
         load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
         load_rows<DMAX>(dya, dy + grp * tq * d, tq, d, r0, g, t);
-        float row_lse[2], row_delta[2];
+        float row_lse[2], row_delta[2];  // the log-sum-exp times log2(e)
         for (int h = 0; h < 2; ++h) {
             i64 row = r0 + g + 8 * h;
-            row_lse[h] = row < tq ? lse[grp * tq + row] : 0.f;
+            row_lse[h] = row < tq ? lse[grp * tq + row] * LOG2E : 0.f;
             row_delta[h] = row < tq ? delta[grp * tq + row] : 0.f;
         }
         float acc[DMAX / 8][4] = {};
@@ -240,7 +239,8 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
                 for (int i = 0; i < 4; ++i) {
                     int h = i >> 1;
                     i64 row = r0 + g + 8 * h, col = k0 + nt * 8 + 2 * t + (i & 1);
-                    float pij = col < tk && (!causal || col <= row) ? expf(p[nt][i] * scale - row_lse[h]) : 0.f;
+                    bool seen = col < tk && (!causal || col <= row);
+                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
                     p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
                 }
             acc_times_tile<S, DMAX, KT>(acc, p, ks, d, g, t);
@@ -259,7 +259,7 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
     const int KT = DMAX <= 64 ? 64 : 32;
     __shared__ __align__(16) u16 qs[KT * (DMAX + 8)];
     __shared__ __align__(16) u16 dys[KT * (DMAX + 8)];
-    __shared__ float tile_lse[KT], tile_delta[KT];
+    __shared__ float tile_lse[KT], tile_delta[KT];  // the log-sum-exp times log2(e)
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tk + MMA_ROWS - 1) / MMA_ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
@@ -275,7 +275,7 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
             load_tile<DMAX, KT>(qs, qg, tq, d, q0);
             load_tile<DMAX, KT>(dys, dyg, tq, d, q0);
             for (int r = threadIdx.x; r < KT; r += blockDim.x) {
-                tile_lse[r] = q0 + r < tq ? lse[grp * tq + q0 + r] : 0.f;
+                tile_lse[r] = q0 + r < tq ? lse[grp * tq + q0 + r] * LOG2E : 0.f;
                 tile_delta[r] = q0 + r < tq ? delta[grp * tq + q0 + r] : 0.f;
             }
             __syncthreads();
@@ -289,7 +289,7 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
                     int c = nt * 8 + 2 * t + (i & 1);
                     i64 key = r0 + g + 8 * (i >> 1), query = q0 + c;
                     bool seen = query < tq && key < tk && (!causal || query >= key);
-                    float pij = seen ? expf(p[nt][i] * scale - tile_lse[c]) : 0.f;
+                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - tile_lse[c]) : 0.f;
                     p[nt][i] = pij;
                     dp[nt][i] = pij * (dp[nt][i] - tile_delta[c]);
                 }

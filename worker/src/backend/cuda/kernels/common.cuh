@@ -120,17 +120,39 @@ struct F32 {
     static __device__ __forceinline__ float load(float v) { return v; }
     static __device__ __forceinline__ float store(float v) { return v; }
 };
-// The half types also name their tensor-core product.
+// Two f32 values rounded to nearest even and packed as halves, the first in the low half: one
+// instruction on sm_80 and later.
+#ifdef TF_EMULATE
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+#else
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 d;
+    asm("{ cvt.rn.f16x2.f32 %0, %1, %2; }" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 d;
+    asm("{ cvt.rn.bf16x2.f32 %0, %1, %2; }" : "=r"(d) : "f"(hi), "f"(lo));
+    return d;
+}
+#endif
+
+// The half types also name their packing and their tensor-core product.
 struct F16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_f16x2(lo, hi); }
     static __device__ __forceinline__ void mma(float* c, const u32* a, const u32* b) { mma_f16(c, a, b); }
 };
 struct BF16 {
     typedef u16 T;
     static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
+    static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
     static __device__ __forceinline__ void mma(float* c, const u32* a, const u32* b) { mma_bf16(c, a, b); }
 };
 
