@@ -101,18 +101,22 @@ impl Emulator {
     }
 }
 
-/// Host memory, 8-byte aligned, written through shared references as the GPU's is (the plan
-/// keeps live values apart).
+/// Host memory in 64-byte lines, aligned as the executor's values on a GPU are, written through
+/// shared references as the GPU's is (the plan keeps live values apart).
 pub struct HostBuffer {
-    words: UnsafeCell<Vec<u64>>,
+    words: UnsafeCell<Vec<Line>>,
 }
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
 
 unsafe impl Send for HostBuffer {}
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     fn new(bytes: usize) -> HostBuffer {
-        HostBuffer { words: UnsafeCell::new(vec![0u64; bytes.div_ceil(8).max(1)]) }
+        HostBuffer { words: UnsafeCell::new(vec![Line([0; 64]); bytes.div_ceil(64).max(1)]) }
     }
     fn base(&self) -> u64 {
         // SAFETY: the vector is never resized after creation.
@@ -345,7 +349,7 @@ impl Target for EmulatedGpu {
     }
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
         let mut s = self.scratch.lock().unwrap();
-        if unsafe { (*s.words.get()).len() } * 8 < bytes {
+        if unsafe { (*s.words.get()).len() } * 64 < bytes {
             *s = HostBuffer::new(bytes);
         }
         Ok(Ptr(s.base()))

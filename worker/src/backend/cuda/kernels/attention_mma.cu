@@ -16,8 +16,8 @@
 // softmax gradient's row term) comes from attention.cu's attention_bwd_delta.
 //
 // q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32.
-// DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 4-byte aligned (d is
-// even and the dispatch checks the bases), so two halves move as one word.
+// DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 16-byte aligned (d is a
+// multiple of 16 and the dispatch checks the bases), so eight halves move as one access.
 
 #define MMA_WARPS 4
 #define MMA_ROWS (MMA_WARPS * 16)
@@ -41,14 +41,17 @@ __device__ __forceinline__ void load_rows(u32 (&a)[DMAX / 16][4], const u16* m, 
 }
 
 // Rows r0..r0+KT of an [n, d] matrix into a shared tile of row stride DMAX + 8 halves (zeros
-// past n), by the whole block; consecutive threads read consecutive words. The 8 halves of
-// padding put the eight rows that one fragment read touches in different banks.
+// past n), by the whole block, 16 bytes per access; consecutive threads read consecutive
+// bytes. The 8 halves of padding put the eight rows that one fragment read touches in
+// different banks, and keep each row 16-byte aligned.
 template <int DMAX, int KT>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d, i64 r0) {
-    int words = d / 2;
-    for (int w = threadIdx.x; w < KT * words; w += blockDim.x) {
-        int r = w / words, c = 2 * (w % words);
-        st_pair(tile + r * (DMAX + 8) + c, r0 + r < n ? ld_pair(m + (r0 + r) * d + c) : 0u);
+    int quads = d / 8;
+    for (int w = threadIdx.x; w < KT * quads; w += blockDim.x) {
+        int r = w / quads, c = 8 * (w % quads);
+        Quad q = {};
+        if (r0 + r < n) q = ld_quad(m + (r0 + r) * d + c);
+        st_quad(tile + r * (DMAX + 8) + c, q);
     }
 }
 

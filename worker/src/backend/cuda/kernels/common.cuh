@@ -87,6 +87,22 @@ __device__ __forceinline__ u32 ld_pair(const u16* p) { return *(const u32*)p; }
 __device__ __forceinline__ void st_pair(u16* p, u32 w) { *(u32*)p = w; }
 #endif
 
+// Eight adjacent halves as one 16-byte access, from or to a 16-byte-aligned address.
+struct __align__(16) Quad {
+    u32 w[4];
+};
+#ifdef TF_EMULATE
+__device__ __forceinline__ Quad ld_quad(const u16* p) {
+    Quad q;
+    memcpy(&q, p, 16);
+    return q;
+}
+__device__ __forceinline__ void st_quad(u16* p, Quad q) { memcpy(p, &q, 16); }
+#else
+__device__ __forceinline__ Quad ld_quad(const u16* p) { return *(const Quad*)p; }
+__device__ __forceinline__ void st_quad(u16* p, Quad q) { *(Quad*)p = q; }
+#endif
+
 // One warp's tensor-core product c += a·b (PTX `mma.sync` m16n8k16): a is 16×16 and b 16×8 in
 // half precision, two elements per word, c is 16×8 in f32. Lane (g = lane / 4, t = lane % 4)
 // holds, as the PTX ISA lays the fragments out:

@@ -35,11 +35,11 @@ fn per_warp(rows: usize) -> LaunchConfig {
 
 /// The tensor-core kernels' register tier (64 or 128, the largest head they hold) for heads of
 /// `d` elements of type `t`, or None where the warp kernels run: f32, a head that is not a
-/// multiple of 16 or is over 128, or an operand not 4-byte aligned (the kernels move two
-/// halves as one word).
+/// multiple of 16 or is over 128, or an operand not 16-byte aligned (the kernels move eight
+/// halves per access; the executor's values are 64-byte aligned).
 fn mma_tier(t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
     let half = matches!(t, DType::F16 | DType::BF16);
-    let aligned = operands.iter().all(|p| p.0.is_multiple_of(4));
+    let aligned = operands.iter().all(|p| p.0.is_multiple_of(16));
     match d {
         _ if !half || !aligned || !d.is_multiple_of(16) => None,
         16..=64 => Some(64),
