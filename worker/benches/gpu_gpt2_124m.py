@@ -26,7 +26,10 @@ times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU memor
     `used_memory` nvidia-smi reports for its process, polled every 100 ms (which includes the
     CUDA context, so it reads higher than an allocator's count).
 
-Writes <out>/gpu-bench.json and prints a table. This script has not run on a GPU yet (the
+Then (unless --no-profile) one more tensorfleet run at its micro-batch profiles its third step
+(the worker's `profiling` config: each op timed to the GPU's completion) and lists the op types
+that took the most time. Writes <out>/gpu-bench.json and prints the tables. This script has not
+run on a GPU yet (the
 machines it was written on have none): treat its first run as its test.
 """
 
@@ -105,19 +108,19 @@ def write_tokens(path, count):
         tokens.tofile(f)
 
 
-def worker_run(worker, micro_batch, steps, warmup, out, peak):
+def worker_config(micro_batch, steps, out, peak, run_dir):
+    """The worker's config for `steps` steps of `micro_batch` rows, and its token shard."""
     os.makedirs(f"{out}/tokens", exist_ok=True)
     shard = f"{out}/tokens/train_000000.bin"
-    need = (warmup + steps + 1) * micro_batch * SEQ + 1
+    need = (steps + 1) * micro_batch * SEQ + 1
     if not os.path.exists(shard) or os.path.getsize(shard) < 1024 + 2 * need:
         write_tokens(shard, need)
-    run_dir = f"{out}/tensorfleet-mb{micro_batch}"
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends; checkpoints would resume
-    config = {
+    return {
         "model": {"gpt2": {"layers": LAYERS, "heads": HEADS, "embed": EMBED, "seqLen": SEQ, "vocab": VOCAB}},
         "data": {"train": {"path": f"{out}/tokens", "format": "tokens"}},
         "batchSize": micro_batch,
-        "steps": warmup + steps,
+        "steps": steps,
         "optimizer": {"name": "adamw", "lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "weightDecay": 0.1},
         "gradClipNorm": 1.0,
         "precision": "bf16",
@@ -125,6 +128,11 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak):
         "logging": {"every": 1, "tensorboard": False, "peakTflops": peak or 0},
         "output": {"dir": run_dir},
     }
+
+
+def worker_run(worker, micro_batch, steps, warmup, out, peak):
+    run_dir = f"{out}/tensorfleet-mb{micro_batch}"
+    config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
     cfg_path = f"{out}/tensorfleet-mb{micro_batch}.json"
     with open(cfg_path, "w") as f:
         json.dump(config, f)
@@ -160,6 +168,35 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak):
     return {"tokens_per_s": statistics.median(rates), "peak_bytes": peak_mib[0] << 20}
 
 
+def worker_profile(worker, micro_batch, out, peak, top=15):
+    """Where a tensorfleet step's time goes: the worker's op profile of its third step (each op
+    timed to the GPU's completion, so launch gaps show as well), summed by op type."""
+    run_dir = f"{out}/tensorfleet-profile"
+    config = worker_config(micro_batch, 3, out, peak, run_dir)
+    config["profiling"] = {"fromStep": 3, "toStep": 3}
+    cfg_path = f"{out}/tensorfleet-profile.json"
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
+    done = subprocess.run([worker, "train", "--config", cfg_path, "--quiet"], capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    events = json.load(open(f"{run_dir}/profile.json"))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    step_us = sum(e["dur"] for e in events if e.get("cat") == "step")
+    by_op = {}
+    for e in events:
+        if e.get("cat") == "op":
+            total, count = by_op.get(e["name"], (0.0, 0))
+            by_op[e["name"]] = (total + e["dur"], count + 1)
+    ops = sorted(by_op.items(), key=lambda kv: -kv[1][0])
+    return {
+        "micro_batch": micro_batch,
+        "step_ms": step_us / 1e3,
+        "ops_ms": sum(t for t, _ in by_op.values()) / 1e3,
+        "top": [{"op": name, "ms": t / 1e3, "launches": n} for name, (t, n) in ops[:top]],
+    }
+
+
 def largest_that_fits(run, sizes):
     for mb in sizes:
         try:
@@ -181,6 +218,7 @@ def main():
     ap.add_argument("--micro-batches", default="32,16,8,4")
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--out", default="target/gpu-bench")
+    ap.add_argument("--no-profile", action="store_true", help="skip tensorfleet's op profile")
     a = ap.parse_args()
     sizes = [int(s) for s in a.micro_batches.split(",")]
     name = torch.cuda.get_device_name(0)
@@ -197,6 +235,10 @@ def main():
         if "tokens_per_s" in r and peak:
             r["mfu"] = flops_per_token() * r["tokens_per_s"] / (peak * 1e12)
         results[label] = r
+    profile = None
+    if not a.no_profile and "micro_batch" in results["tensorfleet"]:
+        print("tensorfleet op profile ...", file=sys.stderr)
+        profile = worker_profile(a.worker, results["tensorfleet"]["micro_batch"], a.out, peak)
     summary = {
         "gpu": name,
         "peak_bf16_tflops": peak,
@@ -206,6 +248,7 @@ def main():
         "steps": a.steps,
         "warmup": a.warmup,
         "results": results,
+        "tensorfleet_profile": profile,
     }
     with open(f"{a.out}/gpu-bench.json", "w") as f:
         json.dump(summary, f, indent=1)
@@ -217,6 +260,15 @@ def main():
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
             print(f"{label:18} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
+    if profile and "error" in profile:
+        print(f"tensorfleet op profile: {profile['error']}")
+    elif profile:
+        print(
+            f"tensorfleet op profile, micro-batch {profile['micro_batch']}: a profiled step "
+            f"{profile['step_ms']:.1f} ms, its ops {profile['ops_ms']:.1f} ms (each waited for)"
+        )
+        for o in profile["top"]:
+            print(f"  {o['op']:28} {o['ms']:>9.2f} ms {o['launches']:>6} launches")
 
 
 if __name__ == "__main__":
