@@ -217,6 +217,30 @@ static inline void emu_mma_m16n8k16(float* c, const unsigned* a, const unsigned*
     memcpy(c, out, sizeof out);
 }
 
+namespace emu {
+// The warp's row addresses during an ldmatrix, by thread index.
+static const unsigned short* ldmatrix_rows[1024];
+}  // namespace emu
+
+// PTX's `ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16`, collective over the warp: lanes
+// 8i..8i+7 give the row addresses of matrix i; lane l receives in r[i] matrix i's row l / 4,
+// columns 2 (l mod 4) and 2 (l mod 4) + 1 (the lower in the low half), or with `trans` its
+// rows 2 (l mod 4) and 2 (l mod 4) + 1 of column l / 4 (PTX ISA, "Warp-level matrix load
+// instruction: ldmatrix"), spelled here apart from the kernels' use of it.
+static inline void emu_ldmatrix_x4(unsigned* r, const unsigned short* row, bool trans) {
+    unsigned t = threadIdx.x, warp = t & ~31u, lane = t & 31u;
+    emu::ldmatrix_rows[t] = row;
+    emu::wait(emu::AT_WARP_BARRIER);
+    unsigned out[4];
+    for (unsigned i = 0; i < 4; ++i) {
+        auto at = [&](unsigned rr, unsigned c) { return (unsigned)emu::ldmatrix_rows[warp + 8 * i + rr][c]; };
+        unsigned g = lane / 4, c = 2 * (lane % 4);
+        out[i] = trans ? at(c, g) | at(c + 1, g) << 16 : at(g, c) | at(g, c + 1) << 16;
+    }
+    emu::wait(emu::AT_WARP_BARRIER);
+    memcpy(r, out, sizeof out);
+}
+
 // Runs `kernel` over the grid; 0 when done, 1 on a deadlock (the message in emu_failure).
 static int emu_run_grid(const char* name, unsigned gx, unsigned gy, unsigned bx, std::function<void()> kernel) {
     gridDim = dim3{gx, gy, 1};

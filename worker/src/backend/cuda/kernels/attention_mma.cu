@@ -55,54 +55,47 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d,
     }
 }
 
-// b of a product with a tile's transpose: b's (k, n) is the tile's (n0 + n, k0 + k), so each
-// register is two adjacent halves of a tile row.
-__device__ __forceinline__ void b_across(u32* b, const u16* tile, int stride, int n0, int k0, int g, int t) {
-    const u16* p = tile + (n0 + g) * stride + k0 + 2 * t;
-    b[0] = ld_pair(p);
-    b[1] = ld_pair(p + 8);
-}
-// b of a product with the tile itself: b's (k, n) is the tile's (k0 + k, n0 + n), each register
-// two rows' halves of one column.
-__device__ __forceinline__ void b_down(u32* b, const u16* tile, int stride, int k0, int n0, int g, int t) {
-    const u16* p = tile + (k0 + 2 * t) * stride + n0 + g;
-    b[0] = (u32)p[0] | ((u32)p[stride] << 16);
-    b[1] = (u32)p[8 * stride] | ((u32)p[9 * stride] << 16);
-}
-
 // s (16 × KT, f32) = a (the warp's 16 rows, d wide) · tileᵀ: each row against every tile row.
+// One ldmatrix gives the b fragments of two 8-row groups of the tile: matrices (rows n0.., cols
+// k0..), (n0.., k0 + 8..), (n0 + 8.., k0..), (n0 + 8.., k0 + 8..).
 template <class S, int DMAX, int KT>
 __device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const u32 (&a)[DMAX / 16][4], const u16* tile,
-                                              int d, int g, int t) {
+                                              int d) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int nt = 0; nt < KT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < DMAX / 16; ++kt) {
         if (kt * 16 >= d) break;
 #pragma unroll
-        for (int nt = 0; nt < KT / 8; ++nt) {
-            u32 b[2];
-            b_across(b, tile, DMAX + 8, nt * 8, kt * 16, g, t);
+        for (int nt = 0; nt < KT / 8; nt += 2) {
+            u32 b[4];
+            ldmatrix_x4(b, tile + (nt * 8 + (i >> 1) * 8 + r) * (DMAX + 8) + kt * 16 + (i & 1) * 8);
             S::mma(s[nt], a[kt], b);
+            S::mma(s[nt + 1], a[kt], b + 2);
         }
     }
 }
 
 // acc (16 × d, f32) += p (16 × KT, f32 accumulators, rounded to S) · tile (KT × d). The
-// accumulators of two 8-column products are, element for element, one a fragment.
+// accumulators of two 8-column products are, element for element, one a fragment. One
+// transposing ldmatrix gives the b fragments of two 8-column groups of the tile: matrices (rows
+// k0.., cols n0..), (k0 + 8.., n0..), (k0.., n0 + 8..), (k0 + 8.., n0 + 8..).
 template <class S, int DMAX, int KT>
 __device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const float (&p)[KT / 8][4], const u16* tile,
-                                               int d, int g, int t) {
+                                               int d) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
         const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
         u32 a[4] = {S::pack(lo[0], lo[1]), S::pack(lo[2], lo[3]), S::pack(hi[0], hi[1]), S::pack(hi[2], hi[3])};
 #pragma unroll
-        for (int nt = 0; nt < DMAX / 8; ++nt) {
+        for (int nt = 0; nt < DMAX / 8; nt += 2) {
             if (nt * 8 >= d) break;
-            u32 b[2];
-            b_down(b, tile, DMAX + 8, kk * 16, nt * 8, g, t);
+            u32 b[4];
+            ldmatrix_x4_trans(b, tile + (kk * 16 + (i & 1) * 8 + r) * (DMAX + 8) + nt * 8 + (i >> 1) * 8);
             S::mma(acc[nt], a, b);
+            S::mma(acc[nt + 1], a, b + 2);
         }
     }
 }
@@ -157,7 +150,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
             load_tile<DMAX, KT>(vs, vg, tk, d, k0);
             __syncthreads();
             float s[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(s, qa, ks, d, g, t);
+            rows_dot_tile<S, DMAX, KT>(s, qa, ks, d);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
@@ -191,7 +184,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
                     s[nt][i] = p;
                     l[i >> 1] += p;
                 }
-            acc_times_tile<S, DMAX, KT>(o, s, vs, d, g, t);
+            acc_times_tile<S, DMAX, KT>(o, s, vs, d);
         }
         float inv[2];
         for (int h = 0; h < 2; ++h) {
@@ -234,8 +227,8 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
             load_tile<DMAX, KT>(vs, vg, tk, d, k0);
             __syncthreads();
             float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, qa, ks, d, g, t);
-            rows_dot_tile<S, DMAX, KT>(dp, dya, vs, d, g, t);
+            rows_dot_tile<S, DMAX, KT>(p, qa, ks, d);
+            rows_dot_tile<S, DMAX, KT>(dp, dya, vs, d);
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
@@ -246,7 +239,7 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
                     float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
                     p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
                 }
-            acc_times_tile<S, DMAX, KT>(acc, p, ks, d, g, t);
+            acc_times_tile<S, DMAX, KT>(acc, p, ks, d);
         }
         float by[2] = {scale, scale};
         store_rows<S, DMAX>(dq + grp * tq * d, tq, d, r0, acc, by, g, t);
@@ -283,8 +276,8 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
             }
             __syncthreads();
             float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, ka, qs, d, g, t);   // scoresᵀ: keys × queries
-            rows_dot_tile<S, DMAX, KT>(dp, va, dys, d, g, t);  // (dy·vᵀ)ᵀ
+            rows_dot_tile<S, DMAX, KT>(p, ka, qs, d);   // scoresᵀ: keys × queries
+            rows_dot_tile<S, DMAX, KT>(dp, va, dys, d);  // (dy·vᵀ)ᵀ
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
@@ -296,8 +289,8 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
                     p[nt][i] = pij;
                     dp[nt][i] = pij * (dp[nt][i] - tile_delta[c]);
                 }
-            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys, d, g, t);
-            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs, d, g, t);
+            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys, d);
+            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs, d);
         }
         float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
         store_rows<S, DMAX>(dk + grp * tk * d, tk, d, r0, dk_acc, by_k, g, t);

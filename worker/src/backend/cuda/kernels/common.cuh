@@ -128,6 +128,30 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
 }
 #endif
 
+// Four 8×8 matrices of halves from shared memory into one register each, collectively over
+// the warp (PTX `ldmatrix` .x4): lanes 8i..8i+7 give the addresses of matrix i's rows (16
+// bytes each, 16-byte aligned), and lane (g = lane / 4, t = lane % 4) receives in r[i] matrix
+// i's (row g, cols 2t, 2t+1), or with .trans its (rows 2t, 2t+1, col g): the b fragment of a
+// product with the matrix's transpose, or with the matrix itself.
+#ifdef TF_EMULATE
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) { emu_ldmatrix_x4(r, row, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) { emu_ldmatrix_x4(r, row, true); }
+#else
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %4; ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [a]; }"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(row)
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) {
+    asm volatile(
+        "{ .reg .u64 a; cvta.to.shared.u64 a, %4; ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [a]; }"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+        : "l"(row)
+        : "memory");
+}
+#endif
+
 // The element types of the float kernels: a value is loaded to f32, computed in f32 and stored
 // rounded to its type (f16 and bf16 are storage types, as on the CPU backend). A kernel family
 // is a template over one of these, with an extern "C" entry point per type.
