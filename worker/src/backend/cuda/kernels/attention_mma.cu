@@ -40,19 +40,44 @@ __device__ __forceinline__ void load_rows(u32 (&a)[DMAX / 16][4], const u16* m, 
         }
 }
 
-// Rows r0..r0+KT of an [n, d] matrix into a shared tile of row stride DMAX + 8 halves (zeros
-// past n), by the whole block, 16 bytes per access; consecutive threads read consecutive
-// bytes. The 8 halves of padding put the eight rows that one fragment read touches in
+// Starts copying rows r0..r0+KT of an [n, d] matrix into a shared tile of row stride DMAX + 8
+// halves (zeros past n), by the whole block, 16 bytes per copy; consecutive threads take
+// consecutive bytes. The 8 halves of padding put the eight rows that one ldmatrix reads in
 // different banks, and keep each row 16-byte aligned.
 template <int DMAX, int KT>
 __device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d, i64 r0) {
     int quads = d / 8;
     for (int w = threadIdx.x; w < KT * quads; w += blockDim.x) {
         int r = w / quads, c = 8 * (w % quads);
-        Quad q = {};
-        if (r0 + r < n) q = ld_quad(m + (r0 + r) * d + c);
-        st_quad(tile + r * (DMAX + 8) + c, q);
+        u16* to = tile + r * (DMAX + 8) + c;
+        if (r0 + r < n) {
+            cp_async16(to, m + (r0 + r) * d + c);
+        } else {
+            st_quad(to, Quad{});
+        }
     }
+}
+
+// The tiles stream through two buffers: while the block computes on one, the next tile's copies
+// fly into the other. `stage` starts a pair of tiles (one copy group); `arrive`, with the tile
+// at hand staged, stages the one after it (`next`, when below `end`) and waits until the one at
+// hand is in shared memory for the whole block. After computing on a buffer the block meets
+// (`__syncthreads`) before the buffer is staged again.
+template <int DMAX, int KT>
+__device__ __forceinline__ void stage(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 r0) {
+    load_tile<DMAX, KT>(ta, a, n, d, r0);
+    load_tile<DMAX, KT>(tb, b, n, d, r0);
+    cp_async_commit();
+}
+template <int DMAX, int KT>
+__device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 next, i64 end) {
+    if (next < end) {
+        stage<DMAX, KT>(ta, tb, a, b, n, d, next);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
 }
 
 // s (16 × KT, f32) = a (the warp's 16 rows, d wide) · tileᵀ: each row against every tile row.
@@ -129,8 +154,8 @@ template <class S, int DMAX>
 __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
                                   const u16* k, const u16* v, u16* y, float* lse) {
     const int KT = DMAX <= 64 ? 64 : 32;
-    __shared__ __align__(16) u16 ks[KT * (DMAX + 8)];
-    __shared__ __align__(16) u16 vs[KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 vs[2][KT * (DMAX + 8)];
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
@@ -144,13 +169,11 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
         // times log2(e)) and (partial) sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        for (i64 k0 = 0; k0 < keys; k0 += KT) {
-            __syncthreads();  // every warp is done with the previous tile
-            load_tile<DMAX, KT>(ks, kg, tk, d, k0);
-            load_tile<DMAX, KT>(vs, vg, tk, d, k0);
-            __syncthreads();
+        stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
             float s[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(s, qa, ks, d);
+            rows_dot_tile<S, DMAX, KT>(s, qa, ks[j], d);
             float mx[2] = {m[0], m[1]};
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
@@ -184,7 +207,8 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
                     s[nt][i] = p;
                     l[i >> 1] += p;
                 }
-            acc_times_tile<S, DMAX, KT>(o, s, vs, d);
+            acc_times_tile<S, DMAX, KT>(o, s, vs[j], d);
+            __syncthreads();  // every warp is done with buffer j
         }
         float inv[2];
         for (int h = 0; h < 2; ++h) {
@@ -203,8 +227,8 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
                                      const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
                                      u16* dq) {
     const int KT = DMAX <= 64 ? 64 : 32;
-    __shared__ __align__(16) u16 ks[KT * (DMAX + 8)];
-    __shared__ __align__(16) u16 vs[KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 vs[2][KT * (DMAX + 8)];
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
@@ -221,14 +245,12 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
         }
         float acc[DMAX / 8][4] = {};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        for (i64 k0 = 0; k0 < keys; k0 += KT) {
-            __syncthreads();
-            load_tile<DMAX, KT>(ks, kg, tk, d, k0);
-            load_tile<DMAX, KT>(vs, vg, tk, d, k0);
-            __syncthreads();
+        stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
             float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, qa, ks, d);
-            rows_dot_tile<S, DMAX, KT>(dp, dya, vs, d);
+            rows_dot_tile<S, DMAX, KT>(p, qa, ks[j], d);
+            rows_dot_tile<S, DMAX, KT>(dp, dya, vs[j], d);
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
@@ -239,7 +261,8 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
                     float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
                     p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
                 }
-            acc_times_tile<S, DMAX, KT>(acc, p, ks, d);
+            acc_times_tile<S, DMAX, KT>(acc, p, ks[j], d);
+            __syncthreads();
         }
         float by[2] = {scale, scale};
         store_rows<S, DMAX>(dq + grp * tq * d, tq, d, r0, acc, by, g, t);
@@ -252,10 +275,12 @@ template <class S, int DMAX>
 __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
                                       const u16* k, const u16* v, const u16* dy, const float* lse,
                                       const float* delta, u16* dk, u16* dv) {
-    const int KT = DMAX <= 64 ? 64 : 32;
-    __shared__ __align__(16) u16 qs[KT * (DMAX + 8)];
-    __shared__ __align__(16) u16 dys[KT * (DMAX + 8)];
-    __shared__ float tile_lse[KT], tile_delta[KT];  // the log-sum-exp times log2(e)
+    // Heads over 64 hold two 16 × 128 accumulators (dk and dv) besides k and v: 16 query rows
+    // per tile keep the scores' registers within the budget.
+    const int KT = DMAX <= 64 ? 64 : 16;
+    __shared__ __align__(16) u16 qs[2][KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 dys[2][KT * (DMAX + 8)];
+    __shared__ float tile_lse[2][KT], tile_delta[2][KT];  // the log-sum-exp times log2(e)
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tk + MMA_ROWS - 1) / MMA_ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
@@ -266,18 +291,24 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
         load_rows<DMAX>(ka, k + grp * tk * d, tk, d, r0, g, t);
         load_rows<DMAX>(va, v + grp * tk * d, tk, d, r0, g, t);
         float dk_acc[DMAX / 8][4] = {}, dv_acc[DMAX / 8][4] = {};
-        for (i64 q0 = causal ? k0 / KT * KT : 0; q0 < tq; q0 += KT) {
-            __syncthreads();
-            load_tile<DMAX, KT>(qs, qg, tq, d, q0);
-            load_tile<DMAX, KT>(dys, dyg, tq, d, q0);
+        // The query rows' log-sum-exp and delta of the tile at q0 into buffer j (plain loads,
+        // made visible by `arrive`'s barrier).
+        auto stage_rows = [&](i64 q0, int j) {
             for (int r = threadIdx.x; r < KT; r += blockDim.x) {
-                tile_lse[r] = q0 + r < tq ? lse[grp * tq + q0 + r] * LOG2E : 0.f;
-                tile_delta[r] = q0 + r < tq ? delta[grp * tq + q0 + r] : 0.f;
+                tile_lse[j][r] = q0 + r < tq ? lse[grp * tq + q0 + r] * LOG2E : 0.f;
+                tile_delta[j][r] = q0 + r < tq ? delta[grp * tq + q0 + r] : 0.f;
             }
-            __syncthreads();
+        };
+        i64 first = causal ? k0 / KT * KT : 0;
+        stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, first);
+        stage_rows(first, 0);
+        for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
+            if (q0 + KT < tq) stage_rows(q0 + KT, j ^ 1);
+            arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, q0 + KT, tq);
+            const float *row_lse = tile_lse[j], *row_delta = tile_delta[j];
             float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, ka, qs, d);   // scoresᵀ: keys × queries
-            rows_dot_tile<S, DMAX, KT>(dp, va, dys, d);  // (dy·vᵀ)ᵀ
+            rows_dot_tile<S, DMAX, KT>(p, ka, qs[j], d);   // scoresᵀ: keys × queries
+            rows_dot_tile<S, DMAX, KT>(dp, va, dys[j], d);  // (dy·vᵀ)ᵀ
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
@@ -285,12 +316,13 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
                     int c = nt * 8 + 2 * t + (i & 1);
                     i64 key = r0 + g + 8 * (i >> 1), query = q0 + c;
                     bool seen = query < tq && key < tk && (!causal || query >= key);
-                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - tile_lse[c]) : 0.f;
+                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[c]) : 0.f;
                     p[nt][i] = pij;
-                    dp[nt][i] = pij * (dp[nt][i] - tile_delta[c]);
+                    dp[nt][i] = pij * (dp[nt][i] - row_delta[c]);
                 }
-            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys, d);
-            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs, d);
+            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys[j], d);
+            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs[j], d);
+            __syncthreads();
         }
         float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
         store_rows<S, DMAX>(dk + grp * tk * d, tk, d, r0, dk_acc, by_k, g, t);

@@ -103,6 +103,29 @@ __device__ __forceinline__ Quad ld_quad(const u16* p) { return *(const Quad*)p; 
 __device__ __forceinline__ void st_quad(u16* p, Quad q) { *(Quad*)p = q; }
 #endif
 
+// Asynchronous 16-byte copies from global to shared memory (sm_80's cp.async), in groups:
+// cp_async_commit closes the group of the copies started since the last, cp_async_wait<n>
+// waits until at most n groups are in flight (for this thread's copies; a barrier after it
+// makes everyone's visible). Both addresses 16-byte aligned. The emulator copies at once.
+#ifdef TF_EMULATE
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src) { memcpy(dst, src, 16); }
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {}
+#else
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src) {
+    asm volatile("{ .reg .u64 s, g; cvta.to.shared.u64 s, %0; cvta.to.global.u64 g, %1; cp.async.cg.shared.global [s], [g], 16; }"
+                 :
+                 : "l"(dst), "l"(src)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#endif
+
 // One warp's tensor-core product c += a·b (PTX `mma.sync` m16n8k16): a is 16×16 and b 16×8 in
 // half precision, two elements per word, c is 16×8 in f32. Lane (g = lane / 4, t = lane % 4)
 // holds, as the PTX ISA lays the fragments out:
