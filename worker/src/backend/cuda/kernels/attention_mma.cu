@@ -169,7 +169,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
         // times log2(e)) and (partial) sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
             arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
             float s[KT / 8][4];
@@ -245,7 +245,7 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
         }
         float acc[DMAX / 8][4] = {};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
             arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
             float p[KT / 8][4], dp[KT / 8][4];
@@ -300,8 +300,10 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
             }
         };
         i64 first = causal ? k0 / KT * KT : 0;
-        stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, first);
-        stage_rows(first, 0);
+        if (first < tq) {  // else no query sees these keys: dk and dv are 0
+            stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, first);
+            stage_rows(first, 0);
+        }
         for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
             if (q0 + KT < tq) stage_rows(q0 + KT, j ^ 1);
             arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, q0 + KT, tq);
