@@ -61,8 +61,10 @@ fn nvrtc_compiles_the_kernels() {
         eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on this machine");
         return;
     }
-    // Hopper (the H100's 9.0) and Ampere (8.0): the kernels use nothing newer than sm_80.
-    for (major, minor) in [(9, 0), (8, 0)] {
+    // Hopper (the H100's 9.0) and Ampere (8.0): the kernels use nothing newer than sm_80; and
+    // Turing (7.5), where the tensor-core instructions give way (the attention runs on the
+    // warp kernels there).
+    for (major, minor) in [(9, 0), (8, 0), (7, 5)] {
         let ptx = compile::compile(major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
         let text = ptx.to_src();
         for name in compile::kernel_names() {

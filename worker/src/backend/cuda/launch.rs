@@ -214,6 +214,11 @@ pub trait Target {
     fn scratch_budget(&self) -> usize {
         64 << 20
     }
+    /// Whether the device has sm_80's tensor-core instructions (`mma.sync` m16n8k16 in f16 and
+    /// bf16, `ldmatrix`, `cp.async`), which the tensor-core attention kernels use.
+    fn tensor_cores(&self) -> bool {
+        true
+    }
     /// The word a kernel that can meet bad data reports it in; `what` says what ran.
     fn fault(&self, what: String) -> Ptr;
     /// f64 partial sums a kernel left at `at`, for the host to add in order.
@@ -268,6 +273,9 @@ impl Target for CudaBackend {
     }
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
         CudaBackend::scratch(self, bytes).map(Ptr)
+    }
+    fn tensor_cores(&self) -> bool {
+        self.capability >= (8, 0)
     }
     fn fault(&self, what: String) -> Ptr {
         Ptr(self.fault_word(what))
@@ -330,6 +338,10 @@ impl Dev<'_> {
 
     fn scratch_budget(&self) -> usize {
         self.0.scratch_budget()
+    }
+
+    fn tensor_cores(&self) -> bool {
+        self.0.tensor_cores()
     }
 
     fn fault(&self, what: impl FnOnce() -> String) -> Ptr {

@@ -76,6 +76,8 @@ pub fn per_row(rows: usize) -> LaunchConfig {
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
+    /// The GPU's compute capability (major, minor): 9.0 on an H100.
+    capability: (i32, i32),
     stream: Arc<CudaStream>,
     kernels: HashMap<String, CudaFunction>,
     gemm: Mutex<gemm::Gemm>,
@@ -128,6 +130,7 @@ impl CudaBackend {
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         Ok(CudaBackend {
             name: format!("cuda:{ordinal} ({device}, sm_{major}{minor})"),
+            capability: (major, minor),
             ctx,
             stream,
             kernels,

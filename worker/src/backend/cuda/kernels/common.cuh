@@ -106,9 +106,10 @@ __device__ __forceinline__ void st_quad(u16* p, Quad q) { *(Quad*)p = q; }
 // Asynchronous 16-byte copies from global to shared memory (sm_80's cp.async), in groups:
 // cp_async_commit closes the group of the copies started since the last, cp_async_wait<n>
 // waits until at most n groups are in flight (for this thread's copies; a barrier after it
-// makes everyone's visible). Both addresses 16-byte aligned. The emulator copies at once.
-#ifdef TF_EMULATE
-__device__ __forceinline__ void cp_async16(u16* dst, const u16* src) { memcpy(dst, src, 16); }
+// makes everyone's visible). Both addresses 16-byte aligned. The emulator, and GPUs before
+// sm_80, copy at once.
+#if defined(TF_EMULATE) || __CUDA_ARCH__ < 800
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src) { st_quad(dst, ld_quad(src)); }
 __device__ __forceinline__ void cp_async_commit() {}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {}
@@ -136,6 +137,11 @@ __device__ __forceinline__ void cp_async_wait() {
 // The emulator (tests/cuda_emulator/emulator.hpp) gathers the warp's fragments and multiplies.
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) { emu_mma_m16n8k16(c, a, b, false); }
 __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) { emu_mma_m16n8k16(c, a, b, true); }
+#elif __CUDA_ARCH__ < 800
+// No such product before sm_80: the dispatch runs the kernels that use it only from sm_80 on
+// (`Target::tensor_cores`).
+__device__ __forceinline__ void mma_f16(float*, const u32*, const u32*) { __trap(); }
+__device__ __forceinline__ void mma_bf16(float*, const u32*, const u32*) { __trap(); }
 #else
 __device__ __forceinline__ void mma_f16(float* c, const u32* a, const u32* b) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -159,6 +165,10 @@ __device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
 #ifdef TF_EMULATE
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) { emu_ldmatrix_x4(r, row, false); }
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) { emu_ldmatrix_x4(r, row, true); }
+#elif __CUDA_ARCH__ < 800
+// Used only beside mma_* (above), which sm_80 brought.
+__device__ __forceinline__ void ldmatrix_x4(u32*, const u16*) { __trap(); }
+__device__ __forceinline__ void ldmatrix_x4_trans(u32*, const u16*) { __trap(); }
 #else
 __device__ __forceinline__ void ldmatrix_x4(u32* r, const u16* row) {
     asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %4; ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [a]; }"
@@ -185,7 +195,7 @@ struct F32 {
 };
 // Two f32 values rounded to nearest even and packed as halves, the first in the low half: one
 // instruction on sm_80 and later.
-#ifdef TF_EMULATE
+#if defined(TF_EMULATE) || __CUDA_ARCH__ < 800
 __device__ __forceinline__ u32 pack_f16x2(float lo, float hi) { return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16); }
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);

@@ -34,11 +34,11 @@ fn per_warp(rows: usize) -> LaunchConfig {
 }
 
 /// The tensor-core kernels' register tier (64 or 128, the largest head they hold) for heads of
-/// `d` elements of type `t`, or None where the warp kernels run: f32, a head that is not a
-/// multiple of 16 or is over 128, or an operand not 16-byte aligned (the kernels move eight
-/// halves per access; the executor's values are 64-byte aligned).
-fn mma_tier(t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
-    let half = matches!(t, DType::F16 | DType::BF16);
+/// `d` elements of type `t`, or None where the warp kernels run: a GPU before sm_80, f32, a head
+/// that is not a multiple of 16 or is over 128, or an operand not 16-byte aligned (the kernels
+/// move eight halves per access; the executor's values are 64-byte aligned).
+fn mma_tier(dev: Dev, t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
+    let half = dev.tensor_cores() && matches!(t, DType::F16 | DType::BF16);
     let aligned = operands.iter().all(|p| p.0.is_multiple_of(16));
     match d {
         _ if !half || !aligned || !d.is_multiple_of(16) => None,
@@ -67,7 +67,7 @@ pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse:
     }
     let rows = groups * tq;
     let lse = lse.map_or(NULL, |l| l.at);
-    if let Some(tier) = mma_tier(q.dtype(), d, &[q.at, k.at, v.at, y.at]) {
+    if let Some(tier) = mma_tier(dev, q.dtype(), d, &[q.at, k.at, v.at, y.at]) {
         let cfg = per_tile(groups, tq);
         let (groups, tq, tk, d) = (groups as i64, tq as i64, tk as i64, d as i64);
         return dev.kernel(
@@ -102,7 +102,7 @@ pub fn backward(
         per_warp(qrows),
         &mut params![qrows as i64, d as i64, dy.at, y.at, delta],
     )?;
-    if let Some(tier) = mma_tier(t, d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
+    if let Some(tier) = mma_tier(dev, t, d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
         let g = groups as i64;
         let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
         dev.kernel(
