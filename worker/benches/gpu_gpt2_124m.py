@@ -108,6 +108,11 @@ def write_tokens(path, count):
         tokens.tofile(f)
 
 
+def failure(stderr, code):
+    """What a failed worker run said last, or its exit status."""
+    return stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {code}"
+
+
 def worker_config(micro_batch, steps, out, peak, run_dir):
     """The worker's config for `steps` steps of `micro_batch` rows, and its token shard."""
     os.makedirs(f"{out}/tokens", exist_ok=True)
@@ -162,7 +167,7 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak):
     _, err = proc.communicate()
     watcher.join()
     if proc.returncode != 0:
-        return {"error": err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}"}
+        return {"error": failure(err, proc.returncode)}
     lines = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl") if '"itemsPerSec"' in l]
     rates = [l["itemsPerSec"] for l in lines if l["step"] > warmup]
     return {"tokens_per_s": statistics.median(rates), "peak_bytes": peak_mib[0] << 20}
@@ -179,7 +184,7 @@ def worker_profile(worker, micro_batch, out, peak, top=15):
         json.dump(config, f)
     done = subprocess.run([worker, "train", "--config", cfg_path, "--quiet"], capture_output=True, text=True)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+        return {"error": failure(done.stderr, done.returncode)}
     events = json.load(open(f"{run_dir}/profile.json"))
     events = events["traceEvents"] if isinstance(events, dict) else events
     step_us = sum(e["dur"] for e in events if e.get("cat") == "step")

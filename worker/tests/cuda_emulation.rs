@@ -204,13 +204,9 @@ fn run_op<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_shapes: &[Vec
     run_typed(backend, op, inputs, &out_metas)
 }
 
+/// Every f32 output within 1e-5 of the CPU's largest magnitude.
 fn assert_close(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
-    for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
-        let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
-        let scale = cs.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-        let worst = gs.iter().zip(cs).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(worst <= 1e-5 * scale, "{what}, output {k}: differs by {worst} (largest {scale})");
-    }
+    close_as_f32(what, gpu, cpu, 1e-5);
 }
 
 /// The window ops one at a time, in the geometries SqueezeNet does not have: groups, dilation,

@@ -104,7 +104,7 @@ impl Emulator {
 /// Host memory in 64-byte lines, aligned as the executor's values on a GPU are, written through
 /// shared references as the GPU's is (the plan keeps live values apart).
 pub struct HostBuffer {
-    words: UnsafeCell<Vec<Line>>,
+    lines: UnsafeCell<Vec<Line>>,
 }
 
 #[derive(Clone, Copy)]
@@ -116,11 +116,11 @@ unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     fn new(bytes: usize) -> HostBuffer {
-        HostBuffer { words: UnsafeCell::new(vec![Line([0; 64]); bytes.div_ceil(64).max(1)]) }
+        HostBuffer { lines: UnsafeCell::new(vec![Line([0; 64]); bytes.div_ceil(64).max(1)]) }
     }
     fn base(&self) -> u64 {
         // SAFETY: the vector is never resized after creation.
-        unsafe { (*self.words.get()).as_mut_ptr() as u64 }
+        unsafe { (*self.lines.get()).as_mut_ptr() as u64 }
     }
 }
 
@@ -349,7 +349,7 @@ impl Target for EmulatedGpu {
     }
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
         let mut s = self.scratch.lock().unwrap();
-        if unsafe { (*s.words.get()).len() } * 64 < bytes {
+        if unsafe { (*s.lines.get()).len() } * 64 < bytes {
             *s = HostBuffer::new(bytes);
         }
         Ok(Ptr(s.base()))

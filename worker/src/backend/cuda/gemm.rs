@@ -249,12 +249,6 @@ impl Gemm {
     /// Runs `p`; returns whether its bias and epilogue were applied (false when cuBLASLt has no
     /// algorithm for the epilogue with these layouts: the caller applies them).
     pub(super) fn run(&mut self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
-        if p.d_dtype != p.dtype && (p.has_epilogue() || p.d_dtype != DType::F32) {
-            return Err(format!(
-                "a product of {} into {} (only f32 sums, without an epilogue): {p:?}",
-                p.dtype, p.d_dtype
-            ));
-        }
         if p.has_epilogue() {
             match self.run_with(p, true, stream) {
                 Ok(()) => return Ok(true),
@@ -319,6 +313,11 @@ impl Gemm {
 
     /// The descriptors of `shape` and the heuristic's first algorithm for them.
     fn plan(&self, p: &Product, shape: &Shape) -> Result<Plan, RunError> {
+        if p.d_dtype != p.dtype && (p.has_epilogue() || p.d_dtype != DType::F32) {
+            let why =
+                format!("a product of {} into {} (only f32 sums, without an epilogue): {p:?}", p.dtype, p.d_dtype);
+            return Err(Failed(why));
+        }
         // cuBLASLt's first operand is our B: as stored it reads (column-major) as Bᵀ [n, k] when
         // B is [k, n], or as B [k, n] when B is stored transposed ([n, k]), then transposed.
         let (b_rows, b_cols, b_ld) = if p.trans_b { (p.k, p.n, p.k as i64) } else { (p.n, p.k, p.n as i64) };

@@ -1,12 +1,14 @@
 // Attention on the tensor cores, for f16 and bf16 heads of 16 to 128 elements (a multiple of
-// 16): FlashAttention-2's tiling over PTX's m16n8k16 products (common.cuh's mma_*). The warp
-// kernels of attention.cu take every other case (f32, other head sizes) and define what is
-// computed; these compute the same in tiles, forward and backward side by side:
+// 16) on sm_80 and later: FlashAttention-2's tiling over PTX's m16n8k16 products (common.cuh's
+// mma_*). The warp kernels of attention.cu take every other case (f32, other head sizes, older
+// GPUs) and define what is computed; these compute the same in tiles, forward and backward side
+// by side:
 //
 // - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward and for dq, key rows
 //   for dk and dv); a warp's own operands stay in registers as product fragments;
-// - the other side streams through shared memory KT rows at a time (64, or 32 for heads over
-//   64, which bounds the registers), each tile read by every warp of the block;
+// - the other side streams through two shared buffers KT rows at a time (64; for heads over 64,
+//   32, and 16 in the dk/dv sweep, which bound the registers), each tile read by every warp of
+//   the block;
 // - scores and probabilities live in the products' f32 accumulators, and enter the next product
 //   rounded to the half type (the probabilities for P·V, the scores' gradient for dq and dk),
 //   as in FlashAttention; the softmax's running maximum and sum stay in f32.

@@ -107,9 +107,10 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     let t = one_float_type(&operands)?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(t, &g, group, x.shape()[0], y.shape()[1])?;
+    // A pointwise window's columns are X itself: no scratch.
     let col_bytes = if is_pointwise(&g) { 0 } else { s.kdim * s.plane * t.size() };
     let chunk = images_per_chunk(dev, s.images, col_bytes);
-    let col = if is_pointwise(&g) { NULL } else { dev.scratch(chunk * col_bytes)? };
+    let col = if col_bytes == 0 { NULL } else { dev.scratch(chunk * col_bytes)? };
     for first in (0..s.images).step_by(chunk) {
         let images = chunk.min(s.images - first);
         for gr in 0..group {
