@@ -24,7 +24,7 @@ use tensorfleet_worker::comm::{HostGroup, ReduceOp, SoloGroup};
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
-use tensorfleet_worker::graph::op::{Op, PoolKind, Window};
+use tensorfleet_worker::graph::op::{Op, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
@@ -175,16 +175,17 @@ fn every_node_of_squeezenet_training_has_a_cuda_kernel() {
 
 #[test]
 fn nodes_without_a_cuda_kernel_are_named() {
-    // Max pooling over three spatial dims: no CUDA kernel yet.
-    let mut g = Graph::new("pool", 17);
+    // A convolution over three spatial dims: no CUDA kernel yet.
+    let mut g = Graph::new("conv", 17);
     let x = g.add_input("x", DType::F32, [1, 2, 4, 4, 4].iter().map(|&n| Dim::Fixed(n)).collect());
+    let w = g.add_initializer("w", Tensor::from_vec(&[3, 2, 2, 2, 2], vec![0.5f32; 48]));
     let window = Window::explicit(&[2, 2, 2], &[2, 2, 2], &[1, 1, 1], &[0; 6], false);
-    let y = g.op1("pool", Op::Pool { kind: PoolKind::Max, window }, &[x]);
+    let y = g.op1("conv", Op::Conv { window, group: 1 }, &[x, w]);
     g.outputs.push(y);
     let bound = bind(&g, &Bindings::default(), true).unwrap();
     let missing = CudaBackend::unsupported_nodes(&bound);
     assert!(
-        missing.iter().any(|m| m.contains("'pool'") && m.contains("3-D spatial windows are not implemented")),
+        missing.iter().any(|m| m.contains("'conv'") && m.contains("3-D spatial windows are not implemented")),
         "{missing:#?}"
     );
 }

@@ -290,6 +290,29 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             &run_op(&cpu, &grad, &inputs, &shapes),
         );
     }
+    // Pooling over 3 spatial dims of unequal sizes, each with its own window, in f32 (with
+    // MaxPool's Indices) and in integer types (pooled in f64).
+    let x3_shape = vec![1, 2, 5, 6, 7];
+    let x3 = Tensor::from_vec(&x3_shape, values(420, 7));
+    let win3 = Window::explicit(&[2, 3, 2], &[1, 2, 3], &[2, 1, 1], &[0, 1, 1, 1, 0, 1], false);
+    let y3_shape: Vec<usize> = [1, 2].into_iter().chain(window_output(&win3, &x3_shape[2..]).unwrap()).collect();
+    for kind in [PoolKind::Max, PoolKind::Average { count_include_pad: true }] {
+        let pool = Op::Pool { kind, window: win3.clone() };
+        let mut outs = vec![Meta::new(DType::F32, &y3_shape)];
+        if kind == PoolKind::Max {
+            outs.push(Meta::new(DType::I64, &y3_shape));
+        }
+        let what = format!("3-D {kind:?}");
+        let inputs = std::slice::from_ref(&x3);
+        assert_close(&what, &run_typed(&gpu, &pool, inputs, &outs), &run_typed(&cpu, &pool, inputs, &outs));
+        for t in [DType::U8, DType::I32] {
+            let x = x3.as_slice::<f32>().iter().map(|v| (v * 100.0) as f64).collect();
+            let x = Tensor::from_vec(&x3_shape, x).cast(t);
+            let outs = [Meta::new(t, &y3_shape)];
+            let (g, c) = (run_typed(&gpu, &pool, std::slice::from_ref(&x), &outs), run_typed(&cpu, &pool, &[x], &outs));
+            assert_eq!(g[0].to_f64_vec(), c[0].to_f64_vec(), "{what} of {t}");
+        }
+    }
     // BatchNormalization: training (with the running statistics' update), inference, gradient.
     let c = 3;
     let stats = |salt| Tensor::from_vec(&[c], values(c, salt).iter().map(|v| v.abs() + 0.5).collect());
@@ -583,6 +606,144 @@ fn tensor_parallel_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         for (axes, shape) in [(vec![2], vec![2, 3]), (vec![2, 1], vec![2])] {
             let op = Op::ReduceOp { kind, axes: Some(axes.clone()), keepdims: false, noop_with_empty_axes: false };
             check(&format!("{kind:?} over {axes:?}"), &op, std::slice::from_ref(&x), &[shape]);
+        }
+    }
+}
+
+const EVERY_TYPE: [DType; 13] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::F64,
+    DType::I8,
+    DType::U8,
+    DType::I16,
+    DType::U16,
+    DType::I32,
+    DType::U32,
+    DType::I64,
+    DType::U64,
+    DType::Bool,
+];
+
+/// Outputs equal element for element (NaN equal to NaN), read as f64.
+fn assert_same_values(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
+    for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
+        assert_eq!(g.dtype(), c.dtype(), "{what}, output {k}: element types");
+        let (gv, cv) = (g.to_f64_vec(), c.to_f64_vec());
+        let same = gv.iter().zip(&cv).all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+        assert!(same, "{what}, output {k} ({}): GPU {gv:?}\n  CPU {cv:?}", g.dtype());
+    }
+}
+
+/// A column of `t`'s edge values: for an integer type [MIN, −1 (MAX for an unsigned type), 0,
+/// 1, 3, 7, MAX], for a float type [−∞, −1, 0, 1, 3, 7, ∞, NaN].
+fn edge_column(t: DType) -> Tensor {
+    macro_rules! ints {
+        ($t:ty) => {
+            Tensor::from_vec(&[7], vec![<$t>::MIN, <$t>::MIN.wrapping_add(<$t>::MAX), 0, 1, 3, 7, <$t>::MAX])
+        };
+    }
+    match t {
+        DType::I8 => ints!(i8),
+        DType::U8 => ints!(u8),
+        DType::I16 => ints!(i16),
+        DType::U16 => ints!(u16),
+        DType::I32 => ints!(i32),
+        DType::U32 => ints!(u32),
+        DType::I64 => ints!(i64),
+        DType::U64 => ints!(u64),
+        _ => Tensor::from_vec(&[8], vec![f64::NEG_INFINITY, -1.0, 0.0, 1.0, 3.0, 7.0, f64::INFINITY, f64::NAN]).cast(t),
+    }
+}
+
+/// Cast between every pair of element types, arithmetic and comparisons at the edges of each
+/// numeric type (wrapping, division by zero, MIN / −1, saturating Pow, NaN through Max and
+/// Min), Pow with an exponent of another type, and the reductions of the types that reduce in
+/// f64: all equal to the CPU backend's results.
+#[test]
+fn every_element_type_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let check = |what: &str, op: &Op, ins: &[Tensor], outs: &[Meta]| {
+        assert_same_values(what, &run_typed(&gpu, op, ins, outs), &run_typed(&cpu, op, ins, outs));
+    };
+
+    let edges: Vec<f64> = vec![
+        0.0,
+        1.0,
+        -1.0,
+        2.5,
+        -2.5,
+        127.9,
+        128.0,
+        -129.0,
+        255.0,
+        256.0,
+        65535.5,
+        -32769.0,
+        3e9,
+        -3e9,
+        1e19,
+        -1e10,
+        3e38,
+        1e-40,
+        0.1,
+        f64::NAN,
+        f64::INFINITY,
+        f64::NEG_INFINITY,
+    ];
+    let edges = Tensor::from_vec(&[edges.len()], edges);
+    for from in EVERY_TYPE {
+        let x = edges.cast(from);
+        for to in EVERY_TYPE {
+            let outs = [Meta::new(to, x.shape())];
+            check(&format!("Cast {from} to {to}"), &Op::Cast { to }, std::slice::from_ref(&x), &outs);
+        }
+    }
+
+    let ops = [
+        Binary::Add,
+        Binary::Sub,
+        Binary::Mul,
+        Binary::Div,
+        Binary::Pow,
+        Binary::Max,
+        Binary::Min,
+        Binary::Equal,
+        Binary::Less,
+        Binary::Greater,
+        Binary::LessOrEqual,
+        Binary::GreaterOrEqual,
+    ];
+    for t in EVERY_TYPE.into_iter().filter(|t| *t != DType::Bool) {
+        // Every pair of edge values: a column against a row.
+        let column = edge_column(t);
+        let k = column.numel();
+        let (a, b) = (column.clone().reshaped(&[k, 1]), column.reshaped(&[1, k]));
+        for op in ops {
+            let out = if op.is_predicate() { DType::Bool } else { t };
+            check(&format!("{op:?} of {t}"), &Op::Binary(op), &[a.clone(), b.clone()], &[Meta::new(out, &[k, k])]);
+        }
+        if t != DType::F32 {
+            let pow = Op::Binary(Binary::Pow);
+            let exponents = Tensor::from_vec(&[1, 3], vec![0.5f32, 2.0, -1.0]);
+            check(&format!("Pow of {t} to f32 exponents"), &pow, &[a.clone(), exponents], &[Meta::new(t, &[k, 3])]);
+            let bases = Tensor::from_vec(&[2, 1], vec![2.0f32, -1.5]);
+            let outs = [Meta::new(DType::F32, &[2, k])];
+            check(&format!("Pow of f32 to {t} exponents"), &pow, &[bases, b.clone()], &outs);
+        }
+    }
+
+    let grid: Vec<f64> = (0..24).map(|i| ((i * 37 % 19) as f64 - 9.0) * 1.5).collect();
+    let grid = Tensor::from_vec(&[2, 3, 4], grid);
+    for t in [DType::F64, DType::I32, DType::U8, DType::I64, DType::Bool, DType::F16] {
+        let x = grid.cast(t);
+        for kind in [Reduce::Sum, Reduce::Mean, Reduce::Max, Reduce::Min, Reduce::SumSquare] {
+            for (axes, shape) in [(vec![2], vec![2, 3]), (vec![0, 2], vec![3])] {
+                let op = Op::ReduceOp { kind, axes: Some(axes.clone()), keepdims: false, noop_with_empty_axes: false };
+                let what = format!("{kind:?} of {t} over {axes:?}");
+                check(&what, &op, std::slice::from_ref(&x), &[Meta::new(t, &shape)]);
+            }
         }
     }
 }

@@ -83,6 +83,7 @@ pub enum P {
     Dims(Dims),
     Strides(Strides),
     Geo(window::Geo),
+    Pool(window::Pool),
 }
 
 impl From<i32> for P {
@@ -120,6 +121,11 @@ impl From<window::Geo> for P {
         P::Geo(v)
     }
 }
+impl From<window::Pool> for P {
+    fn from(v: window::Pool) -> P {
+        P::Pool(v)
+    }
+}
 
 /// A device address, kept apart from plain u64 values (seeds) for the type check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,6 +160,7 @@ impl P {
             P::Dims(_) => "Dims",
             P::Strides(_) => "Strides",
             P::Geo(_) => "Geo",
+            P::Pool(_) => "Pool",
         }
     }
 
@@ -166,6 +173,7 @@ impl P {
             P::Dims(v) => v as *mut Dims as *mut c_void,
             P::Strides(v) => v as *mut Strides as *mut c_void,
             P::Geo(v) => v as *mut window::Geo as *mut c_void,
+            P::Pool(v) => v as *mut window::Pool as *mut c_void,
         }
     }
 }
@@ -188,6 +196,7 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
                         "Dims" => "Dims",
                         "Strides" => "Strides",
                         "Geo" => "Geo",
+                        "Pool" => "Pool",
                         _ => "unknown",
                     })
                     .collect();
@@ -397,17 +406,24 @@ fn need_f32(x: &V, what: &str) -> Result<(), String> {
     }
 }
 
-/// The kernels' code for an element type they can cast from or to.
-fn float_code(t: DType) -> Option<i32> {
-    match t {
-        DType::F32 => Some(0),
-        DType::F16 => Some(1),
-        DType::BF16 => Some(2),
-        DType::I64 => Some(3),
-        DType::I32 => Some(4),
-        DType::Bool => Some(5),
-        _ => None,
-    }
+/// The kernel of a family with an entry point per numeric element type (binary, compare):
+/// `{family}_f32` … `{family}_u64`; bool elements are u8's.
+fn numeric(family: &str, t: DType) -> String {
+    let suffix = match t {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F64 => "f64",
+        DType::I8 => "i8",
+        DType::U8 | DType::Bool => "u8",
+        DType::I16 => "i16",
+        DType::U16 => "u16",
+        DType::I32 => "i32",
+        DType::U32 => "u32",
+        DType::I64 => "i64",
+        DType::U64 => "u64",
+    };
+    format!("{family}_{suffix}")
 }
 
 /// The kernel of a family that moves elements without reading them (strided_copy,
@@ -490,17 +506,10 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::Cast { to } => {
             let a = x(0)?;
-            let n = a.n();
             if a.dtype() == *to {
                 return dev.copy(y.at, a.at, y.meta.bytes());
             }
-            match (float_code(a.dtype()), float_code(*to)) {
-                (Some(from), Some(_)) if *to == DType::F32 => {
-                    dev.kernel("cast_to_f32", elementwise(n), &mut params![from, n as i64, a.at, y.at])
-                }
-                (Some(0), Some(_)) => cast_from_f32(dev, *to, a.at, y.at, n),
-                _ => Err(format!("no CUDA cast from {} to {to} (only to and from f32)", a.dtype())),
-            }
+            cast(dev, a.dtype(), *to, a.at, y.at, a.n())
         }
         Op::Identity | Op::Reshape | Op::AllReduce { .. } | Op::TensorParallelCopy => {
             // AllReduce: the executor reduces the copy in place over the tensor group.
@@ -812,7 +821,6 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::GlobalAveragePool => window::global_average_pool(dev, x(0)?, y),
         Op::ReduceOp { kind, axes, .. } => {
             let a = x(0)?;
-            need_f32(&a, "the input")?;
             let rank = a.shape().len();
             let mut reduced = vec![false; rank];
             for &ax in axes.as_deref().unwrap_or(&[]) {
@@ -821,12 +829,24 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             // Binding resolves the default (every axis) into the list; none left is ONNX's
             // noop_with_empty_axes, each element its own row (SumSquare still squares).
             let trailing = reduced.iter().skip_while(|&&r| !r).all(|&r| r);
-            if trailing {
-                let cols: usize = a.shape().iter().zip(&reduced).filter(|(_, &r)| r).map(|(&n, _)| n).product();
-                let rows = a.n() / cols.max(1);
-                dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
-            } else {
-                reduce_strided(dev, *kind, a, &reduced, y)
+            match a.dtype() {
+                DType::F32 if trailing => {
+                    let cols: usize = a.shape().iter().zip(&reduced).filter(|(_, &r)| r).map(|(&n, _)| n).product();
+                    let rows = a.n() / cols.max(1);
+                    dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
+                }
+                DType::F32 | DType::F16 | DType::BF16 => reduce_strided(dev, *kind, a, &reduced, y),
+                t => {
+                    // Other element types reduce in f64 and convert back, as the CPU backend's
+                    // reduce does.
+                    let part = |v: &V| (v.n() * 8).next_multiple_of(256) as u64;
+                    let base = dev.scratch((part(&a) + part(&y)) as usize)?.0;
+                    let (a64, y64) = (Ptr(base), Ptr(base + part(&a)));
+                    let (a_meta, y_meta) = (Meta::new(DType::F64, a.shape()), Meta::new(DType::F64, y.shape()));
+                    cast(dev, t, DType::F64, a.at, a64, a.n())?;
+                    reduce_strided(dev, *kind, V { meta: &a_meta, at: a64 }, &reduced, V { meta: &y_meta, at: y64 })?;
+                    cast(dev, DType::F64, t, y64, y.at, y.n())
+                }
             }
         }
         Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
@@ -901,51 +921,56 @@ fn channels(shape: &[usize]) -> Result<(i64, usize, i64), String> {
 
 /// out = a op b, broadcasting; out may be a (the n-ary fold accumulates in place).
 fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
+    let t = a.dtype();
+    if b.dtype() != t {
+        return match op {
+            Binary::Pow => pow_through_f64(dev, a, b, y),
+            _ => Err(format!("{op:?} of {t} and {} (the operands' types must agree)", b.dtype())),
+        };
+    }
     let n = y.n();
     let d = dims(y.shape())?;
     let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
     let code = op as i32;
-    if b.dtype() != a.dtype() && !(op == Binary::Pow && a.dtype() == DType::F32) {
-        return Err(format!("{op:?} of {} and {} has no CUDA kernel", a.dtype(), b.dtype()));
-    }
-    match (a.dtype(), op.is_predicate()) {
-        (t @ (DType::F32 | DType::F16 | DType::BF16), false) => {
-            // Pow's exponent may be an integer (ONNX's T1; f32 bases only): cast to f32 first.
-            let b_at = match b.dtype() {
-                bt if bt == t => b.at,
-                bt => {
-                    let from = float_code(bt)
-                        .filter(|_| bt != DType::Bool)
-                        .ok_or_else(|| format!("Pow with a {bt} exponent has no CUDA kernel"))?;
-                    let at = dev.scratch(b.n() * 4)?;
-                    dev.kernel("cast_to_f32", elementwise(b.n()), &mut params![from, b.n() as i64, b.at, at])?;
-                    at
-                }
-            };
-            let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
-            dev.kernel(
-                &typed("binary", t)?,
-                elementwise(n),
-                &mut params![code, n as i64, d, a.at, sa, b_at, sb, contiguous, y.at],
-            )
-        }
-        (t @ (DType::F32 | DType::F16 | DType::BF16), true) if !matches!(op, Binary::And | Binary::Or) => {
-            dev.kernel(&typed("compare", t)?, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
-        }
-        (DType::Bool, true) if matches!(op, Binary::And | Binary::Or | Binary::Equal) => {
+    match op {
+        Binary::And | Binary::Or if t == DType::Bool => {
             dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
         }
-        (t @ (DType::I64 | DType::I32), predicate) if !matches!(op, Binary::And | Binary::Or) => {
-            let kernel = match (t, predicate) {
-                (DType::I64, false) => "binary_i64",
-                (DType::I64, true) => "compare_i64",
-                (_, false) => "binary_i32",
-                (_, true) => "compare_i32",
-            };
-            dev.kernel(kernel, elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
+        Binary::And | Binary::Or => Err(format!("{op:?} of {t} (bool operands expected)")),
+        _ if op.is_predicate() => dev.kernel(
+            &numeric("compare", t),
+            elementwise(n),
+            &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at],
+        ),
+        _ if t == DType::Bool => Err(format!("{op:?} of bool has no CUDA kernel (nor an ONNX meaning)")),
+        _ => {
+            let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
+            dev.kernel(
+                &numeric("binary", t),
+                elementwise(n),
+                &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
+            )
         }
-        (t, _) => Err(format!("{op:?} of {t} has no CUDA kernel")),
     }
+}
+
+/// Pow with an exponent of another type than the base (ONNX's T1): both widened to f64, the
+/// power taken there and converted to the output's type, as the CPU backend computes it.
+fn pow_through_f64(dev: Dev, a: V, b: V, y: V) -> Result<(), String> {
+    let (na, nb, n) = (a.n(), b.n(), y.n());
+    let part = |elements: usize| (elements * 8).next_multiple_of(256) as u64;
+    let base = dev.scratch((part(na) + part(nb) + part(n)) as usize)?.0;
+    let (a64, b64, y64) = (Ptr(base), Ptr(base + part(na)), Ptr(base + part(na) + part(nb)));
+    cast(dev, a.dtype(), DType::F64, a.at, a64, na)?;
+    cast(dev, b.dtype(), DType::F64, b.at, b64, nb)?;
+    let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
+    let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
+    dev.kernel(
+        "binary_f64",
+        elementwise(n),
+        &mut params![Binary::Pow as i32, n as i64, dims(y.shape())?, a64, sa, b64, sb, contiguous, y64],
+    )?;
+    cast(dev, DType::F64, y.dtype(), y64, y.at, n)
 }
 
 /// (Π shape[..axis], Π shape[axis..]).
@@ -1112,7 +1137,8 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
     reduce_strided(dev, Reduce::Sum, a, &summed, y)
 }
 
-/// Reduces `a` over the axes marked in `reduced` (any of them, one thread per output).
+/// Reduces `a` (f32, f16, bf16 or f64) over the axes marked in `reduced` (any of them, one
+/// thread per output).
 fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Result<(), String> {
     let st = strides(a.shape());
     let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
@@ -1125,7 +1151,7 @@ fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Resul
     let inner: usize = red_shape.iter().product();
     let n = y.n();
     dev.kernel(
-        &typed("reduce_strided", a.dtype())?,
+        &numeric("reduce_strided", a.dtype()),
         elementwise(n),
         &mut params![
             kind as i32,
@@ -1141,10 +1167,9 @@ fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Resul
     )
 }
 
-/// `n` f32 values at `x` rounded (or converted) to `to` at `y`.
-fn cast_from_f32(dev: Dev, to: DType, x: Ptr, y: Ptr, n: usize) -> Result<(), String> {
-    let code = float_code(to).ok_or_else(|| format!("no CUDA cast from f32 to {to}"))?;
-    dev.kernel("cast_from_f32", elementwise(n), &mut params![code, n as i64, x, y])
+/// `n` elements of type `from` at `x` converted to `to` at `y` (ONNX Cast's semantics).
+fn cast(dev: Dev, from: DType, to: DType, x: Ptr, y: Ptr, n: usize) -> Result<(), String> {
+    dev.kernel("cast", elementwise(n), &mut params![from.onnx_code(), to.onnx_code(), n as i64, x, y])
 }
 
 /// A slice of `shape` as (byte offset of its first element, element strides per output dim).

@@ -5,7 +5,9 @@
 // Launch conventions (backend/cuda/mod.rs): 1-D grids; elementwise kernels walk their range
 // with a grid-stride loop; row kernels give each row one block of BLOCK threads.
 
+typedef signed char i8;
 typedef unsigned char u8;
+typedef short i16;
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -185,13 +187,23 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const u16* row) {
 }
 #endif
 
-// The element types of the float kernels: a value is loaded to f32, computed in f32 and stored
-// rounded to its type (f16 and bf16 are storage types, as on the CPU backend). A kernel family
-// is a template over one of these, with an extern "C" entry point per type.
+// The element types of the float kernels: a value is loaded to its compute type C (f32, or f64
+// for f64), computed in it and stored rounded to its type (f16 and bf16 are storage types, as on
+// the CPU backend). A kernel family is a template over one of these, with an extern "C" entry
+// point per type.
 struct F32 {
     typedef float T;
+    typedef float C;
     static __device__ __forceinline__ float load(float v) { return v; }
     static __device__ __forceinline__ float store(float v) { return v; }
+};
+// f64 is for the few families an ONNX graph may hand it to (arithmetic, comparisons, and the
+// reductions and pooling that other element types are widened to f64 for).
+struct F64 {
+    typedef double T;
+    typedef double C;
+    static __device__ __forceinline__ double load(double v) { return v; }
+    static __device__ __forceinline__ double store(double v) { return v; }
 };
 // Two f32 values rounded to nearest even and packed as halves, the first in the low half: one
 // instruction on sm_80 and later.
@@ -213,9 +225,19 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
 }
 #endif
 
+// The math a float family's template calls, for each compute type. max_of and min_of ignore a
+// NaN operand (C's fmax), as the CPU backend's reductions do.
+__device__ __forceinline__ float pow_of(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double pow_of(double a, double b) { return pow(a, b); }
+__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float min_of(float a, float b) { return fminf(a, b); }
+__device__ __forceinline__ double min_of(double a, double b) { return fmin(a, b); }
+
 // The half types also name their packing and their tensor-core product.
 struct F16 {
     typedef u16 T;
+    typedef float C;
     static __device__ __forceinline__ float load(u16 v) { return f16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_f16(v); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_f16x2(lo, hi); }
@@ -223,6 +245,7 @@ struct F16 {
 };
 struct BF16 {
     typedef u16 T;
+    typedef float C;
     static __device__ __forceinline__ float load(u16 v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ u16 store(float v) { return f32_to_bf16(v); }
     static __device__ __forceinline__ u32 pack(float lo, float hi) { return pack_bf16x2(lo, hi); }

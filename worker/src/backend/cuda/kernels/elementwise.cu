@@ -81,19 +81,23 @@ extern "C" __global__ void unary_grad_bf16(int op, i64 n, const u16* dy, const u
     unary_grad<BF16>(op, n, dy, x, dx);
 }
 
-// Arithmetic codes 0..6 give an f32; comparisons 7..11 give a bool (u8).
-__device__ __forceinline__ float arith_f(int op, float a, float b) {
+// Arithmetic codes 0..6 give a value of the operands' compute type; comparisons 7..11 a bool
+// (u8). As the CPU backend's: x² is x·x, and Max and Min propagate NaN (numpy's maximum and
+// minimum).
+template <typename C>
+__device__ __forceinline__ C arith_f(int op, C a, C b) {
     switch (op) {
     case 0: return a + b;
     case 1: return a - b;
     case 2: return a * b;
     case 3: return a / b;
-    case 4: return powf(a, b);
-    case 5: return fmaxf(a, b);
-    default: return fminf(a, b);
+    case 4: return b == (C)2 ? a * a : pow_of(a, b);
+    case 5: return (a >= b || a != a) ? a : b;
+    default: return (a <= b || a != a) ? a : b;
     }
 }
-__device__ __forceinline__ bool compare_f(int op, float a, float b) {
+template <typename C>
+__device__ __forceinline__ bool compare_f(int op, C a, C b) {
     switch (op) {
     case 7: return a == b;
     case 8: return a < b;
@@ -109,8 +113,8 @@ template <class S>
 __device__ void binary(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
                        const typename S::T* b, const Strides& sb, int contiguous, typename S::T* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float x = S::load(contiguous ? a[i] : a[offset_of(i, d, sa)]);
-        float y = S::load(contiguous ? b[i] : b[offset_of(i, d, sb)]);
+        typename S::C x = S::load(contiguous ? a[i] : a[offset_of(i, d, sa)]);
+        typename S::C y = S::load(contiguous ? b[i] : b[offset_of(i, d, sb)]);
         out[i] = S::store(arith_f(op, x, y));
     }
 }
@@ -125,6 +129,10 @@ extern "C" __global__ void binary_f16(int op, i64 n, Dims d, const u16* a, Strid
 extern "C" __global__ void binary_bf16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b,
                                        Strides sb, int contiguous, u16* out) {
     binary<BF16>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void binary_f64(int op, i64 n, Dims d, const double* a, Strides sa, const double* b,
+                                      Strides sb, int contiguous, double* out) {
+    binary<F64>(op, n, d, a, sa, b, sb, contiguous, out);
 }
 
 template <class S>
@@ -145,12 +153,19 @@ extern "C" __global__ void compare_bf16(int op, i64 n, Dims d, const u16* a, Str
                                         Strides sb, u8* out) {
     compare<BF16>(op, n, d, a, sa, b, sb, out);
 }
+extern "C" __global__ void compare_f64(int op, i64 n, Dims d, const double* a, Strides sa, const double* b,
+                                       Strides sb, u8* out) {
+    compare<F64>(op, n, d, a, sa, b, sb, out);
+}
 
-// Integer arithmetic and comparisons (i32, i64), as the CPU backend's: sums and products wrap
-// (computed unsigned, where C would call the overflow undefined), division truncates and gives
-// 0 for a zero divisor or for MIN / −1, Pow goes through f64 and saturates to the type.
+// Integer arithmetic and comparisons, as the CPU backend's: sums and products wrap (computed in
+// the unsigned type U of at least 32 bits, where C would call a signed overflow, or a u16
+// product promoted to int, undefined), division truncates and gives 0 for a zero divisor or
+// for MIN / −1, Pow goes through f64 and saturates to the type (NaN gives 0).
 template <typename T, typename U>
-__device__ __forceinline__ T arith_int(int op, T a, T b, T lowest, T highest) {
+__device__ __forceinline__ T arith_int(int op, T a, T b) {
+    const T lowest = (T)0 < (T)-1 ? (T)0 : (T)((U)1 << (8 * sizeof(T) - 1));
+    const T highest = (T)~lowest;
     switch (op) {
     case 0: return (T)((U)a + (U)b);
     case 1: return (T)((U)a - (U)b);
@@ -164,43 +179,96 @@ __device__ __forceinline__ T arith_int(int op, T a, T b, T lowest, T highest) {
         return (T)p;
     }
     case 5: return a > b ? a : b;
-    case 6: return a < b ? a : b;
-    case 7: return a == b;
-    case 8: return a < b;
-    case 9: return a > b;
-    case 10: return a <= b;
-    default: return a >= b;
+    default: return a < b ? a : b;
     }
 }
-extern "C" __global__ void binary_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
-                                      i64* out) {
+template <typename T, typename U>
+__device__ void binary_int(int op, i64 n, const Dims& d, const T* a, const Strides& sa, const T* b,
+                           const Strides& sb, int contiguous, T* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        T x = contiguous ? a[i] : a[offset_of(i, d, sa)];
+        T y = contiguous ? b[i] : b[offset_of(i, d, sb)];
+        out[i] = arith_int<T, U>(op, x, y);
+    }
+}
+template <typename T>
+__device__ void compare_int(int op, i64 n, const Dims& d, const T* a, const Strides& sa, const T* b,
+                            const Strides& sb, u8* out) {
     for (i64 i = first_index(); i < n; i += grid_stride())
-        out[i] = arith_int<i64, u64>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], (i64)(1ull << 63),
-                                     (i64)((1ull << 63) - 1));
+        out[i] = compare_f(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)]) ? 1 : 0;
+}
+// One pair per integer type (the kernel-declaration parser reads each entry point as written).
+extern "C" __global__ void binary_i8(int op, i64 n, Dims d, const i8* a, Strides sa, const i8* b, Strides sb,
+                                     int contiguous, i8* out) {
+    binary_int<i8, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_i8(int op, i64 n, Dims d, const i8* a, Strides sa, const i8* b, Strides sb,
+                                      u8* out) {
+    compare_int<i8>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
+                                     int contiguous, u8* out) {
+    binary_int<u8, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
+                                      u8* out) {
+    compare_int<u8>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_i16(int op, i64 n, Dims d, const i16* a, Strides sa, const i16* b, Strides sb,
+                                      int contiguous, i16* out) {
+    binary_int<i16, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_i16(int op, i64 n, Dims d, const i16* a, Strides sa, const i16* b, Strides sb,
+                                       u8* out) {
+    compare_int<i16>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_u16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
+                                      int contiguous, u16* out) {
+    binary_int<u16, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_u16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
+                                       u8* out) {
+    compare_int<u16>(op, n, d, a, sa, b, sb, out);
 }
 extern "C" __global__ void binary_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
-                                      int* out) {
-    for (i64 i = first_index(); i < n; i += grid_stride())
-        out[i] = arith_int<int, u32>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], (int)0x80000000u,
-                                     0x7fffffff);
-}
-extern "C" __global__ void compare_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
-                                       u8* out) {
-    for (i64 i = first_index(); i < n; i += grid_stride())
-        out[i] = arith_int<i64, u64>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], 0, 0) ? 1 : 0;
+                                      int contiguous, int* out) {
+    binary_int<int, u32>(op, n, d, a, sa, b, sb, contiguous, out);
 }
 extern "C" __global__ void compare_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
                                        u8* out) {
-    for (i64 i = first_index(); i < n; i += grid_stride())
-        out[i] = arith_int<int, u32>(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)], 0, 0) ? 1 : 0;
+    compare_int<int>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_u32(int op, i64 n, Dims d, const u32* a, Strides sa, const u32* b, Strides sb,
+                                      int contiguous, u32* out) {
+    binary_int<u32, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_u32(int op, i64 n, Dims d, const u32* a, Strides sa, const u32* b, Strides sb,
+                                       u8* out) {
+    compare_int<u32>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
+                                      int contiguous, i64* out) {
+    binary_int<i64, u64>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
+                                       u8* out) {
+    compare_int<i64>(op, n, d, a, sa, b, sb, out);
+}
+extern "C" __global__ void binary_u64(int op, i64 n, Dims d, const u64* a, Strides sa, const u64* b, Strides sb,
+                                      int contiguous, u64* out) {
+    binary_int<u64, u64>(op, n, d, a, sa, b, sb, contiguous, out);
+}
+extern "C" __global__ void compare_u64(int op, i64 n, Dims d, const u64* a, Strides sa, const u64* b, Strides sb,
+                                       u8* out) {
+    compare_int<u64>(op, n, d, a, sa, b, sb, out);
 }
 
-// And (12) and Or (13) of bools; Equal (7) of bools too.
+// And (12) and Or (13) of bools (their comparisons are compare_u8's).
 extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
                                     u8* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         bool x = a[offset_of(i, d, sa)] != 0, y = b[offset_of(i, d, sb)] != 0;
-        out[i] = (op == 12 ? (x && y) : op == 13 ? (x || y) : (x == y)) ? 1 : 0;
+        out[i] = (op == 12 ? (x && y) : (x || y)) ? 1 : 0;
     }
 }
 
@@ -256,31 +324,109 @@ extern "C" __global__ void strided_store_b64(i64 n, Dims d, const u64* x, u64* o
     for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
 }
 
-// Casts between the float types (0 f32, 1 f16, 2 bf16) and from i64/i32/bool to f32 (3, 4, 5).
-extern "C" __global__ void cast_to_f32(int from, i64 n, const void* x, float* y) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float v;
-        switch (from) {
-        case 0: v = ((const float*)x)[i]; break;
-        case 1: v = f16_to_f32(((const u16*)x)[i]); break;
-        case 2: v = bf16_to_f32(((const u16*)x)[i]); break;
-        case 3: v = (float)((const i64*)x)[i]; break;
-        case 4: v = (float)((const int*)x)[i]; break;
-        default: v = ((const u8*)x)[i] ? 1.f : 0.f; break;
-        }
-        y[i] = v;
+// Element types by their ONNX codes (TensorProto.DataType; DType::onnx_code on the Rust side).
+#define TY_F32 1
+#define TY_U8 2
+#define TY_I8 3
+#define TY_U16 4
+#define TY_I16 5
+#define TY_I32 6
+#define TY_I64 7
+#define TY_BOOL 9
+#define TY_F16 10
+#define TY_F64 11
+#define TY_U32 12
+#define TY_U64 13
+#define TY_BF16 16
+
+// Element i of x (of type t) as f64.
+__device__ double load_f64(int t, const void* x, i64 i) {
+    switch (t) {
+    case TY_F32: return ((const float*)x)[i];
+    case TY_F16: return f16_to_f32(((const u16*)x)[i]);
+    case TY_BF16: return bf16_to_f32(((const u16*)x)[i]);
+    case TY_F64: return ((const double*)x)[i];
+    case TY_I8: return ((const i8*)x)[i];
+    case TY_I16: return ((const i16*)x)[i];
+    case TY_I32: return ((const int*)x)[i];
+    case TY_I64: return (double)((const i64*)x)[i];
+    case TY_U16: return ((const u16*)x)[i];
+    case TY_U32: return ((const u32*)x)[i];
+    case TY_U64: return (double)((const u64*)x)[i];
+    default: return ((const u8*)x)[i];
     }
 }
-extern "C" __global__ void cast_from_f32(int to, i64 n, const float* x, void* y) {
+
+// Element i of x (of an integer type t, or bool) as i64; a u64 past i64's range reads 0, as the
+// CPU backend's conversion does.
+__device__ i64 load_i64(int t, const void* x, i64 i) {
+    switch (t) {
+    case TY_I8: return ((const i8*)x)[i];
+    case TY_I16: return ((const i16*)x)[i];
+    case TY_I32: return ((const int*)x)[i];
+    case TY_I64: return ((const i64*)x)[i];
+    case TY_U16: return ((const u16*)x)[i];
+    case TY_U32: return ((const u32*)x)[i];
+    case TY_U64: {
+        u64 v = ((const u64*)x)[i];
+        return v >> 63 ? 0 : (i64)v;
+    }
+    default: return ((const u8*)x)[i];
+    }
+}
+
+// A float truncated toward zero to i64, 0 for NaN and values outside i64's range (ONNX leaves
+// those undefined; the CPU backend gives 0).
+__device__ __forceinline__ i64 trunc_i64(double v) {
+    if (!(v >= -9223372036854775808.0 && v < 9223372036854775808.0)) return 0;
+    return (i64)v;
+}
+
+__device__ __forceinline__ bool is_float_type(int t) { return t == TY_F32 || t == TY_F16 || t == TY_BF16 || t == TY_F64; }
+
+// Cast (ONNX semantics, as the CPU backend's cast.rs): between any two element types. Floats
+// meet through f64 (f32, f16 and bf16 through f32, exactly); f16 and bf16 are rounded from f32
+// (from f64 that is two roundings, as half's conversions on x86 do); floats to integers
+// truncate toward zero and then wrap to the type's width, integers wrap; bool is x ≠ 0.
+extern "C" __global__ void cast(int from, int to, i64 n, const void* x, void* y) {
+    bool halves = from == TY_F32 || from == TY_F16 || from == TY_BF16;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        float v = x[i];
+        if (to == TY_F64) {
+            ((double*)y)[i] = load_f64(from, x, i);
+            continue;
+        }
+        if (to == TY_F32 || to == TY_F16 || to == TY_BF16 || to == TY_BOOL) {
+            float v;
+            if (halves) {
+                v = from == TY_F32 ? ((const float*)x)[i]
+                    : from == TY_F16 ? f16_to_f32(((const u16*)x)[i])
+                                      : bf16_to_f32(((const u16*)x)[i]);
+            } else {
+                double d = load_f64(from, x, i);
+                if (to == TY_BOOL) {
+                    ((u8*)y)[i] = d != 0.0 ? 1 : 0;
+                    continue;
+                }
+                v = (float)d;
+            }
+            switch (to) {
+            case TY_F32: ((float*)y)[i] = v; break;
+            case TY_F16: ((u16*)y)[i] = f32_to_f16(v); break;
+            case TY_BF16: ((u16*)y)[i] = f32_to_bf16(v); break;
+            default: ((u8*)y)[i] = v != 0.f ? 1 : 0; break;
+            }
+            continue;
+        }
+        i64 v = is_float_type(from) ? trunc_i64(load_f64(from, x, i)) : load_i64(from, x, i);
         switch (to) {
-        case 1: ((u16*)y)[i] = f32_to_f16(v); break;
-        case 2: ((u16*)y)[i] = f32_to_bf16(v); break;
-        case 3: ((i64*)y)[i] = (i64)v; break;
-        case 4: ((int*)y)[i] = (int)v; break;
-        case 5: ((u8*)y)[i] = v != 0.f ? 1 : 0; break;
-        default: ((float*)y)[i] = v; break;
+        case TY_I8: ((i8*)y)[i] = (i8)v; break;
+        case TY_I16: ((i16*)y)[i] = (i16)v; break;
+        case TY_I32: ((int*)y)[i] = (int)v; break;
+        case TY_I64: ((i64*)y)[i] = v; break;
+        case TY_U16: ((u16*)y)[i] = (u16)v; break;
+        case TY_U32: ((u32*)y)[i] = (u32)v; break;
+        case TY_U64: ((u64*)y)[i] = (u64)v; break;
+        default: ((u8*)y)[i] = (u8)v; break;
         }
     }
 }

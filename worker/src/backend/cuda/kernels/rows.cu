@@ -167,19 +167,20 @@ extern "C" __global__ void column_sum_finish_bf16(i64 chunks, i64 cols, const fl
 }
 
 // A reduction over any axes (ReduceSumTo, and the Reduce ops over axes that are not the
-// trailing ones): each output element reduces its `inner_n` input elements, one thread each;
-// `od`/`os` walk the kept dims, `rd`/`rs` the reduced ones. kind as in reduce_rows (below);
-// sums in f64, as the CPU backend's reduce.
+// trailing ones or of other element types than f32, widened to f64): each output element
+// reduces its `inner_n` input elements, one thread each; `od`/`os` walk the kept dims, `rd`/`rs`
+// the reduced ones. kind as in reduce_rows (below); sums in f64, as the CPU backend's reduce.
 template <class S>
 __device__ void reduce_strided(int kind, i64 n, const Dims& od, const Strides& os, i64 inner_n, const Dims& rd,
                                const Strides& rs, const typename S::T* x, typename S::T* out) {
+    typedef typename S::C C;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 base = offset_of(i, od, os);
         if (kind == 2 || kind == 3) {
-            float m = kind == 2 ? NEG_INF : -NEG_INF;
+            C m = kind == 2 ? (C)NEG_INF : -(C)NEG_INF;
             for (i64 j = 0; j < inner_n; ++j) {
-                float v = S::load(x[base + offset_of(j, rd, rs)]);
-                m = kind == 2 ? fmaxf(m, v) : fminf(m, v);
+                C v = S::load(x[base + offset_of(j, rd, rs)]);
+                m = kind == 2 ? max_of(m, v) : min_of(m, v);
             }
             out[i] = S::store(m);
             continue;
@@ -189,7 +190,7 @@ __device__ void reduce_strided(int kind, i64 n, const Dims& od, const Strides& o
             double v = (double)S::load(x[base + offset_of(j, rd, rs)]);
             s += kind == 4 ? v * v : v;
         }
-        out[i] = S::store((float)(kind == 1 ? s / (double)inner_n : s));
+        out[i] = S::store((C)(kind == 1 ? s / (double)inner_n : s));
     }
 }
 extern "C" __global__ void reduce_strided_f32(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
@@ -203,6 +204,10 @@ extern "C" __global__ void reduce_strided_f16(int kind, i64 n, Dims od, Strides 
 extern "C" __global__ void reduce_strided_bf16(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
                                                Strides rs, const u16* x, u16* out) {
     reduce_strided<BF16>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_f64(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                              Strides rs, const double* x, double* out) {
+    reduce_strided<F64>(kind, n, od, os, inner_n, rd, rs, x, out);
 }
 
 // ---- SoftmaxCrossEntropyLoss over rows of class scores ([N, C], classes contiguous) ----

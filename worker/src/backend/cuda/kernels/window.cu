@@ -1,7 +1,8 @@
 // Convolution's data movement (im2col and its adjoint; the products are cuBLASLt's), pooling
 // and global average pooling, forward and backward. NCHW, f32, f16 or bf16 elements (sums in
-// f32); a 1-D window runs as 2-D with height 1 (launch.rs lifts it, as the CPU backend's conv.rs
-// does).
+// f32; pooling also f64, which other element types are widened to). A 1-D convolution runs as
+// 2-D with height 1 (launch.rs lifts it, as the CPU backend's conv.rs does); pooling takes up to
+// 3 spatial dims.
 
 // The geometry of one 2-D window op: input C×H×W, output OH×OW, kernel, strides, dilations,
 // begin pads, and the end pads that only average pooling's count_include_pad reads.
@@ -95,93 +96,113 @@ extern "C" __global__ void channel_bias_bf16(i64 n, i64 channels, i64 plane, con
     channel_bias<BF16>(n, channels, plane, bias, y);
 }
 
+// The geometry of one pooling op over up to 3 spatial dims (fewer run as 3 with leading sizes
+// of 1): per dim the input and output sizes, kernel, stride, dilation, begin pad, and the end
+// pad that only average pooling's count_include_pad reads.
+struct Pool {
+    i64 in[3], out[3], k[3], s[3], d[3], pad[3], pad_end[3];
+};
+
 // How many taps of one window along one dim average pooling with count_include_pad divides by:
 // those inside the padded input [−pad_begin, size + pad_end), not those that ceil_mode hangs
 // off its end (PyTorch's and ONNX Runtime's count).
-__device__ __forceinline__ i64 padded_taps(i64 o, i64 stride, i64 k, i64 dilation, i64 pad, i64 pad_end,
-                                           i64 size) {
-    i64 start = o * stride - pad;
-    i64 end = start + (k - 1) * dilation + 1;
-    if (end > size + pad_end) end = size + pad_end;
+__device__ __forceinline__ i64 padded_taps(const Pool& g, int dim, i64 o) {
+    i64 start = o * g.s[dim] - g.pad[dim];
+    i64 end = start + (g.k[dim] - 1) * g.d[dim] + 1;
+    if (end > g.in[dim] + g.pad_end[dim]) end = g.in[dim] + g.pad_end[dim];
     i64 span = end - start;
-    return span > 0 ? (span + dilation - 1) / dilation : 0;
+    return span > 0 ? (span + g.d[dim] - 1) / g.d[dim] : 0;
 }
 
-// What average pooling divides output (oy, ox) by: the taps inside the input, or with
+// Input position `at` along each dim of kernel tap (t0, t1, t2) of output `o`; false when the
+// tap falls in the padding. `at` is then the tap's flat offset in the input plane.
+__device__ __forceinline__ bool pool_tap(const Pool& g, const i64* o, i64 t0, i64 t1, i64 t2, i64* at) {
+    i64 t[3] = {t0, t1, t2}, off = 0;
+    for (int dim = 0; dim < 3; ++dim) {
+        i64 i = tap_at(o[dim], t[dim], g.s[dim], g.d[dim], g.pad[dim]);
+        if (i < 0 || i >= g.in[dim]) return false;
+        off = off * g.in[dim] + i;
+    }
+    *at = off;
+    return true;
+}
+
+// What average pooling divides output `o` by: the taps inside the input, or with
 // count_include_pad those inside the padded input; at least 1.
-__device__ i64 average_count(const Geo& g, i64 oy, i64 ox, int include_pad) {
-    i64 count = 0;
+__device__ i64 average_count(const Pool& g, const i64* o, int include_pad) {
+    i64 count = 1;
     if (include_pad) {
-        count = padded_taps(oy, g.sh, g.kh, g.dh, g.ph, g.ph_end, g.h) *
-                padded_taps(ox, g.sw, g.kw, g.dw, g.pw, g.pw_end, g.w);
+        for (int dim = 0; dim < 3; ++dim) count *= padded_taps(g, dim, o[dim]);
     } else {
-        for (i64 ky = 0; ky < g.kh; ++ky) {
-            i64 iy = tap_at(oy, ky, g.sh, g.dh, g.ph);
-            for (i64 kx = 0; kx < g.kw; ++kx) {
-                i64 ix = tap_at(ox, kx, g.sw, g.dw, g.pw);
-                count += iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-            }
-        }
+        count = 0;
+        i64 at;
+        for (i64 t0 = 0; t0 < g.k[0]; ++t0)
+            for (i64 t1 = 0; t1 < g.k[1]; ++t1)
+                for (i64 t2 = 0; t2 < g.k[2]; ++t2) count += pool_tap(g, o, t0, t1, t2, &at);
     }
     return count > 0 ? count : 1;
 }
 
-// The input position (in its plane) of the first maximum of output (oy, ox)'s window, taps in
+// The input position (in its plane) of the first maximum of output `o`'s window, taps in
 // row-major order, or -1 for a window wholly in the padding. NaN never wins, as on the CPU.
 template <class S>
-__device__ i64 first_max(const Geo& g, const typename S::T* xp, i64 oy, i64 ox) {
-    i64 best = -1;
-    for (i64 ky = 0; ky < g.kh; ++ky) {
-        i64 iy = tap_at(oy, ky, g.sh, g.dh, g.ph);
-        if (iy < 0 || iy >= g.h) continue;
-        for (i64 kx = 0; kx < g.kw; ++kx) {
-            i64 ix = tap_at(ox, kx, g.sw, g.dw, g.pw);
-            if (ix < 0 || ix >= g.w) continue;
-            i64 at = iy * g.w + ix;
-            if (best < 0 || S::load(xp[at]) > S::load(xp[best])) best = at;
-        }
-    }
+__device__ i64 first_max(const Pool& g, const typename S::T* xp, const i64* o) {
+    i64 best = -1, at;
+    for (i64 t0 = 0; t0 < g.k[0]; ++t0)
+        for (i64 t1 = 0; t1 < g.k[1]; ++t1)
+            for (i64 t2 = 0; t2 < g.k[2]; ++t2)
+                if (pool_tap(g, o, t0, t1, t2, &at) && (best < 0 || S::load(xp[at]) > S::load(xp[best]))) best = at;
     return best;
+}
+
+// Output position `o` (per dim) of flat index `i` in an output plane.
+__device__ __forceinline__ void pool_position(const Pool& g, i64 i, i64* o) {
+    o[2] = i % g.out[2];
+    o[1] = (i / g.out[2]) % g.out[1];
+    o[0] = i / (g.out[2] * g.out[1]);
 }
 
 // MaxPool (`max`) or AveragePool over `planes` = N·C planes; one thread per output. MaxPool's
 // Indices (when not null) get each maximum's flat index in X (ONNX's storage_order 0).
 template <class S>
-__device__ void pool(int max, int include_pad, i64 planes, const Geo& g, const typename S::T* x, typename S::T* y,
+__device__ void pool(int max, int include_pad, i64 planes, const Pool& g, const typename S::T* x, typename S::T* y,
                      i64* indices) {
-    i64 plane_out = g.oh * g.ow, n = planes * plane_out;
+    typedef typename S::C C;
+    i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
+    i64 n = planes * plane_out;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 o = i % plane_out, oy = o / g.ow, ox = o % g.ow, p = i / plane_out;
-        const typename S::T* xp = x + p * g.h * g.w;
+        i64 o[3], p = i / plane_out, at;
+        pool_position(g, i % plane_out, o);
+        const typename S::T* xp = x + p * plane_in;
         if (max) {
-            i64 at = first_max<S>(g, xp, oy, ox);
-            y[i] = at < 0 ? S::store(NEG_INF) : xp[at];
-            if (indices) indices[i] = p * g.h * g.w + (at < 0 ? 0 : at);
+            i64 best = first_max<S>(g, xp, o);
+            y[i] = best < 0 ? S::store((C)NEG_INF) : xp[best];
+            if (indices) indices[i] = p * plane_in + (best < 0 ? 0 : best);
             continue;
         }
-        float s = 0.f;
-        for (i64 ky = 0; ky < g.kh; ++ky) {
-            i64 iy = tap_at(oy, ky, g.sh, g.dh, g.ph);
-            if (iy < 0 || iy >= g.h) continue;
-            for (i64 kx = 0; kx < g.kw; ++kx) {
-                i64 ix = tap_at(ox, kx, g.sw, g.dw, g.pw);
-                if (ix >= 0 && ix < g.w) s += S::load(xp[iy * g.w + ix]);
-            }
-        }
-        y[i] = S::store(s / (float)average_count(g, oy, ox, include_pad));
+        C s = 0;
+        for (i64 t0 = 0; t0 < g.k[0]; ++t0)
+            for (i64 t1 = 0; t1 < g.k[1]; ++t1)
+                for (i64 t2 = 0; t2 < g.k[2]; ++t2)
+                    if (pool_tap(g, o, t0, t1, t2, &at)) s += S::load(xp[at]);
+        y[i] = S::store(s / (C)average_count(g, o, include_pad));
     }
 }
-extern "C" __global__ void pool_f32(int max, int include_pad, i64 planes, Geo g, const float* x, float* y,
+extern "C" __global__ void pool_f32(int max, int include_pad, i64 planes, Pool g, const float* x, float* y,
                                     i64* indices) {
     pool<F32>(max, include_pad, planes, g, x, y, indices);
 }
-extern "C" __global__ void pool_f16(int max, int include_pad, i64 planes, Geo g, const u16* x, u16* y,
+extern "C" __global__ void pool_f16(int max, int include_pad, i64 planes, Pool g, const u16* x, u16* y,
                                     i64* indices) {
     pool<F16>(max, include_pad, planes, g, x, y, indices);
 }
-extern "C" __global__ void pool_bf16(int max, int include_pad, i64 planes, Geo g, const u16* x, u16* y,
+extern "C" __global__ void pool_bf16(int max, int include_pad, i64 planes, Pool g, const u16* x, u16* y,
                                      i64* indices) {
     pool<BF16>(max, include_pad, planes, g, x, y, indices);
+}
+extern "C" __global__ void pool_f64(int max, int include_pad, i64 planes, Pool g, const double* x, double* y,
+                                    i64* indices) {
+    pool<F64>(max, include_pad, planes, g, x, y, indices);
 }
 
 // dX of pooling, gathered per input element from the outputs whose windows read it: max
@@ -189,40 +210,44 @@ extern "C" __global__ void pool_bf16(int max, int include_pad, i64 planes, Geo g
 // readers are visited in increasing output order (taps from the last back), the order in which
 // the CPU backend scatters, so the sums agree bit for bit.
 template <class S>
-__device__ void pool_grad(int max, int include_pad, i64 planes, const Geo& g, const typename S::T* dy,
+__device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, const typename S::T* dy,
                           const typename S::T* x, typename S::T* dx) {
-    i64 plane_in = g.h * g.w, n = planes * plane_in;
+    i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
+    i64 n = planes * plane_in;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 at = i % plane_in, iy = at / g.w, ix = at % g.w, p = i / plane_in;
+        i64 at = i % plane_in, p = i / plane_in;
+        i64 in[3] = {at / (g.in[2] * g.in[1]), (at / g.in[2]) % g.in[1], at % g.in[2]};
         const typename S::T* xp = x + p * plane_in;
-        const typename S::T* dyp = dy + p * g.oh * g.ow;
+        const typename S::T* dyp = dy + p * plane_out;
         float s = 0.f;
-        for (i64 ky = g.kh - 1; ky >= 0; --ky) {
-            i64 oy = reader_of(iy, ky, g.sh, g.dh, g.ph, g.oh);
-            if (oy < 0) continue;
-            for (i64 kx = g.kw - 1; kx >= 0; --kx) {
-                i64 ox = reader_of(ix, kx, g.sw, g.dw, g.pw, g.ow);
-                if (ox < 0) continue;
-                float d = S::load(dyp[oy * g.ow + ox]);
-                if (max) {
-                    if (first_max<S>(g, xp, oy, ox) == at) s += d;
-                } else {
-                    s += d / (float)average_count(g, oy, ox, include_pad);
+        i64 o[3];
+        for (i64 t0 = g.k[0] - 1; t0 >= 0; --t0) {
+            if ((o[0] = reader_of(in[0], t0, g.s[0], g.d[0], g.pad[0], g.out[0])) < 0) continue;
+            for (i64 t1 = g.k[1] - 1; t1 >= 0; --t1) {
+                if ((o[1] = reader_of(in[1], t1, g.s[1], g.d[1], g.pad[1], g.out[1])) < 0) continue;
+                for (i64 t2 = g.k[2] - 1; t2 >= 0; --t2) {
+                    if ((o[2] = reader_of(in[2], t2, g.s[2], g.d[2], g.pad[2], g.out[2])) < 0) continue;
+                    float d = S::load(dyp[(o[0] * g.out[1] + o[1]) * g.out[2] + o[2]]);
+                    if (max) {
+                        if (first_max<S>(g, xp, o) == at) s += d;
+                    } else {
+                        s += d / (float)average_count(g, o, include_pad);
+                    }
                 }
             }
         }
         dx[i] = S::store(s);
     }
 }
-extern "C" __global__ void pool_grad_f32(int max, int include_pad, i64 planes, Geo g, const float* dy,
+extern "C" __global__ void pool_grad_f32(int max, int include_pad, i64 planes, Pool g, const float* dy,
                                          const float* x, float* dx) {
     pool_grad<F32>(max, include_pad, planes, g, dy, x, dx);
 }
-extern "C" __global__ void pool_grad_f16(int max, int include_pad, i64 planes, Geo g, const u16* dy, const u16* x,
+extern "C" __global__ void pool_grad_f16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const u16* x,
                                          u16* dx) {
     pool_grad<F16>(max, include_pad, planes, g, dy, x, dx);
 }
-extern "C" __global__ void pool_grad_bf16(int max, int include_pad, i64 planes, Geo g, const u16* dy, const u16* x,
+extern "C" __global__ void pool_grad_bf16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const u16* x,
                                           u16* dx) {
     pool_grad<BF16>(max, include_pad, planes, g, dy, x, dx);
 }

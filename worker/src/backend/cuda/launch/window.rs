@@ -1,12 +1,13 @@
 //! Convolution and pooling on the CUDA backend (kernels/window.cu): convolution as im2col and
 //! strided-batched cuBLASLt products over the images, one product per group; its gradient as
 //! the transposed products and col2im; pooling one thread per output (and per input element
-//! for the gradient, gathered so that no atomics make the sums' order vary). 1-D and 2-D
-//! windows, f32, f16 or bf16 (mixed precision's convolutions: half products with f32
-//! accumulation), with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these
-//! are checked against.
+//! for the gradient, gathered so that no atomics make the sums' order vary). Convolutions over
+//! 1-D and 2-D windows in f32, f16 or bf16 (mixed precision's convolutions: half products with
+//! f32 accumulation); pooling over up to 3 spatial dims in any element type (its gradient 1-D
+//! and 2-D); with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these are
+//! checked against.
 
-use super::{at, cast_from_f32, elementwise, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
+use super::{at, cast, elementwise, numeric, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::ir::Meta;
 use crate::graph::op::{PoolKind, Reduce, Window};
@@ -266,13 +267,50 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
         let sum = V { meta: &sum_meta, at: if t == DType::F32 { dw_g } else { summed } };
         reduce_strided(dev, Reduce::Sum, V { meta: &slots_meta, at: partial }, &[true, false], sum)?;
         if t != DType::F32 {
-            cast_from_f32(dev, t, summed, dw_g, dw_g_len)?;
+            cast(dev, DType::F32, t, summed, dw_g, dw_g_len)?;
         }
     }
     // dB[k] = Σ over images and the plane of dY[img, k, ·].
     let mut summed = vec![true; dy.shape().len()];
     summed[1] = false;
     reduce_strided(dev, Reduce::Sum, dy, &summed, db)
+}
+
+/// `Pool` of kernels/window.cu, by value: a pooling window over up to 3 spatial dims.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Pool {
+    input: [i64; 3],
+    output: [i64; 3],
+    kernel: [i64; 3],
+    strides: [i64; 3],
+    dilations: [i64; 3],
+    pads: [i64; 3],
+    pads_end: [i64; 3],
+}
+
+impl Pool {
+    /// The window between input `x` and output `y` (N, C, spatial…), with fewer than 3 spatial
+    /// dims padded in front by dims of size 1.
+    fn of(win: &Window, x: &[usize], y: &[usize]) -> Result<Pool, String> {
+        let nd = x.len().saturating_sub(2);
+        if !(1..=3).contains(&nd) || y.len() != x.len() {
+            return Err(format!("pooling {x:?} into {y:?}: 1 to 3 spatial dims expected"));
+        }
+        let lead = 3 - nd;
+        let dim = |values: &[usize], fill: usize| -> [i64; 3] {
+            std::array::from_fn(|d| if d < lead { fill } else { values[d - lead] } as i64)
+        };
+        Ok(Pool {
+            input: dim(&x[2..], 1),
+            output: dim(&y[2..], 1),
+            kernel: dim(&win.kernel, 1),
+            strides: dim(&win.strides, 1),
+            dilations: dim(&win.dilations, 1),
+            pads: dim(&win.pads[..nd], 0),
+            pads_end: dim(&win.pads[nd..], 0),
+        })
+    }
 }
 
 /// The kernels' (max, include_pad) flags for a pooling kind.
@@ -283,29 +321,46 @@ fn pool_flags(kind: PoolKind) -> (i32, i32) {
     }
 }
 
-/// MaxPool or AveragePool; `indices` is MaxPool's optional second output.
+/// MaxPool or AveragePool over 1 to 3 spatial dims; `indices` is MaxPool's optional second
+/// output. Other element types than the float ones pool in f64 and convert back, as the CPU
+/// backend does.
 pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<V>) -> Result<(), String> {
-    let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
-    let g = cpu::geo(win, x.shape(), y.shape())?;
+    if x.dtype() != y.dtype() {
+        return Err(format!("Y is {} where X is {}", y.dtype(), x.dtype()));
+    }
+    let g = Pool::of(win, x.shape(), y.shape())?;
     let (max, include_pad) = pool_flags(kind);
     let planes = (x.shape()[0] * x.shape()[1]) as i64;
     let indices = indices.map_or(NULL, |i| i.at);
-    dev.kernel(
-        &typed("pool", t)?,
-        elementwise(y.n()),
-        &mut params![max, include_pad, planes, Geo::from(&g), x.at, y.at, indices],
-    )
+    let t = x.dtype();
+    if matches!(t, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
+        return dev.kernel(
+            &numeric("pool", t),
+            elementwise(y.n()),
+            &mut params![max, include_pad, planes, g, x.at, y.at, indices],
+        );
+    }
+    let part = |v: &V| (v.n() * 8).next_multiple_of(256) as u64;
+    let base = dev.scratch((part(&x) + part(&y)) as usize)?.0;
+    let (x64, y64) = (Ptr(base), Ptr(base + part(&x)));
+    cast(dev, t, DType::F64, x.at, x64, x.n())?;
+    dev.kernel("pool_f64", elementwise(y.n()), &mut params![max, include_pad, planes, g, x64, y64, indices])?;
+    cast(dev, DType::F64, t, y64, y.at, y.n())
 }
 
+/// dY, X → dX of 1-D or 2-D pooling (as the CPU backend's).
 pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), String> {
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&dx, "dX")])?;
-    let g = cpu::geo(win, x.shape(), dy.shape())?;
+    if x.shape().len() > 4 {
+        return Err(format!("the gradient of {}-D pooling is not implemented (1-D and 2-D are)", x.shape().len() - 2));
+    }
+    let g = Pool::of(win, x.shape(), dy.shape())?;
     let (max, include_pad) = pool_flags(kind);
     let planes = (x.shape()[0] * x.shape()[1]) as i64;
     dev.kernel(
         &typed("pool_grad", t)?,
         elementwise(dx.n()),
-        &mut params![max, include_pad, planes, Geo::from(&g), dy.at, x.at, dx.at],
+        &mut params![max, include_pad, planes, g, dy.at, x.at, dx.at],
     )
 }
 
