@@ -13,6 +13,8 @@ betas (0.9, 0.95), weight decay 0.1), on random tokens. For each of
   - PyTorch eager (F.scaled_dot_product_attention, fused AdamW),
   - PyTorch with torch.compile (the same model compiled),
   - tensorfleet (the worker binary, `precision: bf16`, `device: cuda`, fused attention),
+  - tensorfleet with TENSORFLEET_CUDA_ATTENTION=warp (attention on the warp kernels rather than
+    the tensor cores; --no-warp-attention skips it),
 
 it takes the largest micro-batch of --micro-batches that trains without running out of memory,
 times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU memory:
@@ -135,14 +137,21 @@ def worker_config(micro_batch, steps, out, peak, run_dir):
     }
 
 
-def worker_run(worker, micro_batch, steps, warmup, out, peak):
-    run_dir = f"{out}/tensorfleet-mb{micro_batch}"
+def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto"):
+    """One timed worker run; `attention` is TENSORFLEET_CUDA_ATTENTION's value (warp: the warp
+    kernels in place of the tensor-core ones)."""
+    run_dir = f"{out}/tensorfleet-{attention}-mb{micro_batch}"
     config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
-    cfg_path = f"{out}/tensorfleet-mb{micro_batch}.json"
+    cfg_path = f"{run_dir}.json"
     with open(cfg_path, "w") as f:
         json.dump(config, f)
+    env = dict(os.environ, TENSORFLEET_CUDA_ATTENTION=attention)
     proc = subprocess.Popen(
-        [worker, "train", "--config", cfg_path, "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        [worker, "train", "--config", cfg_path, "--quiet"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     peak_mib = [0]
 
@@ -173,7 +182,7 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak):
     return {"tokens_per_s": statistics.median(rates), "peak_bytes": peak_mib[0] << 20}
 
 
-def worker_profile(worker, micro_batch, out, peak, top=15):
+def worker_profile(worker, micro_batch, out, peak, attention, top=15):
     """Where a tensorfleet step's time goes: the worker's op profile of its third step (each op
     timed to the GPU's completion, so launch gaps show as well), summed by op type."""
     run_dir = f"{out}/tensorfleet-profile"
@@ -182,7 +191,10 @@ def worker_profile(worker, micro_batch, out, peak, top=15):
     cfg_path = f"{out}/tensorfleet-profile.json"
     with open(cfg_path, "w") as f:
         json.dump(config, f)
-    done = subprocess.run([worker, "train", "--config", cfg_path, "--quiet"], capture_output=True, text=True)
+    env = dict(os.environ, TENSORFLEET_CUDA_ATTENTION=attention)
+    done = subprocess.run(
+        [worker, "train", "--config", cfg_path, "--quiet"], capture_output=True, text=True, env=env
+    )
     if done.returncode != 0:
         return {"error": failure(done.stderr, done.returncode)}
     events = json.load(open(f"{run_dir}/profile.json"))
@@ -224,26 +236,40 @@ def main():
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--out", default="target/gpu-bench")
     ap.add_argument("--no-profile", action="store_true", help="skip tensorfleet's op profile")
+    ap.add_argument(
+        "--no-warp-attention", action="store_true", help="skip the tensorfleet run with the warp attention kernels"
+    )
     a = ap.parse_args()
     sizes = [int(s) for s in a.micro_batches.split(",")]
     name = torch.cuda.get_device_name(0)
     peak = peak_tflops(name, a.peak_tflops)
     os.makedirs(a.out, exist_ok=True)
     results = {}
-    for label, run in [
+    runs = [
         ("pytorch_eager", lambda mb: torch_run(False, mb, a.steps, a.warmup)),
         ("pytorch_compile", lambda mb: torch_run(True, mb, a.steps, a.warmup)),
         ("tensorfleet", lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak)),
-    ]:
+    ]
+    if not a.no_warp_attention:
+        # What the tensor-core attention is worth (and a measurement should it fail).
+        runs.append(
+            ("tensorfleet_warp_attn", lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak, "warp"))
+        )
+    for label, run in runs:
         print(f"{label} ...", file=sys.stderr)
         r = largest_that_fits(run, sizes)
         if "tokens_per_s" in r and peak:
             r["mfu"] = flops_per_token() * r["tokens_per_s"] / (peak * 1e12)
         results[label] = r
     profile = None
-    if not a.no_profile and "micro_batch" in results["tensorfleet"]:
-        print("tensorfleet op profile ...", file=sys.stderr)
-        profile = worker_profile(a.worker, results["tensorfleet"]["micro_batch"], a.out, peak)
+    # The default kernels' profile, or the warp attention's where the default run failed.
+    profiled = [(l, at) for l, at in [("tensorfleet", "auto"), ("tensorfleet_warp_attn", "warp")]
+                if "micro_batch" in results.get(l, {})]
+    if not a.no_profile and profiled:
+        label, attention = profiled[0]
+        print(f"{label} op profile ...", file=sys.stderr)
+        profile = worker_profile(a.worker, results[label]["micro_batch"], a.out, peak, attention)
+        profile["attention"] = attention
     summary = {
         "gpu": name,
         "peak_bf16_tflops": peak,
@@ -258,18 +284,19 @@ def main():
     with open(f"{a.out}/gpu-bench.json", "w") as f:
         json.dump(summary, f, indent=1)
     print(f"GPT-2 124M, seq {SEQ}, bf16, on {name} (dense bf16 peak {peak} TFLOP/s)")
-    print(f"{'':18} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'':22} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     for label, r in results.items():
         if "error" in r:
-            print(f"{label:18} {r['error']}")
+            print(f"{label:22} {r['error']}")
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
-            print(f"{label:18} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
+            print(f"{label:22} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
     if profile and "error" in profile:
         print(f"tensorfleet op profile: {profile['error']}")
     elif profile:
         print(
-            f"tensorfleet op profile, micro-batch {profile['micro_batch']}: a profiled step "
+            f"tensorfleet op profile ({profile['attention']} attention), micro-batch {profile['micro_batch']}: "
+            f"a profiled step "
             f"{profile['step_ms']:.1f} ms, its ops {profile['ops_ms']:.1f} ms (each waited for)"
         )
         for o in profile["top"]:

@@ -9,8 +9,11 @@
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
 # then the ONNX node tests on the GPU. bench: worker/benches/gpu_gpt2_124m.py next to PyTorch
 # eager and torch.compile (arguments after the mode go to it, e.g. --micro-batches 16,8 to try
-# fewer sizes). Logs and results go to $OUT, or to gpu-session/ where OUT is unset. Each mode is
-# meant to fit one call (10 minutes); neither has run on a GPU yet.
+# fewer sizes; the bench also times tensorfleet with TENSORFLEET_CUDA_ATTENTION=warp, and
+# profiles that run where the default one fails). Logs and results go to $OUT, or to gpu-session/
+# where OUT is unset. Each mode is meant to fit one call (10 minutes); neither has run on a GPU
+# yet. Should the tensor-core attention fail the check, TENSORFLEET_CUDA_ATTENTION=warp in the
+# command runs everything on the warp kernels without a rebuild.
 set -euo pipefail
 mode=${1:?"usage: gpu_session.sh check|bench [benchmark arguments]"}
 shift

@@ -410,3 +410,14 @@ fn nccl_collectives_run_on_the_gpu() {
         assert_eq!(gpu.download(a).unwrap().as_slice::<f32>(), t.as_slice::<f32>());
     }
 }
+
+#[test]
+fn the_attention_kernels_follow_the_gpu_and_the_environment() {
+    use tensorfleet_worker::backend::cuda::tensor_core_attention as choose;
+    assert_eq!(choose(None, (9, 0)), Ok(true));
+    assert_eq!(choose(Some("auto"), (8, 0)), Ok(true));
+    assert_eq!(choose(None, (7, 5)), Ok(false), "Turing has no sm_80 mma/ldmatrix/cp.async");
+    assert_eq!(choose(Some("warp"), (9, 0)), Ok(false));
+    let err = choose(Some("flash"), (9, 0)).unwrap_err();
+    assert!(err.contains("TENSORFLEET_CUDA_ATTENTION") && err.contains("'flash'"), "{err}");
+}

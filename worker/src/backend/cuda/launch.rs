@@ -223,9 +223,10 @@ pub trait Target {
     fn scratch_budget(&self) -> usize {
         64 << 20
     }
-    /// Whether the device has sm_80's tensor-core instructions (`mma.sync` m16n8k16 in f16 and
-    /// bf16, `ldmatrix`, `cp.async`), which the tensor-core attention kernels use.
-    fn tensor_cores(&self) -> bool {
+    /// Whether attention may run on the tensor-core kernels: the device has sm_80's instructions
+    /// (`mma.sync` m16n8k16 in f16 and bf16, `ldmatrix`, `cp.async`) and `ATTENTION_ENV` does
+    /// not ask for the warp kernels.
+    fn tensor_core_attention(&self) -> bool {
         true
     }
     /// The word a kernel that can meet bad data reports it in; `what` says what ran.
@@ -283,8 +284,8 @@ impl Target for CudaBackend {
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
         CudaBackend::scratch(self, bytes).map(Ptr)
     }
-    fn tensor_cores(&self) -> bool {
-        self.capability >= (8, 0)
+    fn tensor_core_attention(&self) -> bool {
+        self.tensor_core_attention
     }
     fn fault(&self, what: String) -> Ptr {
         Ptr(self.fault_word(what))
@@ -349,8 +350,8 @@ impl Dev<'_> {
         self.0.scratch_budget()
     }
 
-    fn tensor_cores(&self) -> bool {
-        self.0.tensor_cores()
+    fn tensor_core_attention(&self) -> bool {
+        self.0.tensor_core_attention()
     }
 
     fn fault(&self, what: impl FnOnce() -> String) -> Ptr {

@@ -74,10 +74,26 @@ pub fn per_row(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows.min(u32::MAX as usize) as u32, 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The environment variable that picks the attention kernels: `auto` (or unset: the tensor-core
+/// kernels for the f16/bf16 heads they take, on sm_80 and later) or `warp` (the warp kernels
+/// everywhere: a fallback should the tensor-core ones fail on some GPU, and the GPU benchmark's
+/// measure of what they are worth).
+pub const ATTENTION_ENV: &str = "TENSORFLEET_CUDA_ATTENTION";
+
+/// Whether attention runs on the tensor-core kernels, for [`ATTENTION_ENV`]'s value and a GPU
+/// of compute capability `capability`.
+pub fn tensor_core_attention(choice: Option<&str>, capability: (i32, i32)) -> Result<bool, String> {
+    match choice.unwrap_or("auto") {
+        "auto" | "" => Ok(capability >= (8, 0)),
+        "warp" => Ok(false),
+        other => Err(format!("{ATTENTION_ENV} is '{other}': auto or warp")),
+    }
+}
+
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
-    /// The GPU's compute capability (major, minor): 9.0 on an H100.
-    capability: (i32, i32),
+    /// Whether attention runs on the tensor-core kernels ([`tensor_core_attention`]).
+    tensor_core_attention: bool,
     stream: Arc<CudaStream>,
     kernels: HashMap<String, CudaFunction>,
     gemm: Mutex<gemm::Gemm>,
@@ -109,6 +125,8 @@ impl CudaBackend {
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("context"))?;
         let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
+        let tensor_core_attention =
+            tensor_core_attention(std::env::var(ATTENTION_ENV).ok().as_deref(), (major, minor))?;
         let ptx = compile::compile(major, minor)?;
         let module = ctx.load_module((*ptx).clone()).map_err(cuda_err("loading the kernels"))?;
         let mut kernels = HashMap::new();
@@ -130,7 +148,7 @@ impl CudaBackend {
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         Ok(CudaBackend {
             name: format!("cuda:{ordinal} ({device}, sm_{major}{minor})"),
-            capability: (major, minor),
+            tensor_core_attention,
             ctx,
             stream,
             kernels,

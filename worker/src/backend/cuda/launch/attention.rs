@@ -34,11 +34,12 @@ fn per_warp(rows: usize) -> LaunchConfig {
 }
 
 /// The tensor-core kernels' register tier (64 or 128, the largest head they hold) for heads of
-/// `d` elements of type `t`, or None where the warp kernels run: a GPU before sm_80, f32, a head
+/// `d` elements of type `t`, or None where the warp kernels run: a GPU before sm_80 (or the warp
+/// kernels asked for, `ATTENTION_ENV`), f32, a head
 /// that is not a multiple of 16 or is over 128, or an operand not 16-byte aligned (the kernels
 /// move eight halves per access; the executor's values are 64-byte aligned).
 fn mma_tier(dev: Dev, t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
-    let half = dev.tensor_cores() && matches!(t, DType::F16 | DType::BF16);
+    let half = dev.tensor_core_attention() && matches!(t, DType::F16 | DType::BF16);
     let aligned = operands.iter().all(|p| p.0.is_multiple_of(16));
     match d {
         _ if !half || !aligned || !d.is_multiple_of(16) => None,
