@@ -480,6 +480,8 @@ fn nccl_ids_reach_every_rank_and_gpus_reduce_through_them() {
 ///   update (the host path copies the buckets to a thread's MPI);
 /// - ZeRO-1 and ZeRO-2: the gradients reduce-scattered (once per step, or per micro-batch) and
 ///   the updated shards all-gathered, in device memory;
+/// - Adasum: each weight's gradient exchanged with the partner and combined by the backend's
+///   kernels (the host path: MPI and `parallel::adasum` in host memory);
 /// - tensor parallel: the all-reduces completing each split pair's partial sums, in the graph;
 /// - two pipeline stages (1F1B): the activations and their gradients sent between the stages
 ///   from message buffers in device memory, the tied embedding's gradients summed.
@@ -498,17 +500,24 @@ fn device_collectives_train_like_the_host_path() {
     let w = world();
     // ZeRO trains like plain data parallelism.
     let mut plain: Vec<f64> = Vec::new();
-    let cases = [(Axis::Data, 0), (Axis::Data, 1), (Axis::Data, 2), (Axis::Tensor, 0), (Axis::Pipeline, 0)];
-    for (layout, zero) in cases {
+    let cases = [
+        (Axis::Data, 0, false),
+        (Axis::Data, 1, false),
+        (Axis::Data, 2, false),
+        (Axis::Data, 0, true),
+        (Axis::Tensor, 0, false),
+        (Axis::Pipeline, 0, false),
+    ];
+    for (layout, zero, adasum) in cases {
         let gpu = Arc::new(EmulatedGpu::new());
         gpu.device_collectives.store(true, Ordering::Relaxed);
-        let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout, zero);
-        let (cpu_losses, cpu_weights) = train_in_parallel(Arc::new(CpuBackend::new()), &w, layout, zero);
-        let what = format!("{layout:?} parallel, ZeRO-{zero}, rank {}", w.rank());
+        let (gpu_losses, gpu_weights) = train_in_parallel(gpu.clone(), &w, layout, zero, adasum);
+        let (cpu_losses, cpu_weights) = train_in_parallel(Arc::new(CpuBackend::new()), &w, layout, zero, adasum);
+        let what = format!("{layout:?} parallel, ZeRO-{zero}, Adasum {adasum}, rank {}", w.rank());
         for (k, (g, c)) in gpu_losses.iter().zip(&cpu_losses).enumerate() {
             assert!((g - c).abs() <= 1e-5 * c.abs(), "{what}, step {}: loss {g} against {c}", k + 1);
         }
-        if layout == Axis::Data && zero == 0 {
+        if layout == Axis::Data && zero == 0 && !adasum {
             plain = gpu_losses.clone();
         }
         for (k, (z, p)) in gpu_losses.iter().zip(&plain).enumerate().filter(|_| zero > 0) {
@@ -525,7 +534,12 @@ fn device_collectives_train_like_the_host_path() {
             assert_eq!(count("broadcast"), 1, "{what}: the weights' first broadcast: {calls:?}");
             assert_eq!(count("all_reduce"), 0, "{what}: an all-reduce after the backward pass: {calls:?}");
         }
-        if layout == Axis::Data && zero == 0 {
+        if adasum {
+            // Per step, one exchange per weight (one level for two ranks), combined by kernels.
+            let weights = gpu_weights.len();
+            assert_eq!(count("send_recv"), 3 * weights, "{what}: {calls:?}");
+            assert_eq!(count("start_all_reduce") + count("join"), 0, "{what}: {calls:?}");
+        } else if layout == Axis::Data && zero == 0 {
             assert_eq!(count("join"), 3, "{what}: one join per step: {calls:?}");
             assert!(count("start_all_reduce") >= 3 * 4, "{what}: several buckets per step: {calls:?}");
         } else if layout == Axis::Data {
@@ -544,8 +558,8 @@ fn device_collectives_train_like_the_host_path() {
     }
 }
 
-/// Three steps of a 2-layer GPT-2 with the world as its `layout` group (ZeRO stage `zero`
-/// over a data group): data parallel, each
+/// Three steps of a 2-layer GPT-2 with the world as its `layout` group (ZeRO stage `zero`, or
+/// Adasum in place of the mean, over a data group): data parallel, each
 /// rank its own micro-batches and, until rank 0's are broadcast, its own weights; tensor
 /// parallel and pipeline, the same batches and weights split. The losses and the final weights
 /// (this rank's).
@@ -555,6 +569,7 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
     w: &World,
     layout: Axis,
     zero: u8,
+    adasum: bool,
 ) -> (Vec<f64>, std::collections::BTreeMap<String, tensorfleet_worker::tensor::Tensor>) {
     use tensorfleet_worker::comm::{HostGroup, SoloGroup};
     use tensorfleet_worker::config::PipelineSchedule;
@@ -582,6 +597,7 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
             schedule: PipelineSchedule::OneFOneB,
         }),
         zero,
+        adasum,
         ..SessionOptions::new(adamw)
     };
     let mut s = Session::new(backend, &model, &batches[0], batches.len(), &opts).unwrap();

@@ -108,6 +108,16 @@ pub trait Backend: Send + Sync {
     /// parameter group): a GPU updates them all in one launch rather than one per weight.
     fn optimizer_step(&self, update: &Update, hyper: StepHyper, slots: &[Slot<Self::Buffer>]) -> Result<(), String>;
 
+    /// Adasum of each pair of f32 values (`parallel::adasum::combine_pair`): `mine[i]` becomes
+    /// adasum(lower rank's, higher rank's) of it and `theirs[i]`, the partner's (which may be
+    /// overwritten), the same floats on both ranks of the pair. A device does it without waiting.
+    fn adasum(
+        &self,
+        mine: &[Arg<Self::Buffer>],
+        theirs: &[Arg<Self::Buffer>],
+        mine_is_lower: bool,
+    ) -> Result<(), String>;
+
     /// The nodes of `graph` this backend has no kernel for, one line each naming the node and
     /// why; empty when it can run them all (the CPU runs every op).
     fn unsupported(&self, _graph: &Graph) -> Vec<String> {

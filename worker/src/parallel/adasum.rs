@@ -8,7 +8,9 @@
 //!
 //! Over 2^k ranks it is applied as a binary tree by recursive doubling: at level d a rank
 //! exchanges its current vectors with rank XOR 2^d and both combine them, the lower rank's as
-//! `a`, so that after k levels every rank holds the same result, bit for bit.
+//! `a`, so that after k levels every rank holds the same result, bit for bit. In host memory
+//! here ([`all_reduce`]); on a device its backend combines (`Backend::adasum`, kernels that sum
+//! the dot products in a fixed order) and its collectives exchange (NCCL send/receive).
 
 use crate::comm::Collective;
 use crate::error::{Error, Result};
@@ -29,37 +31,51 @@ pub fn combine(a: &mut [f32], b: &[f32]) {
     }
 }
 
-/// Replaces every member's `tensors` (one gradient per weight) with their Adasum over `group`,
-/// tensor by tensor. The group's size must be a power of two.
-pub fn all_reduce<G: Collective<[f32]> + ?Sized>(group: &G, tensors: &mut [&mut [f32]]) -> Result<()> {
-    let (size, rank) = (group.size(), group.rank());
+/// `mine` becomes adasum(lower rank's, higher rank's) of this rank's and its partner's values
+/// (`theirs`, which may be overwritten), so that both ranks of a pair hold the same floats.
+pub fn combine_pair(mine: &mut [f32], theirs: &mut [f32], mine_is_lower: bool) {
+    if mine_is_lower {
+        combine(mine, theirs);
+    } else {
+        combine(theirs, mine);
+        mine.copy_from_slice(theirs);
+    }
+}
+
+/// Adasum's schedule over a group of `size` ranks (a power of two, or an error naming
+/// parallelism.data): recursive doubling, at level d `level(partner, mine_is_lower)` with
+/// partner = rank XOR 2^d, which exchanges the current values with the partner and combines
+/// them (`combine_pair`). The host path and the device path (NCCL, kernels) share it.
+pub fn recursive_doubling(size: usize, rank: usize, mut level: impl FnMut(usize, bool) -> Result<()>) -> Result<()> {
     if !size.is_power_of_two() {
         return Err(Error::Config(format!(
             "parallelism.adasum: Adasum combines ranks in pairs, so parallelism.data must be a power of two, not {size}"
         )));
     }
-    let mut mine: Vec<f32> = tensors.iter().flat_map(|t| t.iter().copied()).collect();
-    let mut theirs = vec![0f32; mine.len()];
     let mut distance = 1;
     while distance < size {
         let partner = rank ^ distance;
+        level(partner, rank < partner)?;
+        distance *= 2;
+    }
+    Ok(())
+}
+
+/// Replaces every member's `tensors` (one gradient per weight) with their Adasum over `group`,
+/// tensor by tensor, in host memory. The group's size must be a power of two.
+pub fn all_reduce<G: Collective<[f32]> + ?Sized>(group: &G, tensors: &mut [&mut [f32]]) -> Result<()> {
+    let mut mine: Vec<f32> = tensors.iter().flat_map(|t| t.iter().copied()).collect();
+    let mut theirs = vec![0f32; mine.len()];
+    recursive_doubling(group.size(), group.rank(), |partner, mine_is_lower| {
         group.send_recv(&mine[..], partner, &mut theirs[..], partner)?;
-        // Both sides compute adasum(lower rank's, higher rank's): the same floats everywhere.
-        let lower_is_mine = rank < partner;
         let mut at = 0;
         for t in tensors.iter() {
             let n = t.len();
-            let (m, o) = (&mut mine[at..at + n], &mut theirs[at..at + n]);
-            if lower_is_mine {
-                combine(m, o);
-            } else {
-                combine(o, m);
-                m.copy_from_slice(o);
-            }
+            combine_pair(&mut mine[at..at + n], &mut theirs[at..at + n], mine_is_lower);
             at += n;
         }
-        distance *= 2;
-    }
+        Ok(())
+    })?;
     let mut at = 0;
     for t in tensors.iter_mut() {
         let n = t.len();

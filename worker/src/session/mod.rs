@@ -192,6 +192,9 @@ pub struct Session<B: Backend> {
     zero_stage: u8,
     bucket_bytes: usize,
     adasum: bool,
+    /// Under Adasum with device collectives, where the partner's gradients arrive (one buffer
+    /// per weight, allocated on the first step).
+    adasum_theirs: Vec<B::Buffer>,
     device_collectives: bool,
     /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
     zero: Option<sharded::Shard<B>>,
@@ -490,6 +493,7 @@ impl<B: Backend> Session<B> {
             bucket_bytes: opts.bucket_bytes,
             device_collectives: opts.device_collectives,
             adasum: opts.adasum,
+            adasum_theirs: Vec::new(),
             zero: None,
             overlap: None,
             messages: Vec::new(),
@@ -765,10 +769,32 @@ impl<B: Backend> Session<B> {
         Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
     }
 
-    /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`).
-    fn adasum_gradients(&self) -> Result<()> {
+    /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`): with
+    /// device collectives, exchanged by them and combined by the backend, without a wait;
+    /// otherwise in host memory over MPI.
+    fn adasum_gradients(&mut self) -> Result<()> {
         let Some(group) = &self.data_parallel else { return Ok(()) };
         let backend = &*self.train.backend;
+        if group.on_device() {
+            if self.adasum_theirs.is_empty() {
+                let bytes = |p: &Param<B>| overlap::gradient(&self.train, p).meta.bytes();
+                let buffers = self.params.iter().map(|p| backend.alloc(bytes(p)).map_err(Error::Runtime));
+                self.adasum_theirs = buffers.collect::<Result<_>>()?;
+            }
+            let mine: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.grad_of(p)).collect();
+            let theirs: Vec<Arg<B::Buffer>> =
+                self.adasum_theirs.iter().zip(&mine).map(|(buf, g)| Arg { buf, offset: 0, meta: g.meta }).collect();
+            return crate::parallel::adasum::recursive_doubling(
+                group.size(),
+                group.rank(),
+                |partner, mine_is_lower| {
+                    for (m, t) in mine.iter().zip(&theirs) {
+                        group.send_recv_values(backend, *m, partner, *t, partner)?;
+                    }
+                    backend.adasum(&mine, &theirs, mine_is_lower).map_err(Error::Runtime)
+                },
+            );
+        }
         let mut grads: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
         for p in &self.params {
             let g = self.grad_of(p);

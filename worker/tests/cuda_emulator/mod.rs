@@ -418,6 +418,11 @@ impl Backend for EmulatedGpu {
         launch::optimizer_step(Dev(self), update, h, &launch::slots(slots, value))
     }
 
+    fn adasum(&self, mine: &[Arg<HostBuffer>], theirs: &[Arg<HostBuffer>], mine_is_lower: bool) -> Result<(), String> {
+        let (mine, theirs): (Vec<V>, Vec<V>) = (mine.iter().map(value).collect(), theirs.iter().map(value).collect());
+        launch::adasum(Dev(self), &mine, &theirs, mine_is_lower)
+    }
+
     fn unsupported(&self, graph: &Graph) -> Vec<String> {
         CudaBackend::unsupported_nodes(graph)
     }

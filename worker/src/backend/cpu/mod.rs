@@ -94,6 +94,14 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn adasum(&self, mine: &[Arg<CpuBuffer>], theirs: &[Arg<CpuBuffer>], mine_is_lower: bool) -> Result<(), String> {
+        for (m, t) in mine.iter().zip(theirs) {
+            let (mut m, mut t) = (view_mut(m), view_mut(t));
+            crate::parallel::adasum::combine_pair(m.as_mut_slice::<f32>(), t.as_mut_slice::<f32>(), mine_is_lower);
+        }
+        Ok(())
+    }
+
     fn with_host_f32(
         &self,
         x: Arg<CpuBuffer>,

@@ -1420,6 +1420,56 @@ fn piece_table(dev: Dev, slots: &[Slot], states: usize) -> Result<(Ptr, usize), 
     Ok((table, pieces.len()))
 }
 
+/// One slice of one pair of an Adasum exchange (`AdasumPiece` in kernels/optim.cu).
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct AdasumPiece {
+    x: u64,
+    y: u64,
+    out: u64,
+    n: i64,
+    tensor: i64,
+}
+
+/// Adasum of each pair (`Backend::adasum`): `mine[i]` becomes adasum(lower's, higher's) of it
+/// and `theirs[i]`, in three launches over every tensor at once (dot products per piece, per
+/// tensor in piece order, the combination) whose figures never leave the device.
+pub fn adasum(dev: Dev, mine: &[V], theirs: &[V], mine_is_lower: bool) -> Result<(), String> {
+    let mut pieces = Vec::new();
+    let mut first = vec![0i64];
+    for (t, (m, o)) in mine.iter().zip(theirs).enumerate() {
+        if m.dtype() != DType::F32 || o.meta != m.meta {
+            return Err(format!("Adasum of {:?} and {:?} (f32 values of one shape expected)", m.meta, o.meta));
+        }
+        let (x, y) = if mine_is_lower { (m, o) } else { (o, m) };
+        let at = |v: &V, start: usize| v.at.0 + 4 * start as u64;
+        for start in (0..m.n()).step_by(PIECE) {
+            let n = (m.n() - start).min(PIECE) as i64;
+            pieces.push(AdasumPiece { x: at(x, start), y: at(y, start), out: at(m, start), n, tensor: t as i64 });
+        }
+        first.push(pieces.len() as i64);
+    }
+    if pieces.is_empty() {
+        return Ok(());
+    }
+    // One scratch: the pieces, the tensors' first pieces, the partial sums, the dot products.
+    let part = |bytes: usize| bytes.next_multiple_of(256) as u64;
+    let (table_bytes, first_bytes) = (part(std::mem::size_of_val(&pieces[..])), part(8 * first.len()));
+    let partial_bytes = part(24 * pieces.len());
+    let base = dev.scratch((table_bytes + first_bytes + partial_bytes + part(24 * mine.len())) as usize)?.0;
+    let (table, starts) = (Ptr(base), Ptr(base + table_bytes));
+    let (partial, dots) =
+        (Ptr(base + table_bytes + first_bytes), Ptr(base + table_bytes + first_bytes + partial_bytes));
+    dev.write(table, bytemuck::cast_slice(&pieces))?;
+    dev.write(starts, bytemuck::cast_slice(&first))?;
+    let per_piece =
+        LaunchConfig { grid_dim: (pieces.len() as u32, 1, 1), block_dim: (super::BLOCK, 1, 1), shared_mem_bytes: 0 };
+    dev.kernel("adasum_dots", per_piece, &mut params![table, partial])?;
+    let tensors = mine.len();
+    dev.kernel("adasum_sums", elementwise(tensors), &mut params![tensors as i64, starts, partial, dots])?;
+    dev.kernel("adasum_apply", per_piece, &mut params![table, dots])
+}
+
 /// One optimizer update (optim::cpu_step's formulas) of every weight of `slots`: SGD and Adam in
 /// one multi-tensor launch, LAMB in three launches per weight whose trust ratio never leaves
 /// the device.

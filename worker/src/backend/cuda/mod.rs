@@ -421,6 +421,13 @@ impl Backend for CudaBackend {
         launch::optimizer_step(launch::Dev(self), update, h, &launch::slots(slots, launch::value))
     }
 
+    fn adasum(&self, mine: &[Arg<CudaBuffer>], theirs: &[Arg<CudaBuffer>], mine_is_lower: bool) -> Result<(), String> {
+        self.bind()?;
+        let (mine, theirs): (Vec<_>, Vec<_>) =
+            (mine.iter().map(launch::value).collect(), theirs.iter().map(launch::value).collect());
+        launch::adasum(launch::Dev(self), &mine, &theirs, mine_is_lower)
+    }
+
     fn unsupported(&self, graph: &Graph) -> Vec<String> {
         CudaBackend::unsupported_nodes(graph)
     }

@@ -107,3 +107,62 @@ extern "C" __global__ void lamb_step_f32(i64 n, float lr, const float* trust, fl
         p[i] -= lr_trust * u;
     }
 }
+
+// Adasum (parallel/adasum.rs) of the pairs of a data-parallel exchange, multi-tensor like the
+// updates: each piece a slice of one tensor's pair, x the lower rank's values and y the higher
+// rank's, out (x or y, this rank's) receiving ca·x + cb·y. Its dot products x·y, x·x and y·y
+// are summed in f64 per piece (adasum_dots) and then per tensor in piece order (adasum_sums):
+// both ranks of a pair launch the same pieces on the same values, so they compute the same
+// floats, with no wait for the host.
+struct AdasumPiece {
+    const float* x;
+    const float* y;
+    float* out;
+    i64 n;
+    i64 tensor;
+};
+
+extern "C" __global__ void adasum_dots(const AdasumPiece* pieces, double* partial) {
+    const AdasumPiece c = pieces[blockIdx.x];
+    double xy = 0.0, xx = 0.0, yy = 0.0;
+    for (i64 i = threadIdx.x; i < c.n; i += blockDim.x) {
+        double a = c.x[i], b = c.y[i];
+        xy += a * b;
+        xx += a * a;
+        yy += b * b;
+    }
+    xy = block_sum_f64(xy);
+    xx = block_sum_f64(xx);
+    yy = block_sum_f64(yy);
+    if (threadIdx.x == 0) {
+        partial[3 * blockIdx.x] = xy;
+        partial[3 * blockIdx.x + 1] = xx;
+        partial[3 * blockIdx.x + 2] = yy;
+    }
+}
+
+// Tensor t's pieces are first[t] .. first[t + 1] - 1; its dot products are their partials added
+// in order.
+extern "C" __global__ void adasum_sums(i64 tensors, const i64* first, const double* partial, double* dots) {
+    for (i64 t = first_index(); t < tensors; t += grid_stride()) {
+        double xy = 0.0, xx = 0.0, yy = 0.0;
+        for (i64 p = first[t]; p < first[t + 1]; ++p) {
+            xy += partial[3 * p];
+            xx += partial[3 * p + 1];
+            yy += partial[3 * p + 2];
+        }
+        dots[3 * t] = xy;
+        dots[3 * t + 1] = xx;
+        dots[3 * t + 2] = yy;
+    }
+}
+
+// out = (1 − x·y / 2‖x‖²)·x + (1 − x·y / 2‖y‖²)·y, in f64 and rounded once; a zero vector's
+// coefficient is 1.
+extern "C" __global__ void adasum_apply(const AdasumPiece* pieces, const double* dots) {
+    const AdasumPiece c = pieces[blockIdx.x];
+    const double* d = dots + 3 * c.tensor;
+    double cx = d[1] > 0.0 ? 1.0 - d[0] / (2.0 * d[1]) : 1.0;
+    double cy = d[2] > 0.0 ? 1.0 - d[0] / (2.0 * d[2]) : 1.0;
+    for (i64 i = threadIdx.x; i < c.n; i += blockDim.x) c.out[i] = (float)(cx * (double)c.x[i] + cy * (double)c.y[i]);
+}
