@@ -524,6 +524,36 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
     assert_eq!(ran_on_tensor_cores, 18);
 }
 
+/// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core
+/// kernels, bf16) than their grid has blocks: with a grid of 2 blocks the same results, bit for
+/// bit, as with a block for every tile.
+#[test]
+fn attention_kernels_stride_past_their_grid_on_the_emulated_kernels() {
+    use std::sync::atomic::Ordering;
+    let gpu = EmulatedGpu::new();
+    let (groups, t, d) = (2, 75, 64);
+    let shape = vec![groups, t, d];
+    let (scale, causal) = (0.125, true);
+    for dtype in [DType::F32, DType::BF16] {
+        let x = |salt: usize| Tensor::from_vec(&shape, values(groups * t * d, salt)).cast(dtype);
+        let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
+        let run = |limit: usize| {
+            gpu.attention_grid_limit.store(limit, Ordering::Relaxed);
+            let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &[groups, t])];
+            let mut all = run_typed(&gpu, &Op::Attention { scale, causal }, &[q.clone(), k.clone(), v.clone()], &outs);
+            let ins = [dy.clone(), q.clone(), k.clone(), v.clone(), all[0].clone(), all[1].clone()];
+            let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
+            all.extend(run_typed(&gpu, &Op::AttentionGrad { scale, causal }, &ins, &outs));
+            all
+        };
+        let (wide, narrow) = (run(1 << 20), run(2));
+        gpu.attention_grid_limit.store(1 << 20, Ordering::Relaxed);
+        for (k, (w, n)) in wide.iter().zip(&narrow).enumerate() {
+            assert!(w.bytes() == n.bytes(), "{dtype}, output {k} of y, lse, dq, dk, dv: differs on a grid of 2 blocks");
+        }
+    }
+}
+
 fn tensor_core_launches(gpu: &EmulatedGpu) -> usize {
     let launches = gpu.launches.lock().unwrap();
     launches.iter().filter(|(name, _)| name.starts_with("attention_mma")).map(|(_, n)| n).sum()

@@ -153,6 +153,9 @@ pub struct EmulatedGpu {
     /// What the dispatch is told to keep its splittable temporaries to (`Target::scratch_budget`;
     /// the GPU's 64 MiB unless a test makes it small to split the work).
     pub scratch_budget: std::sync::atomic::AtomicUsize,
+    /// The attention kernels' grid limit (`Target::attention_grid_limit`; the GPU's 2^20 unless
+    /// a test makes it small to run their striding loops).
+    pub attention_grid_limit: std::sync::atomic::AtomicUsize,
 }
 
 /// The collectives of emulated GPUs, NCCL's stand-in: the group's MPI collectives run straight
@@ -243,6 +246,7 @@ impl EmulatedGpu {
             device_collectives: Default::default(),
             collective_calls: Default::default(),
             scratch_budget: std::sync::atomic::AtomicUsize::new(64 << 20),
+            attention_grid_limit: std::sync::atomic::AtomicUsize::new(1 << 20),
         }
     }
 
@@ -356,6 +360,9 @@ impl Target for EmulatedGpu {
     }
     fn scratch_budget(&self) -> usize {
         self.scratch_budget.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn attention_grid_limit(&self) -> usize {
+        self.attention_grid_limit.load(std::sync::atomic::Ordering::Relaxed)
     }
     fn fault(&self, what: String) -> Ptr {
         self.faults.lock().unwrap().push(what);

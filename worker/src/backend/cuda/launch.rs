@@ -223,6 +223,11 @@ pub trait Target {
     fn scratch_budget(&self) -> usize {
         64 << 20
     }
+    /// The most blocks the attention kernels' launches are given (their loops stride over the
+    /// rest): 2^20, below CUDA's limit; a test makes it small to run those loops.
+    fn attention_grid_limit(&self) -> usize {
+        1 << 20
+    }
     /// Whether attention may run on the tensor-core kernels: the device has sm_80's instructions
     /// (`mma.sync` m16n8k16 in f16 and bf16, `ldmatrix`, `cp.async`) and `ATTENTION_ENV` does
     /// not ask for the warp kernels.
@@ -348,6 +353,10 @@ impl Dev<'_> {
 
     fn scratch_budget(&self) -> usize {
         self.0.scratch_budget()
+    }
+
+    fn attention_grid_limit(&self) -> usize {
+        self.0.attention_grid_limit()
     }
 
     fn tensor_core_attention(&self) -> bool {

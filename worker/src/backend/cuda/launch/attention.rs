@@ -28,9 +28,11 @@ fn dims(q: &V, k: &V, v: &V) -> Result<(usize, usize, usize, usize), String> {
     Ok((qs[..r - 2].iter().product(), qs[r - 2], ks[r - 2], d))
 }
 
-/// One warp per row.
-fn per_warp(rows: usize) -> LaunchConfig {
-    elementwise(rows * 32)
+/// One warp per row (striding past the target's grid limit).
+fn per_warp(dev: Dev, rows: usize) -> LaunchConfig {
+    let mut cfg = elementwise(rows * 32);
+    cfg.grid_dim.0 = cfg.grid_dim.0.min(dev.attention_grid_limit() as u32);
+    cfg
 }
 
 /// The tensor-core kernels' register tier (64 or 128, the largest head they hold) for heads of
@@ -51,10 +53,11 @@ fn mma_tier(dev: Dev, t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
 
 /// `MMA_ROWS` of attention_mma.cu: a block of 4 warps takes 64 rows (of queries, or of keys
 /// for dk and dv); the blocks stride over the tiles past CUDA's grid.
-fn per_tile(groups: usize, rows: usize) -> LaunchConfig {
+fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
     const MMA_ROWS: usize = 64;
     let tiles = groups * rows.div_ceil(MMA_ROWS);
-    LaunchConfig { grid_dim: (tiles.min(1 << 20) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+    let blocks = tiles.min(dev.attention_grid_limit());
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, String> {
@@ -69,7 +72,7 @@ pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse:
     let rows = groups * tq;
     let lse = lse.map_or(NULL, |l| l.at);
     if let Some(tier) = mma_tier(dev, q.dtype(), d, &[q.at, k.at, v.at, y.at]) {
-        let cfg = per_tile(groups, tq);
+        let cfg = per_tile(dev, groups, tq);
         let (groups, tq, tk, d) = (groups as i64, tq as i64, tk as i64, d as i64);
         return dev.kernel(
             &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
@@ -79,7 +82,7 @@ pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse:
     }
     dev.kernel(
         &typed("attention_fwd", q.dtype())?,
-        per_warp(rows),
+        per_warp(dev, rows),
         &mut params![rows as i64, tq as i64, tk as i64, d as i64, scale, causal as i32, q.at, k.at, v.at, y.at, lse],
     )
 }
@@ -100,7 +103,7 @@ pub fn backward(
     let delta = dev.scratch(qrows * 4)?;
     dev.kernel(
         &typed("attention_bwd_delta", t)?,
-        per_warp(qrows),
+        per_warp(dev, qrows),
         &mut params![qrows as i64, d as i64, dy.at, y.at, delta],
     )?;
     if let Some(tier) = mma_tier(dev, t, d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
@@ -108,24 +111,24 @@ pub fn backward(
         let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
         dev.kernel(
             &mma_kernel("attention_mma_bwd_dq", t, tier)?,
-            per_tile(groups, tq as usize),
+            per_tile(dev, groups, tq as usize),
             &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
         )?;
         return dev.kernel(
             &mma_kernel("attention_mma_bwd_dkv", t, tier)?,
-            per_tile(groups, tk as usize),
+            per_tile(dev, groups, tk as usize),
             &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
         );
     }
     let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
     dev.kernel(
         &typed("attention_bwd_dq", t)?,
-        per_warp(qrows),
+        per_warp(dev, qrows),
         &mut params![qrows as i64, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
     )?;
     dev.kernel(
         &typed("attention_bwd_dkv", t)?,
-        per_warp(krows),
+        per_warp(dev, krows),
         &mut params![krows as i64, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
     )
 }
