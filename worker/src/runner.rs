@@ -199,6 +199,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         Device::Cpu => train_on(Arc::new(CpuBackend::new()), cfg, console, world, layout),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
+            crate::backend::cuda::AttentionKernels::from_env().map_err(Error::Config)?;
             let gpu = crate::backend::cuda::CudaBackend::new(ordinal)
                 .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?
                 .with_wait_limit(Duration::from_secs(p.timeout_seconds));

@@ -413,7 +413,8 @@ fn nccl_collectives_run_on_the_gpu() {
 
 #[test]
 fn the_attention_kernels_follow_the_gpu_and_the_environment() {
-    use tensorfleet_worker::backend::cuda::tensor_core_attention as choose;
+    use tensorfleet_worker::backend::cuda::AttentionKernels;
+    let choose = |value, capability| AttentionKernels::parse(value).map(|k| k.tensor_cores(capability));
     assert_eq!(choose(None, (9, 0)), Ok(true));
     assert_eq!(choose(Some("auto"), (8, 0)), Ok(true));
     assert_eq!(choose(None, (7, 5)), Ok(false), "Turing has no sm_80 mma/ldmatrix/cp.async");

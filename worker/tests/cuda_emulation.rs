@@ -656,12 +656,16 @@ const EVERY_TYPE: [DType; 13] = [
     DType::Bool,
 ];
 
-/// Outputs equal element for element (NaN equal to NaN), read as f64.
+/// Outputs equal bit for bit (any NaN equal to any NaN).
 fn assert_same_values(what: &str, gpu: &[Tensor], cpu: &[Tensor]) {
     for (k, (g, c)) in gpu.iter().zip(cpu).enumerate() {
         assert_eq!(g.dtype(), c.dtype(), "{what}, output {k}: element types");
         let (gv, cv) = (g.to_f64_vec(), c.to_f64_vec());
-        let same = gv.iter().zip(&cv).all(|(a, b)| a == b || (a.is_nan() && b.is_nan()));
+        let same = if g.dtype().is_float() {
+            gv.iter().zip(&cv).all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
+        } else {
+            g.bytes() == c.bytes()
+        };
         assert!(same, "{what}, output {k} ({}): GPU {gv:?}\n  CPU {cv:?}", g.dtype());
     }
 }
@@ -698,8 +702,12 @@ fn every_element_type_matches_the_cpu_backend_on_the_emulated_kernels() {
         assert_same_values(what, &run_typed(&gpu, op, ins, outs), &run_typed(&cpu, op, ins, outs));
     };
 
+    // Integers' ends and wraps, fractions, a subnormal f32, and halfway cases of the half types'
+    // rounding (an f32 just past bf16's halfway point, an f64 just below one, an int32 that
+    // rounds up to bf16 from f32, an f64 just past f16's halfway point).
     let edges: Vec<f64> = vec![
         0.0,
+        -0.0,
         1.0,
         -1.0,
         2.5,
@@ -718,6 +726,10 @@ fn every_element_type_matches_the_cpu_backend_on_the_emulated_kernels() {
         3e38,
         1e-40,
         0.1,
+        f32::from_bits(0x3F80_8001) as f64,
+        1.0 + 2f64.powi(-7) + 2f64.powi(-8) - 2f64.powi(-30),
+        1086324735.0,
+        1.0 + 2f64.powi(-11) + 2f64.powi(-40),
         f64::NAN,
         f64::INFINITY,
         f64::NEG_INFINITY,
@@ -766,7 +778,9 @@ fn every_element_type_matches_the_cpu_backend_on_the_emulated_kernels() {
 
     let grid: Vec<f64> = (0..24).map(|i| ((i * 37 % 19) as f64 - 9.0) * 1.5).collect();
     let grid = Tensor::from_vec(&[2, 3, 4], grid);
-    for t in [DType::F64, DType::I32, DType::U8, DType::I64, DType::Bool, DType::F16] {
+    for t in
+        [DType::F64, DType::I32, DType::U8, DType::I8, DType::I64, DType::U64, DType::Bool, DType::F16, DType::BF16]
+    {
         let x = grid.cast(t);
         for kind in [Reduce::Sum, Reduce::Mean, Reduce::Max, Reduce::Min, Reduce::SumSquare] {
             for (axes, shape) in [(vec![2], vec![2, 3]), (vec![0, 2], vec![3])] {

@@ -845,7 +845,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                     let rows = a.n() / cols.max(1);
                     dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
                 }
-                DType::F32 | DType::F16 | DType::BF16 => reduce_strided(dev, *kind, a, &reduced, y),
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 => reduce_strided(dev, *kind, a, &reduced, y),
                 t => {
                     // Other element types reduce in f64 and convert back, as the CPU backend's
                     // reduce does.
@@ -1150,6 +1150,9 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
 /// Reduces `a` (f32, f16, bf16 or f64) over the axes marked in `reduced` (any of them, one
 /// thread per output).
 fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Result<(), String> {
+    if !matches!(a.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) || y.dtype() != a.dtype() {
+        return Err(format!("a reduction of {} into {} (float values of one type expected)", a.dtype(), y.dtype()));
+    }
     let st = strides(a.shape());
     let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
     for (k, &n) in a.shape().iter().enumerate() {

@@ -80,19 +80,37 @@ pub fn per_row(rows: usize) -> LaunchConfig {
 /// measure of what they are worth).
 pub const ATTENTION_ENV: &str = "TENSORFLEET_CUDA_ATTENTION";
 
-/// Whether attention runs on the tensor-core kernels, for [`ATTENTION_ENV`]'s value and a GPU
-/// of compute capability `capability`.
-pub fn tensor_core_attention(choice: Option<&str>, capability: (i32, i32)) -> Result<bool, String> {
-    match choice.unwrap_or("auto") {
-        "auto" | "" => Ok(capability >= (8, 0)),
-        "warp" => Ok(false),
-        other => Err(format!("{ATTENTION_ENV} is '{other}': auto or warp")),
+/// Which attention kernels a GPU runs ([`ATTENTION_ENV`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionKernels {
+    /// The tensor-core kernels where the GPU has them (sm_80 and later), else the warp kernels.
+    Auto,
+    Warp,
+}
+
+impl AttentionKernels {
+    /// [`ATTENTION_ENV`]'s choice; an unknown value is an error naming the variable.
+    pub fn from_env() -> Result<AttentionKernels, String> {
+        AttentionKernels::parse(std::env::var(ATTENTION_ENV).ok().as_deref())
+    }
+
+    pub fn parse(value: Option<&str>) -> Result<AttentionKernels, String> {
+        match value.unwrap_or("auto") {
+            "auto" | "" => Ok(AttentionKernels::Auto),
+            "warp" => Ok(AttentionKernels::Warp),
+            other => Err(format!("{ATTENTION_ENV} is '{other}': auto or warp")),
+        }
+    }
+
+    /// Whether a GPU of compute capability `capability` runs the tensor-core kernels.
+    pub fn tensor_cores(self, capability: (i32, i32)) -> bool {
+        self == AttentionKernels::Auto && capability >= (8, 0)
     }
 }
 
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
-    /// Whether attention runs on the tensor-core kernels ([`tensor_core_attention`]).
+    /// Whether attention runs on the tensor-core kernels ([`AttentionKernels`]).
     tensor_core_attention: bool,
     stream: Arc<CudaStream>,
     kernels: HashMap<String, CudaFunction>,
@@ -125,8 +143,7 @@ impl CudaBackend {
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("context"))?;
         let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
-        let tensor_core_attention =
-            tensor_core_attention(std::env::var(ATTENTION_ENV).ok().as_deref(), (major, minor))?;
+        let tensor_core_attention = AttentionKernels::from_env()?.tensor_cores((major, minor));
         let ptx = compile::compile(major, minor)?;
         let module = ctx.load_module((*ptx).clone()).map_err(cuda_err("loading the kernels"))?;
         let mut kernels = HashMap::new();

@@ -31,6 +31,16 @@ fn read<T: NumCast + Copy + Default>(src: &TensorView) -> Vec<T> {
     }
 }
 
+/// Every element of `src` as f32: the half types exactly, the others through f64.
+fn read_f32(src: &TensorView) -> Vec<f32> {
+    match src.dtype {
+        DType::F32 => src.as_slice::<f32>().to_vec(),
+        DType::F16 => src.as_slice::<f16>().iter().map(|x| <f32 as From<_>>::from(*x)).collect(),
+        DType::BF16 => src.as_slice::<bf16>().iter().map(|x| <f32 as From<_>>::from(*x)).collect(),
+        _ => read::<f64>(src).into_iter().map(|x| x as f32).collect(),
+    }
+}
+
 /// Converts `src` into `dst` (same element count).
 pub fn cast_into(src: &TensorView, dst: &mut TensorViewMut) {
     if src.dtype == dst.dtype {
@@ -38,25 +48,22 @@ pub fn cast_into(src: &TensorView, dst: &mut TensorViewMut) {
         return;
     }
     match dst.dtype {
-        DType::F32 => {
-            let v: Vec<f32> = match src.dtype {
-                DType::F16 => src.as_slice::<f16>().iter().map(|x| <f32 as From<_>>::from(*x)).collect(),
-                DType::BF16 => src.as_slice::<bf16>().iter().map(|x| <f32 as From<_>>::from(*x)).collect(),
-                _ => read::<f64>(src).into_iter().map(|x| x as f32).collect(),
-            };
-            dst.as_mut_slice::<f32>().copy_from_slice(&v);
-        }
+        DType::F32 => dst.as_mut_slice::<f32>().copy_from_slice(&read_f32(src)),
         DType::F64 => dst.as_mut_slice::<f64>().copy_from_slice(&read::<f64>(src)),
+        // The half types are rounded from f32 (to nearest even; from f64 and wide integers that
+        // is two roundings, as PyTorch's conversions and the CUDA kernels do): half's own
+        // bf16::from_f64 drops the low 32 bits of the f64 before rounding, and its f16::from_f64
+        // rounds once or twice depending on the CPU's features.
         DType::F16 => {
-            let v = read::<f64>(src);
+            let v = read_f32(src);
             for (d, s) in dst.as_mut_slice::<f16>().iter_mut().zip(v) {
-                *d = f16::from_f64(s);
+                *d = f16::from_f32(s);
             }
         }
         DType::BF16 => {
-            let v = read::<f64>(src);
+            let v = read_f32(src);
             for (d, s) in dst.as_mut_slice::<bf16>().iter_mut().zip(v) {
-                *d = bf16::from_f64(s);
+                *d = bf16::from_f32(s);
             }
         }
         DType::Bool => {

@@ -158,6 +158,21 @@ extern "C" __global__ void compare_f64(int op, i64 n, Dims d, const double* a, S
     compare<F64>(op, n, d, a, sa, b, sb, out);
 }
 
+// a^b for an integer exponent b, in f64: by squaring for b ≥ 0 (exact while the powers stay
+// below 2^53, where the GPU's pow() may be off by an ulp and so truncate to the integer below),
+// pow() for b < 0 (a result of magnitude at most 1, or ∞).
+__device__ double integer_power(double a, double b) {
+    if (b < 0.0) return pow(a, b);
+    // Exponents past 2^63 are even in f64, as 2^63 is.
+    u64 e = b >= 9223372036854775808.0 ? (1ull << 63) : (u64)b;
+    double r = 1.0;
+    for (; e; e >>= 1) {
+        if (e & 1) r *= a;
+        a *= a;
+    }
+    return r;
+}
+
 // Integer arithmetic and comparisons, as the CPU backend's: sums and products wrap (computed in
 // the unsigned type U of at least 32 bits, where C would call a signed overflow, or a u16
 // product promoted to int, undefined), division truncates and gives 0 for a zero divisor or
@@ -172,7 +187,7 @@ __device__ __forceinline__ T arith_int(int op, T a, T b) {
     case 2: return (T)((U)a * (U)b);
     case 3: return (b == 0 || (a == lowest && b == (T)-1)) ? (T)0 : (T)(a / b);
     case 4: {
-        double p = pow((double)a, (double)b);
+        double p = integer_power((double)a, (double)b);
         if (p != p) return 0;
         if (p <= (double)lowest) return lowest;
         if (p >= (double)highest) return highest;
@@ -386,8 +401,9 @@ __device__ __forceinline__ bool is_float_type(int t) { return t == TY_F32 || t =
 
 // Cast (ONNX semantics, as the CPU backend's cast.rs): between any two element types. Floats
 // meet through f64 (f32, f16 and bf16 through f32, exactly); f16 and bf16 are rounded from f32
-// (from f64 that is two roundings, as half's conversions on x86 do); floats to integers
-// truncate toward zero and then wrap to the type's width, integers wrap; bool is x ≠ 0.
+// (from f64 and wide integers that is two roundings, as on the CPU backend and in PyTorch);
+// floats to integers truncate toward zero and then wrap to the type's width, integers wrap;
+// bool is x ≠ 0.
 extern "C" __global__ void cast(int from, int to, i64 n, const void* x, void* y) {
     bool halves = from == TY_F32 || from == TY_F16 || from == TY_BF16;
     for (i64 i = first_index(); i < n; i += grid_stride()) {

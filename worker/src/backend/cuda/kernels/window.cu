@@ -144,7 +144,9 @@ __device__ i64 average_count(const Pool& g, const i64* o, int include_pad) {
 }
 
 // The input position (in its plane) of the first maximum of output `o`'s window, taps in
-// row-major order, or -1 for a window wholly in the padding. NaN never wins, as on the CPU.
+// row-major order, or -1 for a window wholly in the padding. A NaN wins only at the window's
+// first tap inside the input (as in the CPU backend's general pooling; its f32 path for 1-D
+// and 2-D windows passes over NaN).
 template <class S>
 __device__ i64 first_max(const Pool& g, const typename S::T* xp, const i64* o) {
     i64 best = -1, at;
@@ -163,7 +165,9 @@ __device__ __forceinline__ void pool_position(const Pool& g, i64 i, i64* o) {
 }
 
 // MaxPool (`max`) or AveragePool over `planes` = N·C planes; one thread per output. MaxPool's
-// Indices (when not null) get each maximum's flat index in X (ONNX's storage_order 0).
+// Indices (when not null) get each maximum's flat index in X (ONNX's storage_order 0). Averages
+// sum in the compute type (f32 for the half types, whose last bits may then differ from the CPU
+// backend's general path, which sums in f64).
 template <class S>
 __device__ void pool(int max, int include_pad, i64 planes, const Pool& g, const typename S::T* x, typename S::T* y,
                      i64* indices) {

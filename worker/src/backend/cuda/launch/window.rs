@@ -297,6 +297,10 @@ impl Pool {
         if !(1..=3).contains(&nd) || y.len() != x.len() {
             return Err(format!("pooling {x:?} into {y:?}: 1 to 3 spatial dims expected"));
         }
+        let per_dim = [&win.kernel, &win.strides, &win.dilations].iter().all(|v| v.len() == nd);
+        if !per_dim || win.pads.len() != 2 * nd {
+            return Err(format!("a pooling window {win:?} over {nd} spatial dims"));
+        }
         let lead = 3 - nd;
         let dim = |values: &[usize], fill: usize| -> [i64; 3] {
             std::array::from_fn(|d| if d < lead { fill } else { values[d - lead] } as i64)
