@@ -65,7 +65,8 @@ fn nvrtc_compiles_the_kernels() {
     // Turing (7.5), where the tensor-core instructions give way (the attention runs on the
     // warp kernels there).
     for (major, minor) in [(9, 0), (8, 0), (7, 5)] {
-        let ptx = compile::compile(major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
+        // Compiled here, whatever the kernel cache holds.
+        let ptx = compile::compile_in(None, major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
         let text = ptx.to_src();
         for name in compile::kernel_names() {
             assert!(
@@ -77,6 +78,26 @@ fn nvrtc_compiles_the_kernels() {
             assemble(&ptxas, &text, major, minor);
         }
     }
+}
+
+/// A compiled program is left in the kernel cache's directory, and the next process takes it
+/// from there instead of compiling (what the file holds is what it gets).
+#[test]
+fn compiled_kernels_are_kept_for_the_next_process() {
+    if !probe::nvrtc_present() {
+        return eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on this machine");
+    }
+    let dir = std::env::temp_dir().join(format!("tensorfleet-kernel-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = compile::compile_in(Some(&dir), 8, 0).unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].to_string_lossy().ends_with("-compute_80.ptx"), "{files:?}");
+    assert_eq!(std::fs::read_to_string(&files[0]).unwrap(), first.to_src());
+    std::fs::write(&files[0], first.to_src() + "// read from the cache\n").unwrap();
+    let second = compile::compile_in(Some(&dir), 8, 0).unwrap();
+    assert!(second.to_src().ends_with("// read from the cache\n"), "the second compile did not read the cache");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// ptxas (`TENSORFLEET_PTXAS`, which `make test` points at the pip wheel's) assembles the PTX

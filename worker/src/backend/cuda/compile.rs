@@ -1,10 +1,12 @@
 //! The kernels, compiled at run time by NVRTC for the GPU at hand and loaded once per device.
 //!
 //! One program holds every kernel file (`kernels/*.cu` after `kernels/common.cuh`); it is
-//! compiled to PTX for the device's compute capability, once per process and capability, and
-//! the driver JIT-compiles the PTX (and caches the result in its own compute cache).
+//! compiled to PTX for the device's compute capability, once per capability: per process, and
+//! on disk for the processes after (`CACHE_ENV`); the driver JIT-compiles the PTX (and caches
+//! the result in its own compute cache).
 
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The program's source: the shared prelude, then each family of kernels.
@@ -58,9 +60,30 @@ pub fn kernel_names() -> Vec<String> {
     declarations().into_iter().map(|(name, _)| name).collect()
 }
 
+/// Where compiled PTX outlives the process: this variable's directory, else
+/// `$XDG_CACHE_HOME/tensorfleet/kernels`, else `~/.cache/tensorfleet/kernels`. Every rank of
+/// every job on a node then skips NVRTC (seconds) once one has compiled the program (CuPy's
+/// kernel cache does the same); `off` turns it off. A directory that cannot be written is
+/// passed over with a debug message.
+pub const CACHE_ENV: &str = "TENSORFLEET_KERNEL_CACHE";
+
+/// The kernel cache's directory ([`CACHE_ENV`]); None when it is off or no home is known.
+pub fn cache_dir() -> Option<PathBuf> {
+    match std::env::var_os(CACHE_ENV) {
+        Some(v) if v == "off" => None,
+        Some(v) if !v.is_empty() => Some(PathBuf::from(v)),
+        _ => std::env::var_os("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))
+            .map(|base| base.join("tensorfleet").join("kernels")),
+    }
+}
+
 /// Compiles the program for compute capability `major.minor` (`compute_90` on an H100); Err
 /// carries NVRTC's log. Precise division and square roots, no flush-to-zero: the kernels
-/// are checked against the CPU backend's results.
+/// are checked against the CPU backend's results. Kept per process and capability, and in
+/// [`cache_dir`] between processes.
 pub fn compile(major: i32, minor: i32) -> Result<Arc<cudarc::nvrtc::Ptx>, String> {
     type ByCapability = HashMap<(i32, i32), Arc<cudarc::nvrtc::Ptx>>;
     static CACHE: OnceLock<Mutex<ByCapability>> = OnceLock::new();
@@ -68,18 +91,60 @@ pub fn compile(major: i32, minor: i32) -> Result<Arc<cudarc::nvrtc::Ptx>, String
     if let Some(ptx) = cache.lock().unwrap().get(&(major, minor)) {
         return Ok(ptx.clone());
     }
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".into()],
-        name: Some("tensorfleet_kernels.cu".into()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(source(), opts).map_err(|e| match e {
+    let ptx = Arc::new(compile_in(cache_dir().as_deref(), major, minor)?);
+    cache.lock().unwrap().insert((major, minor), ptx.clone());
+    Ok(ptx)
+}
+
+/// The PTX for `major.minor`: read from `dir` when an earlier process left it there, else
+/// compiled by NVRTC and left there (written under a temporary name and renamed, so that ranks
+/// starting together never read half a file).
+pub fn compile_in(dir: Option<&Path>, major: i32, minor: i32) -> Result<cudarc::nvrtc::Ptx, String> {
+    let options = vec![format!("--gpu-architecture=compute_{major}{minor}"), "--std=c++17".to_string()];
+    let source = source();
+    let file = dir.map(|d| d.join(cache_name(&source, &options)));
+    if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
+        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+    }
+    let opts =
+        cudarc::nvrtc::CompileOptions { options, name: Some("tensorfleet_kernels.cu".into()), ..Default::default() };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, opts).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
             format!("NVRTC could not compile the CUDA kernels:\n{}", log.to_string_lossy())
         }
         other => format!("NVRTC failed: {other:?}"),
     })?;
-    let ptx = Arc::new(ptx);
-    cache.lock().unwrap().insert((major, minor), ptx.clone());
+    if let Some(file) = &file {
+        if let Err(e) = keep(file, &ptx.to_src()) {
+            tracing::debug!(file = %file.display(), "kernel cache not written: {e}");
+        }
+    }
     Ok(ptx)
+}
+
+/// The cache file's name: a hash of everything the PTX depends on (the source, the options,
+/// NVRTC's version), then the architecture for whoever lists the directory.
+fn cache_name(source: &str, options: &[String]) -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: two out-parameters; NVRTC is loaded (the probe checked it) or this returns an error
+    // code and leaves them 0, which only makes the key less specific.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    // FNV-1a: stable across Rust versions, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let nvrtc = format!("nvrtc {major}.{minor}");
+    for part in [source, &options.join(" "), &nvrtc] {
+        for b in part.bytes().chain([0]) {
+            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    let arch = options[0].trim_start_matches("--gpu-architecture=");
+    format!("{h:016x}-{arch}.ptx")
+}
+
+fn keep(file: &Path, text: &str) -> std::io::Result<()> {
+    let dir = file.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".{}.{}", file.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, file)
 }
