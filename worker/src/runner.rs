@@ -210,6 +210,22 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     }
 }
 
+/// Aborts the backend's device collectives when dropped armed, as the run returns an error
+/// (`Backend::abort_collectives`): the rank then exits at once, and mpirun ends its peers,
+/// rather than each waiting in a collective for the others until parallelism.timeoutSeconds.
+struct AbortCollectives<'a, B: Backend> {
+    backend: &'a B,
+    armed: bool,
+}
+
+impl<B: Backend> Drop for AbortCollectives<'_, B> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.backend.abort_collectives();
+        }
+    }
+}
+
 /// The run itself, on `backend` (one rank's device).
 fn train_on<B: Backend>(
     backend: Arc<B>,
@@ -275,6 +291,9 @@ fn train_on<B: Backend>(
     };
     let t_build = Instant::now();
     let mut session = Session::new(backend.clone(), &model, &first, cfg.gradient_accumulation_steps, &opts)?;
+    // Declared after the session, so dropped before it: an error from here on aborts the device
+    // collectives before the session's buffers are freed.
+    let mut on_error = AbortCollectives { backend: &*backend, armed: true };
     let missing = backend.unsupported(&session.train.graph);
     if let Some(first) = missing.first() {
         return Err(Error::Config(format!(
@@ -482,6 +501,7 @@ fn train_on<B: Backend>(
             crate::export::write(&model, &weights, &model_path)?;
         }
     }
+    on_error.armed = false;
     Ok(Summary {
         start_step,
         steps: cfg.steps,

@@ -134,6 +134,12 @@ pub trait Backend: Send + Sync {
     /// Waits until all enqueued work is done.
     fn synchronize(&self) -> Result<(), String>;
 
+    /// Ends this rank's device collectives at once, whatever their peers do: the run is ending
+    /// in an error, and its in-flight collectives (which may wait for peers that wait for this
+    /// rank) must not hold up its exit, nor the freeing of the memory they use. NCCL's
+    /// communicators are aborted; host collectives need nothing.
+    fn abort_collectives(&self) {}
+
     /// The device's dense peak FLOP/s for products computing in `compute` (f32, or a half
     /// type's tensor cores), when known: what model FLOPs utilization is measured against.
     fn peak_flops(&self, _compute: crate::tensor::DType) -> Option<f64> {

@@ -454,6 +454,10 @@ impl Backend for CudaBackend {
         self.wait()
     }
 
+    fn abort_collectives(&self) {
+        self.comms.lock().unwrap().iter().for_each(|c| c.abort());
+    }
+
     fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<CudaBuffer>>>, String> {
         let Some(id) = nccl::shared_id(group)? else { return Ok(None) };
         self.bind()?;
