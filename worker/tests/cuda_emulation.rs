@@ -294,9 +294,12 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
     // MaxPool's Indices) and in integer types (pooled in f64).
     let x3_shape = vec![1, 2, 5, 6, 7];
     let x3 = Tensor::from_vec(&x3_shape, values(420, 7));
-    let win3 = Window::explicit(&[2, 3, 2], &[1, 2, 3], &[2, 1, 1], &[0, 1, 1, 1, 0, 1], false);
+    // Ceil mode: the last windows along the last two dims hang off the padded input's end.
+    let win3 = Window::explicit(&[2, 3, 2], &[1, 2, 3], &[2, 1, 1], &[0, 1, 1, 1, 0, 1], true);
     let y3_shape: Vec<usize> = [1, 2].into_iter().chain(window_output(&win3, &x3_shape[2..]).unwrap()).collect();
-    for kind in [PoolKind::Max, PoolKind::Average { count_include_pad: true }] {
+    let kinds =
+        [PoolKind::Max, PoolKind::Average { count_include_pad: true }, PoolKind::Average { count_include_pad: false }];
+    for kind in kinds {
         let pool = Op::Pool { kind, window: win3.clone() };
         let mut outs = vec![Meta::new(DType::F32, &y3_shape)];
         if kind == PoolKind::Max {
@@ -592,6 +595,31 @@ fn epilogues_applied_after_a_plain_product_match_the_cpu_backend() {
     }
     let declined = gpu.launches.lock().unwrap().get("unary_f32").copied().unwrap_or(0);
     assert!(declined > 0, "no epilogue ran as a kernel");
+}
+
+/// Products with nothing to multiply, which never reach cuBLASLt: no terms (an inner dim of 0:
+/// the bias alone, through GELU), no rows, no batch.
+#[test]
+fn empty_products_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let empty = |shape: &[usize]| Tensor::from_vec(shape, Vec::<f32>::new());
+    let bias = Tensor::from_vec(&[3], vec![0.5f32, -1.0, 2.0]);
+    let fused = Op::FusedMatMul { trans_a: false, trans_b: false, activation: Some(Unary::GeluTanh) };
+    let no_terms = [empty(&[2, 0]), empty(&[0, 3]), bias];
+    let outs = [Meta::new(DType::F32, &[2, 3]), Meta::new(DType::F32, &[2, 3])];
+    let (g, c) = (run_typed(&gpu, &fused, &no_terms, &outs), run_typed(&cpu, &fused, &no_terms, &outs));
+    assert_close("a product of no terms with a bias and GELU", &g, &c);
+    assert!(g[0].as_slice::<f32>().iter().all(|v| *v != 0.0), "the bias went through GELU: {:?}", g[0]);
+    let matmul = Op::MatMul;
+    for (what, a, b, y) in [
+        ("no rows", empty(&[0, 4]), Tensor::from_vec(&[4, 3], values(12, 1)), vec![0, 3]),
+        ("no batch", empty(&[0, 2, 4]), Tensor::from_vec(&[0, 4, 3], Vec::<f32>::new()), vec![0, 2, 3]),
+        ("no terms", empty(&[3, 0]), empty(&[0, 2]), vec![3, 2]),
+    ] {
+        let ins = [a, b];
+        let outs = std::slice::from_ref(&y);
+        assert_close(what, &run_op(&gpu, &matmul, &ins, outs), &run_op(&cpu, &matmul, &ins, outs));
+    }
 }
 
 /// Tensor parallelism's vocab-parallel ops and the row reductions, one at a time: ids and

@@ -119,6 +119,9 @@ struct Shape {
     epilogue: bool,
     bias: bool,
     kind: EpilogueKind,
+    /// The bias's and the aux's alignments (0 where none): the heuristic reads them from the
+    /// addresses it is shown, so a plan holds only for addresses aligned as well.
+    epilogue_alignment: [u32; 2],
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -156,6 +159,14 @@ impl Shape {
             epilogue,
             bias: epilogue && p.bias != 0,
             kind: if epilogue { kind } else { EpilogueKind::Plain },
+            epilogue_alignment: match (epilogue, p.epilogue) {
+                (false, _) => [0, 0],
+                (true, Epilogue::Plain) => [alignment(p.bias, 0, 1, size), 0],
+                (true, Epilogue::Gelu { aux } | Epilogue::GeluGrad { aux }) => [
+                    if p.bias == 0 { 0 } else { alignment(p.bias, 0, 1, size) },
+                    if aux == 0 { 0 } else { alignment(aux, p.d_stride, p.batch, p.d_dtype.size()) },
+                ],
+            },
         }
     }
 }
@@ -355,6 +366,18 @@ impl Gemm {
                 8,
             )
             .map_err(|e| err("workspace preference", e))?;
+            // A product split over k adds its parts in f32 (the compute type), never in a half
+            // D's type: the sums are rounded once, as the CPU backend's and the emulator's are
+            // (PyTorch's allow_bf16_reduced_precision_reduction = False). Unsplit products are
+            // allowed whatever the mask.
+            let f32_parts = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+            lt::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                &f32_parts as *const u32 as *const c_void,
+                4,
+            )
+            .map_err(|e| err("reduction preference", e))?;
             // cuBLASLt's operands A, B, C and D are our B, A, D and D.
             use sys::cublasLtMatmulPreferenceAttributes_t as P;
             let [first_align, second_align, out_align] = shape.alignment;
@@ -373,12 +396,12 @@ impl Gemm {
                 set_epilogue_addresses(desc.0, p)?;
             }
             let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc.0, first.0, second.0, out.0, out.0, pref.0)
-                .map_err(|e| {
-                    if shape.epilogue {
-                        Unsupported
-                    } else {
-                        Failed(err(&format!("no algorithm for {p:?}"), e))
-                    }
+                .map_err(|e| match e.0 {
+                    // No algorithm with this epilogue (cudarc says so for an empty answer too):
+                    // the caller runs the product plain and the epilogue as kernels. Any other
+                    // failure (memory, a bad attribute) is an error, not remembered.
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if shape.epilogue => Unsupported,
+                    _ => Failed(err(&format!("no algorithm for {p:?}"), e)),
                 })?;
             Ok(Plan { first, second, out, desc, algo: heuristic.algo })
         }

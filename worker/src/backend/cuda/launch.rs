@@ -343,8 +343,28 @@ impl Dev<'_> {
         self.0.write(dst, bytes)
     }
 
+    /// A product (`Target::gemm`), unless there is nothing to multiply: cuBLASLt takes no empty
+    /// matrix (a leading dimension must be positive, and a batch count of 0 would run as one
+    /// product). No output (batch, m or n of 0) writes nothing; no terms (k = 0) leaves β·D,
+    /// which is 0 or D, with its bias and epilogue, as the CPU backend's product does.
     fn gemm(&self, p: &Product) -> Result<(), String> {
-        self.0.gemm(p)
+        if p.batch == 0 || p.m == 0 || p.n == 0 {
+            return Ok(());
+        }
+        if p.k > 0 {
+            return self.0.gemm(p);
+        }
+        let size = p.d_dtype.size() as u64;
+        match p.beta {
+            0.0 => (0..p.batch)
+                .try_for_each(|b| self.fill(Ptr(p.d + b * p.d_stride as u64 * size), 0, (p.m * p.n * size) as usize))?,
+            1.0 => {}
+            beta => return Err(format!("a product of no terms with beta {beta}: no CUDA path")),
+        }
+        if p.has_epilogue() {
+            return apply_epilogue(self.0, p);
+        }
+        Ok(())
     }
 
     fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
