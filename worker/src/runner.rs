@@ -195,24 +195,33 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
     let p = &cfg.parallelism;
     let layout = Layout::new(p.data, p.tensor, p.pipeline, world.size())?;
     check_supported(cfg)?;
-    match device::resolve(cfg.device, world.local_rank())? {
-        Device::Cpu => train_on(Arc::new(CpuBackend::new()), cfg, console, world, layout),
+    let result = match device::resolve(cfg.device, world.local_rank())? {
+        Device::Cpu => train_on(Arc::new(CpuBackend::new()), cfg, console, &world, layout),
         #[cfg(feature = "cuda")]
         Device::Cuda { ordinal } => {
             crate::backend::cuda::AttentionKernels::from_env().map_err(Error::Config)?;
             let gpu = crate::backend::cuda::CudaBackend::new(ordinal)
                 .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?
                 .with_wait_limit(Duration::from_secs(p.timeout_seconds));
-            train_on(Arc::new(gpu), cfg, console, world, layout)
+            train_on(Arc::new(gpu), cfg, console, &world, layout)
         }
         #[cfg(not(feature = "cuda"))]
         Device::Cuda { .. } => Err(Error::Config("device: cuda needs a worker built with the cuda feature".into())),
+    };
+    match result {
+        // The other ranks may be waiting for this one in a collective, and finishing MPI would
+        // wait for them: the job ends here, with this rank's error.
+        Err(e) if world.size() > 1 => {
+            eprintln!("error: rank {}: {e}", world.rank());
+            world.abort(e.exit_code())
+        }
+        result => result,
     }
 }
 
 /// Aborts the backend's device collectives when dropped armed, as the run returns an error
-/// (`Backend::abort_collectives`): the rank then exits at once, and mpirun ends its peers,
-/// rather than each waiting in a collective for the others until parallelism.timeoutSeconds.
+/// (`Backend::abort_collectives`), so that freeing the session's buffers does not wait for
+/// NCCL kernels that wait for peers; `train` then ends the job (`World::abort`).
 struct AbortCollectives<'a, B: Backend> {
     backend: &'a B,
     armed: bool,
@@ -231,7 +240,7 @@ fn train_on<B: Backend>(
     backend: Arc<B>,
     cfg: &TrainingConfig,
     console: ConsoleMode,
-    world: World,
+    world: &World,
     layout: Layout,
 ) -> Result<Summary> {
     let p = &cfg.parallelism;

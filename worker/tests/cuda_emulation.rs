@@ -597,6 +597,56 @@ fn epilogues_applied_after_a_plain_product_match_the_cpu_backend() {
     assert!(declined > 0, "no epilogue ran as a kernel");
 }
 
+/// Adasum's kernels (`Backend::adasum`) against `parallel::adasum::combine_pair`: tensors of
+/// several 32 Ki-element pieces and a remainder, an empty one, all at offsets in one buffer per
+/// side; the lower and the higher partner end with the same bits.
+#[test]
+fn adasum_kernels_match_the_cpu_combination_on_the_emulated_kernels() {
+    use tensorfleet_worker::backend::Arg;
+    use tensorfleet_worker::parallel::adasum::combine_pair;
+    let gpu = EmulatedGpu::new();
+    let sizes = [2 * 32768 + 1234, 0, 77, 40000];
+    let metas: Vec<Meta> = sizes.iter().map(|&n| Meta::new(DType::F32, &[n])).collect();
+    // Offsets of 64 bytes past each tensor, as the executor lays values out.
+    let offsets: Vec<usize> =
+        sizes.iter().scan(64, |at, &n| Some(std::mem::replace(at, *at + (4 * n).next_multiple_of(64) + 64))).collect();
+    let bytes = offsets.last().unwrap() + 4 * sizes.last().unwrap();
+    let side = |salt: usize| -> Vec<Vec<f32>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| values(n, salt + k).iter().map(|v| v * (k + 1) as f32).collect())
+            .collect()
+    };
+    let (lower, higher) = (side(1), side(7));
+    // One partner's view: its values and the other's, combined with its role; what it ends with.
+    let combine_on_gpu = |mine: &[Vec<f32>], theirs: &[Vec<f32>], mine_is_lower: bool| -> Vec<Vec<f32>> {
+        let (m_buf, t_buf) = (gpu.alloc(bytes).unwrap(), gpu.alloc(bytes).unwrap());
+        let args =
+            |buf| -> Vec<_> { offsets.iter().zip(&metas).map(|(&offset, meta)| Arg { buf, offset, meta }).collect() };
+        let (m_args, t_args): (Vec<_>, Vec<_>) = (args(&m_buf), args(&t_buf));
+        for (k, n) in sizes.iter().enumerate() {
+            gpu.upload(&Tensor::from_vec(&[*n], mine[k].clone()), m_args[k]).unwrap();
+            gpu.upload(&Tensor::from_vec(&[*n], theirs[k].clone()), t_args[k]).unwrap();
+        }
+        gpu.adasum(&m_args, &t_args, mine_is_lower).unwrap();
+        m_args.iter().map(|a| gpu.download(*a).unwrap().as_slice::<f32>().to_vec()).collect()
+    };
+    let low = combine_on_gpu(&lower, &higher, true);
+    let high = combine_on_gpu(&higher, &lower, false);
+    for (k, n) in sizes.iter().enumerate() {
+        assert!(
+            low[k].iter().zip(&high[k]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "tensor {k}: the partners differ"
+        );
+        let (mut want, mut other) = (lower[k].clone(), higher[k].clone());
+        combine_pair(&mut want, &mut other, true);
+        let largest = want.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let worst = low[k].iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(worst <= 1e-6 * largest, "tensor {k} of {n}: differs from the CPU's combination by {worst}");
+    }
+}
+
 /// Products with nothing to multiply, which never reach cuBLASLt: no terms (an inner dim of 0:
 /// the bias alone, through GELU), no rows, no batch.
 #[test]

@@ -507,3 +507,24 @@ fn mixed_precision_under_data_tensor_and_pipeline_parallelism_follows_one_proces
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A rank whose run fails while another waits for it in a collective ends the job at once, with
+/// its error and exit code: rank 0 cannot make the checkpoint directory at step 3 while rank 1
+/// waits at the checkpoint's barrier. (Before, rank 0 waited in MPI's finalize and rank 1 at
+/// the barrier until parallelism.timeoutSeconds, 600 s here.)
+#[test]
+fn a_rank_that_fails_ends_the_job_at_once() {
+    let dir = scratch("fail");
+    prepare_tokens(&dir);
+    write_config(&dir, 1, "");
+    std::fs::write(dir.join("blocker"), "a file where the checkpoint directory's parent should be").unwrap();
+    let started = std::time::Instant::now();
+    let sets = ["batchSize=2", "parallelism.data=2", "parallelism.timeoutSeconds=600", "checkpoint.dir=blocker/ckpt"];
+    let o = mpirun_train(&dir, 2, &sets);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the run must fail:\n{err}");
+    assert!(err.contains("error: rank 0:") && err.contains("blocker"), "rank 0's error, naming the path:\n{err}");
+    let waited = started.elapsed();
+    assert!(waited < std::time::Duration::from_secs(300), "the job ended after {waited:?}, at the collective timeout");
+    std::fs::remove_dir_all(&dir).ok();
+}

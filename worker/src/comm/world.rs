@@ -124,6 +124,18 @@ impl World {
         None
     }
 
+    /// Ends the whole job at once with exit code `code`: under mpirun, MPI_Abort (mpirun ends
+    /// every rank and exits with `code`); alone, the process exits. For a rank whose run failed
+    /// while its peers may wait for it in a collective: finishing MPI would wait for them.
+    pub fn abort(&self, code: i32) -> ! {
+        #[cfg(feature = "mpi")]
+        if self.mpi.is_some() {
+            use mpi::topology::Communicator;
+            mpi::topology::SimpleCommunicator::world().abort(code);
+        }
+        std::process::exit(code)
+    }
+
     /// All ranks as one group. Collective: every rank calls it.
     pub fn world_group(&self) -> HostGroup {
         #[cfg(feature = "mpi")]

@@ -290,6 +290,10 @@ impl Target for EmulatedGpu {
         Ok(())
     }
     fn gemm(&self, p: &Product) -> Result<(), String> {
+        // cuBLASLt takes no empty matrix (the dispatch keeps such products from it).
+        if p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0 {
+            return Err(format!("an empty product reached cuBLASLt's stand-in: {p:?}"));
+        }
         // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
         // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the epilogue on the f32 sum.
         if p.has_epilogue() && self.declines_epilogues.load(std::sync::atomic::Ordering::Relaxed) {

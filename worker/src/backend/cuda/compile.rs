@@ -104,7 +104,13 @@ pub fn compile_in(dir: Option<&Path>, major: i32, minor: i32) -> Result<cudarc::
     let source = source();
     let file = dir.map(|d| d.join(cache_name(&source, &options)));
     if let Some(text) = file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()) {
-        return Ok(cudarc::nvrtc::Ptx::from_src(text));
+        // A file cut short, or not of this program, is compiled again and replaced.
+        let entries = kernel_names().iter().all(|name| text.contains(&format!(".entry {name}(")));
+        if text.ends_with(COMPLETE) && entries {
+            return Ok(cudarc::nvrtc::Ptx::from_src(text));
+        }
+        tracing::warn!(file = %file.as_ref().map_or(String::new(), |f| f.display().to_string()),
+            "the kernel cache's file is incomplete; compiling the kernels again");
     }
     let opts =
         cudarc::nvrtc::CompileOptions { options, name: Some("tensorfleet_kernels.cu".into()), ..Default::default() };
@@ -115,12 +121,15 @@ pub fn compile_in(dir: Option<&Path>, major: i32, minor: i32) -> Result<cudarc::
         other => format!("NVRTC failed: {other:?}"),
     })?;
     if let Some(file) = &file {
-        if let Err(e) = keep(file, &ptx.to_src()) {
+        if let Err(e) = keep(file, &(ptx.to_src() + COMPLETE)) {
             tracing::debug!(file = %file.display(), "kernel cache not written: {e}");
         }
     }
     Ok(ptx)
 }
+
+/// The last line of a cache file, written with it: a file without it was cut short.
+const COMPLETE: &str = "\n// tensorfleet: complete\n";
 
 /// The cache file's name: a hash of everything the PTX depends on (the source, the options,
 /// NVRTC's version), then the architecture for whoever lists the directory.
@@ -141,10 +150,28 @@ fn cache_name(source: &str, options: &[String]) -> String {
     format!("{h:016x}-{arch}.ptx")
 }
 
+/// Writes `text` to `file` by way of a temporary file of its own (created exclusively, named by
+/// process, time and thread: processes of different containers may share a pid and a cache), so
+/// that a reader sees the whole file or none.
 fn keep(file: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(".{}.{}", file.file_name().unwrap_or_default().to_string_lossy(), std::process::id()));
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, file)
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let thread = format!("{:?}", std::thread::current().id());
+    let unique: String = thread.chars().filter(char::is_ascii_digit).collect();
+    let name = file.file_name().unwrap_or_default().to_string_lossy();
+    let tmp = dir.join(format!(".{name}.{}.{nanos}.{unique}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(text.as_bytes()).and_then(|()| f.sync_all()));
+    match written.and_then(|()| std::fs::rename(&tmp, file)) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
 }
