@@ -866,17 +866,8 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                     dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
                 }
                 DType::F32 | DType::F16 | DType::BF16 | DType::F64 => reduce_strided(dev, *kind, a, &reduced, y),
-                t => {
-                    // Other element types reduce in f64 and convert back, as the CPU backend's
-                    // reduce does.
-                    let part = |v: &V| (v.n() * 8).next_multiple_of(256) as u64;
-                    let base = dev.scratch((part(&a) + part(&y)) as usize)?.0;
-                    let (a64, y64) = (Ptr(base), Ptr(base + part(&a)));
-                    let (a_meta, y_meta) = (Meta::new(DType::F64, a.shape()), Meta::new(DType::F64, y.shape()));
-                    cast(dev, t, DType::F64, a.at, a64, a.n())?;
-                    reduce_strided(dev, *kind, V { meta: &a_meta, at: a64 }, &reduced, V { meta: &y_meta, at: y64 })?;
-                    cast(dev, DType::F64, t, y64, y.at, y.n())
-                }
+                // Other element types reduce in f64, as the CPU backend's reduce does.
+                _ => through_f64(dev, &[a], y, |wide, y| reduce_strided(dev, *kind, wide[0], &reduced, y)),
             }
         }
         Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
@@ -987,20 +978,30 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
 /// Pow with an exponent of another type than the base (ONNX's T1): both widened to f64, the
 /// power taken there and converted to the output's type, as the CPU backend computes it.
 fn pow_through_f64(dev: Dev, a: V, b: V, y: V) -> Result<(), String> {
-    let (na, nb, n) = (a.n(), b.n(), y.n());
-    let part = |elements: usize| (elements * 8).next_multiple_of(256) as u64;
-    let base = dev.scratch((part(na) + part(nb) + part(n)) as usize)?.0;
-    let (a64, b64, y64) = (Ptr(base), Ptr(base + part(na)), Ptr(base + part(na) + part(nb)));
-    cast(dev, a.dtype(), DType::F64, a.at, a64, na)?;
-    cast(dev, b.dtype(), DType::F64, b.at, b64, nb)?;
-    let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
-    let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
-    dev.kernel(
-        "binary_f64",
-        elementwise(n),
-        &mut params![Binary::Pow as i32, n as i64, dims(y.shape())?, a64, sa, b64, sb, contiguous, y64],
-    )?;
-    cast(dev, DType::F64, y.dtype(), y64, y.at, n)
+    through_f64(dev, &[a, b], y, |wide, y| binary(dev, Binary::Pow, wide[0], wide[1], y))
+}
+
+/// Runs `f` on f64 copies of `ins` into an f64 value of `y`'s shape, then converts that to `y`'s
+/// type: how element types without kernels of their own are computed, as the CPU backend
+/// computes them (through f64).
+fn through_f64(dev: Dev, ins: &[V], y: V, f: impl FnOnce(&[V], V) -> Result<(), String>) -> Result<(), String> {
+    let values: Vec<V> = ins.iter().chain([&y]).copied().collect();
+    let at = scratch_parts(dev, &values.iter().map(|v| 8 * v.n()).collect::<Vec<_>>())?;
+    let metas: Vec<Meta> = values.iter().map(|v| Meta::new(DType::F64, v.shape())).collect();
+    let wide: Vec<V> = metas.iter().zip(at).map(|(meta, at)| V { meta, at }).collect();
+    for (v, w) in ins.iter().zip(&wide) {
+        cast(dev, v.dtype(), DType::F64, v.at, w.at, v.n())?;
+    }
+    let (wide_ins, wide_y) = wide.split_at(ins.len());
+    f(wide_ins, wide_y[0])?;
+    cast(dev, DType::F64, y.dtype(), wide_y[0].at, y.at, y.n())
+}
+
+/// One scratch request cut into parts of `bytes` each, every part 256-byte aligned.
+fn scratch_parts(dev: Dev, bytes: &[usize]) -> Result<Vec<Ptr>, String> {
+    let sizes: Vec<u64> = bytes.iter().map(|&b| b.next_multiple_of(256) as u64).collect();
+    let base = dev.scratch(sizes.iter().sum::<u64>() as usize)?.0;
+    Ok(sizes.iter().scan(base, |at, size| Some(Ptr(std::mem::replace(at, *at + size)))).collect())
 }
 
 /// (Π shape[..axis], Π shape[axis..]).
@@ -1485,13 +1486,8 @@ pub fn adasum(dev: Dev, mine: &[V], theirs: &[V], mine_is_lower: bool) -> Result
         return Ok(());
     }
     // One scratch: the pieces, the tensors' first pieces, the partial sums, the dot products.
-    let part = |bytes: usize| bytes.next_multiple_of(256) as u64;
-    let (table_bytes, first_bytes) = (part(std::mem::size_of_val(&pieces[..])), part(8 * first.len()));
-    let partial_bytes = part(24 * pieces.len());
-    let base = dev.scratch((table_bytes + first_bytes + partial_bytes + part(24 * mine.len())) as usize)?.0;
-    let (table, starts) = (Ptr(base), Ptr(base + table_bytes));
-    let (partial, dots) =
-        (Ptr(base + table_bytes + first_bytes), Ptr(base + table_bytes + first_bytes + partial_bytes));
+    let bytes = [std::mem::size_of_val(&pieces[..]), 8 * first.len(), 24 * pieces.len(), 24 * mine.len()];
+    let [table, starts, partial, dots] = scratch_parts(dev, &bytes)?[..] else { unreachable!("four parts") };
     dev.write(table, bytemuck::cast_slice(&pieces))?;
     dev.write(starts, bytemuck::cast_slice(&first))?;
     let per_piece =

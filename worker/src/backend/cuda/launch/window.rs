@@ -7,7 +7,10 @@
 //! and 2-D); with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these are
 //! checked against.
 
-use super::{at, cast, elementwise, numeric, per_row, reduce_strided, typed, Dev, Epilogue, Product, Ptr, NULL, V};
+use super::{
+    at, cast, elementwise, numeric, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev, Epilogue, Product,
+    Ptr, NULL, V,
+};
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::graph::ir::Meta;
 use crate::graph::op::{PoolKind, Reduce, Window};
@@ -196,13 +199,9 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
     // slot of dW_g.
     let col_bytes = if pointwise { 0 } else { per_image * t.size() };
     let chunk = images_per_chunk(dev, s.images, 2 * col_bytes + dw_g_len * 4);
-    // One scratch, each part 256-byte aligned: the chunk's columns, their gradient, dW's f32
-    // slots and their f32 sum.
-    let round = |bytes: usize| bytes.next_multiple_of(256);
-    let (cols, slots) = (round(chunk * col_bytes), round(chunk * dw_g_len * 4));
-    let scratch = dev.scratch(2 * cols + slots + dw_g_len * 4)?.0;
-    let (col, dcol) = (Ptr(scratch), Ptr(scratch + cols as u64));
-    let (partial, summed) = (Ptr(scratch + 2 * cols as u64), Ptr(scratch + (2 * cols + slots) as u64));
+    // One scratch: the chunk's columns, their gradient, dW's f32 slots and their f32 sum.
+    let bytes = [chunk * col_bytes, chunk * col_bytes, chunk * dw_g_len * 4, dw_g_len * 4];
+    let [col, dcol, partial, summed] = scratch_parts(dev, &bytes)?[..] else { unreachable!("four parts") };
     let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[chunk, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
     for gr in 0..group {
         let w_g = at(w.at, gr * s.mg * s.kdim, t);
@@ -344,12 +343,9 @@ pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<
             &mut params![max, include_pad, planes, g, x.at, y.at, indices],
         );
     }
-    let part = |v: &V| (v.n() * 8).next_multiple_of(256) as u64;
-    let base = dev.scratch((part(&x) + part(&y)) as usize)?.0;
-    let (x64, y64) = (Ptr(base), Ptr(base + part(&x)));
-    cast(dev, t, DType::F64, x.at, x64, x.n())?;
-    dev.kernel("pool_f64", elementwise(y.n()), &mut params![max, include_pad, planes, g, x64, y64, indices])?;
-    cast(dev, DType::F64, t, y64, y.at, y.n())
+    through_f64(dev, &[x], y, |wide, y| {
+        dev.kernel("pool_f64", elementwise(y.n()), &mut params![max, include_pad, planes, g, wide[0].at, y.at, indices])
+    })
 }
 
 /// dY, X → dX of 1-D or 2-D pooling (as the CPU backend's).
