@@ -2,7 +2,7 @@
 """GPT-2 124M training throughput on one GPU: tensorfleet next to PyTorch, in the same run.
 
     python worker/benches/gpu_gpt2_124m.py --worker target/release/tensorfleet-worker \
-        [--steps 20] [--warmup 5] [--micro-batches 32,16,8,4] [--out target/gpu-bench]
+        [--steps 20] [--warmup 5] [--micro-batches 64,32,16,8] [--rows ...] [--out target/gpu-bench]
 
 `make bench-gpu` runs it. Needs a CUDA GPU, a CUDA build of torch, and nvidia-smi.
 
@@ -14,10 +14,12 @@ betas (0.9, 0.95), weight decay 0.1), on random tokens. For each of
   - PyTorch with torch.compile (the same model compiled),
   - tensorfleet (the worker binary, `precision: bf16`, `device: cuda`, fused attention),
   - tensorfleet with TENSORFLEET_CUDA_ATTENTION=warp (attention on the warp kernels rather than
-    the tensor cores; --no-warp-attention skips it),
+    the tensor cores),
 
-it takes the largest micro-batch of --micro-batches that trains without running out of memory,
-times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU memory:
+(--rows picks some, in the order given; the tensorfleet rows come first by default, so that a run
+cut short has them) it takes the largest micro-batch of --micro-batches that trains without
+running out of memory, times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU
+memory:
 
   - tokens/s: micro-batch × 1024 / the median step time (tensorfleet: the `itemsPerSec` of its
     metrics.jsonl lines after the warm-up);
@@ -28,11 +30,11 @@ times --steps steps after --warmup, and reports tokens/s, MFU and peak GPU memor
     `used_memory` nvidia-smi reports for its process, polled every 100 ms (which includes the
     CUDA context, so it reads higher than an allocator's count).
 
-Then (unless --no-profile) one more tensorfleet run at its micro-batch profiles its third step
-(the worker's `profiling` config: each op timed to the GPU's completion) and lists the op types
-that took the most time. Writes <out>/gpu-bench.json and prints the tables. This script has not
-run on a GPU yet (the
-machines it was written on have none): treat its first run as its test.
+After a tensorfleet row (unless --no-profile) one more run at its micro-batch profiles its third
+step (the worker's `profiling` config: each op timed to the GPU's completion) and lists the op
+types that took the most time. A worker run is killed after --run-timeout seconds; each run's
+stderr goes to <out>/worker-stderr.log. <out>/gpu-bench.json is written after each row and keeps
+the rows of an earlier run into the same --out; the table is printed last.
 """
 
 import argparse
@@ -137,14 +139,8 @@ def worker_config(micro_batch, steps, out, peak, run_dir):
     }
 
 
-def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto"):
-    """One timed worker run; `attention` is TENSORFLEET_CUDA_ATTENTION's value (warp: the warp
-    kernels in place of the tensor-core ones)."""
-    run_dir = f"{out}/tensorfleet-{attention}-mb{micro_batch}"
-    config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
-    cfg_path = f"{run_dir}.json"
-    with open(cfg_path, "w") as f:
-        json.dump(config, f)
+def start_worker(worker, cfg_path, attention):
+    """The worker training on `cfg_path`, its stderr piped (see wait_worker)."""
     env = dict(os.environ, TENSORFLEET_CUDA_ATTENTION=attention)
     proc = subprocess.Popen(
         [worker, "train", "--config", cfg_path, "--quiet"],
@@ -153,6 +149,35 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto"):
         text=True,
         env=env,
     )
+    return proc
+
+
+def wait_worker(proc, cfg_path, timeout, log):
+    """Waits for the worker, killing it after `timeout` seconds; its stderr, whole, is appended
+    to `log` (a failed run's last lines are printed too) and returned."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        err += f"\nkilled after {timeout} s"
+    with open(log, "a") as f:
+        f.write(f"==== {cfg_path}: exit {proc.returncode}\n{err}\n")
+    if proc.returncode != 0:
+        print("\n".join("    " + l for l in err.strip().splitlines()[-25:]), file=sys.stderr)
+    return err
+
+
+def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto", timeout=240):
+    """One timed worker run; `attention` is TENSORFLEET_CUDA_ATTENTION's value (warp: the warp
+    kernels in place of the tensor-core ones)."""
+    run_dir = f"{out}/tensorfleet-{attention}-mb{micro_batch}"
+    config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
+    cfg_path = f"{run_dir}.json"
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
+    started = time.perf_counter()
+    proc = start_worker(worker, cfg_path, attention)
     peak_mib = [0]
 
     def poll():
@@ -173,16 +198,21 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto"):
 
     watcher = threading.Thread(target=poll)
     watcher.start()
-    _, err = proc.communicate()
+    err = wait_worker(proc, cfg_path, timeout, f"{out}/worker-stderr.log")
     watcher.join()
     if proc.returncode != 0:
         return {"error": failure(err, proc.returncode)}
     lines = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl") if '"itemsPerSec"' in l]
     rates = [l["itemsPerSec"] for l in lines if l["step"] > warmup]
-    return {"tokens_per_s": statistics.median(rates), "peak_bytes": peak_mib[0] << 20}
+    return {
+        "tokens_per_s": statistics.median(rates),
+        "peak_bytes": peak_mib[0] << 20,
+        "losses": [l.get("loss") for l in lines],
+        "wall_s": time.perf_counter() - started,
+    }
 
 
-def worker_profile(worker, micro_batch, out, peak, attention, top=15):
+def worker_profile(worker, micro_batch, out, peak, attention, top=15, timeout=240):
     """Where a tensorfleet step's time goes: the worker's op profile of its third step (each op
     timed to the GPU's completion, so launch gaps show as well), summed by op type."""
     run_dir = f"{out}/tensorfleet-profile"
@@ -191,12 +221,10 @@ def worker_profile(worker, micro_batch, out, peak, attention, top=15):
     cfg_path = f"{out}/tensorfleet-profile.json"
     with open(cfg_path, "w") as f:
         json.dump(config, f)
-    env = dict(os.environ, TENSORFLEET_CUDA_ATTENTION=attention)
-    done = subprocess.run(
-        [worker, "train", "--config", cfg_path, "--quiet"], capture_output=True, text=True, env=env
-    )
-    if done.returncode != 0:
-        return {"error": failure(done.stderr, done.returncode)}
+    proc = start_worker(worker, cfg_path, attention)
+    err = wait_worker(proc, cfg_path, timeout, f"{out}/worker-stderr.log")
+    if proc.returncode != 0:
+        return {"error": failure(err, proc.returncode)}
     events = json.load(open(f"{run_dir}/profile.json"))
     events = events["traceEvents"] if isinstance(events, dict) else events
     step_us = sum(e["dur"] for e in events if e.get("cat") == "step")
@@ -206,11 +234,14 @@ def worker_profile(worker, micro_batch, out, peak, attention, top=15):
             total, count = by_op.get(e["name"], (0.0, 0))
             by_op[e["name"]] = (total + e["dur"], count + 1)
     ops = sorted(by_op.items(), key=lambda kv: -kv[1][0])
+    nodes = sorted((e for e in events if e.get("cat") == "op"), key=lambda e: -e["dur"])
     return {
         "micro_batch": micro_batch,
         "step_ms": step_us / 1e3,
         "ops_ms": sum(t for t, _ in by_op.values()) / 1e3,
         "top": [{"op": name, "ms": t / 1e3, "launches": n} for name, (t, n) in ops[:top]],
+        # The single nodes that took longest (which product, which cast), for the JSON only.
+        "top_nodes": [{"node": e.get("args", {}).get("node"), "op": e["name"], "ms": e["dur"] / 1e3} for e in nodes[:40]],
     }
 
 
@@ -224,7 +255,36 @@ def largest_that_fits(run, sizes):
         if "error" not in r:
             return dict(r, micro_batch=mb)
         print(f"  micro-batch {mb}: {r['error']}", file=sys.stderr)
+        if not any(word in r["error"].lower() for word in ("memory", "allocate")):
+            return dict(r, micro_batch_tried=mb)  # a failure a smaller batch would repeat
     return {"error": f"no micro-batch of {sizes} fits"}
+
+
+ROWS = ["tensorfleet", "tensorfleet_warp_attn", "pytorch_eager", "pytorch_compile"]
+
+
+def print_table(summary):
+    print(f"GPT-2 124M, seq {SEQ}, bf16, on {summary['gpu']} (dense bf16 peak {summary['peak_bf16_tflops']} TFLOP/s)")
+    print(f"{'':22} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    for label in ROWS:
+        r = summary["results"].get(label)
+        if r is None:
+            continue
+        if "error" in r:
+            print(f"{label:22} {r['error']}")
+        else:
+            mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
+            print(f"{label:22} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
+    profile = summary.get("tensorfleet_profile")
+    if profile and "error" in profile:
+        print(f"tensorfleet op profile: {profile['error']}")
+    elif profile:
+        print(
+            f"tensorfleet op profile ({profile['attention']} attention), micro-batch {profile['micro_batch']}: "
+            f"a profiled step {profile['step_ms']:.1f} ms, its ops {profile['ops_ms']:.1f} ms (each waited for)"
+        )
+        for o in profile["top"]:
+            print(f"  {o['op']:28} {o['ms']:>9.2f} ms {o['launches']:>6} launches")
 
 
 def main():
@@ -232,75 +292,68 @@ def main():
     ap.add_argument("--worker", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--micro-batches", default="32,16,8,4")
+    ap.add_argument("--micro-batches", default="64,32,16,8")
     ap.add_argument("--peak-tflops", type=float, default=0.0)
     ap.add_argument("--out", default="target/gpu-bench")
-    ap.add_argument("--no-profile", action="store_true", help="skip tensorfleet's op profile")
     ap.add_argument(
-        "--no-warp-attention", action="store_true", help="skip the tensorfleet run with the warp attention kernels"
+        "--rows",
+        default=",".join(ROWS),
+        help="which of the rows to measure, in this order; rows measured by an earlier run into the same "
+        "--out are kept in its gpu-bench.json and table",
     )
+    ap.add_argument("--run-timeout", type=int, default=240, help="seconds before a worker run is killed")
+    ap.add_argument("--no-profile", action="store_true", help="skip tensorfleet's op profile")
     a = ap.parse_args()
     sizes = [int(s) for s in a.micro_batches.split(",")]
+    rows = a.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"--rows: {unknown} are not among {ROWS}")
     name = torch.cuda.get_device_name(0)
     peak = peak_tflops(name, a.peak_tflops)
     os.makedirs(a.out, exist_ok=True)
-    results = {}
-    runs = [
-        ("pytorch_eager", lambda mb: torch_run(False, mb, a.steps, a.warmup)),
-        ("pytorch_compile", lambda mb: torch_run(True, mb, a.steps, a.warmup)),
-        ("tensorfleet", lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak)),
-    ]
-    if not a.no_warp_attention:
+    json_path = f"{a.out}/gpu-bench.json"
+    summary = {"results": {}, "tensorfleet_profile": None}
+    if os.path.exists(json_path):
+        summary = json.load(open(json_path))
+    summary.update(
+        gpu=name,
+        peak_bf16_tflops=peak,
+        torch=torch.__version__,
+        model={"layers": LAYERS, "heads": HEADS, "embed": EMBED, "seq": SEQ, "vocab": VOCAB},
+        flops_per_token=flops_per_token(),
+        steps=a.steps,
+        warmup=a.warmup,
+    )
+    runs = {
+        "pytorch_eager": lambda mb: torch_run(False, mb, a.steps, a.warmup),
+        "pytorch_compile": lambda mb: torch_run(True, mb, a.steps, a.warmup),
+        "tensorfleet": lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak, "auto", a.run_timeout),
         # What the tensor-core attention is worth (and a measurement should it fail).
-        runs.append(
-            ("tensorfleet_warp_attn", lambda mb: worker_run(a.worker, mb, a.steps, a.warmup, a.out, peak, "warp"))
-        )
-    for label, run in runs:
+        "tensorfleet_warp_attn": lambda mb: worker_run(
+            a.worker, mb, a.steps, a.warmup, a.out, peak, "warp", a.run_timeout
+        ),
+    }
+    for label in rows:
         print(f"{label} ...", file=sys.stderr)
-        r = largest_that_fits(run, sizes)
+        r = largest_that_fits(runs[label], sizes)
         if "tokens_per_s" in r and peak:
             r["mfu"] = flops_per_token() * r["tokens_per_s"] / (peak * 1e12)
-        results[label] = r
-    profile = None
-    # The default kernels' profile, or the warp attention's where the default run failed.
-    profiled = [(l, at) for l, at in [("tensorfleet", "auto"), ("tensorfleet_warp_attn", "warp")]
-                if "micro_batch" in results.get(l, {})]
-    if not a.no_profile and profiled:
-        label, attention = profiled[0]
-        print(f"{label} op profile ...", file=sys.stderr)
-        profile = worker_profile(a.worker, results[label]["micro_batch"], a.out, peak, attention)
-        profile["attention"] = attention
-    summary = {
-        "gpu": name,
-        "peak_bf16_tflops": peak,
-        "torch": torch.__version__,
-        "model": {"layers": LAYERS, "heads": HEADS, "embed": EMBED, "seq": SEQ, "vocab": VOCAB},
-        "flops_per_token": flops_per_token(),
-        "steps": a.steps,
-        "warmup": a.warmup,
-        "results": results,
-        "tensorfleet_profile": profile,
-    }
-    with open(f"{a.out}/gpu-bench.json", "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"GPT-2 124M, seq {SEQ}, bf16, on {name} (dense bf16 peak {peak} TFLOP/s)")
-    print(f"{'':22} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
-    for label, r in results.items():
-        if "error" in r:
-            print(f"{label:22} {r['error']}")
-        else:
-            mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
-            print(f"{label:22} {r['micro_batch']:>11} {r['tokens_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
-    if profile and "error" in profile:
-        print(f"tensorfleet op profile: {profile['error']}")
-    elif profile:
-        print(
-            f"tensorfleet op profile ({profile['attention']} attention), micro-batch {profile['micro_batch']}: "
-            f"a profiled step "
-            f"{profile['step_ms']:.1f} ms, its ops {profile['ops_ms']:.1f} ms (each waited for)"
-        )
-        for o in profile["top"]:
-            print(f"  {o['op']:28} {o['ms']:>9.2f} ms {o['launches']:>6} launches")
+        summary["results"][label] = r
+        print(f"{label}: {json.dumps({k: v for k, v in r.items() if k != 'losses'})}", file=sys.stderr)
+        with open(json_path, "w") as f:  # after each row, so a run cut short keeps what it measured
+            json.dump(summary, f, indent=1)
+        # The default kernels' profile, or the warp attention's where the default run failed.
+        if label.startswith("tensorfleet") and not a.no_profile and "micro_batch" in r:
+            if not (summary.get("tensorfleet_profile") or {}).get("top") or label == "tensorfleet":
+                attention = "warp" if label == "tensorfleet_warp_attn" else "auto"
+                print(f"{label} op profile ...", file=sys.stderr)
+                profile = worker_profile(a.worker, r["micro_batch"], a.out, peak, attention, timeout=a.run_timeout)
+                profile["attention"] = attention
+                summary["tensorfleet_profile"] = profile
+                with open(json_path, "w") as f:
+                    json.dump(summary, f, indent=1)
+    print_table(summary)
 
 
 if __name__ == "__main__":

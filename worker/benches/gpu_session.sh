@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs there (the `device` tool), from the repository root:
-# issue 7's checks that need a GPU, or the GPT-2 124M benchmark. `make gpu-bundle` builds what
+# issue 7's checks that need a GPU, and the GPT-2 124M benchmark. `make gpu-bundle` builds what
 # it needs, here, into .gpu-bundle/; each call carries that folder:
 #
-#   run(command="bash worker/benches/gpu_session.sh check", carry=[".gpu-bundle"])
-#   run(command="bash worker/benches/gpu_session.sh bench", carry=[".gpu-bundle"])
+#   run(command="bash worker/benches/gpu_session.sh all", carry=[".gpu-bundle"], timeout_s=600)
 #
+# all: one call's worth (under 10 minutes, each part under its own timeout so that a hang costs
+# only its part): the benchmark's tensorfleet row (and the warp attention's where that fails),
+# then the checks, then its PyTorch rows.
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
-# then the ONNX node tests on the GPU. bench: worker/benches/gpu_gpt2_124m.py next to PyTorch
-# eager and torch.compile (arguments after the mode go to it, e.g. --micro-batches 16,8 to try
-# fewer sizes; the bench also times tensorfleet with TENSORFLEET_CUDA_ATTENTION=warp, and
-# profiles that run where the default one fails). Logs and results go to $OUT, or to gpu-session/
-# where OUT is unset. Each mode is meant to fit one call (10 minutes); neither has run on a GPU
-# yet. Should the tensor-core attention fail the check, TENSORFLEET_CUDA_ATTENTION=warp in the
-# command runs everything on the warp kernels without a rebuild.
+# then the ONNX node tests on the GPU. bench: worker/benches/gpu_gpt2_124m.py (arguments after
+# the mode go to it, e.g. --rows tensorfleet --micro-batches 16). Logs and results go to $OUT,
+# or to gpu-session/ where OUT is unset; the benchmark's rows gather in one gpu-bench.json
+# across bench calls on one machine. Should the tensor-core attention fail,
+# TENSORFLEET_CUDA_ATTENTION=warp before the command runs everything on the warp kernels
+# without a rebuild.
 set -euo pipefail
-mode=${1:?"usage: gpu_session.sh check|bench [benchmark arguments]"}
+mode=${1:?"usage: gpu_session.sh all|check|bench [benchmark arguments]"}
 shift
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bundle=.gpu-bundle
@@ -29,7 +30,7 @@ libs=$(python3 -c 'import glob, importlib.util, os
 spec = importlib.util.find_spec("nvidia")
 roots = spec.submodule_search_locations if spec else []
 print(":".join(sorted({d for r in roots for d in glob.glob(os.path.join(r, "*", "lib"))})))')
-export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export LD_LIBRARY_PATH=$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} RUST_BACKTRACE=1
 # The test binaries find their sources (the known node-test failures) where they were built.
 built=$(<"$bundle/built-at")
 if [[ ! -e $built/worker ]]; then
@@ -39,6 +40,24 @@ fi
 { nvidia-smi || true; echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"; } >"$out/machine.txt" 2>&1
 
 case $mode in
+all)
+    # The parts run on whatever the one before left; a part's failure is in its log.
+    sizes=--micro-batches=64,32,16
+    part() { echo "== $SECONDS s: $*" | tee -a "$out/parts.txt"; }
+    part bench tensorfleet
+    timeout -k 10 150 bash "$0" bench --rows tensorfleet --run-timeout 100 $sizes || true
+    # The warp attention kernels' row only where the default ones failed (it takes minutes).
+    if ! grep -q '"tokens_per_s"' /tmp/tensorfleet-gpu-bench/gpu-bench.json 2>/dev/null; then
+        part bench tensorfleet_warp_attn
+        timeout -k 10 150 bash "$0" bench --rows tensorfleet_warp_attn --run-timeout 130 $sizes || true
+    fi
+    part check
+    timeout -k 10 150 bash "$0" check || true
+    part bench pytorch
+    timeout -k 10 180 bash "$0" bench --rows pytorch_eager,pytorch_compile $sizes || true
+    part done
+    cat "$out/bench-table.txt" 2>/dev/null || true
+    ;;
 check)
     nodes=$(mktemp -d)
     tar xzf "$bundle/onnx-node-tests.tgz" -C "$nodes"
@@ -51,16 +70,19 @@ check)
     ;;
 bench)
     # The runs' token shard, outputs and exported models stay out of $OUT (what comes back is
-    # limited): the table, its JSON and the log go there.
-    work=$(mktemp -d)
+    # limited): the table, its JSON, the log and the worker's stderr go there.
+    work=/tmp/tensorfleet-gpu-bench
+    mkdir -p "$work"
     status=0
     PYTHONUNBUFFERED=1 python3 worker/benches/gpu_gpt2_124m.py --worker "$bundle/tensorfleet-worker" \
-        --out "$work" "$@" 2>&1 | tee "$out/bench.log" || status=1
-    cp "$work/gpu-bench.json" "$out/" 2>/dev/null || true
+        --out "$work" "$@" 2>&1 | tee -a "$out/bench.log" | tee "$out/bench-last.txt" || status=1
+    sed -n '/^GPT-2 124M, seq/,$p' "$out/bench-last.txt" >"$out/bench-table.txt" || true
+    rm -f "$out/bench-last.txt"
+    cp "$work/gpu-bench.json" "$work/worker-stderr.log" "$out/" 2>/dev/null || true
     exit $status
     ;;
 *)
-    echo "gpu_session: the mode is check or bench, not '$mode'" >&2
+    echo "gpu_session: the mode is all, check or bench, not '$mode'" >&2
     exit 2
     ;;
 esac

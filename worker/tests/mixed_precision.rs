@@ -68,14 +68,30 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
         let inputs: Vec<DType> = node.inputs.iter().flatten().map(|&v| dtype(v)).filter(|d| d.is_float()).collect();
         let kind = match &node.op {
             Op::MatMul | Op::FusedMatMul { .. } => "product",
-            Op::LayerNorm { .. } | Op::Softmax { .. } | Op::SoftmaxCrossEntropyLoss { .. } => "full",
+            Op::LayerNorm { .. } | Op::Softmax { .. } => "full",
+            // The loss reads the bf16 logits and widens them itself (the loss_casts fusion), and
+            // writes its results, the log-probabilities and the loss, in f32.
+            Op::SoftmaxCrossEntropyLoss { .. } => {
+                assert_eq!(inputs, [DType::BF16], "{} reads {inputs:?}", node.describe());
+                for &o in node.outputs.iter().flatten() {
+                    assert_eq!(dtype(o), DType::F32, "{} writes {}", node.describe(), g.name_of(o));
+                }
+                "loss"
+            }
             _ => continue,
         };
         let want = if kind == "product" { DType::BF16 } else { DType::F32 };
-        assert!(inputs.iter().all(|&d| d == want), "{} reads {inputs:?}; {kind} ops read {want}", node.describe());
+        assert!(
+            kind == "loss" || inputs.iter().all(|&d| d == want),
+            "{} reads {inputs:?}; {kind} ops read {want}",
+            node.describe()
+        );
         *seen.entry(kind).or_insert(0) += 1;
     }
-    assert!(seen["product"] >= 8 && seen["full"] >= 6, "{seen:?}");
+    assert!(seen["product"] >= 8 && seen["full"] >= 5 && seen["loss"] == 1, "{seen:?}");
+    // Its gradient is written in bf16, not in f32 and cast down.
+    let grad = g.nodes.iter().find(|n| matches!(n.op, Op::SoftmaxCrossEntropyLossGrad { .. })).unwrap();
+    assert_eq!(dtype(grad.output(0).unwrap()), DType::BF16, "{}", grad.describe());
     // The residual stream stays f32: what each LayerNorm reads is computed in f32, not cast up
     // from a half value.
     let producers = g.producers();
@@ -90,6 +106,57 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
     }
     for &o in &g.outputs {
         assert_eq!(dtype(o), DType::F32, "output {}", g.name_of(o));
+    }
+}
+
+/// The loss_casts fusion (the loss reads the half logits, its gradient is written in half) is
+/// exact: the same losses and weights, bit for bit, as the casts it removes, in bf16 and fp16.
+#[test]
+fn the_loss_reading_half_logits_changes_no_bit() {
+    for half in [DType::BF16, DType::F16] {
+        let run = |disabled: &[&str]| {
+            let spec = ModelSpec {
+                gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
+                ..Default::default()
+            };
+            let model = models::load(&spec, 5).unwrap();
+            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+            let opts = SessionOptions { half: Some(half), disabled_passes, ..SessionOptions::new(ADAMW) };
+            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap();
+            let fused = s.train.graph.nodes.iter().any(|n| {
+                matches!(n.op, Op::SoftmaxCrossEntropyLoss { .. })
+                    && s.train.graph.meta(n.input(0).unwrap()).unwrap().dtype == half
+            });
+            (fused, losses(&mut s, 3), s.weights().unwrap())
+        };
+        let (fused, with, w_with) = run(&[]);
+        let (unfused, without, w_without) = run(&["loss_casts"]);
+        assert!(fused && !unfused, "{half}: the pass did not run, or ran while disabled");
+        assert_eq!(with, without, "{half}: losses");
+        assert!(w_with == w_without, "{half}: weights differ");
+    }
+}
+
+/// The tied LM head reads the embedding [V, C] as [C, V]: in half precision the weight is cast
+/// first and the transposes (the forward's, and its gradient's back) become GEMM flags, so no
+/// node copies a [V, C] or [C, V] matrix; f32 folds them the same way.
+#[test]
+fn the_tied_lm_heads_transposes_become_gemm_flags() {
+    for half in [None, Some(DType::BF16)] {
+        let s = session(half, None);
+        let g = &s.train.graph;
+        let (v, c) = (64, 32);
+        for node in g.nodes.iter().filter(|n| matches!(n.op, Op::Transpose { .. })) {
+            let shape = &g.meta(node.output(0).unwrap()).unwrap().shape;
+            assert!(
+                shape[..] != [v, c] && shape[..] != [c, v],
+                "{half:?}: {} copies the LM head's weight",
+                node.describe()
+            );
+        }
+        let casts_of_wte =
+            g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. }) && n.input(0) == g.find("wte")).count();
+        assert_eq!(casts_of_wte, half.is_some() as usize, "{half:?}: the embedding is cast once, for both its readers");
     }
 }
 

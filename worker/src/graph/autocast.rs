@@ -140,7 +140,35 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
             });
         }
     }
+    narrow_before_moving(g);
     Ok(())
+}
+
+/// Cast(Transpose(x)) ⇒ Transpose(Cast(x)) where the cast narrows (f32 to half) and nothing
+/// else reads the transposed value: the transpose then moves half the bytes and sits next to
+/// what reads it, so a product's transposed weight (a tied embedding's LM head, [V, C] read as
+/// [C, V]) becomes a GEMM flag in the `matmul_transpose` fusion instead of a copy, and so does
+/// its gradient's transpose. The two commute exactly.
+fn narrow_before_moving(g: &mut Graph) {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    for j in 0..g.nodes.len() {
+        let Op::Cast { to } = g.nodes[j].op else { continue };
+        let Some(moved) = g.nodes[j].input(0) else { continue };
+        let Some(i) = producers[moved] else { continue };
+        let Some(x) = g.nodes[i].input(0).filter(|_| matches!(g.nodes[i].op, Op::Transpose { .. })) else { continue };
+        let from = g.meta(x).expect("bound").clone();
+        if to.size() >= from.dtype.size() || uses[moved] != 1 || g.outputs.contains(&moved) {
+            continue;
+        }
+        // The Transpose's node casts x into its value (now x's shape, of the narrow type), and
+        // the Cast's node transposes that into the value the readers know.
+        let transpose = std::mem::replace(&mut g.nodes[i].op, Op::Cast { to });
+        g.nodes[j].op = transpose;
+        let (a, b) = (g.nodes[i].name.clone(), g.nodes[j].name.clone());
+        (g.nodes[i].name, g.nodes[j].name) = (b, a);
+        g.values[moved].meta = Some(Meta::new(to, &from.shape));
+    }
 }
 
 /// `v` as `to`: a Cast node (shared by every reader) for weights and computed values, a

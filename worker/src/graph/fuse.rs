@@ -6,7 +6,7 @@ use super::op::{Binary, Op, Unary};
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.
-pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose", "matmul_gelu_grad"];
+pub const PASSES: &[&str] = &["matmul_bias", "matmul_bias_gelu", "matmul_transpose", "matmul_gelu_grad", "loss_casts"];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
@@ -36,6 +36,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "matmul_bias_gelu" => matmul_bias_gelu(g),
             "matmul_transpose" => matmul_transpose(g),
             "matmul_gelu_grad" => matmul_gelu_grad(g),
+            "loss_casts" => loss_casts(g),
             _ => 0,
         };
         report.push((p, n));
@@ -141,6 +142,52 @@ fn matmul_gelu_grad(g: &mut Graph) -> usize {
         node.inputs = vec![a, b, Some(x)];
         // The product is now unread; prune removes it.
         fused += 1;
+    }
+    fused
+}
+
+/// Cast(scores: half → f32) → SoftmaxCrossEntropyLoss  ⇒  the loss reads the half scores, and
+/// SoftmaxCrossEntropyLossGrad → Cast(f32 → half)  ⇒  the gradient is written in half: mixed
+/// precision's logits ([B·T, V], the largest activation of a language model) are then neither
+/// copied to f32 nor their gradient copied back, two sweeps each way over V columns per token.
+/// The kernels widen on loading and round once on storing, so the results are the same bits.
+fn loss_casts(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let mut readers = vec![None; g.values.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        for &v in n.inputs.iter().flatten() {
+            readers[v] = Some(i);
+        }
+    }
+    let is_half = |g: &Graph, v: ValueId| g.meta(v).is_some_and(|m| matches!(m.dtype, DType::F16 | DType::BF16));
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        match g.nodes[i].op {
+            Op::SoftmaxCrossEntropyLoss { .. } => {
+                let Some(s) = g.nodes[i].input(0) else { continue };
+                let Some(p) = producers[s] else { continue };
+                let Some(h) = g.nodes[p].input(0).filter(|&h| is_half(g, h)) else { continue };
+                if g.nodes[p].op != (Op::Cast { to: DType::F32 }) || uses[s] != 1 || g.outputs.contains(&s) {
+                    continue;
+                }
+                g.nodes[i].inputs[0] = Some(h);
+                // The cast is now unread; prune removes it.
+                fused += 1;
+            }
+            Op::SoftmaxCrossEntropyLossGrad { .. } => {
+                let Some(dx) = g.nodes[i].output(0) else { continue };
+                let Some(k) = readers[dx].filter(|_| uses[dx] == 1 && !g.outputs.contains(&dx)) else { continue };
+                let Some(h) = g.nodes[k].output(0).filter(|&h| is_half(g, h)) else { continue };
+                if !matches!(g.nodes[k].op, Op::Cast { .. }) {
+                    continue;
+                }
+                g.nodes[i].outputs[0] = Some(h);
+                g.nodes[k].outputs.clear();
+                fused += 1;
+            }
+            _ => {}
+        }
     }
     fused
 }

@@ -3,7 +3,7 @@
 
 use super::{fastmath, KResult, SharedSlice};
 use crate::graph::op::LossReduction;
-use crate::tensor::{DType, TensorView, TensorViewMut};
+use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
 /// Scores [N, C, D...] → per-sample (n, d) positions; the class axis has stride D.
@@ -43,6 +43,12 @@ pub fn softmax_cross_entropy(
     weights: Option<TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
+    if matches!(scores.dtype, DType::F16 | DType::BF16) && outs.iter().all(|o| o.dtype == DType::F32) {
+        // Half scores with f32 results (the loss_casts fusion): widened exactly, as the cast it
+        // replaces did, and the f32 path run on them.
+        let wide = scores.to_tensor().cast(DType::F32);
+        return softmax_cross_entropy(reduction, ignore, &wide.view(), labels, weights, outs);
+    }
     if scores.dtype != DType::F32 {
         return softmax_cross_entropy_reference(reduction, ignore, scores, labels, weights, outs);
     }
@@ -163,6 +169,14 @@ pub fn softmax_cross_entropy_grad(
     weights: Option<TensorView>,
     dx: &mut TensorViewMut,
 ) -> KResult {
+    if dx.dtype != DType::F32 {
+        // A half gradient (the loss_casts fusion): computed in f32 and rounded once, as the
+        // cast it replaces did.
+        let mut wide = Tensor::zeros(DType::F32, dx.shape);
+        softmax_cross_entropy_grad(reduction, ignore, dloss, log_prob, labels, weights, &mut wide.view_mut())?;
+        super::cast::cast_into(&wide.view(), dx);
+        return Ok(());
+    }
     let (n, c, d) = layout(log_prob.shape);
     let lp = log_prob.as_slice::<f32>();
     let lab = labels_of(labels, c, ignore)?;

@@ -32,8 +32,24 @@ __device__ __forceinline__ i64 first_index() { return (i64)blockIdx.x * blockDim
 __device__ __forceinline__ i64 grid_stride() { return (i64)gridDim.x * blockDim.x; }
 
 // The offset in an operand with strides `s` of the element at flat index `i` of shape `d`.
+// Below 2³² the index is divided in 32 bits: a 64-bit division is a long software routine on
+// the GPU, and these divisions were most of a strided copy's time.
 __device__ __forceinline__ i64 offset_of(i64 i, const Dims& d, const Strides& s) {
     i64 off = 0;
+    if ((u64)i <= 0xffffffffull) {
+        u32 j = (u32)i;
+        for (int k = (int)d.rank - 1; k >= 0; --k) {
+            u64 n = (u64)d.size[k];
+            if (n > j) {  // j is this dimension's index and nothing is left for the outer ones
+                off += (i64)j * s.at[k];
+                return off;
+            }
+            u32 m = (u32)n;
+            off += (i64)(j % m) * s.at[k];
+            j /= m;
+        }
+        return off;
+    }
     for (int k = (int)d.rank - 1; k >= 0; --k) {
         i64 n = d.size[k];
         off += (i % n) * s.at[k];
@@ -41,6 +57,12 @@ __device__ __forceinline__ i64 offset_of(i64 i, const Dims& d, const Strides& s)
     }
     return off;
 }
+
+// Sixteen bytes moved as one, the widest load and store a thread has: the word of a strided
+// move whose layout allows it (launch.rs's strided_move).
+struct alignas(16) u128 {
+    u64 lo, hi;
+};
 
 // bf16 is the top half of an f32; rounding to nearest even, NaN kept quiet.
 __device__ __forceinline__ float bf16_to_f32(u16 b) { return __uint_as_float(((u32)b) << 16); }

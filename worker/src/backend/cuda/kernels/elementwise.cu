@@ -323,6 +323,9 @@ extern "C" __global__ void strided_copy_b16(i64 n, Dims d, const u16* x, Strides
 extern "C" __global__ void strided_copy_b64(i64 n, Dims d, const u64* x, Strides sx, u64* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
 }
+extern "C" __global__ void strided_copy_b128(i64 n, Dims d, const u128* x, Strides sx, u128* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[i] = x[offset_of(i, d, sx)];
+}
 
 // The inverse: out[offset(i)] = x[i], x contiguous, the output read through strides (Concat
 // writes each input into its part of the output, SliceGrad the gradient into its slice).
@@ -337,6 +340,37 @@ extern "C" __global__ void strided_store_b16(i64 n, Dims d, const u16* x, u16* o
 }
 extern "C" __global__ void strided_store_b64(i64 n, Dims d, const u64* x, u64* out, Strides so) {
     for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+extern "C" __global__ void strided_store_b128(i64 n, Dims d, const u128* x, u128* out, Strides so) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) out[offset_of(i, d, so)] = x[i];
+}
+
+// Rows of `cols` elements from x (rows `x_ld` apart) to y (rows `y_ld` apart), and with `pad`
+// zeros after each row up to y_ld: a strided move of rank 2 (Split, Concat, a product's padded
+// operands), with a block per row and no index division per element.
+template <class T>
+__device__ void rows_copy(i64 rows, i64 cols, i64 x_ld, const T* x, i64 y_ld, T* y, int pad) {
+    i64 width = pad ? y_ld : cols;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * x_ld;
+        T* yr = y + r * y_ld;
+        for (i64 c = threadIdx.x; c < width; c += blockDim.x) yr[c] = c < cols ? xr[c] : T{};
+    }
+}
+extern "C" __global__ void rows_b8(i64 rows, i64 cols, i64 x_ld, const u8* x, i64 y_ld, u8* y, int pad) {
+    rows_copy(rows, cols, x_ld, x, y_ld, y, pad);
+}
+extern "C" __global__ void rows_b16(i64 rows, i64 cols, i64 x_ld, const u16* x, i64 y_ld, u16* y, int pad) {
+    rows_copy(rows, cols, x_ld, x, y_ld, y, pad);
+}
+extern "C" __global__ void rows_b32(i64 rows, i64 cols, i64 x_ld, const u32* x, i64 y_ld, u32* y, int pad) {
+    rows_copy(rows, cols, x_ld, x, y_ld, y, pad);
+}
+extern "C" __global__ void rows_b64(i64 rows, i64 cols, i64 x_ld, const u64* x, i64 y_ld, u64* y, int pad) {
+    rows_copy(rows, cols, x_ld, x, y_ld, y, pad);
+}
+extern "C" __global__ void rows_b128(i64 rows, i64 cols, i64 x_ld, const u128* x, i64 y_ld, u128* y, int pad) {
+    rows_copy(rows, cols, x_ld, x, y_ld, y, pad);
 }
 
 // Element types by their ONNX codes (TensorProto.DataType; DType::onnx_code on the Rust side).

@@ -230,23 +230,46 @@ extern "C" __global__ void label_weights(i64 rows, i64 cols, const void* labels,
     }
 }
 
-// Per row: log-probabilities (when logp is not null) and the weighted negative log-likelihood.
-extern "C" __global__ void cross_entropy_rows(i64 cols, const float* x, const void* labels, int labels_i64,
-                                              const float* w, float* logp, float* nll) {
+// Per row: log-probabilities (when logp is not null) and the weighted negative log-likelihood,
+// from scores of any float type (mixed precision's bf16 logits are read as they are, not cast to
+// an f32 copy first), in f32. The row's maximum and its sum of exponentials are taken in one
+// pass (each thread rescales its sum when its maximum grows, the block then rescales each
+// thread's to the row's), so the scores are read twice: there and for the log-probabilities.
+template <class S>
+__device__ void cross_entropy_row(i64 cols, const typename S::T* x, const void* labels, int labels_i64, const float* w,
+                                  float* logp, float* nll) {
     i64 r = blockIdx.x;
-    const float* xr = x + r * cols;
-    float m = NEG_INF;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) m = fmaxf(m, xr[j]);
-    m = block_max(m);
-    float s = 0.f;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += expf(xr[j] - m);
-    float lse = m + logf(block_sum(s));
+    const typename S::T* xr = x + r * cols;
+    float m = NEG_INF, s = 0.f;
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = S::load(xr[j]);
+        if (v > m) {
+            s = s * expf(m - v) + 1.f;
+            m = v;
+        } else {
+            s += expf(v - m);
+        }
+    }
+    float row_max = block_max(m);
+    float lse = row_max + logf(block_sum(s * expf(m - row_max)));
     if (logp)
-        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) logp[r * cols + j] = xr[j] - lse;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) logp[r * cols + j] = S::load(xr[j]) - lse;
     if (threadIdx.x == 0) {
         i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
-        nll[r] = w[r] != 0.f ? -(xr[l] - lse) * w[r] : 0.f;
+        nll[r] = w[r] != 0.f ? -(S::load(xr[l]) - lse) * w[r] : 0.f;
     }
+}
+extern "C" __global__ void cross_entropy_rows_f32(i64 cols, const float* x, const void* labels, int labels_i64,
+                                                  const float* w, float* logp, float* nll) {
+    cross_entropy_row<F32>(cols, x, labels, labels_i64, w, logp, nll);
+}
+extern "C" __global__ void cross_entropy_rows_f16(i64 cols, const u16* x, const void* labels, int labels_i64,
+                                                  const float* w, float* logp, float* nll) {
+    cross_entropy_row<F16>(cols, x, labels, labels_i64, w, logp, nll);
+}
+extern "C" __global__ void cross_entropy_rows_bf16(i64 cols, const u16* x, const void* labels, int labels_i64,
+                                                   const float* w, float* logp, float* nll) {
+    cross_entropy_row<BF16>(cols, x, labels, labels_i64, w, logp, nll);
 }
 
 // One block sums n values in a fixed order (thread-strided, then the block tree): the same
@@ -265,10 +288,12 @@ extern "C" __global__ void loss_finish(int mean, const float* total, const float
 }
 
 // dX = (softmax − one-hot)·scale per row, scale = dLoss·w[r] (reduction none: dLoss[r]·w[r]),
-// divided by the denominator for a mean.
-extern "C" __global__ void cross_entropy_grad_rows(i64 cols, int reduction, const float* dloss, const float* logp,
-                                                   const void* labels, int labels_i64, const float* w,
-                                                   const float* den, float* dx) {
+// divided by the denominator for a mean; computed in f32 and stored in dX's type (mixed
+// precision's bf16 logits get a bf16 gradient, rounded once).
+template <class S>
+__device__ void cross_entropy_grad_row(i64 cols, int reduction, const float* dloss, const float* logp,
+                                       const void* labels, int labels_i64, const float* w, const float* den,
+                                       typename S::T* dx) {
     i64 r = blockIdx.x;
     float scale;
     if (reduction == 0) scale = dloss[r] * w[r];
@@ -277,8 +302,23 @@ extern "C" __global__ void cross_entropy_grad_rows(i64 cols, int reduction, cons
     i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float g = expf(logp[r * cols + j]) * scale;
-        dx[r * cols + j] = (j == l && w[r] != 0.f) ? g - scale : g;
+        dx[r * cols + j] = S::store((j == l && w[r] != 0.f) ? g - scale : g);
     }
+}
+extern "C" __global__ void cross_entropy_grad_rows_f32(i64 cols, int reduction, const float* dloss, const float* logp,
+                                                       const void* labels, int labels_i64, const float* w,
+                                                       const float* den, float* dx) {
+    cross_entropy_grad_row<F32>(cols, reduction, dloss, logp, labels, labels_i64, w, den, dx);
+}
+extern "C" __global__ void cross_entropy_grad_rows_f16(i64 cols, int reduction, const float* dloss, const float* logp,
+                                                       const void* labels, int labels_i64, const float* w,
+                                                       const float* den, u16* dx) {
+    cross_entropy_grad_row<F16>(cols, reduction, dloss, logp, labels, labels_i64, w, den, dx);
+}
+extern "C" __global__ void cross_entropy_grad_rows_bf16(i64 cols, int reduction, const float* dloss,
+                                                        const float* logp, const void* labels, int labels_i64,
+                                                        const float* w, const float* den, u16* dx) {
+    cross_entropy_grad_row<BF16>(cols, reduction, dloss, logp, labels, labels_i64, w, den, dx);
 }
 
 // ---- Gather along an axis, and its gradient (the embedding's) ----
