@@ -204,6 +204,8 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto", 
         return {"error": failure(err, proc.returncode)}
     lines = [json.loads(l) for l in open(f"{run_dir}/metrics.jsonl") if '"itemsPerSec"' in l]
     rates = [l["itemsPerSec"] for l in lines if l["step"] > warmup]
+    if not rates:
+        return {"error": f"no step after the {warmup} warm-up steps in {run_dir}/metrics.jsonl"}
     return {
         "tokens_per_s": statistics.median(rates),
         "peak_bytes": peak_mib[0] << 20,

@@ -926,6 +926,46 @@ fn cross_entropy_over_spatial_scores_matches_the_cpu_backend_on_the_emulated_ker
     }
 }
 
+/// The cross-entropy's kernels on scores of each float type (mixed precision's loss reads bf16
+/// logits as they are), over rows wider than a block, with masked classes (−∞) where a thread's
+/// first elements are, in the middle and at the end: the loss and the log-probabilities against
+/// the CPU's (a masked class's log-probability is −∞ on both), and the gradient written in the
+/// scores' type.
+#[test]
+fn cross_entropy_reads_half_scores_and_masked_classes_like_the_cpu_backend() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let (rows, cols) = (3, 300);
+    let masked = |r: usize, j: usize| j < 3 || (r == 1 && (j == 256 || j == 257)) || (r == 2 && j >= 290);
+    let scores: Vec<f32> = (0..rows * cols)
+        .map(|i| if masked(i / cols, i % cols) { f32::NEG_INFINITY } else { ((i * 37 % 101) as f32 / 20.0) - 2.5 })
+        .collect();
+    let labels = Tensor::from_vec(&[rows], vec![5i64, 100, 289]);
+    for t in [DType::F32, DType::BF16, DType::F16] {
+        let scores = Tensor::from_vec(&[rows, cols], scores.clone()).cast(t);
+        let forward = Op::SoftmaxCrossEntropyLoss { reduction: LossReduction::Mean, ignore_index: None };
+        let outs = [Meta::new(DType::F32, &[]), Meta::new(DType::F32, &[rows, cols])];
+        let inputs = [scores.clone(), labels.clone()];
+        let (g, c) = (run_typed(&gpu, &forward, &inputs, &outs), run_typed(&cpu, &forward, &inputs, &outs));
+        let (gl, cl) = (g[0].to_f64_vec()[0], c[0].to_f64_vec()[0]);
+        assert!(gl.is_finite() && (gl - cl).abs() <= 1e-5 * cl.abs(), "{t}: loss {gl} on the GPU, {cl} on the CPU");
+        for (i, (a, b)) in g[1].to_f64_vec().iter().zip(c[1].to_f64_vec()).enumerate() {
+            let same = if masked(i / cols, i % cols) {
+                *a == f64::NEG_INFINITY && b == f64::NEG_INFINITY
+            } else {
+                (a - b).abs() <= 1e-5
+            };
+            assert!(same, "{t}: log-probability {i}: {a} on the GPU, {b} on the CPU");
+        }
+        let backward = Op::SoftmaxCrossEntropyLossGrad { reduction: LossReduction::Mean, ignore_index: None };
+        let inputs = [Tensor::from_vec(&[], vec![1.5f32]), c[1].clone(), labels.clone()];
+        let outs = [Meta::new(t, &[rows, cols])];
+        let (g, c) = (run_typed(&gpu, &backward, &inputs, &outs), run_typed(&cpu, &backward, &inputs, &outs));
+        assert_eq!(g[0].dtype(), t);
+        // Within rounding: the CPU's exp gives about 1e-38 rather than 0 below −87 (fastmath.rs).
+        close_as_f32(&format!("the gradient in {t}"), &g, &c, if t == DType::F32 { 1e-6 } else { 1e-2 });
+    }
+}
+
 /// Sizes that make the kernels' loops go round more than once: rows wider than a block's 256
 /// threads, and an elementwise op over more than the 4096 × 256 threads of its largest grid;
 /// and an empty batch, for which nothing is launched.
@@ -1007,8 +1047,8 @@ fn a_training_step_waits_for_the_device_once() {
 
 /// Transpose, Split, Concat, Slice and Expand move whole words where the layout allows
 /// (`strided_move`: 16 bytes where the innermost run, every stride and both addresses are
-/// multiples of 16, then 8, 4, 2), with merged dimensions, rows of a rank-2 move a block each
-/// (`rows_*`), and a plain copy where the move is contiguous; each case equals the CPU's bit for
+/// multiples of 16, then 8, 4, 2), with merged dimensions, rows of 512 bytes or more of a
+/// rank-2 move a block each (`rows_*`), and a plain copy where the move is contiguous; each case equals the CPU's bit for
 /// bit, and the kernels expected are used.
 #[test]
 fn strided_moves_in_words_match_the_cpu_backend_on_the_emulated_kernels() {
@@ -1059,7 +1099,7 @@ fn strided_moves_in_words_match_the_cpu_backend_on_the_emulated_kernels() {
             Op::Split { axis: 1, sizes: vec![8, 8, 8], num_outputs: None },
             vec![data(&[6, 24], DType::BF16, 4)],
             vec![Meta::new(DType::BF16, &[6, 8]); 3],
-            Some("rows_b128"),
+            Some("strided_copy_b128"),
         ),
         (
             "split of rows (contiguous: copies)",
@@ -1073,14 +1113,14 @@ fn strided_moves_in_words_match_the_cpu_backend_on_the_emulated_kernels() {
             Op::Concat { axis: 1 },
             vec![data(&[6, 8], DType::BF16, 6), data(&[6, 8], DType::BF16, 7), data(&[6, 8], DType::BF16, 8)],
             vec![Meta::new(DType::BF16, &[6, 24])],
-            Some("rows_b128"),
+            Some("strided_store_b128"),
         ),
         (
             "concat of odd columns",
             Op::Concat { axis: 1 },
             vec![data(&[3, 3], DType::F16, 9), data(&[3, 5], DType::F16, 10)],
             vec![Meta::new(DType::F16, &[3, 8])],
-            Some("rows_b16"),
+            Some("strided_store_b16"),
         ),
         // Runs of 64 bytes every 80, but from an address 4 bytes past a word's.
         (
@@ -1088,7 +1128,7 @@ fn strided_moves_in_words_match_the_cpu_backend_on_the_emulated_kernels() {
             slice(vec![1], vec![17], vec![1], vec![1]),
             vec![data(&[4, 20], DType::F32, 11)],
             vec![Meta::new(DType::F32, &[4, 16])],
-            Some("rows_b32"),
+            Some("strided_copy_b32"),
         ),
         (
             "slice backwards",
@@ -1102,6 +1142,22 @@ fn strided_moves_in_words_match_the_cpu_backend_on_the_emulated_kernels() {
             Op::Expand,
             vec![data(&[1, 8], DType::F32, 13), Tensor::from_vec(&[2], vec![5i64, 8])],
             vec![Meta::new(DType::F32, &[5, 8])],
+            Some("strided_copy_b128"),
+        ),
+        // Rows of 512 bytes and more go a block per row: 600-byte rows in 8-byte words, and
+        // 1040-byte rows (written 2080 bytes apart) in 16-byte ones.
+        (
+            "split of wide columns",
+            Op::Split { axis: 1, sizes: vec![300, 300, 300], num_outputs: None },
+            vec![data(&[4, 900], DType::BF16, 14)],
+            vec![Meta::new(DType::BF16, &[4, 300]); 3],
+            Some("rows_b64"),
+        ),
+        (
+            "concat of wide columns",
+            Op::Concat { axis: 1 },
+            vec![data(&[3, 260], DType::F32, 15), data(&[3, 260], DType::F32, 16)],
+            vec![Meta::new(DType::F32, &[3, 520])],
             Some("rows_b128"),
         ),
     ];

@@ -140,7 +140,7 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
             });
         }
     }
-    narrow_before_moving(g);
+    narrow_before_moving(g, keep);
     Ok(())
 }
 
@@ -149,7 +149,7 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
 /// what reads it, so a product's transposed weight (a tied embedding's LM head, [V, C] read as
 /// [C, V]) becomes a GEMM flag in the `matmul_transpose` fusion instead of a copy, and so does
 /// its gradient's transpose. The two commute exactly.
-fn narrow_before_moving(g: &mut Graph) {
+fn narrow_before_moving(g: &mut Graph, keep: &[ValueId]) {
     let uses = g.use_counts();
     let producers = g.producers();
     for j in 0..g.nodes.len() {
@@ -158,7 +158,7 @@ fn narrow_before_moving(g: &mut Graph) {
         let Some(i) = producers[moved] else { continue };
         let Some(x) = g.nodes[i].input(0).filter(|_| matches!(g.nodes[i].op, Op::Transpose { .. })) else { continue };
         let from = g.meta(x).expect("bound").clone();
-        if to.size() >= from.dtype.size() || uses[moved] != 1 || g.outputs.contains(&moved) {
+        if to.size() >= from.dtype.size() || uses[moved] != 1 || g.outputs.contains(&moved) || keep.contains(&moved) {
             continue;
         }
         // The Transpose's node casts x into its value (now x's shape, of the narrow type), and

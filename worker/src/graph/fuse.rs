@@ -151,6 +151,8 @@ fn matmul_gelu_grad(g: &mut Graph) -> usize {
 /// precision's logits ([B·T, V], the largest activation of a language model) are then neither
 /// copied to f32 nor their gradient copied back, two sweeps each way over V columns per token.
 /// The kernels widen on loading and round once on storing, so the results are the same bits.
+/// The fused nodes' types (half scores, f32 loss; an f32 log-probability, a half gradient) are
+/// not what `infer` gives the ONNX ops; nothing infers them again, fusion being the last pass.
 fn loss_casts(g: &mut Graph) -> usize {
     let uses = g.use_counts();
     let producers = g.producers();
@@ -176,7 +178,10 @@ fn loss_casts(g: &mut Graph) -> usize {
                 fused += 1;
             }
             Op::SoftmaxCrossEntropyLossGrad { .. } => {
-                let Some(dx) = g.nodes[i].output(0) else { continue };
+                let Some(dx) = g.nodes[i].output(0).filter(|&dx| g.meta(dx).is_some_and(|m| m.dtype == DType::F32))
+                else {
+                    continue;
+                };
                 let Some(k) = readers[dx].filter(|_| uses[dx] == 1 && !g.outputs.contains(&dx)) else { continue };
                 let Some(h) = g.nodes[k].output(0).filter(|&h| is_half(g, h)) else { continue };
                 if !matches!(g.nodes[k].op, Op::Cast { .. }) {

@@ -360,6 +360,11 @@ impl Target for EmulatedGpu {
         if unsafe { (*s.lines.get()).len() } * 64 < bytes {
             *s = HostBuffer::new(bytes);
         }
+        // Scratch comes with whatever the last user left, which on a GPU may be NaN: poisoned
+        // with NaN bytes on every request, so that a kernel reading scratch it did not write
+        // (a padded product's padding left unzeroed, NaN × 0) fails its test here.
+        // SAFETY: the buffer holds at least `bytes`, and no launch is running (one at a time).
+        unsafe { std::ptr::write_bytes(s.base() as *mut u8, 0xff, bytes) };
         Ok(Ptr(s.base()))
     }
     fn scratch_budget(&self) -> usize {

@@ -511,12 +511,15 @@ fn strided_move(
             _ => merged.push((size, stride)),
         }
     }
+    // A block a row pays where rows are at least a few hundred bytes; narrower ones stay with
+    // the element-wise kernel below.
+    let wide = |cols: usize| cols * esize >= 512;
     match (side, &merged[..]) {
         (_, &[(size, 1)]) => return dev.copy(y, x, size * esize),
-        (Strided::Source, &[(rows, ld), (cols, 1)]) => {
+        (Strided::Source, &[(rows, ld), (cols, 1)]) if wide(cols) => {
             return rows_move(dev, rows, cols, esize, (x, ld), (y, cols as i64), false)
         }
-        (Strided::Destination, &[(rows, ld), (cols, 1)]) => {
+        (Strided::Destination, &[(rows, ld), (cols, 1)]) if wide(cols) => {
             return rows_move(dev, rows, cols, esize, (x, cols as i64), (y, ld), false)
         }
         _ => {}
@@ -1432,7 +1435,11 @@ fn misaligned(p: &Product) -> bool {
 fn padded_product(dev: Dev, p: &Product) -> Result<(), String> {
     let esize = p.dtype.size();
     let up = |x: u64| x.next_multiple_of(16 / esize as u64);
-    let (mp, np, kp) = (up(p.m), up(p.n), up(p.k));
+    // Only a dimension that is some matrix's row needs padding: n always (D's row), m when A is
+    // stored transposed, k when A is not or B is.
+    let mp = if p.trans_a { up(p.m) } else { p.m };
+    let kp = if !p.trans_a || p.trans_b { up(p.k) } else { p.k };
+    let np = up(p.n);
     let matrix = |(rows, cols): (u64, u64), (rows_p, cols_p): (u64, u64)| Padded { rows, cols, rows_p, cols_p };
     let a = if p.trans_a { matrix((p.k, p.m), (kp, mp)) } else { matrix((p.m, p.k), (mp, kp)) };
     let b = if p.trans_b { matrix((p.n, p.k), (np, kp)) } else { matrix((p.k, p.n), (kp, np)) };

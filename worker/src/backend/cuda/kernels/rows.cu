@@ -246,7 +246,7 @@ __device__ void cross_entropy_row(i64 cols, const typename S::T* x, const void* 
         if (v > m) {
             s = s * expf(m - v) + 1.f;
             m = v;
-        } else {
+        } else if (v != NEG_INF) {  // a masked class adds nothing (and −∞ − −∞ would be NaN)
             s += expf(v - m);
         }
     }
