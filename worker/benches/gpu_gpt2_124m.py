@@ -139,8 +139,11 @@ def worker_config(micro_batch, steps, out, peak, run_dir):
     }
 
 
-def start_worker(worker, cfg_path, attention):
-    """The worker training on `cfg_path`, its stderr piped (see wait_worker)."""
+def start_worker(worker, config, cfg_path, attention):
+    """The worker training on `config` (written to `cfg_path`), its stderr piped (see
+    wait_worker)."""
+    with open(cfg_path, "w") as f:
+        json.dump(config, f)
     env = dict(os.environ, TENSORFLEET_CUDA_ATTENTION=attention)
     proc = subprocess.Popen(
         [worker, "train", "--config", cfg_path, "--quiet"],
@@ -174,10 +177,8 @@ def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto", 
     run_dir = f"{out}/tensorfleet-{attention}-mb{micro_batch}"
     config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
     cfg_path = f"{run_dir}.json"
-    with open(cfg_path, "w") as f:
-        json.dump(config, f)
     started = time.perf_counter()
-    proc = start_worker(worker, cfg_path, attention)
+    proc = start_worker(worker, config, cfg_path, attention)
     peak_mib = [0]
 
     def poll():
@@ -221,9 +222,7 @@ def worker_profile(worker, micro_batch, out, peak, attention, top=15, timeout=24
     config = worker_config(micro_batch, 3, out, peak, run_dir)
     config["profiling"] = {"fromStep": 3, "toStep": 3}
     cfg_path = f"{out}/tensorfleet-profile.json"
-    with open(cfg_path, "w") as f:
-        json.dump(config, f)
-    proc = start_worker(worker, cfg_path, attention)
+    proc = start_worker(worker, config, cfg_path, attention)
     err = wait_worker(proc, cfg_path, timeout, f"{out}/worker-stderr.log")
     if proc.returncode != 0:
         return {"error": failure(err, proc.returncode)}

@@ -156,16 +156,12 @@ fn matmul_gelu_grad(g: &mut Graph) -> usize {
 fn loss_casts(g: &mut Graph) -> usize {
     let uses = g.use_counts();
     let producers = g.producers();
-    let mut readers = vec![None; g.values.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        for &v in n.inputs.iter().flatten() {
-            readers[v] = Some(i);
-        }
-    }
-    let is_half = |g: &Graph, v: ValueId| g.meta(v).is_some_and(|m| matches!(m.dtype, DType::F16 | DType::BF16));
+    let dtype = |g: &Graph, v: ValueId| g.meta(v).map(|m| m.dtype);
+    let is_half = |g: &Graph, v: ValueId| matches!(dtype(g, v), Some(DType::F16 | DType::BF16));
     let mut fused = 0;
     for i in 0..g.nodes.len() {
         match g.nodes[i].op {
+            // The loss reading a widened value: it reads the half one.
             Op::SoftmaxCrossEntropyLoss { .. } => {
                 let Some(s) = g.nodes[i].input(0) else { continue };
                 let Some(p) = producers[s] else { continue };
@@ -177,18 +173,17 @@ fn loss_casts(g: &mut Graph) -> usize {
                 // The cast is now unread; prune removes it.
                 fused += 1;
             }
-            Op::SoftmaxCrossEntropyLossGrad { .. } => {
-                let Some(dx) = g.nodes[i].output(0).filter(|&dx| g.meta(dx).is_some_and(|m| m.dtype == DType::F32))
-                else {
-                    continue;
-                };
-                let Some(k) = readers[dx].filter(|_| uses[dx] == 1 && !g.outputs.contains(&dx)) else { continue };
-                let Some(h) = g.nodes[k].output(0).filter(|&h| is_half(g, h)) else { continue };
-                if !matches!(g.nodes[k].op, Op::Cast { .. }) {
+            // A cast down of the loss's f32 gradient: the gradient writes the half value.
+            Op::Cast { .. } => {
+                let (Some(dx), Some(h)) = (g.nodes[i].input(0), g.nodes[i].output(0)) else { continue };
+                let Some(p) = producers[dx] else { continue };
+                let from_loss = matches!(g.nodes[p].op, Op::SoftmaxCrossEntropyLossGrad { .. });
+                let alone = uses[dx] == 1 && !g.outputs.contains(&dx);
+                if !from_loss || !alone || dtype(g, dx) != Some(DType::F32) || !is_half(g, h) {
                     continue;
                 }
-                g.nodes[i].outputs[0] = Some(h);
-                g.nodes[k].outputs.clear();
+                g.nodes[p].outputs[0] = Some(h);
+                g.nodes[i].outputs.clear();
                 fused += 1;
             }
             _ => {}

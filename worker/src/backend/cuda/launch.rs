@@ -526,13 +526,8 @@ fn strided_move(
     }
     let mut word = esize;
     if let Some((&(inner, 1), outer)) = merged.split_last() {
-        let fits = |w: usize| {
-            (inner * esize).is_multiple_of(w)
-                && outer.iter().all(|&(_, stride)| (stride * esize as i64) % w as i64 == 0)
-                && x.0.is_multiple_of(w as u64)
-                && y.0.is_multiple_of(w as u64)
-        };
-        word = [16, 8, 4, 2].into_iter().find(|&w| w > esize && fits(w)).unwrap_or(esize);
+        let strides: Vec<i64> = outer.iter().map(|&(_, stride)| stride).collect();
+        word = widest_word(esize, inner, &strides, [x, y]);
         let per = word / esize;
         if let Some(((inner, _), outer)) = merged.split_last_mut() {
             *inner /= per;
@@ -556,6 +551,18 @@ fn strided_move(
     }
 }
 
+/// The widest word (16, 8, 4 or 2 bytes, else the element's `esize`) a move can use whose runs
+/// are `run` elements, whose other strides (in elements) are `strides`, between addresses `at`:
+/// the run, every stride and both addresses must be multiples of it.
+fn widest_word(esize: usize, run: usize, strides: &[i64], at: [Ptr; 2]) -> usize {
+    let fits = |w: usize| {
+        (run * esize).is_multiple_of(w)
+            && strides.iter().all(|&stride| (stride * esize as i64) % w as i64 == 0)
+            && at.iter().all(|p| p.0.is_multiple_of(w as u64))
+    };
+    [16, 8, 4, 2].into_iter().find(|&w| w > esize && fits(w)).unwrap_or(esize)
+}
+
 /// `rows` rows of `cols` elements (each `esize` bytes) from `x` to `y`, each given as (address,
 /// elements from one row to the next); with `pad`, zeros fill each row of `y` after its
 /// elements up to the next. One block per row, moving words of up to 16 bytes where the row,
@@ -570,15 +577,7 @@ fn rows_move(
     pad: bool,
 ) -> Result<(), String> {
     let ((x, x_ld), (y, y_ld)) = (x, y);
-    let fits = |w: usize| {
-        let w64 = w as i64;
-        (cols * esize).is_multiple_of(w)
-            && (x_ld * esize as i64) % w64 == 0
-            && (y_ld * esize as i64) % w64 == 0
-            && x.0.is_multiple_of(w as u64)
-            && y.0.is_multiple_of(w as u64)
-    };
-    let word = [16, 8, 4, 2, 1].into_iter().find(|&w| w >= esize && fits(w)).unwrap_or(esize);
+    let word = widest_word(esize, cols, &[x_ld, y_ld], [x, y]);
     let per = (word / esize) as i64;
     let cfg = super::per_row(rows.min(1 << 16));
     dev.kernel(
@@ -674,7 +673,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let st: Vec<i64> = strides(a.shape()).iter().map(|&v| v as i64).collect();
             let mut start = 0;
             for part in outs {
-                let base = Ptr(a.at.0 + (start * st[ax] as usize * a.dtype().size()) as u64);
+                let base = at(a.at, start * st[ax] as usize, a.dtype());
                 strided_move(dev, Strided::Source, part.shape(), &st, a.dtype().size(), base, part.at)?;
                 start += part.shape()[ax];
             }
@@ -685,7 +684,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let st: Vec<i64> = strides(y.shape()).iter().map(|&v| v as i64).collect();
             let mut start = 0;
             for part in ins.iter().flatten() {
-                let base = Ptr(y.at.0 + (start * st[ax] as usize * y.dtype().size()) as u64);
+                let base = at(y.at, start * st[ax] as usize, y.dtype());
                 strided_move(dev, Strided::Destination, part.shape(), &st, y.dtype().size(), part.at, base)?;
                 start += part.shape()[ax];
             }
@@ -1410,33 +1409,22 @@ fn product(
             epilogue,
         }
     };
-    if misaligned(&p) {
-        return padded_product(dev, &p);
+    match padding(&p) {
+        Some(shapes) => padded_product(dev, &p, shapes),
+        None => dev.gemm(&p),
     }
-    dev.gemm(&p)
 }
 
-/// Whether a packed product has an operand whose rows do not start every 16 bytes (its row, the
-/// leading dimension, is not a multiple of 16 bytes), and is one `padded_product` takes: a
-/// single plain product that writes D (GPT-2's tied LM head: 50257 logits a row).
-fn misaligned(p: &Product) -> bool {
-    let per = 16 / p.dtype.size() as u64;
-    let rows = [if p.trans_a { p.m } else { p.k }, if p.trans_b { p.k } else { p.n }, p.n];
+/// A product's A, B and D with each matrix's row rounded up to whole 16-byte words, where one
+/// is not (GPT-2's tied LM head: 50257 logits a row) and the product is one `padded_product`
+/// takes: a single plain product that writes D. Only a dimension that is some matrix's row is
+/// padded: n always (D's), m when A is stored transposed, k when A is not or B is.
+fn padding(p: &Product) -> Option<[Padded; 3]> {
     let plain = p.batch == 1 && !p.has_epilogue() && p.beta == 0.0 && p.d_dtype == p.dtype;
-    plain && p.m * p.n * p.k > 0 && rows.iter().any(|r| !r.is_multiple_of(per))
-}
-
-/// A product whose operands' rows are not 16-byte aligned, run on copies whose rows are: m, n
-/// and k rounded up to 16 bytes' worth of elements, the operands copied into zeroed padded
-/// buffers (the zeros add nothing to any sum) and D copied out of a padded one. cuBLASLt's
-/// tensor-core kernels need those alignments; without them it falls back to kernels several
-/// times slower (measured on an H100: the LM head's three products over 50257 columns ran at
-/// 100 to 150 TFLOP/s, the layers' at 640). The copies cost a pass over each padded operand.
-fn padded_product(dev: Dev, p: &Product) -> Result<(), String> {
-    let esize = p.dtype.size();
-    let up = |x: u64| x.next_multiple_of(16 / esize as u64);
-    // Only a dimension that is some matrix's row needs padding: n always (D's row), m when A is
-    // stored transposed, k when A is not or B is.
+    if !plain || p.m * p.n * p.k == 0 {
+        return None;
+    }
+    let up = |x: u64| x.next_multiple_of(16 / p.dtype.size() as u64);
     let mp = if p.trans_a { up(p.m) } else { p.m };
     let kp = if !p.trans_a || p.trans_b { up(p.k) } else { p.k };
     let np = up(p.n);
@@ -1444,11 +1432,23 @@ fn padded_product(dev: Dev, p: &Product) -> Result<(), String> {
     let a = if p.trans_a { matrix((p.k, p.m), (kp, mp)) } else { matrix((p.m, p.k), (mp, kp)) };
     let b = if p.trans_b { matrix((p.n, p.k), (np, kp)) } else { matrix((p.k, p.n), (kp, np)) };
     let d = matrix((p.m, p.n), (mp, np));
+    [a, b, d].iter().any(Padded::pads).then_some([a, b, d])
+}
+
+/// A product whose matrices' rows are not 16-byte aligned, run on copies whose rows are (the
+/// `padding` shapes): the operands copied into zeroed padded buffers (the zeros add nothing to
+/// any sum) and D copied out of a padded one. cuBLASLt's tensor-core kernels need those
+/// alignments; without them it falls back to kernels several times slower (measured on an H100:
+/// the LM head's three products over 50257 columns ran at 100 to 150 TFLOP/s, the layers' at
+/// 640). The copies cost a pass over each padded matrix.
+fn padded_product(dev: Dev, p: &Product, [a, b, d]: [Padded; 3]) -> Result<(), String> {
+    let esize = p.dtype.size();
     let parts = scratch_parts(dev, &[a.scratch(esize), b.scratch(esize), d.scratch(esize)])?;
     let a_at = a.stage_in(dev, Ptr(p.a), parts[0], esize)?;
     let b_at = b.stage_in(dev, Ptr(p.b), parts[1], esize)?;
     let d_at = if d.pads() { parts[2] } else { Ptr(p.d) };
-    let padded = Product { m: mp, n: np, k: kp, a: a_at.0, b: b_at.0, d: d_at.0, d_stride: (mp * np) as i64, ..*p };
+    let (m, n, k) = (d.rows_p, d.cols_p, if p.trans_a { a.rows_p } else { a.cols_p });
+    let padded = Product { m, n, k, a: a_at.0, b: b_at.0, d: d_at.0, d_stride: (m * n) as i64, ..*p };
     dev.gemm(&padded)?;
     if d.pads() {
         let (shape, strides) = ([d.rows as usize, d.cols as usize], [d.cols_p as i64, 1]);

@@ -46,7 +46,8 @@ pub fn softmax_cross_entropy(
     if matches!(scores.dtype, DType::F16 | DType::BF16) && outs.iter().all(|o| o.dtype == DType::F32) {
         // Half scores with f32 results (the loss_casts fusion): widened exactly, as the cast it
         // replaces did, and the f32 path run on them.
-        let wide = scores.to_tensor().cast(DType::F32);
+        let mut wide = Tensor::zeros(DType::F32, scores.shape);
+        super::cast::cast_into(scores, &mut wide.view_mut());
         return softmax_cross_entropy(reduction, ignore, &wide.view(), labels, weights, outs);
     }
     if scores.dtype != DType::F32 {
