@@ -237,7 +237,8 @@ fn volume_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema 
 #[serde(rename_all = "camelCase")]
 pub struct RunPolicy {
     /// Whole-gang restarts allowed after a failed or evicted rank; each resumes from the newest
-    /// checkpoint. Worker exit codes 2 (bad configuration) and 3 (corrupt input) never restart.
+    /// checkpoint. Worker exit codes 2 (bad configuration, unsupported model) and 3 (corrupt
+    /// input) never restart.
     #[serde(default = "d_backoff")]
     #[x_kube(validation = Rule::new("self >= 0").message("spec.runPolicy.backoffLimit must not be negative"))]
     pub backoff_limit: i32,

@@ -7,7 +7,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
-/// Worker exit codes that mean "do not retry" (DESIGN.md: 2 bad configuration, 3 corrupt input).
+/// Worker exit codes that mean "do not retry" (DESIGN.md: 2 bad configuration or unsupported
+/// model, 3 corrupt input).
 pub const PERMANENT_EXIT_CODES: [i32; 2] = [2, 3];
 
 pub fn now() -> Time {

@@ -1,15 +1,20 @@
 //! The worker's one error type. Its variants map to the exit codes of the command-line contract
-//! (DESIGN.md): 2 bad configuration or input, 3 unreadable or corrupt data/model/checkpoint,
-//! 1 anything else. Every message names the file, field, node or rank it is about.
+//! (DESIGN.md): 2 bad configuration or input, or a model that uses operators the engine does
+//! not run; 3 unreadable or corrupt data/model/checkpoint; 1 anything else. Every message names
+//! the file, field, node or rank it is about.
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A configuration key or value, a command-line argument, or a missing input file.
     #[error("{0}")]
     Config(String),
-    /// A model, data shard or checkpoint that cannot be read, or uses what we do not support.
+    /// A model, data shard or checkpoint that cannot be read, or a value in it we do not support.
     #[error("{0}")]
     Corrupt(String),
+    /// A valid model the engine refuses: operators (or operator domains) it does not run. Like a
+    /// bad configuration, retrying will not help; the message lists every such operator at once.
+    #[error("{0}")]
+    Unsupported(String),
     /// Anything else: I/O failures, resource exhaustion. Worth retrying.
     #[error("{0}")]
     Runtime(String),
@@ -18,7 +23,7 @@ pub enum Error {
 impl Error {
     pub fn exit_code(&self) -> i32 {
         match self {
-            Error::Config(_) => 2,
+            Error::Config(_) | Error::Unsupported(_) => 2,
             Error::Corrupt(_) => 3,
             Error::Runtime(_) => 1,
         }

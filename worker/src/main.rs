@@ -1,5 +1,6 @@
 //! `tensorfleet-worker`: train, export, prepare-data, inspect. Exit codes: 0 done, 2 bad
-//! configuration or input, 3 unreadable or corrupt data/model/checkpoint, 1 anything else.
+//! configuration or input or a model with operators the engine does not run, 3 unreadable or
+//! corrupt data/model/checkpoint, 1 anything else.
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;

@@ -1,5 +1,6 @@
 //! The command-line contract: exit codes and messages that name what is wrong.
-//! 0 done; 2 bad configuration or input; 3 unreadable or corrupt data, model or checkpoint.
+//! 0 done; 2 bad configuration or input, or a model with operators the engine does not run;
+//! 3 unreadable or corrupt data, model or checkpoint.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -117,6 +118,77 @@ fn corrupt_inputs_exit_3_and_name_the_file() {
     let o = worker(&["train", "--config", "onnx.yaml"], &dir);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("bad.onnx"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A model the engine refuses is valid input, not corrupt: `inspect` and `train` exit 2 with one
+/// message that names every operator it does not run, with its node count and first node.
+#[test]
+fn unsupported_operators_exit_2_and_are_listed_at_once() {
+    use tensorfleet_worker::onnx::proto::{
+        tensor_shape_proto, type_proto, GraphProto, ModelProto, NodeProto, OperatorSetIdProto, TensorShapeProto,
+        TypeProto, ValueInfoProto,
+    };
+    let dir = scratch("unsupported");
+    setup(&dir);
+    let node = |op: &str, domain: &str, name: &str, input: &str, output: &str| NodeProto {
+        op_type: Some(op.into()),
+        domain: Some(domain.into()),
+        name: Some(name.into()),
+        input: vec![input.into()],
+        output: vec![output.into()],
+        ..Default::default()
+    };
+    let dim = |n: i64| tensor_shape_proto::Dimension {
+        value: Some(tensor_shape_proto::dimension::Value::DimValue(n)),
+        ..Default::default()
+    };
+    let x = ValueInfoProto {
+        name: Some("x".into()),
+        r#type: Some(TypeProto {
+            value: Some(type_proto::Value::TensorType(type_proto::Tensor {
+                elem_type: Some(1),
+                shape: Some(TensorShapeProto { dim: vec![dim(1), dim(4)] }),
+            })),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let model = ModelProto {
+        ir_version: Some(9),
+        opset_import: vec![
+            OperatorSetIdProto { domain: Some(String::new()), version: Some(20) },
+            OperatorSetIdProto { domain: Some("com.example".into()), version: Some(1) },
+        ],
+        graph: Some(GraphProto {
+            name: Some("unsupported".into()),
+            node: vec![
+                node("Foo", "", "/block/Foo", "x", "a"),
+                node("Relu", "", "relu", "a", "b"),
+                node("Foo", "ai.onnx", "/block/Foo_1", "b", "c"),
+                node("Bar", "com.example", "bar", "c", "logits"),
+            ],
+            input: vec![x],
+            output: vec![ValueInfoProto { name: Some("logits".into()), ..Default::default() }],
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    tensorfleet_worker::onnx::save_model(&model, &dir.join("unsupported.onnx")).unwrap();
+    std::fs::write(
+        dir.join("onnx.yaml"),
+        "model: {onnx: {path: unsupported.onnx, loss: {type: softmaxCrossEntropy, output: logits}}}\n\
+         data: {train: {path: tokens/val, format: tokens}}\nbatchSize: 1\nsteps: 1\n",
+    )
+    .unwrap();
+    let listed = "unsupported.onnx: 2 operators are not supported: \
+                  Bar of domain 'com.example' (1 node, first 'bar'), Foo (2 nodes, first '/block/Foo'); supported: ";
+    for args in [&["inspect", "unsupported.onnx"][..], &["train", "--config", "onnx.yaml"]] {
+        let o = worker(args, &dir);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(listed), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains("Relu"), "{args:?}: the message lists what is supported: {}", stderr(&o));
+    }
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -137,6 +137,37 @@ fn unary_rules() {
         (Reciprocal, 0.5, 2.0),
         (Gelu, -2.0, 2.0),
         (GeluTanh, -2.0, 2.0),
+        (Sin, -2.0, 2.0),
+        (Cos, -2.0, 2.0),
+        (Tan, -1.0, 1.0),
+        (Asin, -0.8, 0.8),
+        (Acos, -0.8, 0.8),
+        (Atan, -2.0, 2.0),
+        (Sinh, -2.0, 2.0),
+        (Cosh, -2.0, 2.0),
+        (Asinh, -2.0, 2.0),
+        (Acosh, 1.2, 3.0),
+        (Atanh, -0.8, 0.8),
+        (Softplus, -3.0, 3.0),
+        (Softsign, -3.0, 3.0),
+        (Mish, -3.0, 3.0),
+        // HardSwish's three pieces, away from their joins at ±3.
+        (HardSwish, -2.9, 2.9),
+        (HardSwish, 3.1, 4.0),
+        (HardSigmoid { alpha: 0.2, beta: 0.5 }, -2.0, 2.0),
+        (LeakyRelu { alpha: 0.1 }, -2.0, -0.1),
+        (LeakyRelu { alpha: 0.1 }, 0.1, 2.0),
+        (Elu { alpha: 1.5 }, -2.0, -0.1),
+        (Elu { alpha: 1.5 }, 0.1, 2.0),
+        (Selu { alpha: 1.673_263_2, gamma: 1.050_701 }, -2.0, -0.1),
+        (Selu { alpha: 1.673_263_2, gamma: 1.050_701 }, 0.1, 2.0),
+        (Celu { alpha: 0.7 }, -2.0, -0.1),
+        (Celu { alpha: 0.7 }, 0.1, 2.0),
+        (ThresholdedRelu { alpha: 0.5 }, 0.6, 2.0),
+        // Clip's three regions: below, inside and above the bounds.
+        (Clip { min: -0.5, max: 0.5 }, -2.0, -0.6),
+        (Clip { min: -0.5, max: 0.5 }, -0.45, 0.45),
+        (Clip { min: -0.5, max: 0.5 }, 0.6, 2.0),
     ] {
         check(&format!("{u:?}"), unary_case(u, lo, hi));
     }
@@ -152,11 +183,23 @@ fn unary_rules() {
 #[test]
 fn binary_rules_with_broadcasting() {
     use Binary::*;
-    for op in [Add, Sub, Mul, Div, Pow, Max, Min] {
+    for op in [Add, Sub, Mul, Div, Pow, Max, Min, PRelu] {
         let mut b = CaseBuilder::new(3);
         let (lo, hi) = if op == Pow || op == Div { (0.5, 2.0) } else { (-2.0, 2.0) };
         let a = b.param("a", &[2, 3], lo, hi);
         let c = b.param("c", &[3], lo, hi);
+        let y = b.g.op1("y", Op::Binary(op), &[a, c]);
+        check(&format!("{op:?}"), b.done(y));
+    }
+}
+
+#[test]
+fn mod_rules_away_from_their_jumps() {
+    // a/c stays within (2, 3) for Mod (floor 2) and within (−3, −2) for Fmod (trunc −2).
+    for (op, lo, hi) in [(Binary::Mod, 2.3, 2.5), (Binary::Fmod, -2.5, -2.3)] {
+        let mut b = CaseBuilder::new(11);
+        let a = b.param("a", &[2, 3], lo, hi);
+        let c = b.param("c", &[3], 1.0, 1.1);
         let y = b.g.op1("y", Op::Binary(op), &[a, c]);
         check(&format!("{op:?}"), b.done(y));
     }

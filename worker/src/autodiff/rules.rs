@@ -10,7 +10,7 @@ use crate::tensor::DType;
 /// Ops through which gradients flow.
 pub fn differentiable(op: &Op) -> bool {
     match op {
-        Op::Unary(u) => !matches!(u, Unary::Floor | Unary::Ceil | Unary::Not),
+        Op::Unary(u) => u.is_differentiable(),
         Op::Binary(b) => !b.is_predicate(),
         Op::Cast { to } => to.is_float(),
         Op::Constant { .. } | Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range => false,
@@ -111,6 +111,39 @@ pub fn backward(
                     let da = b.emit1(&format!("{name}_a"), Op::Where, &[cond, dy, zero])?;
                     let dc = b.emit1(&format!("{name}_b"), Op::Where, &[cond, zero, dy])?;
                     (Some(da), Some(dc))
+                }
+                Binary::Mod | Binary::Fmod => {
+                    // a = q·c + y with q = floor(a/c) (Mod) or trunc(a/c) (Fmod), constant
+                    // almost everywhere: dA = dY, dC = −dY·q, q = (a − y)/c exactly.
+                    let dc = if want(1) {
+                        let y = node.output(0).expect("Mod has an output");
+                        let t = b.emit1(&format!("{name}_b0"), Op::Binary(Binary::Sub), &[a, y])?;
+                        let q = b.emit1(&format!("{name}_b1"), Op::Binary(Binary::Div), &[t, c])?;
+                        let t = b.emit1(&format!("{name}_b2"), Op::Binary(Binary::Mul), &[dy, q])?;
+                        Some(b.emit1(&format!("{name}_b"), Op::Unary(Unary::Neg), &[t])?)
+                    } else {
+                        None
+                    };
+                    (Some(dy), dc)
+                }
+                Binary::PRelu => {
+                    // dX = dY·(x < 0 ? slope : 1), dSlope = dY·(x < 0 ? x : 0).
+                    let zero = b.scalar_like(&format!("{name}_zero"), a, 0.0);
+                    let neg = b.emit1(&format!("{name}_neg"), Op::Binary(Binary::Less), &[a, zero])?;
+                    let da = if want(0) {
+                        let t = b.emit1(&format!("{name}_a0"), Op::Binary(Binary::Mul), &[dy, c])?;
+                        Some(b.emit1(&format!("{name}_a"), Op::Where, &[neg, t, dy])?)
+                    } else {
+                        None
+                    };
+                    let dc = if want(1) {
+                        let t = b.emit1(&format!("{name}_b0"), Op::Binary(Binary::Mul), &[dy, a])?;
+                        let zero = b.scalar_like(&format!("{name}_dzero"), dy, 0.0);
+                        Some(b.emit1(&format!("{name}_b"), Op::Where, &[neg, t, zero])?)
+                    } else {
+                        None
+                    };
+                    (da, dc)
                 }
                 _ => return Err(no_rule(node, "for comparisons")),
             };

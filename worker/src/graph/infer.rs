@@ -6,7 +6,7 @@
 //! static, so backends never read shape operands at run time.
 
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
-use super::op::{LossReduction, Op, PoolKind, Window};
+use super::op::{LossReduction, Op, PoolKind, Unary, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -174,6 +174,17 @@ pub fn infer_node(
             )),
         }
     };
+    // A scalar operand folded into an attribute (Clip's bounds).
+    let bound = |i: usize, what: &str| -> Result<Option<f32>> {
+        match (metas.get(i).and_then(|x| x.as_ref()), c(i)) {
+            (None, _) => Ok(None),
+            (Some(_), Some(t)) if t.numel() == 1 => Ok(Some(t.to_f64_vec()[0] as f32)),
+            (Some(x), Some(_)) => {
+                Err(err(node, format!("{what} (input {i}) has shape {:?}; a scalar expected", x.shape)))
+            }
+            (Some(_), None) => Err(err(node, format!("{what} (input {i}) must be known when the graph is planned"))),
+        }
+    };
     let same = |i: usize| -> Result<Vec<Meta>> { Ok(vec![m(i)?.clone()]) };
     // Kernels view these inputs as the first input's element type: they must share it.
     let same_dtype = |inputs: &[usize]| -> Result<()> {
@@ -200,9 +211,17 @@ pub fn infer_node(
     let out: (Op, Vec<Meta>) = match &node.op {
         Op::Unary(u) => {
             let x = m(0)?;
-            let dtype = if matches!(u, super::op::Unary::Not) { DType::Bool } else { x.dtype };
+            let dtype = if u.is_predicate() { DType::Bool } else { x.dtype };
+            let op = match *u {
+                Unary::Clip { min, max } if node.inputs.len() > 1 => Op::Unary(Unary::Clip {
+                    min: bound(1, "min")?.unwrap_or(min),
+                    max: bound(2, "max")?.unwrap_or(max),
+                }),
+                _ => op,
+            };
             (op, vec![Meta::new(dtype, &x.shape)])
         }
+        Op::CastLike => (Op::Cast { to: m(1)?.dtype }, vec![Meta::new(m(1)?.dtype, &m(0)?.shape)]),
         Op::Binary(b) => {
             // Max and Min are variadic (1 or more inputs); the others take exactly two.
             let variadic = matches!(b, super::op::Binary::Max | super::op::Binary::Min);
@@ -223,7 +242,10 @@ pub fn infer_node(
                     return Err(err(node, format!("element types differ: {} and {}", x.dtype, y.dtype)));
                 }
             }
-            if matches!(b, super::op::Binary::And | super::op::Binary::Or) && x.dtype != DType::Bool {
+            if *b == super::op::Binary::PRelu && shape != x.shape {
+                return Err(err(node, format!("the slope {:?} does not broadcast to X {:?}", m(1)?.shape, x.shape)));
+            }
+            if b.is_logic() && x.dtype != DType::Bool {
                 return Err(err(node, format!("{b:?} needs bool inputs, not {}", x.dtype)));
             }
             let dtype = if b.is_predicate() { DType::Bool } else { x.dtype };
@@ -337,14 +359,15 @@ pub fn infer_node(
             }
             (op.clone(), vec![x.clone(), Meta::new(DType::F32, &stat), Meta::new(DType::F32, &stat)])
         }
-        Op::Reshape => {
+        Op::Reshape | Op::ReshapeAllowZero => {
             let x = m(0)?;
             let target = match ints(1, "shape")? {
                 Some(t) => t,
                 // Already resolved: the output keeps the meta it was given.
                 None => return Ok((op, vec![metas.get(1).cloned().flatten().unwrap_or_else(|| x.clone())])),
             };
-            let shape = reshape_target(&x.shape, &target).ok_or_else(|| {
+            let allow_zero = matches!(node.op, Op::ReshapeAllowZero);
+            let shape = reshape_target(&x.shape, &target, allow_zero).ok_or_else(|| {
                 err(node, format!("cannot reshape {:?} ({} elements) to {:?}", x.shape, x.numel(), target))
             })?;
             (Op::Reshape, vec![Meta::new(x.dtype, &shape)])
@@ -716,7 +739,8 @@ pub fn infer_node(
 }
 
 /// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
-pub fn reshape_target(input: &[usize], target: &[i64]) -> Option<Vec<usize>> {
+/// `allow_zero`: a 0 in the target is a dimension of size 0 (ONNX's allowzero=1), not a copy.
+pub fn reshape_target(input: &[usize], target: &[i64], allow_zero: bool) -> Option<Vec<usize>> {
     let total: usize = input.iter().product();
     let mut shape = Vec::with_capacity(target.len());
     let mut infer_at = None;
@@ -726,8 +750,8 @@ pub fn reshape_target(input: &[usize], target: &[i64]) -> Option<Vec<usize>> {
                 infer_at = Some(i);
                 shape.push(1);
             }
-            0 => shape.push(*input.get(i)?),
-            t if t > 0 => shape.push(t as usize),
+            0 if !allow_zero => shape.push(*input.get(i)?),
+            t if t >= 0 => shape.push(t as usize),
             _ => return None,
         }
     }

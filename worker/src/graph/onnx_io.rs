@@ -1,7 +1,7 @@
 //! ONNX `ModelProto` ⇄ graph IR.
 
 use super::ir::{Dim, Graph};
-use super::op::{AttrValue, Attrs, Op, TF_DOMAIN};
+use super::op::{AttrValue, Attrs, Op, SUPPORTED_ONNX_OPS, TF_DOMAIN};
 use crate::error::{Error, Result};
 use crate::onnx::proto::{
     attribute_proto::AttributeType, tensor_shape_proto, type_proto, AttributeProto, GraphProto, ModelProto, NodeProto,
@@ -9,6 +9,7 @@ use crate::onnx::proto::{
 };
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
 use crate::tensor::DType;
+use std::collections::BTreeMap;
 
 /// The opset the builtin models and exports are written with (Gelu needs 20).
 pub const EXPORT_OPSET: i64 = 20;
@@ -59,6 +60,7 @@ fn dims_of(t: &TypeProto) -> Option<(DType, Vec<Dim>)> {
 pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
     let opset = crate::onnx::default_opset(model);
     let gp = model.graph.as_ref().ok_or_else(|| Error::Corrupt(format!("{origin}: the model has no graph")))?;
+    check_supported(gp, origin)?;
     let mut g = Graph::new(gp.name(), opset);
     for t in &gp.initializer {
         let tensor = tensor_from_proto(t, &format!("{origin}: initializer '{}'", t.name()))?;
@@ -75,7 +77,7 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
         g.add_input(vi.name(), dtype, dims);
     }
     for (i, n) in gp.node.iter().enumerate() {
-        let name = if n.name().is_empty() { format!("{}_{i}", n.op_type()) } else { n.name().to_string() };
+        let name = node_name(n, i);
         let describe = format!("{origin}: node '{name}' ({})", n.op_type());
         let mut attrs = Attrs { origin: describe.clone(), ..Default::default() };
         for a in &n.attribute {
@@ -99,6 +101,53 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
     }
     check_defined(&g, origin)?;
     Ok(g)
+}
+
+/// A node's name in the graph and in messages: its own, or `OpType_index` when it has none.
+fn node_name(n: &NodeProto, index: usize) -> String {
+    if n.name().is_empty() {
+        format!("{}_{index}", n.op_type())
+    } else {
+        n.name().to_string()
+    }
+}
+
+/// Refuses a graph with operators the engine does not run, naming all of them at once (with
+/// their node counts and first nodes), so that a model exported from PyTorch shows every gap in
+/// one try. Ops of [`TF_DOMAIN`] are the engine's own and pass. Subgraphs are not looked into:
+/// the ops that hold them (If, Loop, Scan) are themselves not run.
+fn check_supported(gp: &GraphProto, origin: &str) -> Result<()> {
+    // (op type, domain) -> (nodes, the first node's name); sorted by op type.
+    let mut unsupported: BTreeMap<(&str, &str), (usize, String)> = BTreeMap::new();
+    for (i, n) in gp.node.iter().enumerate() {
+        let domain = if n.domain() == "ai.onnx" { "" } else { n.domain() };
+        let supported = match domain {
+            "" => SUPPORTED_ONNX_OPS.contains(&n.op_type()),
+            d => d == TF_DOMAIN,
+        };
+        if !supported {
+            unsupported.entry((n.op_type(), domain)).or_insert_with(|| (0, node_name(n, i))).0 += 1;
+        }
+    }
+    if unsupported.is_empty() {
+        return Ok(());
+    }
+    let s = |count: usize| if count == 1 { "" } else { "s" };
+    let listed: Vec<String> = unsupported
+        .iter()
+        .map(|((op, domain), (count, first))| {
+            let domain = if domain.is_empty() { String::new() } else { format!(" of domain '{domain}'") };
+            format!("{op}{domain} ({count} node{}, first '{first}')", s(*count))
+        })
+        .collect();
+    let count = unsupported.len();
+    Err(Error::Unsupported(format!(
+        "{origin}: {count} operator{} {} not supported: {}; supported: {}",
+        s(count),
+        if count == 1 { "is" } else { "are" },
+        listed.join(", "),
+        SUPPORTED_ONNX_OPS.join(", ")
+    )))
 }
 
 /// Every node input must come from an input, an initializer or an earlier node.
@@ -246,5 +295,57 @@ pub fn to_model(g: &Graph, producer: &str) -> ModelProto {
         producer_version: Some(env!("CARGO_PKG_VERSION").to_string()),
         graph: Some(GraphProto { node, name: Some(g.name.clone()), initializer, input, output, ..Default::default() }),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(op_type: &str, domain: &str, name: &str) -> NodeProto {
+        NodeProto {
+            op_type: Some(op_type.into()),
+            domain: (!domain.is_empty()).then(|| domain.into()),
+            name: Some(name.into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_unsupported_operator_is_named_at_once_with_its_count_and_first_node() {
+        let gp = GraphProto {
+            node: vec![
+                node("Relu", "", "relu"),
+                node("Foo", "", "/attn/Foo"),
+                node("FusedMatMul", TF_DOMAIN, "fused"),
+                node("Bar", "ai.onnx", "bar_a"),
+                node("Foo", "ai.onnx", "/attn/Foo_1"),
+                node("Gelu", "com.microsoft", "ms_gelu"),
+                node("Bar", "", ""),
+                node("Foo", "", "/attn/Foo_2"),
+            ],
+            ..Default::default()
+        };
+        let e = check_supported(&gp, "model.onnx").unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e:?}");
+        assert_eq!(e.exit_code(), 2);
+        let text = e.to_string();
+        let listed = "model.onnx: 3 operators are not supported: Bar (2 nodes, first 'bar_a'), \
+                      Foo (3 nodes, first '/attn/Foo'), Gelu of domain 'com.microsoft' (1 node, first 'ms_gelu'); \
+                      supported: ";
+        assert!(text.starts_with(listed), "{text}");
+        assert!(text.contains(&SUPPORTED_ONNX_OPS.join(", ")), "{text}");
+
+        let one = GraphProto { node: vec![node("Baz", "", "")], ..Default::default() };
+        let text = check_supported(&one, "m.onnx").unwrap_err().to_string();
+        assert!(text.starts_with("m.onnx: 1 operator is not supported: Baz (1 node, first 'Baz_0'); "), "{text}");
+    }
+
+    #[test]
+    fn supported_and_internal_operators_pass() {
+        let mut gp = GraphProto { node: vec![node("FusedMatMul", TF_DOMAIN, "fused")], ..Default::default() };
+        gp.node.extend(SUPPORTED_ONNX_OPS.iter().map(|op| node(op, "", op)));
+        gp.node.extend(SUPPORTED_ONNX_OPS.iter().map(|op| node(op, "ai.onnx", op)));
+        check_supported(&gp, "model.onnx").unwrap();
     }
 }

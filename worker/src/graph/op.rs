@@ -81,7 +81,9 @@ impl Attrs {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Pointwise functions of one input. Those with parameters carry them (ONNX's attributes, and
+/// Clip's bounds once folded); `code` and `params` are what the CUDA kernels switch on.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Unary {
     Neg,
     Exp,
@@ -100,6 +102,139 @@ pub enum Unary {
     Gelu,
     /// Gelu with the tanh approximation (GPT-2's).
     GeluTanh,
+    Sin,
+    Cos,
+    Tan,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Asinh,
+    Acosh,
+    Atanh,
+    Sign,
+    /// Round half to even, as ONNX and numpy round.
+    Round,
+    /// ln(1 + eˣ).
+    Softplus,
+    /// x / (1 + |x|).
+    Softsign,
+    /// x·tanh(softplus(x)).
+    Mish,
+    /// x·HardSigmoid(x) with α = 1/6, β = 1/2.
+    HardSwish,
+    /// max(0, min(1, αx + β)).
+    HardSigmoid {
+        alpha: f32,
+        beta: f32,
+    },
+    LeakyRelu {
+        alpha: f32,
+    },
+    /// x for x > 0, else α(eˣ − 1).
+    Elu {
+        alpha: f32,
+    },
+    /// γ·x for x > 0, else γ·α(eˣ − 1).
+    Selu {
+        alpha: f32,
+        gamma: f32,
+    },
+    /// max(0, x) + min(0, α(e^(x/α) − 1)).
+    Celu {
+        alpha: f32,
+    },
+    /// x for x > α, else 0.
+    ThresholdedRelu {
+        alpha: f32,
+    },
+    /// min(max(x, min), max); NaN stays NaN. The gradient passes where min ≤ x ≤ max, as
+    /// PyTorch's clamp's does.
+    Clip {
+        min: f32,
+        max: f32,
+    },
+    /// Bool: x is NaN.
+    IsNaN,
+    /// Bool: x is +∞ (when `positive`) or −∞ (when `negative`).
+    IsInf {
+        negative: bool,
+        positive: bool,
+    },
+}
+
+impl Unary {
+    /// The case the CUDA kernels' `unary_f` and `unary_df` switch on (kernels/elementwise.cu).
+    pub fn code(self) -> i32 {
+        use Unary::*;
+        match self {
+            Neg => 0,
+            Exp => 1,
+            Log => 2,
+            Sqrt => 3,
+            Tanh => 4,
+            Erf => 5,
+            Relu => 6,
+            Sigmoid => 7,
+            Abs => 8,
+            Reciprocal => 9,
+            Floor => 10,
+            Ceil => 11,
+            Not => 12,
+            Gelu => 13,
+            GeluTanh => 14,
+            Sin => 15,
+            Cos => 16,
+            Tan => 17,
+            Asin => 18,
+            Acos => 19,
+            Atan => 20,
+            Sinh => 21,
+            Cosh => 22,
+            Asinh => 23,
+            Acosh => 24,
+            Atanh => 25,
+            Sign => 26,
+            Round => 27,
+            Softplus => 28,
+            Softsign => 29,
+            Mish => 30,
+            HardSwish => 31,
+            HardSigmoid { .. } => 32,
+            LeakyRelu { .. } => 33,
+            Elu { .. } => 34,
+            Selu { .. } => 35,
+            Celu { .. } => 36,
+            ThresholdedRelu { .. } => 37,
+            Clip { .. } => 38,
+            IsNaN => 39,
+            IsInf { .. } => 40,
+        }
+    }
+
+    /// The parameters the kernels read as (p0, p1); unused ones are 0.
+    pub fn params(self) -> [f32; 2] {
+        use Unary::*;
+        match self {
+            HardSigmoid { alpha, beta } => [alpha, beta],
+            LeakyRelu { alpha } | Elu { alpha } | Celu { alpha } | ThresholdedRelu { alpha } => [alpha, 0.0],
+            Selu { alpha, gamma } => [alpha, gamma],
+            Clip { min, max } => [min, max],
+            IsInf { negative, positive } => [negative as u8 as f32, positive as u8 as f32],
+            _ => [0.0, 0.0],
+        }
+    }
+
+    /// Predicates give bool whatever their input is.
+    pub fn is_predicate(self) -> bool {
+        matches!(self, Unary::Not | Unary::IsNaN | Unary::IsInf { .. })
+    }
+
+    /// Step functions and predicates: their gradient is zero almost everywhere, so none flows.
+    pub fn is_differentiable(self) -> bool {
+        !matches!(self, Unary::Floor | Unary::Ceil | Unary::Round | Unary::Sign) && !self.is_predicate()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,13 +253,25 @@ pub enum Binary {
     GreaterOrEqual,
     And,
     Or,
+    Xor,
+    /// The remainder with the divisor's sign (Python's %, ONNX Mod with fmod=0).
+    Mod,
+    /// The remainder with the dividend's sign (C's fmod, ONNX Mod with fmod=1).
+    Fmod,
+    /// x for x ≥ 0, else slope·x, the slope broadcast to x (ONNX PRelu).
+    PRelu,
 }
 
 impl Binary {
     /// Comparisons and logic produce bool whatever their inputs are.
     pub fn is_predicate(self) -> bool {
         use Binary::*;
-        matches!(self, Equal | Less | Greater | LessOrEqual | GreaterOrEqual | And | Or)
+        matches!(self, Equal | Less | Greater | LessOrEqual | GreaterOrEqual | And | Or | Xor)
+    }
+
+    /// And, Or and Xor: bool operands.
+    pub fn is_logic(self) -> bool {
+        matches!(self, Binary::And | Binary::Or | Binary::Xor)
     }
 }
 
@@ -193,6 +340,8 @@ pub enum Op {
         to: DType,
     },
     Identity,
+    /// x, like -> x cast to like's element type; becomes Cast when bound.
+    CastLike,
     /// `ratio`; the mask output is optional. Inference graphs run it as Identity.
     Dropout {
         ratio: f32,
@@ -219,6 +368,9 @@ pub enum Op {
     },
     /// Reshape, Flatten, Squeeze and Unsqueeze all become this once shapes are known.
     Reshape,
+    /// Reshape with allowzero=1: a 0 in the target is a dimension of size 0, not a copy of the
+    /// input's; becomes Reshape when bound.
+    ReshapeAllowZero,
     Transpose {
         perm: Option<Vec<i64>>,
     },
@@ -422,18 +574,30 @@ pub enum Op {
 /// The ONNX op types `Op::from_onnx` accepts, for error messages and reports.
 pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Abs",
+    "Acos",
+    "Acosh",
     "Add",
     "And",
+    "Asin",
+    "Asinh",
+    "Atan",
+    "Atanh",
     "AveragePool",
     "BatchNormalization",
     "Cast",
+    "CastLike",
     "Ceil",
+    "Celu",
+    "Clip",
     "Concat",
     "Constant",
     "ConstantOfShape",
     "Conv",
+    "Cos",
+    "Cosh",
     "Div",
     "Dropout",
+    "Elu",
     "Equal",
     "Erf",
     "Exp",
@@ -446,8 +610,13 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "GlobalAveragePool",
     "Greater",
     "GreaterOrEqual",
+    "HardSigmoid",
+    "HardSwish",
     "Identity",
+    "IsInf",
+    "IsNaN",
     "LayerNormalization",
+    "LeakyRelu",
     "Less",
     "LessOrEqual",
     "Log",
@@ -456,10 +625,13 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Max",
     "MaxPool",
     "Min",
+    "Mish",
+    "Mod",
     "Mul",
     "Neg",
     "Not",
     "Or",
+    "PRelu",
     "Pow",
     "Range",
     "Reciprocal",
@@ -470,20 +642,30 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "ReduceSumSquare",
     "Relu",
     "Reshape",
+    "Round",
+    "Selu",
     "Shape",
     "Sigmoid",
+    "Sign",
+    "Sin",
+    "Sinh",
     "Slice",
     "Softmax",
     "SoftmaxCrossEntropyLoss",
+    "Softplus",
+    "Softsign",
     "Split",
     "Sqrt",
     "Squeeze",
     "Sub",
+    "Tan",
     "Tanh",
+    "ThresholdedRelu",
     "Transpose",
     "Trilu",
     "Unsqueeze",
     "Where",
+    "Xor",
 ];
 
 fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
@@ -538,7 +720,7 @@ impl Op {
     /// which decides attribute defaults that changed between versions.
     pub fn from_onnx(op_type: &str, domain: &str, a: &Attrs, opset: i64) -> Result<Op> {
         if !(domain.is_empty() || domain == "ai.onnx" || domain == TF_DOMAIN) {
-            return Err(Error::Corrupt(format!("{}: operator domain '{domain}' is not supported", a.origin)));
+            return Err(Error::Unsupported(format!("{}: operator domain '{domain}' is not supported", a.origin)));
         }
         use Binary as B;
         use Unary as U;
@@ -556,6 +738,39 @@ impl Op {
             "Floor" => Op::Unary(U::Floor),
             "Ceil" => Op::Unary(U::Ceil),
             "Not" => Op::Unary(U::Not),
+            "Sin" => Op::Unary(U::Sin),
+            "Cos" => Op::Unary(U::Cos),
+            "Tan" => Op::Unary(U::Tan),
+            "Asin" => Op::Unary(U::Asin),
+            "Acos" => Op::Unary(U::Acos),
+            "Atan" => Op::Unary(U::Atan),
+            "Sinh" => Op::Unary(U::Sinh),
+            "Cosh" => Op::Unary(U::Cosh),
+            "Asinh" => Op::Unary(U::Asinh),
+            "Acosh" => Op::Unary(U::Acosh),
+            "Atanh" => Op::Unary(U::Atanh),
+            "Sign" => Op::Unary(U::Sign),
+            "Round" => Op::Unary(U::Round),
+            "Softplus" => Op::Unary(U::Softplus),
+            "Softsign" => Op::Unary(U::Softsign),
+            "Mish" => Op::Unary(U::Mish),
+            "HardSwish" => Op::Unary(U::HardSwish),
+            "HardSigmoid" => Op::Unary(U::HardSigmoid { alpha: a.float("alpha", 0.2)?, beta: a.float("beta", 0.5)? }),
+            "LeakyRelu" => Op::Unary(U::LeakyRelu { alpha: a.float("alpha", 0.01)? }),
+            "Elu" => Op::Unary(U::Elu { alpha: a.float("alpha", 1.0)? }),
+            "Selu" => Op::Unary(U::Selu { alpha: a.float("alpha", 1.673_263_2)?, gamma: a.float("gamma", 1.050_701)? }),
+            "Celu" => Op::Unary(U::Celu { alpha: a.float("alpha", 1.0)? }),
+            "ThresholdedRelu" => Op::Unary(U::ThresholdedRelu { alpha: a.float("alpha", 1.0)? }),
+            // Before opset 11 the bounds are attributes; later optional inputs that inference
+            // folds in.
+            "Clip" => {
+                Op::Unary(U::Clip { min: a.float("min", f32::NEG_INFINITY)?, max: a.float("max", f32::INFINITY)? })
+            }
+            "IsNaN" => Op::Unary(U::IsNaN),
+            "IsInf" => Op::Unary(U::IsInf {
+                negative: a.int("detect_negative", 1)? != 0,
+                positive: a.int("detect_positive", 1)? != 0,
+            }),
             "Gelu" => match a.string("approximate", "none")?.as_str() {
                 "none" => Op::Unary(U::Gelu),
                 "tanh" => Op::Unary(U::GeluTanh),
@@ -577,11 +792,15 @@ impl Op {
             "GreaterOrEqual" => Op::Binary(B::GreaterOrEqual),
             "And" => Op::Binary(B::And),
             "Or" => Op::Binary(B::Or),
+            "Xor" => Op::Binary(B::Xor),
+            "Mod" => Op::Binary(if a.int("fmod", 0)? != 0 { B::Fmod } else { B::Mod }),
+            "PRelu" => Op::Binary(B::PRelu),
+            "CastLike" => Op::CastLike,
             "Where" => Op::Where,
             "Cast" => {
                 let code = a.int("to", 0)?;
                 let to = DType::from_onnx(code as i32).ok_or_else(|| {
-                    Error::Corrupt(format!("{}: Cast to element type {code} is not supported", a.origin))
+                    Error::Unsupported(format!("{}: Cast to element type {code} is not supported", a.origin))
                 })?;
                 Op::Cast { to }
             }
@@ -598,15 +817,16 @@ impl Op {
             "LogSoftmax" => Op::LogSoftmax { axis: a.int("axis", if opset >= 13 { -1 } else { 1 })? },
             "LayerNormalization" => {
                 if a.int("stash_type", 1)? != 1 {
-                    return Err(Error::Corrupt(format!("{}: only stash_type 1 (float32) is supported", a.origin)));
+                    return Err(Error::Unsupported(format!("{}: only stash_type 1 (float32) is supported", a.origin)));
                 }
                 Op::LayerNorm { axis: a.int("axis", -1)?, epsilon: a.float("epsilon", 1e-5)? }
             }
             "Reshape" => {
                 if a.int("allowzero", 0)? != 0 {
-                    return Err(Error::Corrupt(format!("{}: Reshape with allowzero=1 is not supported", a.origin)));
+                    Op::ReshapeAllowZero
+                } else {
+                    Op::Reshape
                 }
-                Op::Reshape
             }
             "Flatten" => Op::Flatten { axis: a.int("axis", 1)? },
             "Squeeze" => Op::Squeeze { axes: a.ints("axes")? },
@@ -644,7 +864,7 @@ impl Op {
             "Conv" => Op::Conv { window: window(a, false)?, group: a.int("group", 1)?.max(1) as usize },
             "MaxPool" => {
                 if a.int("storage_order", 0)? != 0 {
-                    return Err(Error::Corrupt(format!("{}: MaxPool storage_order=1 is not supported", a.origin)));
+                    return Err(Error::Unsupported(format!("{}: MaxPool storage_order=1 is not supported", a.origin)));
                 }
                 Op::Pool { kind: PoolKind::Max, window: window(a, true)? }
             }
@@ -668,7 +888,7 @@ impl Op {
             },
             "Range" => Op::Range,
             other => {
-                return Err(Error::Corrupt(format!(
+                return Err(Error::Unsupported(format!(
                     "{}: operator '{other}' is not supported (supported: {})",
                     a.origin,
                     SUPPORTED_ONNX_OPS.join(", ")
@@ -697,6 +917,32 @@ impl Op {
                 Unary::Ceil => "Ceil",
                 Unary::Not => "Not",
                 Unary::Gelu | Unary::GeluTanh => "Gelu",
+                Unary::Sin => "Sin",
+                Unary::Cos => "Cos",
+                Unary::Tan => "Tan",
+                Unary::Asin => "Asin",
+                Unary::Acos => "Acos",
+                Unary::Atan => "Atan",
+                Unary::Sinh => "Sinh",
+                Unary::Cosh => "Cosh",
+                Unary::Asinh => "Asinh",
+                Unary::Acosh => "Acosh",
+                Unary::Atanh => "Atanh",
+                Unary::Sign => "Sign",
+                Unary::Round => "Round",
+                Unary::Softplus => "Softplus",
+                Unary::Softsign => "Softsign",
+                Unary::Mish => "Mish",
+                Unary::HardSwish => "HardSwish",
+                Unary::HardSigmoid { .. } => "HardSigmoid",
+                Unary::LeakyRelu { .. } => "LeakyRelu",
+                Unary::Elu { .. } => "Elu",
+                Unary::Selu { .. } => "Selu",
+                Unary::Celu { .. } => "Celu",
+                Unary::ThresholdedRelu { .. } => "ThresholdedRelu",
+                Unary::Clip { .. } => "Clip",
+                Unary::IsNaN => "IsNaN",
+                Unary::IsInf { .. } => "IsInf",
             }),
             Op::Binary(b) => onnx(match b {
                 Binary::Add => "Add",
@@ -713,17 +959,21 @@ impl Op {
                 Binary::GreaterOrEqual => "GreaterOrEqual",
                 Binary::And => "And",
                 Binary::Or => "Or",
+                Binary::Xor => "Xor",
+                Binary::Mod | Binary::Fmod => "Mod",
+                Binary::PRelu => "PRelu",
             }),
             Op::Where => onnx("Where"),
             Op::Cast { .. } => onnx("Cast"),
             Op::Identity => onnx("Identity"),
+            Op::CastLike => onnx("CastLike"),
             Op::Dropout { .. } => onnx("Dropout"),
             Op::MatMul => onnx("MatMul"),
             Op::Gemm { .. } => onnx("Gemm"),
             Op::Softmax { .. } => onnx("Softmax"),
             Op::LogSoftmax { .. } => onnx("LogSoftmax"),
             Op::LayerNorm { .. } => onnx("LayerNormalization"),
-            Op::Reshape => onnx("Reshape"),
+            Op::Reshape | Op::ReshapeAllowZero => onnx("Reshape"),
             Op::Transpose { .. } => onnx("Transpose"),
             Op::Concat { .. } => onnx("Concat"),
             Op::Split { .. } => onnx("Split"),
@@ -796,6 +1046,19 @@ impl Op {
         };
         match self {
             Op::Unary(Unary::GeluTanh) => vec![("approximate".into(), AttrValue::Str("tanh".into()))],
+            Op::Unary(Unary::HardSigmoid { alpha, beta }) => vec![f("alpha", *alpha), f("beta", *beta)],
+            Op::Unary(
+                Unary::LeakyRelu { alpha }
+                | Unary::Elu { alpha }
+                | Unary::Celu { alpha }
+                | Unary::ThresholdedRelu { alpha },
+            ) => vec![f("alpha", *alpha)],
+            Op::Unary(Unary::Selu { alpha, gamma }) => vec![f("alpha", *alpha), f("gamma", *gamma)],
+            Op::Unary(Unary::IsInf { negative, positive }) => {
+                vec![i("detect_negative", *negative as i64), i("detect_positive", *positive as i64)]
+            }
+            Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
+            Op::ReshapeAllowZero => vec![i("allowzero", 1)],
             Op::Cast { to } => vec![i("to", to.onnx_code() as i64)],
             // Dropout's ratio is an input since opset 12 (`onnx_io::to_model` writes it).
             Op::Dropout { seed, .. } => vec![i("seed", *seed as i64)],
@@ -890,6 +1153,7 @@ impl Op {
         let ints = |v: &[i64]| Tensor::from_vec(&[v.len()], v.to_vec());
         match self {
             Op::Dropout { ratio, .. } => vec![Tensor::scalar(*ratio)],
+            Op::Unary(Unary::Clip { min, max }) => vec![Tensor::scalar(*min), Tensor::scalar(*max)],
             Op::Split { sizes, .. } if !sizes.is_empty() => vec![ints(sizes)],
             Op::Squeeze { axes: Some(a) } | Op::Unsqueeze { axes: Some(a) } => vec![ints(a)],
             Op::ReduceOp { axes: Some(a), .. } if !a.is_empty() => vec![ints(a)],
@@ -900,7 +1164,8 @@ impl Op {
     /// Ops whose inputs beyond the first are shape operands, folded away at plan time.
     pub fn static_operand_inputs(&self) -> std::ops::Range<usize> {
         match self {
-            Op::Reshape | Op::Expand => 1..2,
+            Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike => 1..2,
+            Op::Unary(Unary::Clip { .. }) => 1..3,
             Op::Squeeze { .. } | Op::Unsqueeze { .. } | Op::Split { .. } | Op::ReduceOp { .. } => 1..2,
             Op::Slice { .. } => 1..5,
             Op::ConstantOfShape { .. } => 0..1,

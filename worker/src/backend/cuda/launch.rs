@@ -467,6 +467,14 @@ fn sized(family: &str, t: DType) -> Result<String, String> {
 
 /// The kernel of a family that computes with float elements for `t`: `{family}_f32`,
 /// `{family}_f16` or `{family}_bf16` (the half ones load to f32 and store rounded).
+/// Like `typed`, and `{family}_f64` for f64 elements.
+fn float_kernel(family: &str, t: DType) -> Result<String, String> {
+    match t {
+        DType::F64 => Ok(format!("{family}_f64")),
+        t => typed(family, t),
+    }
+}
+
 fn typed(family: &str, t: DType) -> Result<String, String> {
     let suffix = match t {
         DType::F32 => "f32",
@@ -605,20 +613,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
     let y = *outs.first().ok_or("the op has no output")?;
     match op {
-        Op::Unary(u) => {
-            let a = x(0)?;
-            let kernel = typed("unary", a.dtype())?;
-            let n = a.n();
-            dev.kernel(&kernel, elementwise(n), &mut params![*u as i32, n as i64, a.at, y.at])
-        }
+        Op::Unary(u) => unary(dev, *u, x(0)?, y),
         Op::UnaryGrad(u) => {
             let (dy, a) = (x(0)?, x(1)?);
             if dy.dtype() != a.dtype() {
                 return Err(format!("an activation's gradient of {} for an input of {}", dy.dtype(), a.dtype()));
             }
-            let kernel = typed("unary_grad", a.dtype())?;
-            let n = a.n();
-            dev.kernel(&kernel, elementwise(n), &mut params![*u as i32, n as i64, dy.at, a.at, y.at])
+            let kernel = float_kernel("unary_grad", a.dtype())?;
+            let (n, [p0, p1]) = (a.n(), u.params());
+            dev.kernel(&kernel, elementwise(n), &mut params![u.code(), p0, p1, n as i64, dy.at, a.at, y.at])
         }
         Op::Binary(b) => {
             let mut acc = x(0)?;
@@ -1029,6 +1032,25 @@ fn channels(shape: &[usize]) -> Result<(i64, usize, i64), String> {
     Ok((shape[0] as i64, shape[1], shape[2..].iter().product::<usize>() as i64))
 }
 
+/// y = u(a), elementwise; y may be a. Floats run in their own type (halves in f32), integers
+/// through f64 (exact up to 32-bit elements); predicates write bools.
+fn unary(dev: Dev, u: Unary, a: V, y: V) -> Result<(), String> {
+    let (n, [p0, p1], code) = (a.n(), u.params(), u.code());
+    match (u, a.dtype()) {
+        (Unary::Not, DType::Bool) => dev.kernel("not_u8", elementwise(n), &mut params![n as i64, a.at, y.at]),
+        (Unary::Not, t) => Err(format!("Not of {t} (a bool operand expected)")),
+        (_, t) if u.is_predicate() => {
+            let kernel = float_kernel("unary_predicate", t)?;
+            dev.kernel(&kernel, elementwise(n), &mut params![code, p0, p1, n as i64, a.at, y.at])
+        }
+        (_, DType::Bool) => Err(format!("{u:?} of bool has no CUDA kernel (nor an ONNX meaning)")),
+        (_, t) if t.is_float() => {
+            dev.kernel(&float_kernel("unary", t)?, elementwise(n), &mut params![code, p0, p1, n as i64, a.at, y.at])
+        }
+        _ => through_f64(dev, &[a], y, |wide, y| unary(dev, u, wide[0], y)),
+    }
+}
+
 /// out = a op b, broadcasting; out may be a (the n-ary fold accumulates in place).
 fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
     let t = a.dtype();
@@ -1043,10 +1065,10 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
     let (sa, sb) = (broadcast(a.shape(), y.shape())?, broadcast(b.shape(), y.shape())?);
     let code = op as i32;
     match op {
-        Binary::And | Binary::Or if t == DType::Bool => {
+        _ if op.is_logic() && t == DType::Bool => {
             dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
         }
-        Binary::And | Binary::Or => Err(format!("{op:?} of {t} (bool operands expected)")),
+        _ if op.is_logic() => Err(format!("{op:?} of {t} (bool operands expected)")),
         _ if op.is_predicate() => dev.kernel(
             &numeric("compare", t),
             elementwise(n),
@@ -1523,13 +1545,12 @@ fn activate(dev: Dev, epilogue: Epilogue, y: V) -> Result<(), String> {
             if aux != 0 {
                 dev.copy(Ptr(aux), y.at, n * y.dtype().size())?;
             }
-            let gelu = Unary::GeluTanh as i32;
-            dev.kernel(&typed("unary", y.dtype())?, elementwise(n), &mut params![gelu, n as i64, y.at, y.at])
+            unary(dev, Unary::GeluTanh, y, y)
         }
         Epilogue::GeluGrad { aux } => {
-            let gelu = Unary::GeluTanh as i32;
+            let gelu = Unary::GeluTanh.code();
             let kernel = typed("unary_grad", y.dtype())?;
-            dev.kernel(&kernel, elementwise(n), &mut params![gelu, n as i64, y.at, Ptr(aux), y.at])
+            dev.kernel(&kernel, elementwise(n), &mut params![gelu, 0f32, 0f32, n as i64, y.at, Ptr(aux), y.at])
         }
     }
 }
@@ -1755,17 +1776,29 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -
 mod tests {
     use crate::graph::op::{Binary, Reduce, Unary};
 
-    /// The kernels switch on `op as i32` (kernels/elementwise.cu, kernels/rows.cu): reordering the enums would
-    /// silently change which function runs.
+    /// The kernels switch on `op as i32` and `Unary::code` (kernels/elementwise.cu,
+    /// kernels/rows.cu): reordering the enums would silently change which function runs.
     #[test]
     fn op_codes_are_the_kernels_switch_cases() {
         use Unary::*;
-        let unary = [Neg, Exp, Log, Sqrt, Tanh, Erf, Relu, Sigmoid, Abs, Reciprocal, Floor, Ceil, Not, Gelu, GeluTanh];
+        let (a, b) = (0.5, 2.0);
+        #[rustfmt::skip]
+        let unary = [
+            Neg, Exp, Log, Sqrt, Tanh, Erf, Relu, Sigmoid, Abs, Reciprocal, Floor, Ceil, Not, Gelu, GeluTanh,
+            Sin, Cos, Tan, Asin, Acos, Atan, Sinh, Cosh, Asinh, Acosh, Atanh, Sign, Round, Softplus, Softsign,
+            Mish, HardSwish, HardSigmoid { alpha: a, beta: b }, LeakyRelu { alpha: a }, Elu { alpha: a },
+            Selu { alpha: a, gamma: b }, Celu { alpha: a }, ThresholdedRelu { alpha: a }, Clip { min: a, max: b },
+            IsNaN, IsInf { negative: true, positive: false },
+        ];
         for (code, u) in unary.iter().enumerate() {
-            assert_eq!(*u as i32, code as i32, "{u:?}");
+            assert_eq!(u.code(), code as i32, "{u:?}");
         }
         use Binary::*;
-        let binary = [Add, Sub, Mul, Div, Pow, Max, Min, Equal, Less, Greater, LessOrEqual, GreaterOrEqual, And, Or];
+        #[rustfmt::skip]
+        let binary = [
+            Add, Sub, Mul, Div, Pow, Max, Min, Equal, Less, Greater, LessOrEqual, GreaterOrEqual, And, Or, Xor, Mod,
+            Fmod, PRelu,
+        ];
         for (code, b) in binary.iter().enumerate() {
             assert_eq!(*b as i32, code as i32, "{b:?}");
         }

@@ -49,6 +49,86 @@ pub(super) fn unary_f64(u: Unary, x: f64) -> f64 {
             let z = (2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x);
             x / (1.0 + (-2.0 * z).exp())
         }
+        Unary::Sin => x.sin(),
+        Unary::Cos => x.cos(),
+        Unary::Tan => x.tan(),
+        Unary::Asin => x.asin(),
+        Unary::Acos => x.acos(),
+        Unary::Atan => x.atan(),
+        Unary::Sinh => x.sinh(),
+        Unary::Cosh => x.cosh(),
+        Unary::Asinh => x.asinh(),
+        Unary::Acosh => x.acosh(),
+        Unary::Atanh => x.atanh(),
+        Unary::Sign => sign(x),
+        Unary::Round => x.round_ties_even(),
+        Unary::Softplus => softplus(x),
+        Unary::Softsign => x / (1.0 + x.abs()),
+        Unary::Mish => x * softplus(x).tanh(),
+        Unary::HardSwish => x * hard_sigmoid(x, 1.0 / 6.0, 0.5),
+        Unary::HardSigmoid { alpha, beta } => hard_sigmoid(x, alpha as f64, beta as f64),
+        Unary::LeakyRelu { alpha } => {
+            if x >= 0.0 {
+                x
+            } else {
+                alpha as f64 * x
+            }
+        }
+        Unary::Elu { alpha } => {
+            if x > 0.0 {
+                x
+            } else {
+                alpha as f64 * x.exp_m1()
+            }
+        }
+        Unary::Selu { alpha, gamma } => gamma as f64 * if x > 0.0 { x } else { alpha as f64 * x.exp_m1() },
+        Unary::Celu { alpha } => {
+            let a = alpha as f64;
+            x.max(0.0) + (a * (x / a).exp_m1()).min(0.0)
+        }
+        Unary::ThresholdedRelu { alpha } => {
+            if x > alpha as f64 {
+                x
+            } else {
+                0.0
+            }
+        }
+        Unary::Clip { min, max } => clip(x, min as f64, max as f64),
+        Unary::IsNaN => x.is_nan() as u8 as f64,
+        Unary::IsInf { negative, positive } => {
+            ((x == f64::INFINITY && positive) || (x == f64::NEG_INFINITY && negative)) as u8 as f64
+        }
+    }
+}
+
+/// −1, 0 or 1 (NaN stays NaN, as numpy's sign).
+fn sign(x: f64) -> f64 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        x
+    }
+}
+
+/// ln(1 + eˣ) without overflow for large x.
+fn softplus(x: f64) -> f64 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+fn hard_sigmoid(x: f64, alpha: f64, beta: f64) -> f64 {
+    (alpha * x + beta).clamp(0.0, 1.0)
+}
+
+/// min(max(x, lo), hi), NaN passing through (numpy's clip, PyTorch's clamp).
+fn clip(x: f64, lo: f64, hi: f64) -> f64 {
+    if x < lo {
+        lo
+    } else if x > hi {
+        hi
+    } else {
+        x
     }
 }
 
@@ -98,13 +178,74 @@ fn unary_grad_f64(u: Unary, x: f64) -> f64 {
         }
         Unary::Abs => x.signum() * (x != 0.0) as u8 as f64,
         Unary::Reciprocal => -1.0 / (x * x),
-        Unary::Floor | Unary::Ceil | Unary::Not => 0.0,
+        Unary::Floor | Unary::Ceil | Unary::Not | Unary::Sign | Unary::Round | Unary::IsNaN | Unary::IsInf { .. } => {
+            0.0
+        }
         Unary::Gelu => {
             let cdf = 0.5 * (1.0 + erf(x / std::f64::consts::SQRT_2));
             let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
             cdf + x * pdf
         }
         Unary::GeluTanh => gelu_tanh_grad(x as f32) as f64,
+        Unary::Sin => x.cos(),
+        Unary::Cos => -x.sin(),
+        Unary::Tan => 1.0 / x.cos().powi(2),
+        Unary::Asin => 1.0 / (1.0 - x * x).sqrt(),
+        Unary::Acos => -1.0 / (1.0 - x * x).sqrt(),
+        Unary::Atan => 1.0 / (1.0 + x * x),
+        Unary::Sinh => x.cosh(),
+        Unary::Cosh => x.sinh(),
+        Unary::Asinh => 1.0 / (x * x + 1.0).sqrt(),
+        Unary::Acosh => 1.0 / (x * x - 1.0).sqrt(),
+        Unary::Atanh => 1.0 / (1.0 - x * x),
+        Unary::Softplus => 1.0 / (1.0 + (-x).exp()),
+        Unary::Softsign => 1.0 / (1.0 + x.abs()).powi(2),
+        Unary::Mish => {
+            let (t, s) = (softplus(x).tanh(), 1.0 / (1.0 + (-x).exp()));
+            t + x * s * (1.0 - t * t)
+        }
+        // PyTorch's hardswish_backward: 0 below −3, x/3 + 1/2 up to 3, 1 above.
+        Unary::HardSwish => {
+            if x < -3.0 {
+                0.0
+            } else if x <= 3.0 {
+                x / 3.0 + 0.5
+            } else {
+                1.0
+            }
+        }
+        Unary::HardSigmoid { alpha, beta } => {
+            let z = alpha as f64 * x + beta as f64;
+            if z > 0.0 && z < 1.0 {
+                alpha as f64
+            } else {
+                0.0
+            }
+        }
+        Unary::LeakyRelu { alpha } => {
+            if x > 0.0 {
+                1.0
+            } else {
+                alpha as f64
+            }
+        }
+        Unary::Elu { alpha } => {
+            if x > 0.0 {
+                1.0
+            } else {
+                alpha as f64 * x.exp()
+            }
+        }
+        Unary::Selu { alpha, gamma } => gamma as f64 * if x > 0.0 { 1.0 } else { alpha as f64 * x.exp() },
+        Unary::Celu { alpha } => {
+            if x > 0.0 {
+                1.0
+            } else {
+                (x / alpha as f64).exp()
+            }
+        }
+        Unary::ThresholdedRelu { alpha } => (x > alpha as f64) as u8 as f64,
+        Unary::Clip { min, max } => (x >= min as f64 && x <= max as f64) as u8 as f64,
     }
 }
 
@@ -115,8 +256,21 @@ fn unary_int<T: num_traits::PrimInt + num_traits::WrappingNeg>(u: Unary, v: T) -
     match u {
         Unary::Neg => v.wrapping_neg(),
         Unary::Abs if v < zero => v.wrapping_neg(),
-        Unary::Abs | Unary::Floor | Unary::Ceil => v,
+        Unary::Abs | Unary::Floor | Unary::Ceil | Unary::Round => v,
         Unary::Relu => v.max(zero),
+        Unary::Sign => T::from(v.cmp(&zero) as i8).unwrap_or(zero),
+        // Bounds compared in f64 (exact for every bound an integer tensor can reach but i64's
+        // and u64's extremes), so that ±∞ (no bound) works too.
+        Unary::Clip { min, max } => {
+            let f = v.to_f64().unwrap_or(0.0);
+            if f < min as f64 {
+                T::from(min.ceil()).unwrap_or(v)
+            } else if f > max as f64 {
+                T::from(max.floor()).unwrap_or(v)
+            } else {
+                v
+            }
+        }
         _ => T::from(unary_f64(u, v.to_f64().unwrap_or(0.0))).unwrap_or(zero),
     }
 }
@@ -154,6 +308,12 @@ pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
         (DType::F64, DType::F64) => map_par(x.as_slice::<f64>(), y.as_mut_slice::<f64>(), |v| unary_f64(u, v)),
         (DType::Bool, DType::Bool) if u == Unary::Not => {
             map_par(x.as_slice::<u8>(), y.as_mut_slice::<u8>(), |v| (v == 0) as u8)
+        }
+        (DType::F32, DType::Bool) if u.is_predicate() => {
+            map_par(x.as_slice::<f32>(), y.as_mut_slice::<u8>(), |v| unary_f64(u, v as f64) as u8)
+        }
+        (DType::F64, DType::Bool) if u.is_predicate() => {
+            map_par(x.as_slice::<f64>(), y.as_mut_slice::<u8>(), |v| unary_f64(u, v) as u8)
         }
         (DType::I64, DType::I64) => map_par(x.as_slice::<i64>(), y.as_mut_slice::<i64>(), |v| unary_int(u, v)),
         (DType::I32, DType::I32) => map_par(x.as_slice::<i32>(), y.as_mut_slice::<i32>(), |v| unary_int(u, v)),
@@ -307,7 +467,10 @@ trait Arith: Element + PartialOrd {
     fn mul(self, y: Self) -> Self;
     fn div(self, y: Self) -> Self;
     fn pow(self, y: Self) -> Self;
+    /// The truncated remainder (C's fmod, Rust's %).
+    fn rem(self, y: Self) -> Self;
     fn is_nan(self) -> bool;
+    fn zero() -> Self;
 }
 
 macro_rules! float_arith {
@@ -318,7 +481,9 @@ macro_rules! float_arith {
             fn mul(self, y: Self) -> Self { self * y }
             fn div(self, y: Self) -> Self { self / y }
             fn pow(self, y: Self) -> Self { if y == 2.0 { self * self } else { self.powf(y) } }
+            fn rem(self, y: Self) -> Self { self % y }
             fn is_nan(self) -> bool { self.is_nan() }
+            fn zero() -> Self { 0.0 }
         }
     )*};
 }
@@ -332,7 +497,9 @@ macro_rules! int_arith {
             fn mul(self, y: Self) -> Self { self.wrapping_mul(y) }
             fn div(self, y: Self) -> Self { self.checked_div(y).unwrap_or(0) }
             fn pow(self, y: Self) -> Self { (self as f64).powf(y as f64) as $t }
+            fn rem(self, y: Self) -> Self { self.checked_rem(y).unwrap_or(0) }
             fn is_nan(self) -> bool { false }
+            fn zero() -> Self { 0 }
         }
     )*};
 }
@@ -358,6 +525,23 @@ fn arith<T: Arith>(b: Binary, x: T, y: T) -> T {
                 x
             } else {
                 y
+            }
+        }
+        Binary::Fmod => x.rem(y),
+        Binary::Mod => {
+            // The truncated remainder moved to the divisor's sign.
+            let r = x.rem(y);
+            if r != T::zero() && ((r < T::zero()) != (y < T::zero())) {
+                r.add(y)
+            } else {
+                r
+            }
+        }
+        Binary::PRelu => {
+            if x < T::zero() {
+                x.mul(y)
+            } else {
+                x
             }
         }
         _ => unreachable!("predicates are dispatched separately"),
@@ -392,14 +576,14 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
             })
         };
     }
-    if matches!(op, Binary::And | Binary::Or) {
-        let and = op == Binary::And;
+    if op.is_logic() {
         zip_broadcast(a.as_slice::<u8>(), ash, b.as_slice::<u8>(), bsh, out.as_mut_slice::<u8>(), &osh, |x, y| {
-            if and {
-                (x != 0 && y != 0) as u8
-            } else {
-                (x != 0 || y != 0) as u8
-            }
+            let (x, y) = (x != 0, y != 0);
+            (match op {
+                Binary::And => x && y,
+                Binary::Or => x || y,
+                _ => x != y,
+            }) as u8
         });
         return Ok(());
     }

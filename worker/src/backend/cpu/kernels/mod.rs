@@ -178,7 +178,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Range
         | Op::Squeeze { .. }
         | Op::Unsqueeze { .. }
-        | Op::Flatten { .. } => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
+        | Op::Flatten { .. }
+        | Op::CastLike
+        | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
 }
 

@@ -255,6 +255,36 @@ __device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); 
 __device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
 __device__ __forceinline__ float min_of(float a, float b) { return fminf(a, b); }
 __device__ __forceinline__ double min_of(double a, double b) { return fmin(a, b); }
+__device__ __forceinline__ float fmod_of(float a, float b) { return fmodf(a, b); }
+__device__ __forceinline__ double fmod_of(double a, double b) { return fmod(a, b); }
+// One-argument functions, f32 and f64 (CUDA's overloads and the emulator's <cmath> differ in
+// which names they put in the global namespace, so each is spelled out).
+#define TF_MATH_OF(name, f32, f64)                                          \
+    __device__ __forceinline__ float name(float x) { return f32(x); } \
+    __device__ __forceinline__ double name(double x) { return f64(x); }
+TF_MATH_OF(exp_of, expf, exp)
+TF_MATH_OF(expm1_of, expm1f, expm1)
+TF_MATH_OF(log_of, logf, log)
+TF_MATH_OF(log1p_of, log1pf, log1p)
+TF_MATH_OF(sqrt_of, sqrtf, sqrt)
+TF_MATH_OF(abs_of, fabsf, fabs)
+TF_MATH_OF(floor_of, floorf, floor)
+TF_MATH_OF(ceil_of, ceilf, ceil)
+TF_MATH_OF(rint_of, rintf, rint)
+TF_MATH_OF(erf_of, erff, erf)
+TF_MATH_OF(sin_of, sinf, sin)
+TF_MATH_OF(cos_of, cosf, cos)
+TF_MATH_OF(tan_of, tanf, tan)
+TF_MATH_OF(asin_of, asinf, asin)
+TF_MATH_OF(acos_of, acosf, acos)
+TF_MATH_OF(atan_of, atanf, atan)
+TF_MATH_OF(sinh_of, sinhf, sinh)
+TF_MATH_OF(cosh_of, coshf, cosh)
+TF_MATH_OF(tanh_of, tanhf, tanh)
+TF_MATH_OF(asinh_of, asinhf, asinh)
+TF_MATH_OF(acosh_of, acoshf, acosh)
+TF_MATH_OF(atanh_of, atanhf, atanh)
+#undef TF_MATH_OF
 
 // The half types also name their packing and their tensor-core product.
 struct F16 {

@@ -2,86 +2,200 @@
 // Expand, dropout and the causal mask (Trilu). Op codes are the order of the Unary and Binary
 // enums in graph/op.rs (backend/cuda/launch.rs passes `op as i32`).
 
-#define SQRT_2_OVER_PI 0.7978845608f
-#define GELU_C 0.044715f
-
-__device__ __forceinline__ float gelu_tanh(float x) {
-    // x·σ(2z) = 0.5·x·(1 + tanh z), without 1 + tanh z's cancellation for large negative x.
-    float z = SQRT_2_OVER_PI * (x + GELU_C * x * x * x);
-    return x / (1.f + expf(-2.f * z));
+// Unary codes are Unary::code()'s (graph/op.rs); p0 and p1 are Unary::params().
+template <typename C>
+__device__ __forceinline__ C sigmoid_of(C x) {
+    return (C)1 / ((C)1 + exp_of(-x));
 }
-__device__ __forceinline__ float gelu_tanh_grad(float x) {
-    float t = tanhf(SQRT_2_OVER_PI * (x + GELU_C * x * x * x));
-    return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * SQRT_2_OVER_PI * (1.f + 3.f * GELU_C * x * x);
+// ln(1 + eˣ) without overflow for large x.
+template <typename C>
+__device__ __forceinline__ C softplus_of(C x) {
+    return max_of(x, (C)0) + log1p_of(exp_of(-abs_of(x)));
+}
+// x·σ(2z) = 0.5·x·(1 + tanh z) with z = √(2/π)·(x + 0.044715·x³), without 1 + tanh z's
+// cancellation for large negative x.
+template <typename C>
+__device__ __forceinline__ C gelu_tanh(C x) {
+    C z = (C)0.7978845608028654 * (x + (C)0.044715 * x * x * x);
+    return x / ((C)1 + exp_of((C)-2 * z));
+}
+template <typename C>
+__device__ __forceinline__ C gelu_tanh_grad(C x) {
+    C t = tanh_of((C)0.7978845608028654 * (x + (C)0.044715 * x * x * x));
+    return (C)0.5 * ((C)1 + t) +
+           (C)0.5 * x * ((C)1 - t * t) * (C)0.7978845608028654 * ((C)1 + (C)3 * (C)0.044715 * x * x);
+}
+// min(max(x, lo), hi) with NaN passing through (numpy's clip, PyTorch's clamp).
+template <typename C>
+__device__ __forceinline__ C clip_of(C x, C lo, C hi) {
+    return x < lo ? lo : (x > hi ? hi : x);
 }
 
-__device__ float unary_f(int op, float x) {
+template <typename C>
+__device__ C unary_f(int op, C x, float p0, float p1) {
+    const C a = (C)p0, b = (C)p1;
     switch (op) {
     case 0: return -x;
-    case 1: return expf(x);
-    case 2: return logf(x);
-    case 3: return sqrtf(x);
-    case 4: return tanhf(x);
-    case 5: return erff(x);
-    case 6: return fmaxf(x, 0.f);
-    case 7: return 1.f / (1.f + expf(-x));
-    case 8: return fabsf(x);
-    case 9: return 1.f / x;
-    case 10: return floorf(x);
-    case 11: return ceilf(x);
-    case 12: return x == 0.f ? 1.f : 0.f;
-    case 13: return 0.5f * x * (1.f + erff(x * 0.70710678118f));
-    default: return gelu_tanh(x);
+    case 1: return exp_of(x);
+    case 2: return log_of(x);
+    case 3: return sqrt_of(x);
+    case 4: return tanh_of(x);
+    case 5: return erf_of(x);
+    case 6: return max_of(x, (C)0);
+    case 7: return sigmoid_of(x);
+    case 8: return abs_of(x);
+    case 9: return (C)1 / x;
+    case 10: return floor_of(x);
+    case 11: return ceil_of(x);
+    case 12: return x == (C)0 ? (C)1 : (C)0;
+    case 13: return (C)0.5 * x * ((C)1 + erf_of(x * (C)0.7071067811865476));
+    case 14: return gelu_tanh(x);
+    case 15: return sin_of(x);
+    case 16: return cos_of(x);
+    case 17: return tan_of(x);
+    case 18: return asin_of(x);
+    case 19: return acos_of(x);
+    case 20: return atan_of(x);
+    case 21: return sinh_of(x);
+    case 22: return cosh_of(x);
+    case 23: return asinh_of(x);
+    case 24: return acosh_of(x);
+    case 25: return atanh_of(x);
+    case 26: return x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : x);
+    case 27: return rint_of(x);  // half to even in the default rounding mode
+    case 28: return softplus_of(x);
+    case 29: return x / ((C)1 + abs_of(x));
+    case 30: return x * tanh_of(softplus_of(x));
+    case 31: return x * clip_of(x * (C)(1.0 / 6.0) + (C)0.5, (C)0, (C)1);
+    case 32: return clip_of(a * x + b, (C)0, (C)1);
+    case 33: return x >= (C)0 ? x : a * x;
+    case 34: return x > (C)0 ? x : a * expm1_of(x);
+    case 35: return b * (x > (C)0 ? x : a * expm1_of(x));
+    case 36: return max_of(x, (C)0) + min_of((C)0, a * expm1_of(x / a));
+    case 37: return x > a ? x : (C)0;
+    default: return clip_of(x, a, b);  // 38
     }
 }
 
-// d/dx of each activation at x.
-__device__ float unary_df(int op, float x) {
+// d/dx of each activation at x (0 for the step functions: Floor, Ceil, Not, Sign, Round).
+template <typename C>
+__device__ C unary_df(int op, C x, float p0, float p1) {
+    const C a = (C)p0, b = (C)p1;
     switch (op) {
-    case 0: return -1.f;
-    case 1: return expf(x);
-    case 2: return 1.f / x;
-    case 3: return 0.5f / sqrtf(x);
-    case 4: { float t = tanhf(x); return 1.f - t * t; }
-    case 5: return 1.1283791671f * expf(-x * x);
-    case 6: return x > 0.f ? 1.f : 0.f;
-    case 7: { float s = 1.f / (1.f + expf(-x)); return s * (1.f - s); }
-    case 8: return x > 0.f ? 1.f : (x < 0.f ? -1.f : 0.f);
-    case 9: return -1.f / (x * x);
-    case 10: case 11: case 12: return 0.f;
+    case 0: return (C)-1;
+    case 1: return exp_of(x);
+    case 2: return (C)1 / x;
+    case 3: return (C)0.5 / sqrt_of(x);
+    case 4: { C t = tanh_of(x); return (C)1 - t * t; }
+    case 5: return (C)1.1283791670955126 * exp_of(-x * x);
+    case 6: return x > (C)0 ? (C)1 : (C)0;
+    case 7: { C s = sigmoid_of(x); return s * ((C)1 - s); }
+    case 8: return x > (C)0 ? (C)1 : (x < (C)0 ? (C)-1 : (C)0);
+    case 9: return (C)-1 / (x * x);
     case 13: {
-        float cdf = 0.5f * (1.f + erff(x * 0.70710678118f));
-        float pdf = expf(-0.5f * x * x) * 0.3989422804f;
+        C cdf = (C)0.5 * ((C)1 + erf_of(x * (C)0.7071067811865476));
+        C pdf = exp_of((C)-0.5 * x * x) * (C)0.3989422804014327;
         return cdf + x * pdf;
     }
-    default: return gelu_tanh_grad(x);
+    case 14: return gelu_tanh_grad(x);
+    case 15: return cos_of(x);
+    case 16: return -sin_of(x);
+    case 17: { C c = cos_of(x); return (C)1 / (c * c); }
+    case 18: return (C)1 / sqrt_of((C)1 - x * x);
+    case 19: return (C)-1 / sqrt_of((C)1 - x * x);
+    case 20: return (C)1 / ((C)1 + x * x);
+    case 21: return cosh_of(x);
+    case 22: return sinh_of(x);
+    case 23: return (C)1 / sqrt_of(x * x + (C)1);
+    case 24: return (C)1 / sqrt_of(x * x - (C)1);
+    case 25: return (C)1 / ((C)1 - x * x);
+    case 28: return sigmoid_of(x);
+    case 29: { C d = (C)1 + abs_of(x); return (C)1 / (d * d); }
+    case 30: {
+        C t = tanh_of(softplus_of(x));
+        return t + x * sigmoid_of(x) * ((C)1 - t * t);
+    }
+    case 31: return x < (C)-3 ? (C)0 : (x <= (C)3 ? x * (C)(1.0 / 3.0) + (C)0.5 : (C)1);
+    case 32: { C z = a * x + b; return (z > (C)0 && z < (C)1) ? a : (C)0; }
+    case 33: return x > (C)0 ? (C)1 : a;
+    case 34: return x > (C)0 ? (C)1 : a * exp_of(x);
+    case 35: return b * (x > (C)0 ? (C)1 : a * exp_of(x));
+    case 36: return x > (C)0 ? (C)1 : exp_of(x / a);
+    case 37: return x > a ? (C)1 : (C)0;
+    case 38: return (x >= a && x <= b) ? (C)1 : (C)0;
+    default: return (C)0;  // 10, 11, 12, 26, 27
     }
 }
 
 template <class S>
-__device__ void unary(int op, i64 n, const typename S::T* x, typename S::T* y) {
-    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = S::store(unary_f(op, S::load(x[i])));
+__device__ void unary(int op, float p0, float p1, i64 n, const typename S::T* x, typename S::T* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = S::store(unary_f(op, S::load(x[i]), p0, p1));
 }
-extern "C" __global__ void unary_f32(int op, i64 n, const float* x, float* y) { unary<F32>(op, n, x, y); }
-extern "C" __global__ void unary_f16(int op, i64 n, const u16* x, u16* y) { unary<F16>(op, n, x, y); }
-extern "C" __global__ void unary_bf16(int op, i64 n, const u16* x, u16* y) { unary<BF16>(op, n, x, y); }
+extern "C" __global__ void unary_f32(int op, float p0, float p1, i64 n, const float* x, float* y) {
+    unary<F32>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_f16(int op, float p0, float p1, i64 n, const u16* x, u16* y) {
+    unary<F16>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_bf16(int op, float p0, float p1, i64 n, const u16* x, u16* y) {
+    unary<BF16>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_f64(int op, float p0, float p1, i64 n, const double* x, double* y) {
+    unary<F64>(op, p0, p1, n, x, y);
+}
 
 template <class S>
-__device__ void unary_grad(int op, i64 n, const typename S::T* dy, const typename S::T* x, typename S::T* dx) {
+__device__ void unary_grad(int op, float p0, float p1, i64 n, const typename S::T* dy, const typename S::T* x,
+                           typename S::T* dx) {
     for (i64 i = first_index(); i < n; i += grid_stride())
-        dx[i] = S::store(S::load(dy[i]) * unary_df(op, S::load(x[i])));
+        dx[i] = S::store(S::load(dy[i]) * unary_df(op, S::load(x[i]), p0, p1));
 }
-extern "C" __global__ void unary_grad_f32(int op, i64 n, const float* dy, const float* x, float* dx) {
-    unary_grad<F32>(op, n, dy, x, dx);
+extern "C" __global__ void unary_grad_f32(int op, float p0, float p1, i64 n, const float* dy, const float* x,
+                                          float* dx) {
+    unary_grad<F32>(op, p0, p1, n, dy, x, dx);
 }
-extern "C" __global__ void unary_grad_f16(int op, i64 n, const u16* dy, const u16* x, u16* dx) {
-    unary_grad<F16>(op, n, dy, x, dx);
+extern "C" __global__ void unary_grad_f16(int op, float p0, float p1, i64 n, const u16* dy, const u16* x,
+                                          u16* dx) {
+    unary_grad<F16>(op, p0, p1, n, dy, x, dx);
 }
-extern "C" __global__ void unary_grad_bf16(int op, i64 n, const u16* dy, const u16* x, u16* dx) {
-    unary_grad<BF16>(op, n, dy, x, dx);
+extern "C" __global__ void unary_grad_bf16(int op, float p0, float p1, i64 n, const u16* dy, const u16* x,
+                                           u16* dx) {
+    unary_grad<BF16>(op, p0, p1, n, dy, x, dx);
+}
+extern "C" __global__ void unary_grad_f64(int op, float p0, float p1, i64 n, const double* dy, const double* x,
+                                          double* dx) {
+    unary_grad<F64>(op, p0, p1, n, dy, x, dx);
 }
 
-// Arithmetic codes 0..6 give a value of the operands' compute type; comparisons 7..11 a bool
+// IsNaN (39) and IsInf (40: −∞ when p0 ≠ 0, +∞ when p1 ≠ 0) as bools. ∞ is the value that is
+// not NaN and whose difference with itself is (no header needed for isinf).
+template <class S>
+__device__ void unary_predicate(int op, float p0, float p1, i64 n, const typename S::T* x, u8* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        typename S::C v = S::load(x[i]);
+        bool nan = v != v, inf = !nan && (v - v) != (v - v);
+        y[i] = (op == 39 ? nan : (inf && ((v > 0 && p1 != 0.f) || (v < 0 && p0 != 0.f)))) ? 1 : 0;
+    }
+}
+extern "C" __global__ void unary_predicate_f32(int op, float p0, float p1, i64 n, const float* x, u8* y) {
+    unary_predicate<F32>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_predicate_f16(int op, float p0, float p1, i64 n, const u16* x, u8* y) {
+    unary_predicate<F16>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_predicate_bf16(int op, float p0, float p1, i64 n, const u16* x, u8* y) {
+    unary_predicate<BF16>(op, p0, p1, n, x, y);
+}
+extern "C" __global__ void unary_predicate_f64(int op, float p0, float p1, i64 n, const double* x, u8* y) {
+    unary_predicate<F64>(op, p0, p1, n, x, y);
+}
+
+// Not of bools.
+extern "C" __global__ void not_u8(i64 n, const u8* x, u8* y) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) y[i] = x[i] == 0 ? 1 : 0;
+}
+
+// Arithmetic codes 0..6 and 15..17 (Mod, Fmod, PRelu) give a value of the operands' compute type; comparisons 7..11 a bool
 // (u8). As the CPU backend's: x² is x·x, and Max and Min propagate NaN (numpy's maximum and
 // minimum).
 template <typename C>
@@ -93,7 +207,13 @@ __device__ __forceinline__ C arith_f(int op, C a, C b) {
     case 3: return a / b;
     case 4: return b == (C)2 ? a * a : pow_of(a, b);
     case 5: return (a >= b || a != a) ? a : b;
-    default: return (a <= b || a != a) ? a : b;
+    case 6: return (a <= b || a != a) ? a : b;
+    case 15: {  // Mod: the remainder with the divisor's sign
+        C r = fmod_of(a, b);
+        return (r != (C)0 && ((r < (C)0) != (b < (C)0))) ? r + b : r;
+    }
+    case 16: return fmod_of(a, b);
+    default: return a < (C)0 ? a * b : a;  // 17: PRelu
     }
 }
 template <typename C>
@@ -194,7 +314,13 @@ __device__ __forceinline__ T arith_int(int op, T a, T b) {
         return (T)p;
     }
     case 5: return a > b ? a : b;
-    default: return a < b ? a : b;
+    case 6: return a < b ? a : b;
+    case 15:
+    case 16: {  // the truncated remainder, 0 for a zero divisor or MIN % −1; Mod moves it to b's sign
+        T r = (b == 0 || (a == lowest && b == (T)-1)) ? (T)0 : (T)(a % b);
+        return (op == 15 && r != 0 && ((r < 0) != (b < 0))) ? (T)((U)r + (U)b) : r;
+    }
+    default: return a < 0 ? (T)((U)a * (U)b) : a;  // 17: PRelu
     }
 }
 template <typename T, typename U>
@@ -278,12 +404,12 @@ extern "C" __global__ void compare_u64(int op, i64 n, Dims d, const u64* a, Stri
     compare_int<u64>(op, n, d, a, sa, b, sb, out);
 }
 
-// And (12) and Or (13) of bools (their comparisons are compare_u8's).
+// And (12), Or (13) and Xor (14) of bools (their comparisons are compare_u8's).
 extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
                                     u8* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         bool x = a[offset_of(i, d, sa)] != 0, y = b[offset_of(i, d, sb)] != 0;
-        out[i] = (op == 12 ? (x && y) : (x || y)) ? 1 : 0;
+        out[i] = (op == 12 ? (x && y) : op == 13 ? (x || y) : (x != y)) ? 1 : 0;
     }
 }
 
