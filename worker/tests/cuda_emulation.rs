@@ -1285,3 +1285,33 @@ fn pointwise_ops_of_exported_models_match_the_cpu_backend_on_the_emulated_kernel
     let not = run_typed(&gpu, &Op::Unary(Not), &[p], &flags);
     assert_eq!(not[0].bytes(), &[1, 1, 0, 0], "Not");
 }
+
+/// GatherElements along each axis of a 3-D tensor, with repeated and negative indices, and its
+/// gradient (a scatter-add where indices repeat) on the emulated kernels against the CPU.
+#[test]
+fn gather_elements_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let data = Tensor::from_vec(&[3, 4, 5], values(60, 3));
+    let idx_shape = [3, 2, 4];
+    for axis in 0..3i64 {
+        let dim = [3i64, 4, 5][axis as usize];
+        let ids: Vec<i64> = (0..24).map(|i| (i * 7 % (2 * dim)) - dim).collect();
+        let idx = Tensor::from_vec(&idx_shape, ids);
+        let op = Op::GatherElements { axis };
+        let out = [Meta::new(DType::F32, &idx_shape)];
+        let inputs = [data.clone(), idx.clone()];
+        assert_same_values(
+            &format!("GatherElements axis {axis}"),
+            &run_typed(&gpu, &op, &inputs, &out),
+            &run_typed(&cpu, &op, &inputs, &out),
+        );
+        let grad = Op::GatherElementsGrad { axis, data_shape: vec![3, 4, 5] };
+        let inputs = [Tensor::from_vec(&idx_shape, values(24, 8)), idx];
+        let out = [Meta::new(DType::F32, &[3, 4, 5])];
+        assert_close(
+            &format!("GatherElementsGrad axis {axis}"),
+            &run_typed(&gpu, &grad, &inputs, &out),
+            &run_typed(&cpu, &grad, &inputs, &out),
+        );
+    }
+}

@@ -121,6 +121,8 @@ const REQUIRED_OPS: &[&str] = &[
     "Selu",
     "Celu",
     "PRelu",
+    "GatherElements",
+    "Size",
 ];
 
 enum Outcome {

@@ -405,6 +405,16 @@ fn data_movement() {
     let y = b.g.op1("y", Op::Gather { axis: 0 }, &[table, idx]);
     check("Gather (repeated and negative indices)", b.done(y));
 
+    // BERT's attention-mask gather: indices of data's rank, repeated and negative, along the
+    // last axis and along the first.
+    for (axis, idx) in [(1, vec![0i64, 3, 3, -1, 2, 0]), (0, vec![1i64, 0, -2, 1, 1, 0])] {
+        let mut b = CaseBuilder::new(30 + axis as u64);
+        let x = b.param("x", &[2, 4], -1.0, 1.0);
+        let idx = b.constant("idx", Tensor::from_vec(&[2, 3], idx));
+        let y = b.g.op1("y", Op::GatherElements { axis }, &[x, idx]);
+        check(&format!("GatherElements along axis {axis}"), b.done(y));
+    }
+
     let mut b = CaseBuilder::new(18);
     let x = b.param("x", &[3, 1], -1.0, 1.0);
     let shape = b.constant("shape", Tensor::from_vec(&[3], vec![2i64, 3, 4]));

@@ -13,7 +13,7 @@ pub fn differentiable(op: &Op) -> bool {
         Op::Unary(u) => u.is_differentiable(),
         Op::Binary(b) => !b.is_predicate(),
         Op::Cast { to } => to.is_float(),
-        Op::Constant { .. } | Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range => false,
+        Op::Constant { .. } | Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => false,
         _ => true,
     }
 }
@@ -276,6 +276,11 @@ pub fn backward(
         Op::Gather { axis } => {
             let data_shape = shape_of(b, x(0));
             vec![Some(b.emit1(&name, Op::GatherGrad { axis: *axis, data_shape }, &[dy, x(1)])?), None]
+        }
+        Op::GatherElements { axis } => {
+            let data_shape = shape_of(b, x(0));
+            let op = Op::GatherElementsGrad { axis: *axis, data_shape };
+            vec![Some(b.emit1(&name, op, &[dy, x(1)])?), None]
         }
         Op::Expand => {
             let s = shape_of(b, x(0));

@@ -515,6 +515,18 @@ pub fn infer_node(
             }
             (Op::Slice { starts, ends, axes: norm_axes, steps }, vec![Meta::new(x.dtype, &shape)])
         }
+        Op::GatherElements { axis } => {
+            let (x, idx) = (m(0)?, m(1)?);
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
+            if idx.dtype.is_float() || idx.shape.len() != x.shape.len() {
+                return Err(err(node, format!("indices must be integers of data's rank {}", x.shape.len())));
+            }
+            // Along the other axes an index position addresses data directly.
+            if idx.shape.iter().zip(&x.shape).enumerate().any(|(d, (i, n))| d != a && i > n) {
+                return Err(err(node, format!("indices of shape {:?} reach past data {:?}", idx.shape, x.shape)));
+            }
+            (Op::GatherElements { axis: a as i64 }, vec![Meta::new(x.dtype, &idx.shape)])
+        }
         Op::Gather { axis } => {
             let (x, idx) = (m(0)?, m(1)?);
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, "axis out of range"))?;
@@ -688,7 +700,7 @@ pub fn infer_node(
             (op, vec![loss, s.clone()])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
-        Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range => {
+        Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
         Op::ReduceSumTo { shape } => (op.clone(), vec![Meta::new(m(0)?.dtype, shape)]),
@@ -696,7 +708,9 @@ pub fn infer_node(
         Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => (op, same(0)?),
         Op::LayerNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
         Op::SoftmaxCrossEntropyLossGrad { .. } => (op, vec![m(1)?.clone()]),
-        Op::GatherGrad { data_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)]),
+        Op::GatherGrad { data_shape, .. } | Op::GatherElementsGrad { data_shape, .. } => {
+            (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)])
+        }
         Op::AllReduce { .. } | Op::TensorParallelCopy => (op, same(0)?),
         Op::ShardGather { .. } => {
             let (table, ids) = (m(0)?, m(1)?);
@@ -782,6 +796,10 @@ fn fold(
             let (s, e) = (clamp(*start), clamp(end.unwrap_or(r)));
             let dims: Vec<i64> = x.shape[s..e.max(s)].iter().map(|&d| d as i64).collect();
             return Ok(Some(vec![Tensor::from_vec(&[dims.len()], dims)]));
+        }
+        Op::Size => {
+            let x = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+            return Ok(Some(vec![Tensor::scalar(x.numel() as i64)]));
         }
         Op::Constant { value } => return Ok(Some(vec![value.clone()])),
         Op::ConstantOfShape { value } => {
@@ -890,7 +908,7 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
         }
         let cvals: Vec<Option<&Tensor>> = node.inputs.iter().map(|i| i.and_then(|v| consts.get(&v))).collect();
         // Shape-only ops have no inference of their own: they fold or fail.
-        let folded_early = matches!(node.op, Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range);
+        let folded_early = matches!(node.op, Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size);
         let (op, out_metas) =
             if folded_early { (node.op.clone(), vec![]) } else { infer_node(&node, &metas, &cvals, training)? };
         if let Some(values) = fold(&node, &op, &metas, &cvals, &out_metas)? {

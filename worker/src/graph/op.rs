@@ -393,6 +393,11 @@ pub enum Op {
     Gather {
         axis: i64,
     },
+    /// data, indices (of data's rank) -> out shaped like indices: out[i] = data[i with its
+    /// coordinate along `axis` replaced by indices[i]].
+    GatherElements {
+        axis: i64,
+    },
     Expand,
     /// `k`: the diagonal offset (Trilu's optional second input, folded).
     Trilu {
@@ -435,6 +440,8 @@ pub enum Op {
         value: Tensor,
     },
     Range,
+    /// The element count of the input as an i64 scalar; folded at plan time.
+    Size,
     Squeeze {
         axes: Option<Vec<i64>>,
     },
@@ -470,6 +477,12 @@ pub enum Op {
     },
     /// dY, indices -> dData (scatter-add into zeros of `data_shape`).
     GatherGrad {
+        axis: i64,
+        data_shape: Vec<usize>,
+    },
+    /// dY, indices -> dData: dY scatter-added into zeros of `data_shape` where GatherElements
+    /// read it.
+    GatherElementsGrad {
         axis: i64,
         data_shape: Vec<usize>,
     },
@@ -605,6 +618,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Flatten",
     "Floor",
     "Gather",
+    "GatherElements",
     "Gelu",
     "Gemm",
     "GlobalAveragePool",
@@ -649,6 +663,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Sign",
     "Sin",
     "Sinh",
+    "Size",
     "Slice",
     "Softmax",
     "SoftmaxCrossEntropyLoss",
@@ -847,6 +862,7 @@ impl Op {
                 Op::Slice { steps: vec![1; starts.len()], starts, ends, axes }
             }
             "Gather" => Op::Gather { axis: a.int("axis", 0)? },
+            "GatherElements" => Op::GatherElements { axis: a.int("axis", 0)? },
             "Expand" => Op::Expand,
             "Trilu" => Op::Trilu { upper: a.int("upper", 1)? != 0, k: 0 },
             "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" => Op::ReduceOp {
@@ -887,6 +903,7 @@ impl Op {
                 value: a.tensor("value")?.unwrap_or_else(|| Tensor::from_vec(&[1], vec![0.0f32])),
             },
             "Range" => Op::Range,
+            "Size" => Op::Size,
             other => {
                 return Err(Error::Unsupported(format!(
                     "{}: operator '{other}' is not supported (supported: {})",
@@ -979,6 +996,7 @@ impl Op {
             Op::Split { .. } => onnx("Split"),
             Op::Slice { .. } => onnx("Slice"),
             Op::Gather { .. } => onnx("Gather"),
+            Op::GatherElements { .. } => onnx("GatherElements"),
             Op::Expand => onnx("Expand"),
             Op::Trilu { .. } => onnx("Trilu"),
             Op::ReduceOp { kind, .. } => onnx(match kind {
@@ -998,6 +1016,7 @@ impl Op {
             Op::Shape { .. } => onnx("Shape"),
             Op::ConstantOfShape { .. } => onnx("ConstantOfShape"),
             Op::Range => onnx("Range"),
+            Op::Size => onnx("Size"),
             Op::Squeeze { .. } => onnx("Squeeze"),
             Op::Unsqueeze { .. } => onnx("Unsqueeze"),
             Op::Flatten { .. } => onnx("Flatten"),
@@ -1008,6 +1027,7 @@ impl Op {
             Op::LayerNormGrad { .. } => internal("LayerNormalizationGrad"),
             Op::SoftmaxCrossEntropyLossGrad { .. } => internal("SoftmaxCrossEntropyLossGrad"),
             Op::GatherGrad { .. } => internal("GatherGrad"),
+            Op::GatherElementsGrad { .. } => internal("GatherElementsGrad"),
             Op::SliceGrad { .. } => internal("SliceGrad"),
             Op::DropoutGrad { .. } => internal("DropoutGrad"),
             Op::ConvGrad { .. } => internal("ConvGrad"),
@@ -1065,7 +1085,12 @@ impl Op {
             Op::Gemm { alpha, beta, trans_a, trans_b } => {
                 vec![f("alpha", *alpha), f("beta", *beta), i("transA", *trans_a as i64), i("transB", *trans_b as i64)]
             }
-            Op::Softmax { axis } | Op::LogSoftmax { axis } | Op::Concat { axis } | Op::Gather { axis } => {
+            Op::Softmax { axis }
+            | Op::LogSoftmax { axis }
+            | Op::Concat { axis }
+            | Op::Gather { axis }
+            | Op::GatherElements { axis }
+            | Op::GatherElementsGrad { axis, .. } => {
                 vec![i("axis", *axis)]
             }
             Op::Flatten { axis } => vec![i("axis", *axis)],

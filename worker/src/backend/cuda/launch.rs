@@ -53,6 +53,11 @@ fn strides_of(at: &[i64]) -> Strides {
     s
 }
 
+/// A row-major tensor's own strides, in elements.
+fn contiguous_strides(shape: &[usize]) -> Strides {
+    strides_of(&strides(shape).iter().map(|&s| s as i64).collect::<Vec<_>>())
+}
+
 /// The strides that read `input` (numpy-broadcast, right-aligned) at each index of `out`.
 fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, String> {
     if input.len() > out.len() {
@@ -842,6 +847,33 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 "gather_b32",
                 elementwise(outer * count * inner),
                 &mut params![outer as i64, dim as i64, inner as i64, count as i64, data.at, ids.at, wide, y.at, fault],
+            )
+        }
+        Op::GatherElements { axis } => {
+            let (data, ids) = (x(0)?, x(1)?);
+            let wide = ids_i64(&ids, "GatherElements' indices")?;
+            let ax = norm_axis(*axis, data.shape().len())?;
+            let dim = data.shape()[ax];
+            let (n, d, sd) = (ids.n(), dims(ids.shape())?, contiguous_strides(data.shape()));
+            let fault = dev.fault(|| format!("GatherElements over an axis of {dim}"));
+            dev.kernel(
+                &sized("gather_elements", data.dtype())?,
+                elementwise(n),
+                &mut params![n as i64, d, ax as i32, dim as i64, sd, data.at, ids.at, wide, y.at, fault],
+            )
+        }
+        Op::GatherElementsGrad { axis, .. } => {
+            let (dy, ids) = (x(0)?, x(1)?);
+            need_f32(&dy, "the gradient")?;
+            let wide = ids_i64(&ids, "GatherElementsGrad's indices")?;
+            let ax = norm_axis(*axis, y.shape().len())?;
+            let dim = y.shape()[ax];
+            let (n, d, sd) = (ids.n(), dims(ids.shape())?, contiguous_strides(y.shape()));
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            dev.kernel(
+                "gather_elements_grad_f32",
+                elementwise(n),
+                &mut params![n as i64, d, ax as i32, dim as i64, sd, dy.at, ids.at, wide, y.at],
             )
         }
         Op::GatherGrad { axis, .. } => {

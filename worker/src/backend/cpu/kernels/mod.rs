@@ -9,6 +9,7 @@ pub mod cast;
 pub mod conv;
 pub mod elementwise;
 pub mod fastmath;
+pub mod index;
 pub mod loss;
 pub mod matmul;
 pub mod norm;
@@ -119,6 +120,10 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         }
         Op::Gather { axis } => shape::gather(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherGrad { axis, .. } => shape::gather_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::GatherElements { axis } => index::gather_elements(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::GatherElementsGrad { axis, .. } => {
+            index::gather_elements_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0])
+        }
         Op::Expand => shape::expand(&x(0)?, &mut outputs[0]),
         Op::Trilu { upper, k } => shape::trilu(*upper, *k, &x(0)?, &mut outputs[0]),
         Op::ReduceOp { kind, axes, .. } => {
@@ -180,6 +185,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Unsqueeze { .. }
         | Op::Flatten { .. }
         | Op::CastLike
+        | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
 }
@@ -200,6 +206,7 @@ fn computes(op: &Op) -> bool {
             | Op::Split { .. }
             | Op::Slice { .. }
             | Op::Gather { .. }
+            | Op::GatherElements { .. }
             | Op::Expand
             | Op::Trilu { .. }
             | Op::Where

@@ -354,6 +354,63 @@ extern "C" __global__ void gather_grad_f32(i64 outer, i64 dim, i64 inner, i64 co
     }
 }
 
+// ---- GatherElements, and its gradient ----
+
+// The offset in data (strides sd) of the element that index position i (of the indices' shape
+// d) addresses: i's coordinates, the one along `axis` replaced by the index; -1 for an index
+// out of range.
+__device__ __forceinline__ i64 element_offset(i64 i, const Dims& d, int axis, i64 dim, const Strides& sd,
+                                              const void* ids, int ids_i64) {
+    i64 id = ids_i64 ? ((const i64*)ids)[i] : (i64)((const int*)ids)[i];
+    if (id < 0) id += dim;
+    if (id < 0 || id >= dim) return -1;
+    i64 off = 0, j = i;
+    for (int k = (int)d.rank - 1; k >= 0; --k) {
+        i64 c = j % d.size[k];
+        j /= d.size[k];
+        off += (k == axis ? id : c) * sd.at[k];
+    }
+    return off;
+}
+
+// out[i] = data[element_offset(i)]; an index out of range sets *fault to 1 + its position and
+// writes zero. One entry point per element width.
+template <typename T>
+__device__ void gather_elements(i64 n, const Dims& d, int axis, i64 dim, const Strides& sd, const T* data,
+                                const void* ids, int ids_i64, T* out, i64* fault) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 at = element_offset(i, d, axis, dim, sd, ids, ids_i64);
+        if (at < 0) atomicCAS((u64*)fault, 0ull, (u64)(i + 1));
+        out[i] = at < 0 ? (T)0 : data[at];
+    }
+}
+extern "C" __global__ void gather_elements_b8(i64 n, Dims d, int axis, i64 dim, Strides sd, const u8* data,
+                                              const void* ids, int ids_i64, u8* out, i64* fault) {
+    gather_elements<u8>(n, d, axis, dim, sd, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_elements_b16(i64 n, Dims d, int axis, i64 dim, Strides sd, const u16* data,
+                                               const void* ids, int ids_i64, u16* out, i64* fault) {
+    gather_elements<u16>(n, d, axis, dim, sd, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_elements_b32(i64 n, Dims d, int axis, i64 dim, Strides sd, const u32* data,
+                                               const void* ids, int ids_i64, u32* out, i64* fault) {
+    gather_elements<u32>(n, d, axis, dim, sd, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_elements_b64(i64 n, Dims d, int axis, i64 dim, Strides sd, const u64* data,
+                                               const void* ids, int ids_i64, u64* out, i64* fault) {
+    gather_elements<u64>(n, d, axis, dim, sd, data, ids, ids_i64, out, fault);
+}
+
+// dData (zeroed first by the backend) += dY at element_offset(i). atomicAdd: elements hit by
+// several indices add in an unspecified order.
+extern "C" __global__ void gather_elements_grad_f32(i64 n, Dims d, int axis, i64 dim, Strides sd, const float* dy,
+                                                    const void* ids, int ids_i64, float* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 at = element_offset(i, d, axis, dim, sd, ids, ids_i64);
+        if (at >= 0) atomicAdd(&dx[at], dy[i]);
+    }
+}
+
 // ReduceMax/Min/Sum/Mean/SumSquare over the trailing `cols` elements of each row (one block
 // per row). Sums are taken in f64, as the CPU backend's reduce does; kind is Reduce's order in
 // graph/op.rs (0 Sum, 1 Mean, 2 Max, 3 Min, 4 SumSquare).
