@@ -1315,3 +1315,48 @@ fn gather_elements_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernel
         );
     }
 }
+
+/// Every Reduce kind over trailing and leading axes, in f32, f64 and bf16, and of i32 (through
+/// f64) on the emulated kernels against the CPU backend; LogSumExp also with a row of −∞ and
+/// values that would overflow e^x unshifted.
+#[test]
+fn reductions_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    use Reduce::*;
+    let mut big = values(24, 6).iter().map(|v| v * 3.0 + 0.5).collect::<Vec<f32>>();
+    big[0..4].copy_from_slice(&[800.0, 801.0, 799.5, 800.0]);
+    for (t, tol) in [(DType::F32, 2e-6), (DType::F64, 2e-6), (DType::BF16, 2f32.powi(-7))] {
+        let x = Tensor::from_vec(&[2, 3, 4], big.clone()).cast(t);
+        for kind in [Sum, Mean, Max, Min, SumSquare, L1, L2, LogSum, LogSumExp, Prod] {
+            for (axes, shape) in [(vec![2i64], vec![2, 3]), (vec![0i64, 1], vec![1, 1, 4])] {
+                let op = Op::ReduceOp {
+                    kind,
+                    axes: Some(axes.clone()),
+                    keepdims: shape.len() == 3,
+                    noop_with_empty_axes: false,
+                };
+                let out = [Meta::new(t, &shape)];
+                let inputs = [x.clone()];
+                let (g, c) = (run_typed(&gpu, &op, &inputs, &out), run_typed(&cpu, &op, &inputs, &out));
+                close_as_f32(&format!("{t} {kind:?} over {axes:?}"), &g, &c, tol);
+            }
+        }
+    }
+    let lse = Op::ReduceOp { kind: LogSumExp, axes: Some(vec![1]), keepdims: false, noop_with_empty_axes: false };
+    let x =
+        Tensor::from_vec(&[2, 3], vec![f32::NEG_INFINITY; 3].into_iter().chain([1.0, f32::INFINITY, 2.0]).collect());
+    let out = [Meta::new(DType::F32, &[2])];
+    let g = run_typed(&gpu, &lse, std::slice::from_ref(&x), &out);
+    assert_eq!(g[0].as_slice::<f32>(), run_typed(&cpu, &lse, &[x], &out)[0].as_slice::<f32>());
+    assert_eq!(g[0].as_slice::<f32>(), &[f32::NEG_INFINITY, f32::INFINITY]);
+    let ints = Tensor::from_vec(&[2, 3], vec![3i32, -2, 5, 7, 1, -4]);
+    for kind in [Prod, L1, Max] {
+        let op = Op::ReduceOp { kind, axes: Some(vec![1]), keepdims: false, noop_with_empty_axes: false };
+        let out = [Meta::new(DType::I32, &[2])];
+        let (g, c) = (
+            run_typed(&gpu, &op, std::slice::from_ref(&ints), &out),
+            run_typed(&cpu, &op, std::slice::from_ref(&ints), &out),
+        );
+        assert_eq!(g[0].as_slice::<i32>(), c[0].as_slice::<i32>(), "i32 {kind:?}");
+    }
+}

@@ -123,6 +123,14 @@ const REQUIRED_OPS: &[&str] = &[
     "PRelu",
     "GatherElements",
     "Size",
+    "ReduceMax",
+    "ReduceMin",
+    "ReduceProd",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
+    "ReduceSumSquare",
 ];
 
 enum Outcome {

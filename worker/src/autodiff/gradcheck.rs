@@ -194,6 +194,21 @@ fn binary_rules_with_broadcasting() {
 }
 
 #[test]
+fn reduce_rules() {
+    use Reduce::*;
+    for kind in [Sum, Mean, SumSquare, L1, L2, LogSum, LogSumExp, Prod, Max, Min] {
+        for (axes, keepdims) in [(vec![1i64], false), (vec![0, 2], true)] {
+            let mut b = CaseBuilder::new(40);
+            // Positive, so that L1 and LogSum are smooth; distinct, so that Max/Min have no ties.
+            let x = b.param("x", &[2, 3, 4], 0.5, 1.5);
+            let op = Op::ReduceOp { kind, axes: Some(axes.clone()), keepdims, noop_with_empty_axes: false };
+            let y = b.g.op1("y", op, &[x]);
+            check(&format!("{kind:?} over {axes:?}"), b.done(y));
+        }
+    }
+}
+
+#[test]
 fn mod_rules_away_from_their_jumps() {
     // a/c stays within (2, 3) for Mod (floor 2) and within (−3, −2) for Fmod (trunc −2).
     for (op, lo, hi) in [(Binary::Mod, 2.3, 2.5), (Binary::Fmod, -2.5, -2.3)] {

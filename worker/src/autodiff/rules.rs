@@ -295,6 +295,15 @@ pub fn backward(
             let _ = keepdims;
             let g = b.reshape(&format!("{name}_keep"), dy, &kept);
             let g = b.expand(&format!("{name}_expand"), g, &xs);
+            // The output broadcast back over the input, for the rules that read it.
+            let y = |b: &mut Builder| {
+                let y = node.output(0).expect("a Reduce op has an output");
+                let r = b.reshape(&format!("{name}_y_keep"), y, &kept);
+                b.expand(&format!("{name}_y_expand"), r, &xs)
+            };
+            let mul = |b: &mut Builder, p: ValueId, q: ValueId, n: &str| {
+                b.emit1(&format!("{name}_{n}"), Op::Binary(Binary::Mul), &[p, q])
+            };
             let g = match kind {
                 Reduce::Sum => g,
                 Reduce::Mean => {
@@ -303,10 +312,56 @@ pub fn backward(
                 }
                 Reduce::SumSquare => {
                     let two = b.scalar_like(&format!("{name}_two"), x(0), 2.0);
-                    let t = b.emit1(&format!("{name}_2x"), Op::Binary(Binary::Mul), &[x(0), two])?;
-                    b.emit1(&format!("{name}_sq"), Op::Binary(Binary::Mul), &[g, t])?
+                    let t = mul(b, x(0), two, "2x")?;
+                    mul(b, g, t, "sq")?
                 }
-                Reduce::Max | Reduce::Min => return Err(no_rule(node, "for ReduceMax/ReduceMin")),
+                Reduce::L1 => {
+                    let sign = b.emit1(&format!("{name}_sign"), Op::Unary(Unary::Sign), &[x(0)])?;
+                    mul(b, g, sign, "l1")?
+                }
+                // d√Σx²/dx = x/y; d ln Σx/dx = 1/Σx = e^−y; d ln Σeˣ/dx = e^(x − y).
+                Reduce::L2 => {
+                    let y = y(b);
+                    let t = b.emit1(&format!("{name}_x_over_y"), Op::Binary(Binary::Div), &[x(0), y])?;
+                    mul(b, g, t, "l2")?
+                }
+                Reduce::LogSum => {
+                    let y = y(b);
+                    let e = b.emit1(&format!("{name}_exp_y"), Op::Unary(Unary::Exp), &[y])?;
+                    b.emit1(&format!("{name}_logsum"), Op::Binary(Binary::Div), &[g, e])?
+                }
+                Reduce::LogSumExp => {
+                    let y = y(b);
+                    let d = b.emit1(&format!("{name}_x_minus_y"), Op::Binary(Binary::Sub), &[x(0), y])?;
+                    let e = b.emit1(&format!("{name}_softmax"), Op::Unary(Unary::Exp), &[d])?;
+                    mul(b, g, e, "logsumexp")?
+                }
+                // Πx/x: right where no element of the product is 0.
+                Reduce::Prod => {
+                    let y = y(b);
+                    let t = b.emit1(&format!("{name}_y_over_x"), Op::Binary(Binary::Div), &[y, x(0)])?;
+                    mul(b, g, t, "prod")?
+                }
+                // The gradient is shared evenly by the elements equal to the extreme (PyTorch's
+                // amax/amin).
+                Reduce::Max | Reduce::Min => {
+                    let y = y(b);
+                    let hit = b.emit1(&format!("{name}_hit"), Op::Binary(Binary::Equal), &[x(0), y])?;
+                    let dtype = b.meta(x(0)).dtype;
+                    let mask = b.emit1(&format!("{name}_mask"), Op::Cast { to: dtype }, &[hit])?;
+                    let count = b.emit1(
+                        &format!("{name}_count"),
+                        Op::ReduceOp {
+                            kind: Reduce::Sum,
+                            axes: Some(axes.clone()),
+                            keepdims: true,
+                            noop_with_empty_axes: false,
+                        },
+                        &[mask],
+                    )?;
+                    let share = b.emit1(&format!("{name}_share"), Op::Binary(Binary::Div), &[mask, count])?;
+                    mul(b, g, share, "extreme")?
+                }
             };
             vec![Some(g)]
         }

@@ -282,6 +282,16 @@ pub enum Reduce {
     Max,
     Min,
     SumSquare,
+    /// Σ|x|.
+    L1,
+    /// √Σx².
+    L2,
+    /// ln Σx.
+    LogSum,
+    /// ln Σeˣ, taken as max + ln Σe^(x − max).
+    LogSumExp,
+    /// Πx.
+    Prod,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -649,9 +659,14 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Pow",
     "Range",
     "Reciprocal",
+    "ReduceL1",
+    "ReduceL2",
+    "ReduceLogSum",
+    "ReduceLogSumExp",
     "ReduceMax",
     "ReduceMean",
     "ReduceMin",
+    "ReduceProd",
     "ReduceSum",
     "ReduceSumSquare",
     "Relu",
@@ -865,13 +880,19 @@ impl Op {
             "GatherElements" => Op::GatherElements { axis: a.int("axis", 0)? },
             "Expand" => Op::Expand,
             "Trilu" => Op::Trilu { upper: a.int("upper", 1)? != 0, k: 0 },
-            "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" => Op::ReduceOp {
+            "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
+            | "ReduceLogSum" | "ReduceLogSumExp" | "ReduceProd" => Op::ReduceOp {
                 kind: match op_type {
                     "ReduceSum" => Reduce::Sum,
                     "ReduceMean" => Reduce::Mean,
                     "ReduceMax" => Reduce::Max,
                     "ReduceMin" => Reduce::Min,
-                    _ => Reduce::SumSquare,
+                    "ReduceSumSquare" => Reduce::SumSquare,
+                    "ReduceL1" => Reduce::L1,
+                    "ReduceL2" => Reduce::L2,
+                    "ReduceLogSum" => Reduce::LogSum,
+                    "ReduceLogSumExp" => Reduce::LogSumExp,
+                    _ => Reduce::Prod,
                 },
                 axes: a.ints("axes")?,
                 keepdims: a.int("keepdims", 1)? != 0,
@@ -1005,6 +1026,11 @@ impl Op {
                 Reduce::Max => "ReduceMax",
                 Reduce::Min => "ReduceMin",
                 Reduce::SumSquare => "ReduceSumSquare",
+                Reduce::L1 => "ReduceL1",
+                Reduce::L2 => "ReduceL2",
+                Reduce::LogSum => "ReduceLogSum",
+                Reduce::LogSumExp => "ReduceLogSumExp",
+                Reduce::Prod => "ReduceProd",
             }),
             Op::Conv { .. } => onnx("Conv"),
             Op::Pool { kind: PoolKind::Max, .. } => onnx("MaxPool"),

@@ -984,7 +984,8 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             // noop_with_empty_axes, each element its own row (SumSquare still squares).
             let trailing = reduced.iter().skip_while(|&&r| !r).all(|&r| r);
             match a.dtype() {
-                DType::F32 if trailing => {
+                // reduce_rows takes the kinds up to SumSquare.
+                DType::F32 if trailing && (*kind as i32) <= Reduce::SumSquare as i32 => {
                     let cols: usize = a.shape().iter().zip(&reduced).filter(|(_, &r)| r).map(|(&n, _)| n).product();
                     let rows = a.n() / cols.max(1);
                     dev.kernel("reduce_rows", per_row(rows), &mut params![*kind as i32, cols as i64, a.at, y.at])
@@ -1835,7 +1836,8 @@ mod tests {
             assert_eq!(*b as i32, code as i32, "{b:?}");
         }
         // kernels/rows.cu's reduce_rows.
-        let reduce = [Reduce::Sum, Reduce::Mean, Reduce::Max, Reduce::Min, Reduce::SumSquare];
+        use Reduce::{LogSum, LogSumExp, Prod, SumSquare, L1, L2};
+        let reduce = [Reduce::Sum, Reduce::Mean, Reduce::Max, Reduce::Min, SumSquare, L1, L2, LogSum, LogSumExp, Prod];
         for (code, r) in reduce.iter().enumerate() {
             assert_eq!(*r as i32, code as i32, "{r:?}");
         }

@@ -274,23 +274,41 @@ pub fn reduce(kind: Reduce, axes: &[i64], x: &TensorView, y: &mut TensorViewMut)
     let init = match kind {
         Reduce::Max => f64::NEG_INFINITY,
         Reduce::Min => f64::INFINITY,
+        Reduce::Prod => 1.0,
         _ => 0.0,
     };
     let mut acc = vec![init; n_out];
     let ost = strides(&keep_shape);
     let in_strides: Vec<isize> =
         (0..x.shape.len()).map(|d| if keep_shape[d] == 1 { 0 } else { ost[d] as isize }).collect();
+    // LogSumExp shifts each sum by its maximum, found in a first pass.
+    let shift = match kind {
+        Reduce::LogSumExp => {
+            let mut max = vec![f64::NEG_INFINITY; n_out];
+            for_each_index(x.shape, &in_strides, 0, |lin, o| max[o] = max[o].max(vals[lin]));
+            // An infinite maximum is the result; shifting by it would give NaN.
+            max.iter().map(|&m| if m.is_finite() { m } else { 0.0 }).collect()
+        }
+        _ => vec![],
+    };
     for_each_index(x.shape, &in_strides, 0, |lin, o| {
         let v = vals[lin];
         acc[o] = match kind {
-            Reduce::Sum | Reduce::Mean => acc[o] + v,
-            Reduce::SumSquare => acc[o] + v * v,
+            Reduce::Sum | Reduce::Mean | Reduce::LogSum => acc[o] + v,
+            Reduce::SumSquare | Reduce::L2 => acc[o] + v * v,
+            Reduce::L1 => acc[o] + v.abs(),
+            Reduce::LogSumExp => acc[o] + (v - shift[o]).exp(),
+            Reduce::Prod => acc[o] * v,
             Reduce::Max => acc[o].max(v),
             Reduce::Min => acc[o].min(v),
         };
     });
-    if kind == Reduce::Mean {
-        acc.iter_mut().for_each(|v| *v /= count);
+    match kind {
+        Reduce::Mean => acc.iter_mut().for_each(|v| *v /= count),
+        Reduce::L2 => acc.iter_mut().for_each(|v| *v = v.sqrt()),
+        Reduce::LogSum => acc.iter_mut().for_each(|v| *v = v.ln()),
+        Reduce::LogSumExp => acc.iter_mut().zip(&shift).for_each(|(v, m)| *v = v.ln() + m),
+        _ => {}
     }
     super::write_f64(&acc, y);
     Ok(())

@@ -167,9 +167,11 @@ extern "C" __global__ void column_sum_finish_bf16(i64 chunks, i64 cols, const fl
 }
 
 // A reduction over any axes (ReduceSumTo, and the Reduce ops over axes that are not the
-// trailing ones or of other element types than f32, widened to f64): each output element
-// reduces its `inner_n` input elements, one thread each; `od`/`os` walk the kept dims, `rd`/`rs`
-// the reduced ones. kind as in reduce_rows (below); sums in f64, as the CPU backend's reduce.
+// trailing ones, of other element types than f32, or of kinds past SumSquare): each output
+// element reduces its `inner_n` input elements, one thread each; `od`/`os` walk the kept dims,
+// `rd`/`rs` the reduced ones. kind is Reduce's order in graph/op.rs (0 Sum, 1 Mean, 2 Max,
+// 3 Min, 4 SumSquare, 5 L1, 6 L2, 7 LogSum, 8 LogSumExp, 9 Prod); sums and products in f64, as
+// the CPU backend's reduce.
 template <class S>
 __device__ void reduce_strided(int kind, i64 n, const Dims& od, const Strides& os, i64 inner_n, const Dims& rd,
                                const Strides& rs, const typename S::T* x, typename S::T* out) {
@@ -185,12 +187,32 @@ __device__ void reduce_strided(int kind, i64 n, const Dims& od, const Strides& o
             out[i] = S::store(m);
             continue;
         }
-        double s = 0.0;
+        // LogSumExp: the sum of e^(x − max), the maximum found first (an infinite one is the
+        // result, and shifting by it would give NaN).
+        double shift = 0.0;
+        if (kind == 8) {
+            double m = (double)NEG_INF;
+            for (i64 j = 0; j < inner_n; ++j) m = max_of(m, (double)S::load(x[base + offset_of(j, rd, rs)]));
+            if (m - m == 0.0) shift = m;
+        }
+        double s = kind == 9 ? 1.0 : 0.0;
         for (i64 j = 0; j < inner_n; ++j) {
             double v = (double)S::load(x[base + offset_of(j, rd, rs)]);
-            s += kind == 4 ? v * v : v;
+            switch (kind) {
+            case 4: case 6: s += v * v; break;
+            case 5: s += abs_of(v); break;
+            case 8: s += exp_of(v - shift); break;
+            case 9: s *= v; break;
+            default: s += v;
+            }
         }
-        out[i] = S::store((C)(kind == 1 ? s / (double)inner_n : s));
+        switch (kind) {
+        case 1: s /= (double)inner_n; break;
+        case 6: s = sqrt_of(s); break;
+        case 7: s = log_of(s); break;
+        case 8: s = log_of(s) + shift; break;
+        }
+        out[i] = S::store((C)s);
     }
 }
 extern "C" __global__ void reduce_strided_f32(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
