@@ -1360,3 +1360,27 @@ fn reductions_match_the_cpu_backend_on_the_emulated_kernels() {
         assert_eq!(g[0].as_slice::<i32>(), c[0].as_slice::<i32>(), "i32 {kind:?}");
     }
 }
+
+/// ArgMax and ArgMin along each axis, with ties broken first and last, a NaN, and of i64 and bf16
+/// elements, on the emulated kernels against the CPU backend.
+#[test]
+fn arg_extremes_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    // Values from a set of 7, so that every row has ties; one NaN.
+    let mut v: Vec<f32> = (0..60).map(|i| ((i * 5) % 7) as f32 - 3.0).collect();
+    v[17] = f32::NAN;
+    for t in [DType::F32, DType::BF16, DType::I64] {
+        let x = Tensor::from_vec(&[3, 4, 5], v.clone()).cast(t);
+        for (max, last, axis) in (0..8).map(|k| (k & 1 == 1, k & 2 == 2, (k % 3) as i64)) {
+            let op = Op::ArgExtreme { max, axis, keepdims: true, select_last_index: last };
+            let mut shape = vec![3, 4, 5];
+            shape[axis as usize] = 1;
+            let out = [Meta::new(DType::I64, &shape)];
+            let (g, c) = (
+                run_typed(&gpu, &op, std::slice::from_ref(&x), &out),
+                run_typed(&cpu, &op, std::slice::from_ref(&x), &out),
+            );
+            assert_eq!(g[0].as_slice::<i64>(), c[0].as_slice::<i64>(), "{t} {op:?}");
+        }
+    }
+}

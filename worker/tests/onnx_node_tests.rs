@@ -131,6 +131,8 @@ const REQUIRED_OPS: &[&str] = &[
     "ReduceLogSum",
     "ReduceLogSumExp",
     "ReduceSumSquare",
+    "ArgMax",
+    "ArgMin",
 ];
 
 enum Outcome {

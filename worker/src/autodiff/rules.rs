@@ -13,7 +13,12 @@ pub fn differentiable(op: &Op) -> bool {
         Op::Unary(u) => u.is_differentiable(),
         Op::Binary(b) => !b.is_predicate(),
         Op::Cast { to } => to.is_float(),
-        Op::Constant { .. } | Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => false,
+        Op::Constant { .. }
+        | Op::Shape { .. }
+        | Op::ConstantOfShape { .. }
+        | Op::Range
+        | Op::Size
+        | Op::ArgExtreme { .. } => false,
         _ => true,
     }
 }

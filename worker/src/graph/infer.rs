@@ -515,6 +515,26 @@ pub fn infer_node(
             }
             (Op::Slice { starts, ends, axes: norm_axes, steps }, vec![Meta::new(x.dtype, &shape)])
         }
+        Op::ArgExtreme { max, axis, keepdims, select_last_index } => {
+            let x = m(0)?;
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
+            if x.shape[a] == 0 {
+                return Err(err(node, format!("axis {a} of {:?} is empty: no element is the extreme", x.shape)));
+            }
+            let mut shape = x.shape.clone();
+            if *keepdims {
+                shape[a] = 1;
+            } else {
+                shape.remove(a);
+            }
+            let op = Op::ArgExtreme {
+                max: *max,
+                axis: a as i64,
+                keepdims: *keepdims,
+                select_last_index: *select_last_index,
+            };
+            (op, vec![Meta::new(DType::I64, &shape)])
+        }
         Op::GatherElements { axis } => {
             let (x, idx) = (m(0)?, m(1)?);
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;

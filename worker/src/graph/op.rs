@@ -450,6 +450,14 @@ pub enum Op {
         value: Tensor,
     },
     Range,
+    /// The index (i64) of the largest (`max`) or smallest element along `axis`: the first of
+    /// equal ones, or the last with `select_last_index`; NaN counts as the extreme (numpy's).
+    ArgExtreme {
+        max: bool,
+        axis: i64,
+        keepdims: bool,
+        select_last_index: bool,
+    },
     /// The element count of the input as an i64 scalar; folded at plan time.
     Size,
     Squeeze {
@@ -601,6 +609,8 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Acosh",
     "Add",
     "And",
+    "ArgMax",
+    "ArgMin",
     "Asin",
     "Asinh",
     "Atan",
@@ -925,6 +935,12 @@ impl Op {
             },
             "Range" => Op::Range,
             "Size" => Op::Size,
+            "ArgMax" | "ArgMin" => Op::ArgExtreme {
+                max: op_type == "ArgMax",
+                axis: a.int("axis", 0)?,
+                keepdims: a.int("keepdims", 1)? != 0,
+                select_last_index: a.int("select_last_index", 0)? != 0,
+            },
             other => {
                 return Err(Error::Unsupported(format!(
                     "{}: operator '{other}' is not supported (supported: {})",
@@ -1043,6 +1059,8 @@ impl Op {
             Op::ConstantOfShape { .. } => onnx("ConstantOfShape"),
             Op::Range => onnx("Range"),
             Op::Size => onnx("Size"),
+            Op::ArgExtreme { max: true, .. } => onnx("ArgMax"),
+            Op::ArgExtreme { max: false, .. } => onnx("ArgMin"),
             Op::Squeeze { .. } => onnx("Squeeze"),
             Op::Unsqueeze { .. } => onnx("Unsqueeze"),
             Op::Flatten { .. } => onnx("Flatten"),
@@ -1105,6 +1123,11 @@ impl Op {
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
+            Op::ArgExtreme { axis, keepdims, select_last_index, .. } => vec![
+                i("axis", *axis),
+                i("keepdims", *keepdims as i64),
+                i("select_last_index", *select_last_index as i64),
+            ],
             Op::Cast { to } => vec![i("to", to.onnx_code() as i64)],
             // Dropout's ratio is an input since opset 12 (`onnx_io::to_model` writes it).
             Op::Dropout { seed, .. } => vec![i("seed", *seed as i64)],

@@ -849,6 +849,41 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![outer as i64, dim as i64, inner as i64, count as i64, data.at, ids.at, wide, y.at, fault],
             )
         }
+        Op::ArgExtreme { max, axis, select_last_index, .. } => {
+            let a = x(0)?;
+            let kernel = match a.dtype() {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
+                    numeric("arg_extreme", a.dtype())
+                }
+                t => return Err(format!("ArgMax/ArgMin of {t} on the CUDA backend")),
+            };
+            let ax = norm_axis(*axis, a.shape().len())?;
+            let st = strides(a.shape());
+            let (kept, kept_strides): (Vec<usize>, Vec<i64>) = a
+                .shape()
+                .iter()
+                .zip(&st)
+                .enumerate()
+                .filter(|&(k, _)| k != ax)
+                .map(|(_, (&n, &s))| (n, s as i64))
+                .unzip();
+            let (n, len, stride) = (y.n(), a.shape()[ax], st[ax]);
+            dev.kernel(
+                &kernel,
+                elementwise(n),
+                &mut params![
+                    *max as i32,
+                    *select_last_index as i32,
+                    n as i64,
+                    dims(&kept)?,
+                    strides_of(&kept_strides),
+                    len as i64,
+                    stride as i64,
+                    a.at,
+                    y.at
+                ],
+            )
+        }
         Op::GatherElements { axis } => {
             let (data, ids) = (x(0)?, x(1)?);
             let wide = ids_i64(&ids, "GatherElements' indices")?;

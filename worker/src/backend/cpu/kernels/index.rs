@@ -1,5 +1,6 @@
 //! Ops that address elements by index tensors of the data's rank: GatherElements and its
-//! gradient (the scatter-add that ScatterElements with reduction "add" is).
+//! gradient (the scatter-add that ScatterElements with reduction "add" is); and ArgMax/ArgMin,
+//! which produce such indices.
 
 use super::KResult;
 use crate::tensor::{strides, DType, TensorView, TensorViewMut};
@@ -59,6 +60,44 @@ fn scatter_add<T: Copy + Default + std::ops::AddAssign>(src: &[T], offsets: &[us
     }
 }
 
+/// y[o, i] = the index along the middle axis of x viewed as [outer, len, inner] of its largest
+/// (`max`) or smallest element; ties go to the first (or, with `last`, the last) of them, and a
+/// NaN is the extreme (numpy's argmax).
+pub fn arg_extreme(max: bool, last: bool, axis: usize, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let vals = x.to_f64_vec();
+    let len = x.shape[axis];
+    let inner: usize = x.shape[axis + 1..].iter().product();
+    let beats = |v: f64, best: f64| {
+        if best.is_nan() {
+            false
+        } else if v.is_nan() {
+            true
+        } else if last {
+            if max {
+                v >= best
+            } else {
+                v <= best
+            }
+        } else if max {
+            v > best
+        } else {
+            v < best
+        }
+    };
+    for (r, o) in y.as_mut_slice::<i64>().iter_mut().enumerate() {
+        let (outer, i) = (r / inner.max(1), r % inner.max(1));
+        let at = |k: usize| vals[(outer * len + k) * inner + i];
+        let mut best = 0;
+        for k in 1..len {
+            if beats(at(k), at(best)) {
+                best = k;
+            }
+        }
+        *o = best as i64;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -79,5 +118,18 @@ mod tests {
         let bad = Tensor::from_vec(&[2, 2], vec![0i64, 2, 0, 0]);
         let e = gather_elements(1, &data.view(), &bad.view(), &mut y.view_mut()).unwrap_err();
         assert!(e.contains("index 2 is out of range for axis 1 of size 2"), "{e}");
+    }
+
+    #[test]
+    fn arg_extremes_break_ties_as_asked_and_see_nan_first() {
+        let x = Tensor::from_vec(&[2, 4], vec![1.0f32, 3.0, 3.0, -1.0, 2.0, f32::NAN, 5.0, f32::NAN]);
+        let run = |max, last| {
+            let mut y = Tensor::zeros(DType::I64, &[2]);
+            arg_extreme(max, last, 1, &x.view(), &mut y.view_mut()).unwrap();
+            y.as_slice::<i64>().to_vec()
+        };
+        assert_eq!(run(true, false), vec![1, 1]);
+        assert_eq!(run(true, true), vec![2, 1]);
+        assert_eq!(run(false, false), vec![3, 1]);
     }
 }

@@ -433,6 +433,64 @@ extern "C" __global__ void gather_elements_grad_f32(i64 n, Dims d, int axis, i64
     }
 }
 
+// ---- ArgMax and ArgMin ----
+
+// Integer element types for the families that compare elements as they are.
+struct I32 {
+    typedef int T;
+    typedef int C;
+    static __device__ __forceinline__ int load(int v) { return v; }
+};
+struct I64 {
+    typedef i64 T;
+    typedef i64 C;
+    static __device__ __forceinline__ i64 load(i64 v) { return v; }
+};
+
+// out[i] = the index along the axis (len elements `stride` apart, from the element at output
+// i's offset `os` over the kept dims `od`) of the largest (max) or smallest element: the first
+// of equal ones, the last with `last`; a NaN is the extreme (numpy's argmax), as the CPU's.
+template <class S>
+__device__ void arg_extreme(int max, int last, i64 n, const Dims& od, const Strides& os, i64 len, i64 stride,
+                            const typename S::T* x, i64* out) {
+    typedef typename S::C C;
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        const typename S::T* row = x + offset_of(i, od, os);
+        C best = S::load(row[0]);
+        i64 at = 0;
+        for (i64 k = 1; k < len && best == best; ++k) {
+            C v = S::load(row[k * stride]);
+            bool beats = v != v || (last ? (max ? v >= best : v <= best) : (max ? v > best : v < best));
+            if (beats) best = v, at = k;
+        }
+        out[i] = at;
+    }
+}
+extern "C" __global__ void arg_extreme_f32(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                           const float* x, i64* out) {
+    arg_extreme<F32>(max, last, n, od, os, len, stride, x, out);
+}
+extern "C" __global__ void arg_extreme_f16(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                           const u16* x, i64* out) {
+    arg_extreme<F16>(max, last, n, od, os, len, stride, x, out);
+}
+extern "C" __global__ void arg_extreme_bf16(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                            const u16* x, i64* out) {
+    arg_extreme<BF16>(max, last, n, od, os, len, stride, x, out);
+}
+extern "C" __global__ void arg_extreme_f64(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                           const double* x, i64* out) {
+    arg_extreme<F64>(max, last, n, od, os, len, stride, x, out);
+}
+extern "C" __global__ void arg_extreme_i32(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                           const int* x, i64* out) {
+    arg_extreme<I32>(max, last, n, od, os, len, stride, x, out);
+}
+extern "C" __global__ void arg_extreme_i64(int max, int last, i64 n, Dims od, Strides os, i64 len, i64 stride,
+                                           const i64* x, i64* out) {
+    arg_extreme<I64>(max, last, n, od, os, len, stride, x, out);
+}
+
 // ReduceMax/Min/Sum/Mean/SumSquare over the trailing `cols` elements of each row (one block
 // per row). Sums are taken in f64, as the CPU backend's reduce does; kind is Reduce's order in
 // graph/op.rs (0 Sum, 1 Mean, 2 Max, 3 Min, 4 SumSquare).
