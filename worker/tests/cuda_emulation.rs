@@ -15,7 +15,7 @@ use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Unary, Window};
+use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Unary, Window};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
@@ -1382,5 +1382,34 @@ fn arg_extremes_match_the_cpu_backend_on_the_emulated_kernels() {
             );
             assert_eq!(g[0].as_slice::<i64>(), c[0].as_slice::<i64>(), "{t} {op:?}");
         }
+    }
+}
+
+/// Pad in every mode over two axes (one cropped), of f32, bf16 and i64, and its gradient, on the
+/// emulated kernels against the CPU backend.
+#[test]
+fn pad_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let pads = vec![1i64, 5, -1, 0, 2, 3];
+    let (input, output) = ([3usize, 4, 2], vec![9usize, 3, 5]);
+    for mode in [PadMode::Constant, PadMode::Reflect, PadMode::Edge, PadMode::Wrap] {
+        for t in [DType::F32, DType::BF16, DType::I64] {
+            let x = Tensor::from_vec(&input, values(24, 2)).cast(t);
+            let op = Op::Pad { mode, pads: pads.clone(), value: 1.5 };
+            let out = [Meta::new(t, &output)];
+            let (g, c) = (
+                run_typed(&gpu, &op, std::slice::from_ref(&x), &out),
+                run_typed(&cpu, &op, std::slice::from_ref(&x), &out),
+            );
+            assert_same_values(&format!("{t} Pad {mode:?}"), &g, &c);
+        }
+        let grad = Op::PadGrad { mode, pads: pads.clone(), input_shape: input.to_vec() };
+        let dy = Tensor::from_vec(&output, values(135, 4));
+        let out = [Meta::new(DType::F32, &input)];
+        let (g, c) = (
+            run_typed(&gpu, &grad, std::slice::from_ref(&dy), &out),
+            run_typed(&cpu, &grad, std::slice::from_ref(&dy), &out),
+        );
+        assert_close(&format!("PadGrad {mode:?}"), &g, &c);
     }
 }

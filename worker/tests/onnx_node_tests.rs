@@ -133,6 +133,7 @@ const REQUIRED_OPS: &[&str] = &[
     "ReduceSumSquare",
     "ArgMax",
     "ArgMin",
+    "Pad",
 ];
 
 enum Outcome {
@@ -440,12 +441,24 @@ fn run_graph(dir: &Path, model: &ModelProto, graph: Graph, on: Engine) -> Result
         let v = graph.find(vi.name()).ok_or_else(|| format!("graph input '{}' is not in the graph", vi.name()))?;
         fed.insert(v, as_declared(read_tensor(&file)?, declared_dtype(vi)));
     }
-    // Inputs some node reads as a shape operand are bound by value; the rest by shape.
+    // Inputs some node reads as a shape operand, and integer inputs such an operand is computed
+    // from through a chain of nodes (a window's length, a crop's target shape), are bound by
+    // value, as a training configuration fixes them; the rest by shape.
     let mut bindings = Bindings::default();
     let operand_inputs: HashSet<ValueId> =
         graph.nodes.iter().flat_map(|n| n.op.static_operand_inputs().filter_map(|k| n.input(k))).collect();
+    let mut operand_sources = operand_inputs.clone();
+    let producers = graph.producers();
+    let mut stack: Vec<ValueId> = operand_sources.iter().copied().collect();
+    while let Some(v) = stack.pop() {
+        for &i in producers[v].map_or(&[][..], |n| &graph.nodes[n].inputs[..]).iter().flatten() {
+            if operand_sources.insert(i) {
+                stack.push(i);
+            }
+        }
+    }
     for (&v, t) in &fed {
-        if operand_inputs.contains(&v) {
+        if operand_inputs.contains(&v) || (operand_sources.contains(&v) && !t.dtype().is_float()) {
             bindings.constants.insert(v, t.clone());
         } else {
             bindings.shapes.insert(v, t.shape().to_vec());

@@ -9,7 +9,7 @@ use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::{Binary, LossReduction, Op, PoolKind, Reduce, Unary, Window};
+use crate::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Unary, Window};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -419,6 +419,16 @@ fn data_movement() {
     let idx = b.constant("idx", Tensor::from_vec(&[2, 3], vec![0i64, 4, 4, -1, 2, 0]));
     let y = b.g.op1("y", Op::Gather { axis: 0 }, &[table, idx]);
     check("Gather (repeated and negative indices)", b.done(y));
+
+    // Pad in every mode, with a cropping (negative) pad and borders wider than reflect's
+    // period, so that input elements are read several times.
+    for mode in [PadMode::Constant, PadMode::Reflect, PadMode::Edge, PadMode::Wrap] {
+        let mut b = CaseBuilder::new(35);
+        let x = b.param("x", &[2, 3], -1.0, 1.0);
+        let pads = b.constant("pads", Tensor::from_vec(&[4], vec![1i64, 4, -1, 2]));
+        let y = b.g.op1("y", Op::Pad { mode, pads: vec![], value: 0.5 }, &[x, pads]);
+        check(&format!("Pad {mode:?}"), b.done(y));
+    }
 
     // BERT's attention-mask gather: indices of data's rank, repeated and negative, along the
     // last axis and along the first.

@@ -282,6 +282,10 @@ pub fn backward(
             let data_shape = shape_of(b, x(0));
             vec![Some(b.emit1(&name, Op::GatherGrad { axis: *axis, data_shape }, &[dy, x(1)])?), None]
         }
+        Op::Pad { mode, pads, .. } => {
+            let op = Op::PadGrad { mode: *mode, pads: pads.clone(), input_shape: shape_of(b, x(0)) };
+            vec![Some(b.emit1(&name, op, &[dy])?)]
+        }
         Op::GatherElements { axis } => {
             let data_shape = shape_of(b, x(0));
             let op = Op::GatherElementsGrad { axis: *axis, data_shape };

@@ -6,7 +6,7 @@
 //! static, so backends never read shape operands at run time.
 
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
-use super::op::{LossReduction, Op, PoolKind, Unary, Window};
+use super::op::{LossReduction, Op, PadMode, PoolKind, Unary, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -535,6 +535,49 @@ pub fn infer_node(
             };
             (op, vec![Meta::new(DType::I64, &shape)])
         }
+        Op::Pad { mode, pads, value } => {
+            let x = m(0)?;
+            let r = x.shape.len();
+            let given = match ints(1, "pads")? {
+                Some(p) => p,
+                None => pads.clone(),
+            };
+            let value = match bound(2, "constant_value")? {
+                Some(v) => v as f64,
+                None => *value,
+            };
+            let axes: Vec<usize> = match ints(3, "axes")? {
+                Some(a) => a
+                    .iter()
+                    .map(|&a| norm_axis(a, r).ok_or_else(|| err(node, format!("axis {a} out of range"))))
+                    .collect::<Result<_>>()?,
+                None => (0..r).collect(),
+            };
+            if given.len() != 2 * axes.len() {
+                return Err(err(
+                    node,
+                    format!("{} pads given for {} axes (begin and end pads expected)", given.len(), axes.len()),
+                ));
+            }
+            if *mode != PadMode::Constant && x.numel() == 0 {
+                return Err(err(node, format!("{mode:?} padding of an empty input {:?}", x.shape)));
+            }
+            let mut full = vec![0i64; 2 * r];
+            for (k, &a) in axes.iter().enumerate() {
+                full[a] = given[k];
+                full[r + a] = given[axes.len() + k];
+            }
+            let mut shape = Vec::with_capacity(r);
+            for (a, &n) in x.shape.iter().enumerate() {
+                let size = n as i64 + full[a] + full[r + a];
+                if size < 0 {
+                    return Err(err(node, format!("pads {given:?} crop axis {a} of size {n} below nothing")));
+                }
+                shape.push(size as usize);
+            }
+            (Op::Pad { mode: *mode, pads: full, value }, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::PadGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
         Op::GatherElements { axis } => {
             let (x, idx) = (m(0)?, m(1)?);
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;

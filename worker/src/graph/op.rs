@@ -333,6 +333,40 @@ impl Window {
     }
 }
 
+/// How Pad fills the border: ONNX's modes, in the order the CUDA kernels number them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PadMode {
+    /// A constant value.
+    Constant,
+    /// The input mirrored about its edge elements (which are not repeated).
+    Reflect,
+    /// The edge element repeated.
+    Edge,
+    /// The input repeated, as if it were periodic.
+    Wrap,
+}
+
+impl PadMode {
+    /// The input coordinate that output coordinate `o` reads along an axis of `n` elements with
+    /// `begin` padding before it (negative padding crops); None for the constant border.
+    pub fn source(self, o: i64, begin: i64, n: i64) -> Option<i64> {
+        let i = o - begin;
+        if (0..n).contains(&i) {
+            return Some(i);
+        }
+        match self {
+            PadMode::Constant => None,
+            PadMode::Edge => Some(i.clamp(0, n - 1)),
+            PadMode::Wrap => Some(i.rem_euclid(n)),
+            PadMode::Reflect if n == 1 => Some(0),
+            PadMode::Reflect => {
+                let j = i.rem_euclid(2 * n - 2);
+                Some(if j >= n { 2 * n - 2 - j } else { j })
+            }
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossReduction {
     Mean,
@@ -409,6 +443,14 @@ pub enum Op {
         axis: i64,
     },
     Expand,
+    /// `pads`: ONNX's begin pads then end pads, one per axis of the input once bound (its
+    /// `pads`, `constant_value` and `axes` inputs are folded in); `value` fills the constant
+    /// border.
+    Pad {
+        mode: PadMode,
+        pads: Vec<i64>,
+        value: f64,
+    },
     /// `k`: the diagonal offset (Trilu's optional second input, folded).
     Trilu {
         upper: bool,
@@ -503,6 +545,13 @@ pub enum Op {
     GatherElementsGrad {
         axis: i64,
         data_shape: Vec<usize>,
+    },
+    /// dY -> dX for Pad: each element of dY added to the input element it was read from (none
+    /// for the constant border).
+    PadGrad {
+        mode: PadMode,
+        pads: Vec<i64>,
+        input_shape: Vec<usize>,
     },
     /// dY -> dX: dY written into zeros of `input_shape` at the slice.
     SliceGrad {
@@ -666,6 +715,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Not",
     "Or",
     "PRelu",
+    "Pad",
     "Pow",
     "Range",
     "Reciprocal",
@@ -889,6 +939,18 @@ impl Op {
             "Gather" => Op::Gather { axis: a.int("axis", 0)? },
             "GatherElements" => Op::GatherElements { axis: a.int("axis", 0)? },
             "Expand" => Op::Expand,
+            // Before opset 11 pads and value are attributes; later inputs that inference folds.
+            "Pad" => Op::Pad {
+                mode: match a.string("mode", "constant")?.as_str() {
+                    "constant" => PadMode::Constant,
+                    "reflect" => PadMode::Reflect,
+                    "edge" => PadMode::Edge,
+                    "wrap" => PadMode::Wrap,
+                    other => return Err(a.bad("mode", &format!("constant, reflect, edge or wrap, not '{other}'"))),
+                },
+                pads: a.ints("pads")?.unwrap_or_default(),
+                value: a.float("value", 0.0)? as f64,
+            },
             "Trilu" => Op::Trilu { upper: a.int("upper", 1)? != 0, k: 0 },
             "ReduceSum" | "ReduceMean" | "ReduceMax" | "ReduceMin" | "ReduceSumSquare" | "ReduceL1" | "ReduceL2"
             | "ReduceLogSum" | "ReduceLogSumExp" | "ReduceProd" => Op::ReduceOp {
@@ -1035,6 +1097,7 @@ impl Op {
             Op::Gather { .. } => onnx("Gather"),
             Op::GatherElements { .. } => onnx("GatherElements"),
             Op::Expand => onnx("Expand"),
+            Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
             Op::ReduceOp { kind, .. } => onnx(match kind {
                 Reduce::Sum => "ReduceSum",
@@ -1073,6 +1136,7 @@ impl Op {
             Op::GatherGrad { .. } => internal("GatherGrad"),
             Op::GatherElementsGrad { .. } => internal("GatherElementsGrad"),
             Op::SliceGrad { .. } => internal("SliceGrad"),
+            Op::PadGrad { .. } => internal("PadGrad"),
             Op::DropoutGrad { .. } => internal("DropoutGrad"),
             Op::ConvGrad { .. } => internal("ConvGrad"),
             Op::PoolGrad { .. } => internal("PoolGrad"),
@@ -1123,6 +1187,10 @@ impl Op {
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
+            Op::Pad { mode, .. } | Op::PadGrad { mode, .. } => {
+                let m = ["constant", "reflect", "edge", "wrap"][*mode as usize];
+                vec![("mode".into(), AttrValue::Str(m.into()))]
+            }
             Op::ArgExtreme { axis, keepdims, select_last_index, .. } => vec![
                 i("axis", *axis),
                 i("keepdims", *keepdims as i64),
@@ -1228,6 +1296,7 @@ impl Op {
         match self {
             Op::Dropout { ratio, .. } => vec![Tensor::scalar(*ratio)],
             Op::Unary(Unary::Clip { min, max }) => vec![Tensor::scalar(*min), Tensor::scalar(*max)],
+            Op::Pad { pads, value, .. } => vec![ints(pads), Tensor::scalar(*value as f32)],
             Op::Split { sizes, .. } if !sizes.is_empty() => vec![ints(sizes)],
             Op::Squeeze { axes: Some(a) } | Op::Unsqueeze { axes: Some(a) } => vec![ints(a)],
             Op::ReduceOp { axes: Some(a), .. } if !a.is_empty() => vec![ints(a)],
@@ -1240,6 +1309,7 @@ impl Op {
         match self {
             Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
+            Op::Pad { .. } => 1..4,
             Op::Squeeze { .. } | Op::Unsqueeze { .. } | Op::Split { .. } | Op::ReduceOp { .. } => 1..2,
             Op::Slice { .. } => 1..5,
             Op::ConstantOfShape { .. } => 0..1,

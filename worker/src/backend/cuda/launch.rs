@@ -12,7 +12,7 @@ use crate::backend::{Arg, StepHyper};
 use crate::graph::ir::Meta;
 use crate::graph::op::{Binary, LossReduction, Op, Reduce, Unary};
 use crate::optim::Update;
-use crate::tensor::{strides, DType};
+use crate::tensor::{strides, DType, Tensor};
 use cudarc::driver::LaunchConfig;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -51,6 +51,12 @@ fn strides_of(at: &[i64]) -> Strides {
     let mut s = Strides::default();
     s.at[..at.len()].copy_from_slice(at);
     s
+}
+
+/// Pad's kernel parameters: the output's and the input's shapes, the input's strides and the
+/// begin pads.
+fn pad_layout(pads: &[i64], input: &[usize], output: &[usize]) -> Result<(Dims, Dims, Strides, Strides), String> {
+    Ok((dims(output)?, dims(input)?, contiguous_strides(input), strides_of(&pads[..input.len()])))
 }
 
 /// A row-major tensor's own strides, in elements.
@@ -882,6 +888,29 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                     a.at,
                     y.at
                 ],
+            )
+        }
+        Op::Pad { mode, pads, value } => {
+            let a = x(0)?;
+            let mut fill = [0u8; 8];
+            let bits = Tensor::scalar(*value).cast(a.dtype());
+            fill[..bits.bytes().len()].copy_from_slice(bits.bytes());
+            let (od, id, is, begin) = pad_layout(pads, a.shape(), y.shape())?;
+            dev.kernel(
+                &sized("pad", a.dtype())?,
+                elementwise(y.n()),
+                &mut params![*mode as i32, y.n() as i64, od, id, is, begin, a.at, u64::from_le_bytes(fill), y.at],
+            )
+        }
+        Op::PadGrad { mode, pads, .. } => {
+            let dy = x(0)?;
+            need_f32(&dy, "the gradient")?;
+            let (od, id, is, begin) = pad_layout(pads, y.shape(), dy.shape())?;
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            dev.kernel(
+                "pad_grad_f32",
+                elementwise(dy.n()),
+                &mut params![*mode as i32, dy.n() as i64, od, id, is, begin, dy.at, y.at],
             )
         }
         Op::GatherElements { axis } => {

@@ -5,8 +5,8 @@
 
 use super::{KResult, PAR_MIN};
 use crate::graph::infer::{reduced_axes, slice_range};
-use crate::graph::op::Reduce;
-use crate::tensor::{strides, DType, TensorView, TensorViewMut};
+use crate::graph::op::{PadMode, Reduce};
+use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
 /// Calls `f(out_linear_index, in_element_offset)` for every output element, where the input
@@ -311,6 +311,66 @@ pub fn reduce(kind: Reduce, axes: &[i64], x: &TensorView, y: &mut TensorViewMut)
         _ => {}
     }
     super::write_f64(&acc, y);
+    Ok(())
+}
+
+/// For each element of Pad's output (row-major), the offset in the input it reads, or None in
+/// the constant border.
+fn pad_sources(mode: PadMode, pads: &[i64], input: &[usize], output: &[usize]) -> Vec<Option<usize>> {
+    let (r, st) = (input.len(), strides(input));
+    let n: usize = output.iter().product();
+    let mut coord = vec![0usize; r];
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut at = Some(0usize);
+        for a in 0..r {
+            at = at
+                .and_then(|at| mode.source(coord[a] as i64, pads[a], input[a] as i64).map(|i| at + i as usize * st[a]));
+        }
+        out.push(at);
+        for a in (0..r).rev() {
+            coord[a] += 1;
+            if coord[a] < output[a] {
+                break;
+            }
+            coord[a] = 0;
+        }
+    }
+    out
+}
+
+/// Pad: each output element is the input element its coordinates map to (`PadMode::source`
+/// along every axis), or `value` in the constant border.
+pub fn pad(mode: PadMode, pads: &[i64], value: f64, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let size = x.dtype.size();
+    let fill = Tensor::scalar(value).cast(x.dtype);
+    let sources = pad_sources(mode, pads, x.shape, y.shape);
+    for (o, src) in y.bytes.chunks_mut(size).zip(sources) {
+        o.copy_from_slice(match src {
+            Some(i) => &x.bytes[i * size..(i + 1) * size],
+            None => fill.bytes(),
+        });
+    }
+    Ok(())
+}
+
+/// Pad's gradient: dX = zeros; dX[source(o)] += dY[o] (the border's sources repeat in the
+/// reflect, edge and wrap modes).
+pub fn pad_grad(mode: PadMode, pads: &[i64], dy: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    let sources = pad_sources(mode, pads, dx.shape, dy.shape);
+    fn add<T: Copy + Default + std::ops::AddAssign>(dy: &[T], sources: &[Option<usize>], dx: &mut [T]) {
+        dx.fill(T::default());
+        for (&g, src) in dy.iter().zip(sources) {
+            if let Some(i) = src {
+                dx[*i] += g;
+            }
+        }
+    }
+    match dy.dtype {
+        DType::F32 => add(dy.as_slice::<f32>(), &sources, dx.as_mut_slice::<f32>()),
+        DType::F64 => add(dy.as_slice::<f64>(), &sources, dx.as_mut_slice::<f64>()),
+        t => return Err(format!("PadGrad is not implemented for {t}")),
+    }
     Ok(())
 }
 

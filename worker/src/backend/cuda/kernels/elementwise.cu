@@ -413,6 +413,74 @@ extern "C" __global__ void logic_u8(int op, i64 n, Dims d, const u8* a, Strides 
     }
 }
 
+// ---- Pad and its gradient ----
+
+// The input coordinate that output coordinate o reads along an axis of n elements with `begin`
+// padding before it, or -1 in the constant border: PadMode::source (graph/op.rs), whose order
+// the mode codes follow (0 constant, 1 reflect, 2 edge, 3 wrap).
+__device__ __forceinline__ i64 pad_source(int mode, i64 o, i64 begin, i64 n) {
+    i64 i = o - begin;
+    if (i >= 0 && i < n) return i;
+    switch (mode) {
+    case 0: return -1;
+    case 2: return i < 0 ? 0 : n - 1;
+    case 3: { i64 r = i % n; return r < 0 ? r + n : r; }
+    default: {
+        if (n == 1) return 0;
+        i64 p = 2 * n - 2, j = i % p;
+        if (j < 0) j += p;
+        return j >= n ? p - j : j;
+    }
+    }
+}
+// The offset in the input (shape id, strides is) that output element i (of shape od) reads, or
+// -1 in the constant border.
+__device__ i64 pad_offset(i64 i, int mode, const Dims& od, const Dims& id, const Strides& is, const Strides& begin) {
+    i64 off = 0, j = i;
+    for (int k = (int)od.rank - 1; k >= 0; --k) {
+        i64 c = j % od.size[k];
+        j /= od.size[k];
+        i64 s = pad_source(mode, c, begin.at[k], id.size[k]);
+        if (s < 0) return -1;
+        off += s * is.at[k];
+    }
+    return off;
+}
+// out[i] = x[pad_offset(i)], or the fill value's bits (the low bytes of `fill`).
+template <typename T>
+__device__ void pad(int mode, i64 n, const Dims& od, const Dims& id, const Strides& is, const Strides& begin,
+                    const T* x, u64 fill, T* out) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 at = pad_offset(i, mode, od, id, is, begin);
+        out[i] = at < 0 ? (T)fill : x[at];
+    }
+}
+extern "C" __global__ void pad_b8(int mode, i64 n, Dims od, Dims id, Strides is, Strides begin, const u8* x,
+                                  u64 fill, u8* out) {
+    pad<u8>(mode, n, od, id, is, begin, x, fill, out);
+}
+extern "C" __global__ void pad_b16(int mode, i64 n, Dims od, Dims id, Strides is, Strides begin, const u16* x,
+                                   u64 fill, u16* out) {
+    pad<u16>(mode, n, od, id, is, begin, x, fill, out);
+}
+extern "C" __global__ void pad_b32(int mode, i64 n, Dims od, Dims id, Strides is, Strides begin, const u32* x,
+                                   u64 fill, u32* out) {
+    pad<u32>(mode, n, od, id, is, begin, x, fill, out);
+}
+extern "C" __global__ void pad_b64(int mode, i64 n, Dims od, Dims id, Strides is, Strides begin, const u64* x,
+                                   u64 fill, u64* out) {
+    pad<u64>(mode, n, od, id, is, begin, x, fill, out);
+}
+// dX (zeroed first by the backend) += dY at the input element each output element read.
+// atomicAdd: the reflect, edge and wrap borders read input elements more than once.
+extern "C" __global__ void pad_grad_f32(int mode, i64 n, Dims od, Dims id, Strides is, Strides begin,
+                                        const float* dy, float* dx) {
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 at = pad_offset(i, mode, od, id, is, begin);
+        if (at >= 0) atomicAdd(&dx[at], dy[i]);
+    }
+}
+
 // Where(cond, x, y) for elements of 1, 2, 4 or 8 bytes.
 extern "C" __global__ void where_b8(i64 n, Dims d, const u8* c, Strides sc, const u8* x, Strides sx, const u8* y,
                                     Strides sy, u8* out) {
