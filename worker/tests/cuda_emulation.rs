@@ -15,7 +15,9 @@ use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Unary, Window};
+use tensorfleet_worker::graph::op::{
+    Binary, LossReduction, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window,
+};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
@@ -1411,5 +1413,45 @@ fn pad_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernels() {
             run_typed(&cpu, &grad, std::slice::from_ref(&dy), &out),
         );
         assert_close(&format!("PadGrad {mode:?}"), &g, &c);
+    }
+}
+
+/// GatherND (with and without batch dims, whole-slice and element tuples), its gradient, and
+/// ScatterND with every reduction and a repeated tuple, on the emulated kernels against the CPU.
+#[test]
+fn gather_nd_and_scatter_nd_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let data = Tensor::from_vec(&[2, 3, 4], values(24, 1));
+    for (batch_dims, idx, out_shape) in [
+        (0, Tensor::from_vec(&[2, 2], vec![1i64, 2, -2, 0]), vec![2, 4]),
+        (0, Tensor::from_vec(&[3, 1], vec![1i64, 0, 1]), vec![3, 3, 4]),
+        (1, Tensor::from_vec(&[2, 2, 2], vec![2i64, 3, 0, -1, 1, 1, 2, 0]), vec![2, 2]),
+    ] {
+        let op = Op::GatherND { batch_dims };
+        let out = [Meta::new(DType::F32, &out_shape)];
+        let inputs = [data.clone(), idx.clone()];
+        let what = format!("GatherND {:?} batch_dims {batch_dims}", idx.shape());
+        assert_same_values(&what, &run_typed(&gpu, &op, &inputs, &out), &run_typed(&cpu, &op, &inputs, &out));
+        let grad = Op::GatherNDGrad { batch_dims, data_shape: vec![2, 3, 4] };
+        let n = out_shape.iter().product();
+        let inputs = [Tensor::from_vec(&out_shape, values(n, 5)), idx];
+        let out = [Meta::new(DType::F32, &[2, 3, 4])];
+        assert_close(
+            &format!("{what}'s gradient"),
+            &run_typed(&gpu, &grad, &inputs, &out),
+            &run_typed(&cpu, &grad, &inputs, &out),
+        );
+    }
+    use ScatterReduction::*;
+    let idx = Tensor::from_vec(&[3, 2], vec![1i64, 2, 0, -1, 1, 2]);
+    for t in [DType::F32, DType::BF16] {
+        let (x, u) = (data.cast(t), Tensor::from_vec(&[3, 4], values(12, 7)).cast(t));
+        for reduction in [None, Add, Mul, Max, Min] {
+            let op = Op::ScatterND { reduction };
+            let out = [Meta::new(t, &[2, 3, 4])];
+            let inputs = [x.clone(), idx.clone(), u.clone()];
+            let what = format!("{t} ScatterND {reduction:?}");
+            assert_same_values(&what, &run_typed(&gpu, &op, &inputs, &out), &run_typed(&cpu, &op, &inputs, &out));
+        }
     }
 }

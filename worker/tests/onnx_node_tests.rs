@@ -134,6 +134,8 @@ const REQUIRED_OPS: &[&str] = &[
     "ArgMax",
     "ArgMin",
     "Pad",
+    "GatherND",
+    "ScatterND",
 ];
 
 enum Outcome {

@@ -9,7 +9,7 @@ use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Unary, Window};
+use crate::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -428,6 +428,23 @@ fn data_movement() {
         let pads = b.constant("pads", Tensor::from_vec(&[4], vec![1i64, 4, -1, 2]));
         let y = b.g.op1("y", Op::Pad { mode, pads: vec![], value: 0.5 }, &[x, pads]);
         check(&format!("Pad {mode:?}"), b.done(y));
+    }
+
+    // GatherND with a batch dim, and ScatterND replacing and adding slices (a tuple repeated).
+    let mut b = CaseBuilder::new(36);
+    let x = b.param("x", &[2, 3, 4], -1.0, 1.0);
+    let idx = b.constant("idx", Tensor::from_vec(&[2, 2, 1], vec![2i64, 0, -1, 2]));
+    let y = b.g.op1("y", Op::GatherND { batch_dims: 1 }, &[x, idx]);
+    check("GatherND (batch_dims 1)", b.done(y));
+    // Repeated tuples only with Add: ONNX leaves None's undefined (and the updates' gradient
+    // then follows PyTorch's index_put: every update gets its slice's).
+    for (reduction, ids) in [(ScatterReduction::None, vec![1i64, 3, -4]), (ScatterReduction::Add, vec![1, 3, 1])] {
+        let mut b = CaseBuilder::new(37);
+        let x = b.param("x", &[4, 3], -1.0, 1.0);
+        let idx = b.constant("idx", Tensor::from_vec(&[3, 1], ids));
+        let u = b.param("u", &[3, 3], -1.0, 1.0);
+        let y = b.g.op1("y", Op::ScatterND { reduction }, &[x, idx, u]);
+        check(&format!("ScatterND {reduction:?}"), b.done(y));
     }
 
     // BERT's attention-mask gather: indices of data's rank, repeated and negative, along the

@@ -4,7 +4,7 @@
 use super::Builder;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Meta, Node, ValueId};
-use crate::graph::op::{Binary, Op, Reduce, Unary};
+use crate::graph::op::{Binary, Op, Reduce, ScatterReduction, Unary};
 use crate::tensor::DType;
 
 /// Ops through which gradients flow.
@@ -285,6 +285,26 @@ pub fn backward(
         Op::Pad { mode, pads, .. } => {
             let op = Op::PadGrad { mode: *mode, pads: pads.clone(), input_shape: shape_of(b, x(0)) };
             vec![Some(b.emit1(&name, op, &[dy])?)]
+        }
+        Op::GatherND { batch_dims } => {
+            let op = Op::GatherNDGrad { batch_dims: *batch_dims, data_shape: shape_of(b, x(0)) };
+            vec![Some(b.emit1(&name, op, &[dy, x(1)])?), None]
+        }
+        // An update replaces (or adds to) its slice: the data's gradient is dY with the replaced
+        // slices zeroed (all of dY for add), the updates' the slices of dY they landed on (for
+        // tuples that repeat, every update's: PyTorch's index_put).
+        Op::ScatterND { reduction } => {
+            let data = match reduction {
+                ScatterReduction::None => {
+                    let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+                    let zeros = b.expand(&format!("{name}_zeros"), zero, &shape_of(b, x(2)));
+                    b.emit1(&format!("{name}_data"), Op::ScatterND { reduction: *reduction }, &[dy, x(1), zeros])?
+                }
+                ScatterReduction::Add => dy,
+                _ => return Err(no_rule(node, "for ScatterND with reduction mul, max or min")),
+            };
+            let updates = b.emit1(&format!("{name}_updates"), Op::GatherND { batch_dims: 0 }, &[dy, x(1)])?;
+            vec![Some(data), None, Some(updates)]
         }
         Op::GatherElements { axis } => {
             let data_shape = shape_of(b, x(0));

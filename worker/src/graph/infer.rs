@@ -578,6 +578,27 @@ pub fn infer_node(
             (Op::Pad { mode: *mode, pads: full, value }, vec![Meta::new(x.dtype, &shape)])
         }
         Op::PadGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
+        Op::GatherND { batch_dims } => {
+            let (x, idx) = (m(0)?, m(1)?);
+            let (b, k) = (*batch_dims, nd_tuple(node, x, idx, *batch_dims)?);
+            let mut shape = idx.shape[..idx.shape.len() - 1].to_vec();
+            shape.extend_from_slice(&x.shape[b + k..]);
+            (op, vec![Meta::new(x.dtype, &shape)])
+        }
+        Op::ScatterND { .. } => {
+            let (x, idx, upd) = (m(0)?, m(1)?, m(2)?);
+            let k = nd_tuple(node, x, idx, 0)?;
+            let mut want = idx.shape[..idx.shape.len() - 1].to_vec();
+            want.extend_from_slice(&x.shape[k..]);
+            if upd.shape != want || upd.dtype != x.dtype {
+                return Err(err(
+                    node,
+                    format!("updates are {} {:?}; {} {want:?} expected", upd.dtype, upd.shape, x.dtype),
+                ));
+            }
+            (op, vec![x.clone()])
+        }
+        Op::GatherNDGrad { data_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)]),
         Op::GatherElements { axis } => {
             let (x, idx) = (m(0)?, m(1)?);
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
@@ -816,6 +837,22 @@ pub fn infer_node(
 }
 
 /// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
+/// The tuple length k of GatherND's and ScatterND's indices [.., k] into `data`, checked: integer
+/// indices whose first `batch` dims are data's, and a tuple that does not pass data's rank.
+fn nd_tuple(node: &Node, data: &Meta, idx: &Meta, batch: usize) -> Result<usize> {
+    let k = *idx.shape.last().ok_or_else(|| err(node, "indices must have at least one axis"))?;
+    if idx.dtype.is_float() {
+        return Err(err(node, format!("indices must be integers, not {}", idx.dtype)));
+    }
+    if batch >= idx.shape.len() || data.shape.len() < batch + k || idx.shape[..batch] != data.shape[..batch] {
+        return Err(err(
+            node,
+            format!("indices {:?} do not index data {:?} with {batch} batch dims", idx.shape, data.shape),
+        ));
+    }
+    Ok(k)
+}
+
 /// `allow_zero`: a 0 in the target is a dimension of size 0 (ONNX's allowzero=1), not a copy.
 pub fn reshape_target(input: &[usize], target: &[i64], allow_zero: bool) -> Option<Vec<usize>> {
     let total: usize = input.iter().product();

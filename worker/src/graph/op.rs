@@ -333,6 +333,18 @@ impl Window {
     }
 }
 
+/// How ScatterND combines an update with the element it lands on, in the order the CUDA
+/// kernels number them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScatterReduction {
+    /// The update replaces the element (of indices that repeat, the last wins).
+    None,
+    Add,
+    Mul,
+    Max,
+    Min,
+}
+
 /// How Pad fills the border: ONNX's modes, in the order the CUDA kernels number them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PadMode {
@@ -436,6 +448,17 @@ pub enum Op {
     },
     Gather {
         axis: i64,
+    },
+    /// data, indices [.., k] -> out [indices' leading dims, data's dims past batch_dims + k]:
+    /// each k-tuple of indices picks a slice of data, within its batch (the first `batch_dims`
+    /// dims, shared by data and indices).
+    GatherND {
+        batch_dims: usize,
+    },
+    /// data, indices [.., k], updates -> data with each update slice combined into the slice
+    /// its k-tuple names, in index order.
+    ScatterND {
+        reduction: ScatterReduction,
     },
     /// data, indices (of data's rank) -> out shaped like indices: out[i] = data[i with its
     /// coordinate along `axis` replaced by indices[i]].
@@ -544,6 +567,12 @@ pub enum Op {
     /// read it.
     GatherElementsGrad {
         axis: i64,
+        data_shape: Vec<usize>,
+    },
+    /// dY, indices -> dData: dY scatter-added into zeros of `data_shape` at the slices
+    /// GatherND read.
+    GatherNDGrad {
+        batch_dims: usize,
         data_shape: Vec<usize>,
     },
     /// dY -> dX for Pad: each element of dY added to the input element it was read from (none
@@ -688,6 +717,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Floor",
     "Gather",
     "GatherElements",
+    "GatherND",
     "Gelu",
     "Gemm",
     "GlobalAveragePool",
@@ -732,6 +762,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Relu",
     "Reshape",
     "Round",
+    "ScatterND",
     "Selu",
     "Shape",
     "Sigmoid",
@@ -938,6 +969,20 @@ impl Op {
             }
             "Gather" => Op::Gather { axis: a.int("axis", 0)? },
             "GatherElements" => Op::GatherElements { axis: a.int("axis", 0)? },
+            "GatherND" => Op::GatherND {
+                batch_dims: usize::try_from(a.int("batch_dims", 0)?)
+                    .map_err(|_| a.bad("batch_dims", "non-negative"))?,
+            },
+            "ScatterND" => Op::ScatterND {
+                reduction: match a.string("reduction", "none")?.as_str() {
+                    "none" => ScatterReduction::None,
+                    "add" => ScatterReduction::Add,
+                    "mul" => ScatterReduction::Mul,
+                    "max" => ScatterReduction::Max,
+                    "min" => ScatterReduction::Min,
+                    other => return Err(a.bad("reduction", &format!("none, add, mul, max or min, not '{other}'"))),
+                },
+            },
             "Expand" => Op::Expand,
             // Before opset 11 pads and value are attributes; later inputs that inference folds.
             "Pad" => Op::Pad {
@@ -1096,6 +1141,8 @@ impl Op {
             Op::Slice { .. } => onnx("Slice"),
             Op::Gather { .. } => onnx("Gather"),
             Op::GatherElements { .. } => onnx("GatherElements"),
+            Op::GatherND { .. } => onnx("GatherND"),
+            Op::ScatterND { .. } => onnx("ScatterND"),
             Op::Expand => onnx("Expand"),
             Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
@@ -1135,6 +1182,7 @@ impl Op {
             Op::SoftmaxCrossEntropyLossGrad { .. } => internal("SoftmaxCrossEntropyLossGrad"),
             Op::GatherGrad { .. } => internal("GatherGrad"),
             Op::GatherElementsGrad { .. } => internal("GatherElementsGrad"),
+            Op::GatherNDGrad { .. } => internal("GatherNDGrad"),
             Op::SliceGrad { .. } => internal("SliceGrad"),
             Op::PadGrad { .. } => internal("PadGrad"),
             Op::DropoutGrad { .. } => internal("DropoutGrad"),
@@ -1187,6 +1235,13 @@ impl Op {
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
+            Op::GatherND { batch_dims } | Op::GatherNDGrad { batch_dims, .. } => {
+                vec![i("batch_dims", *batch_dims as i64)]
+            }
+            Op::ScatterND { reduction } => {
+                let r = ["none", "add", "mul", "max", "min"][*reduction as usize];
+                vec![("reduction".into(), AttrValue::Str(r.into()))]
+            }
             Op::Pad { mode, .. } | Op::PadGrad { mode, .. } => {
                 let m = ["constant", "reflect", "edge", "wrap"][*mode as usize];
                 vec![("mode".into(), AttrValue::Str(m.into()))]

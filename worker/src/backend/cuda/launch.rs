@@ -10,7 +10,7 @@ use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
 use crate::backend::cpu::kernels::shape::slice_plan;
 use crate::backend::{Arg, StepHyper};
 use crate::graph::ir::Meta;
-use crate::graph::op::{Binary, LossReduction, Op, Reduce, Unary};
+use crate::graph::op::{Binary, LossReduction, Op, Reduce, ScatterReduction, Unary};
 use crate::optim::Update;
 use crate::tensor::{strides, DType, Tensor};
 use cudarc::driver::LaunchConfig;
@@ -51,6 +51,33 @@ fn strides_of(at: &[i64]) -> Strides {
     let mut s = Strides::default();
     s.at[..at.len()].copy_from_slice(at);
     s
+}
+
+/// The kernel parameters that locate GatherND's and ScatterND's slices: the slice length, the
+/// tuples per batch and the elements per batch, and the indexed dims' sizes and strides.
+struct NdSlices {
+    inner: i64,
+    per_batch: i64,
+    batch_stride: i64,
+    kd: Dims,
+    ks: Strides,
+}
+
+impl NdSlices {
+    fn of(batch: usize, data: &[usize], ids: &[usize]) -> Result<NdSlices, String> {
+        let k = *ids.last().ok_or("indices have no axes")?;
+        if data.len() < batch + k || ids.len() <= batch {
+            return Err(format!("indices {ids:?} do not index {data:?} with {batch} batch dims"));
+        }
+        let st = strides(data);
+        Ok(NdSlices {
+            inner: data[batch + k..].iter().product::<usize>() as i64,
+            per_batch: ids[batch..ids.len() - 1].iter().product::<usize>().max(1) as i64,
+            batch_stride: data[batch..].iter().product::<usize>() as i64,
+            kd: dims(&data[batch..batch + k])?,
+            ks: strides_of(&st[batch..batch + k].iter().map(|&s| s as i64).collect::<Vec<_>>()),
+        })
+    }
 }
 
 /// Pad's kernel parameters: the output's and the input's shapes, the input's strides and the
@@ -912,6 +939,74 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 elementwise(dy.n()),
                 &mut params![*mode as i32, dy.n() as i64, od, id, is, begin, dy.at, y.at],
             )
+        }
+        Op::GatherND { batch_dims } => {
+            let (data, ids) = (x(0)?, x(1)?);
+            let wide = ids_i64(&ids, "GatherND's indices")?;
+            let nd = NdSlices::of(*batch_dims, data.shape(), ids.shape())?;
+            let fault = dev.fault(|| format!("GatherND into {:?}", data.shape()));
+            let n = y.n();
+            dev.kernel(
+                &sized("gather_nd", data.dtype())?,
+                elementwise(n),
+                &mut params![
+                    n as i64,
+                    nd.inner,
+                    nd.per_batch,
+                    nd.batch_stride,
+                    nd.kd,
+                    nd.ks,
+                    data.at,
+                    ids.at,
+                    wide,
+                    y.at,
+                    fault
+                ],
+            )
+        }
+        Op::GatherNDGrad { batch_dims, .. } => {
+            let (dy, ids) = (x(0)?, x(1)?);
+            need_f32(&dy, "the gradient")?;
+            let wide = ids_i64(&ids, "GatherNDGrad's indices")?;
+            let nd = NdSlices::of(*batch_dims, y.shape(), ids.shape())?;
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            let n = dy.n();
+            dev.kernel(
+                "gather_nd_grad_f32",
+                elementwise(n),
+                &mut params![
+                    n as i64,
+                    nd.inner,
+                    nd.per_batch,
+                    nd.batch_stride,
+                    nd.kd,
+                    nd.ks,
+                    dy.at,
+                    ids.at,
+                    wide,
+                    y.at
+                ],
+            )
+        }
+        Op::ScatterND { reduction } => {
+            let (data, ids, updates) = (x(0)?, x(1)?, x(2)?);
+            let wide = ids_i64(&ids, "ScatterND's indices")?;
+            let nd = NdSlices::of(0, data.shape(), ids.shape())?;
+            let tuples = (ids.n() / ids.shape().last().copied().unwrap_or(1).max(1)) as i64;
+            dev.copy(y.at, data.at, data.meta.bytes())?;
+            let n = y.n() as i64;
+            match reduction {
+                ScatterReduction::None => dev.kernel(
+                    &sized("scatter_nd", data.dtype())?,
+                    elementwise(y.n()),
+                    &mut params![n, tuples, nd.inner, nd.kd, nd.ks, updates.at, ids.at, wide, y.at],
+                ),
+                r => dev.kernel(
+                    &float_kernel("scatter_nd_reduce", data.dtype())?,
+                    elementwise(y.n()),
+                    &mut params![*r as i32, n, tuples, nd.inner, nd.kd, nd.ks, updates.at, ids.at, wide, y.at],
+                ),
+            }
         }
         Op::GatherElements { axis } => {
             let (data, ids) = (x(0)?, x(1)?);

@@ -1,8 +1,10 @@
-//! Ops that address elements by index tensors of the data's rank: GatherElements and its
-//! gradient (the scatter-add that ScatterElements with reduction "add" is); and ArgMax/ArgMin,
-//! which produce such indices.
+//! Ops that address elements by index tensors: GatherElements (indices of the data's rank) and
+//! its gradient (the scatter-add that ScatterElements with reduction "add" is); GatherND and
+//! ScatterND (k-tuples of indices naming slices) and GatherND's gradient; ArgMax/ArgMin, which
+//! produce indices.
 
 use super::KResult;
+use crate::graph::op::ScatterReduction;
 use crate::tensor::{strides, DType, TensorView, TensorViewMut};
 
 /// For each position of `idx` (row-major), the element offset in `data_shape` that it addresses:
@@ -58,6 +60,92 @@ fn scatter_add<T: Copy + Default + std::ops::AddAssign>(src: &[T], offsets: &[us
     for (&v, &at) in src.iter().zip(offsets) {
         out[at] += v;
     }
+}
+
+/// The slices that GatherND's and ScatterND's indices [.., k] name in data of `data_shape`:
+/// each k-tuple's element offset (within its batch: the first `batch` dims of data and indices
+/// are shared), and the slice's length (the product of data's dims past batch + k).
+fn nd_slices(batch: usize, data_shape: &[usize], idx: &TensorView) -> Result<(Vec<usize>, usize), String> {
+    let ids = idx.to_i64_vec().ok_or("indices must be integers")?;
+    let k = *idx.shape.last().ok_or("indices have no axes")?;
+    let st = strides(data_shape);
+    let per_batch: usize = idx.shape[batch..idx.shape.len() - 1].iter().product();
+    let batch_stride: usize = data_shape[batch..].iter().product();
+    let inner: usize = data_shape[batch + k..].iter().product();
+    let tuples: usize = idx.shape[..idx.shape.len() - 1].iter().product();
+    let mut offsets = Vec::with_capacity(tuples);
+    for t in 0..tuples {
+        let mut at = (t / per_batch.max(1)) * batch_stride;
+        for (j, &raw) in ids[t * k..(t + 1) * k].iter().enumerate() {
+            let dim = data_shape[batch + j] as i64;
+            let i = if raw < 0 { raw + dim } else { raw };
+            if !(0..dim).contains(&i) {
+                return Err(format!("index {raw} is out of range for axis {} of size {dim}", batch + j));
+            }
+            at += i as usize * st[batch + j];
+        }
+        offsets.push(at);
+    }
+    Ok((offsets, inner))
+}
+
+/// GatherND: output block t is data's slice at tuple t's offset.
+pub fn gather_nd(batch: usize, data: &TensorView, idx: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let size = data.dtype.size();
+    let (offsets, inner) = nd_slices(batch, data.shape, idx)?;
+    for (block, at) in y.bytes.chunks_mut((inner * size).max(1)).zip(offsets) {
+        block.copy_from_slice(&data.bytes[at * size..(at + inner) * size]);
+    }
+    Ok(())
+}
+
+/// GatherND's gradient: dData = zeros, each dY block added into the slice it was read from.
+pub fn gather_nd_grad(batch: usize, dy: &TensorView, idx: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    let shape = dx.shape.to_vec();
+    let (offsets, inner) = nd_slices(batch, &shape, idx)?;
+    let blocks: Vec<usize> = offsets.iter().flat_map(|&at| at..at + inner).collect();
+    match dy.dtype {
+        DType::F32 => scatter_add(dy.as_slice::<f32>(), &blocks, dx.as_mut_slice::<f32>()),
+        DType::F64 => scatter_add(dy.as_slice::<f64>(), &blocks, dx.as_mut_slice::<f64>()),
+        t => return Err(format!("GatherNDGrad is not implemented for {t}")),
+    }
+    Ok(())
+}
+
+/// ScatterND: y = data, then each update slice combined into the slice its tuple names, in
+/// index order (with `None`, of tuples that repeat the last wins).
+pub fn scatter_nd(
+    reduction: ScatterReduction,
+    data: &TensorView,
+    idx: &TensorView,
+    updates: &TensorView,
+    y: &mut TensorViewMut,
+) -> KResult {
+    let (offsets, inner) = nd_slices(0, data.shape, idx)?;
+    y.bytes.copy_from_slice(data.bytes);
+    if reduction == ScatterReduction::None {
+        let size = data.dtype.size();
+        for (t, &at) in offsets.iter().enumerate() {
+            let src = &updates.bytes[t * inner * size..(t + 1) * inner * size];
+            y.bytes[at * size..(at + inner) * size].copy_from_slice(src);
+        }
+        return Ok(());
+    }
+    // The arithmetic reductions in f64, as the CPU's other element-type-generic ops.
+    let (mut acc, upd) = (data.to_f64_vec(), updates.to_f64_vec());
+    for (t, &at) in offsets.iter().enumerate() {
+        for (o, &u) in acc[at..at + inner].iter_mut().zip(&upd[t * inner..(t + 1) * inner]) {
+            *o = match reduction {
+                ScatterReduction::Add => *o + u,
+                ScatterReduction::Mul => *o * u,
+                ScatterReduction::Max => o.max(u),
+                ScatterReduction::Min => o.min(u),
+                ScatterReduction::None => u,
+            };
+        }
+    }
+    super::write_f64(&acc, y);
+    Ok(())
 }
 
 /// y[o, i] = the index along the middle axis of x viewed as [outer, len, inner] of its largest

@@ -123,6 +123,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::ArgExtreme { max, axis, select_last_index, .. } => {
             index::arg_extreme(*max, *select_last_index, *axis as usize, &x(0)?, &mut outputs[0])
         }
+        Op::GatherND { batch_dims } => index::gather_nd(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::GatherNDGrad { batch_dims, .. } => index::gather_nd_grad(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::ScatterND { reduction } => index::scatter_nd(*reduction, &x(0)?, &x(1)?, &x(2)?, &mut outputs[0]),
         Op::GatherElements { axis } => index::gather_elements(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherElementsGrad { axis, .. } => {
             index::gather_elements_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0])
@@ -212,6 +215,7 @@ fn computes(op: &Op) -> bool {
             | Op::Slice { .. }
             | Op::Gather { .. }
             | Op::GatherElements { .. }
+            | Op::GatherND { .. }
             | Op::Pad { .. }
             | Op::Expand
             | Op::Trilu { .. }

@@ -433,6 +433,131 @@ extern "C" __global__ void gather_elements_grad_f32(i64 n, Dims d, int axis, i64
     }
 }
 
+// ---- GatherND and ScatterND ----
+
+// The offset in data of the slice that k-tuple t of the indices names: its batch's base (tuples
+// per batch, elements per batch) plus Σ index_j · stride_j over the k indexed dims (sizes kd,
+// strides ks); -1 for an index out of range.
+__device__ i64 nd_offset(i64 t, i64 per_batch, i64 batch_stride, const Dims& kd, const Strides& ks, const void* ids,
+                         int ids_i64) {
+    i64 at = (t / per_batch) * batch_stride;
+    for (int j = 0; j < (int)kd.rank; ++j) {
+        i64 q = t * kd.rank + j;
+        i64 id = ids_i64 ? ((const i64*)ids)[q] : (i64)((const int*)ids)[q];
+        if (id < 0) id += kd.size[j];
+        if (id < 0 || id >= kd.size[j]) return -1;
+        at += id * ks.at[j];
+    }
+    return at;
+}
+
+// GatherND: out[e] = data[slice of tuple e / inner, element e % inner]; an index out of range
+// sets *fault to 1 + the tuple's position and writes zero.
+template <typename T>
+__device__ void gather_nd(i64 n, i64 inner, i64 per_batch, i64 batch_stride, const Dims& kd, const Strides& ks,
+                          const T* data, const void* ids, int ids_i64, T* out, i64* fault) {
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        i64 t = e / inner, at = nd_offset(t, per_batch, batch_stride, kd, ks, ids, ids_i64);
+        if (at < 0) atomicCAS((u64*)fault, 0ull, (u64)(t + 1));
+        out[e] = at < 0 ? (T)0 : data[at + e % inner];
+    }
+}
+extern "C" __global__ void gather_nd_b8(i64 n, i64 inner, i64 per_batch, i64 batch_stride, Dims kd, Strides ks,
+                                        const u8* data, const void* ids, int ids_i64, u8* out, i64* fault) {
+    gather_nd<u8>(n, inner, per_batch, batch_stride, kd, ks, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_nd_b16(i64 n, i64 inner, i64 per_batch, i64 batch_stride, Dims kd, Strides ks,
+                                         const u16* data, const void* ids, int ids_i64, u16* out, i64* fault) {
+    gather_nd<u16>(n, inner, per_batch, batch_stride, kd, ks, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_nd_b32(i64 n, i64 inner, i64 per_batch, i64 batch_stride, Dims kd, Strides ks,
+                                         const u32* data, const void* ids, int ids_i64, u32* out, i64* fault) {
+    gather_nd<u32>(n, inner, per_batch, batch_stride, kd, ks, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_nd_b64(i64 n, i64 inner, i64 per_batch, i64 batch_stride, Dims kd, Strides ks,
+                                         const u64* data, const void* ids, int ids_i64, u64* out, i64* fault) {
+    gather_nd<u64>(n, inner, per_batch, batch_stride, kd, ks, data, ids, ids_i64, out, fault);
+}
+// dData (zeroed first by the backend) += dY at the slices GatherND read (atomicAdd: tuples may
+// repeat).
+extern "C" __global__ void gather_nd_grad_f32(i64 n, i64 inner, i64 per_batch, i64 batch_stride, Dims kd,
+                                              Strides ks, const float* dy, const void* ids, int ids_i64, float* dx) {
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        i64 at = nd_offset(e / inner, per_batch, batch_stride, kd, ks, ids, ids_i64);
+        if (at >= 0) atomicAdd(&dx[at + e % inner], dy[e]);
+    }
+}
+
+// ScatterND over out (a copy of data made first by the backend): each element of out visits
+// the tuples in order and takes (reduction 0) or combines (1 add, 2 mul, 3 max, 4 min) the
+// update of every slice that covers it. No atomics, so the order, and with repeated tuples the
+// result, is the CPU's; the cost is the out elements times the tuples.
+template <typename T>
+__device__ __forceinline__ bool nd_update(i64 e, i64 t, i64 inner, const Dims& kd, const Strides& ks, const void* ids,
+                                          int ids_i64, const T* updates, T* v) {
+    i64 at = nd_offset(t, 1, 0, kd, ks, ids, ids_i64);
+    if (at < 0 || e < at || e >= at + inner) return false;
+    *v = updates[t * inner + (e - at)];
+    return true;
+}
+template <typename T>
+__device__ void scatter_nd(i64 n, i64 tuples, i64 inner, const Dims& kd, const Strides& ks, const T* updates,
+                           const void* ids, int ids_i64, T* out) {
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        T v;
+        for (i64 t = 0; t < tuples; ++t)
+            if (nd_update(e, t, inner, kd, ks, ids, ids_i64, updates, &v)) out[e] = v;
+    }
+}
+extern "C" __global__ void scatter_nd_b8(i64 n, i64 tuples, i64 inner, Dims kd, Strides ks, const u8* updates,
+                                         const void* ids, int ids_i64, u8* out) {
+    scatter_nd<u8>(n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_b16(i64 n, i64 tuples, i64 inner, Dims kd, Strides ks, const u16* updates,
+                                          const void* ids, int ids_i64, u16* out) {
+    scatter_nd<u16>(n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_b32(i64 n, i64 tuples, i64 inner, Dims kd, Strides ks, const u32* updates,
+                                          const void* ids, int ids_i64, u32* out) {
+    scatter_nd<u32>(n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_b64(i64 n, i64 tuples, i64 inner, Dims kd, Strides ks, const u64* updates,
+                                          const void* ids, int ids_i64, u64* out) {
+    scatter_nd<u64>(n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+template <class S>
+__device__ void scatter_nd_reduce(int reduction, i64 n, i64 tuples, i64 inner, const Dims& kd, const Strides& ks,
+                                  const typename S::T* updates, const void* ids, int ids_i64, typename S::T* out) {
+    // In f64 and rounded once, as the CPU's.
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        typename S::T u;
+        double acc = (double)S::load(out[e]);
+        for (i64 t = 0; t < tuples; ++t) {
+            if (!nd_update(e, t, inner, kd, ks, ids, ids_i64, updates, &u)) continue;
+            double v = (double)S::load(u);
+            // max_of and min_of ignore a NaN operand, as the CPU's f64::max and f64::min.
+            acc = reduction == 1 ? acc + v : reduction == 2 ? acc * v : reduction == 3 ? max_of(acc, v) : min_of(acc, v);
+        }
+        out[e] = S::store((typename S::C)acc);
+    }
+}
+extern "C" __global__ void scatter_nd_reduce_f32(int reduction, i64 n, i64 tuples, i64 inner, Dims kd, Strides ks,
+                                                 const float* updates, const void* ids, int ids_i64, float* out) {
+    scatter_nd_reduce<F32>(reduction, n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_reduce_f16(int reduction, i64 n, i64 tuples, i64 inner, Dims kd, Strides ks,
+                                                 const u16* updates, const void* ids, int ids_i64, u16* out) {
+    scatter_nd_reduce<F16>(reduction, n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_reduce_bf16(int reduction, i64 n, i64 tuples, i64 inner, Dims kd, Strides ks,
+                                                  const u16* updates, const void* ids, int ids_i64, u16* out) {
+    scatter_nd_reduce<BF16>(reduction, n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_nd_reduce_f64(int reduction, i64 n, i64 tuples, i64 inner, Dims kd, Strides ks,
+                                                 const double* updates, const void* ids, int ids_i64, double* out) {
+    scatter_nd_reduce<F64>(reduction, n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
+}
+
 // ---- ArgMax and ArgMin ----
 
 // Integer element types for the families that compare elements as they are.
