@@ -784,6 +784,7 @@ pub fn infer_node(
             (op, vec![loss, s.clone()])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
+        Op::Sequence(_) => return Err(err(node, "a sequence op is resolved into tensor ops before inference")),
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
@@ -988,7 +989,15 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
 
     let mut kept = Vec::with_capacity(g.nodes.len());
     let mut queue: VecDeque<Node> = std::mem::take(&mut g.nodes).into();
+    let mut sequences = super::sequence::Sequences::new();
     while let Some(mut node) = queue.pop_front() {
+        if let Op::Sequence(s) = &node.op {
+            let s = *s;
+            for n in super::sequence::resolve(&mut g, &mut consts, &mut sequences, &node, &s)?.into_iter().rev() {
+                queue.push_front(n);
+            }
+            continue;
+        }
         let metas: Vec<Option<Meta>> = node.inputs.iter().map(|i| i.and_then(|v| g.values[v].meta.clone())).collect();
         for (k, i) in node.inputs.iter().enumerate() {
             if let Some(v) = i {

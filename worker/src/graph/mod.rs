@@ -1,5 +1,5 @@
 //! The graph engine: IR, the operator vocabulary, ONNX conversion, static binding (shape
-//! inference and folding) and fusion passes.
+//! inference and folding, sequences resolved into their tensors) and fusion passes.
 
 pub mod autocast;
 pub mod flops;
@@ -8,3 +8,4 @@ pub mod infer;
 pub mod ir;
 pub mod onnx_io;
 pub mod op;
+pub mod sequence;

@@ -94,6 +94,13 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
         let v = g.find(vi.name()).ok_or_else(|| {
             Error::Corrupt(format!("{origin}: graph output '{}' is not produced by any node or initializer", vi.name()))
         })?;
+        // Sequences live only inside the graph (binding resolves them into their tensors).
+        if let Some(TypeProto { value: Some(type_proto::Value::SequenceType(_)), .. }) = &vi.r#type {
+            return Err(Error::Unsupported(format!(
+                "{origin}: graph output '{}' is a sequence; graph outputs must be tensors",
+                vi.name()
+            )));
+        }
         g.outputs.push(v);
         if let Some(t) = vi.r#type.as_ref().and_then(dims_of) {
             g.output_types.insert(v, t);

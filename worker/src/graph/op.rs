@@ -345,6 +345,28 @@ pub enum ScatterReduction {
     Min,
 }
 
+/// The ops over sequences of tensors; `graph::sequence` resolves them when the graph is bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SequenceOp {
+    /// SplitToSequence: x (, split) -> the parts along `axis`; without `split`, parts of one
+    /// element, the axis dropped unless `keepdims`.
+    Split { axis: i64, keepdims: bool },
+    /// SequenceConstruct: tensors -> the sequence of them.
+    Construct,
+    /// SequenceEmpty.
+    Empty,
+    /// SequenceAt: sequence, position -> the element.
+    At,
+    /// SequenceLength: sequence -> its length (i64 scalar).
+    Length,
+    /// SequenceInsert: sequence, tensor (, position; default the end).
+    Insert,
+    /// SequenceErase: sequence (, position; default the last).
+    Erase,
+    /// ConcatFromSequence: the elements concatenated along `axis`, or stacked along a new one.
+    Concat { axis: i64, new_axis: bool },
+}
+
 /// How Pad fills the border: ONNX's modes, in the order the CUDA kernels number them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PadMode {
@@ -503,6 +525,8 @@ pub enum Op {
         reduction: LossReduction,
         ignore_index: Option<i64>,
     },
+    /// An op over sequences of tensors, resolved into tensor ops when the graph is bound.
+    Sequence(SequenceOp),
     /// Shape-producing ops; fully folded into constants at plan time.
     Constant {
         value: Tensor,
@@ -701,6 +725,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Celu",
     "Clip",
     "Concat",
+    "ConcatFromSequence",
     "Constant",
     "ConstantOfShape",
     "Conv",
@@ -764,6 +789,12 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Round",
     "ScatterND",
     "Selu",
+    "SequenceAt",
+    "SequenceConstruct",
+    "SequenceEmpty",
+    "SequenceErase",
+    "SequenceInsert",
+    "SequenceLength",
     "Shape",
     "Sigmoid",
     "Sign",
@@ -776,6 +807,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Softplus",
     "Softsign",
     "Split",
+    "SplitToSequence",
     "Sqrt",
     "Squeeze",
     "Sub",
@@ -1042,6 +1074,19 @@ impl Op {
             },
             "Range" => Op::Range,
             "Size" => Op::Size,
+            "SplitToSequence" => {
+                Op::Sequence(SequenceOp::Split { axis: a.int("axis", 0)?, keepdims: a.int("keepdims", 1)? != 0 })
+            }
+            "SequenceConstruct" => Op::Sequence(SequenceOp::Construct),
+            "SequenceEmpty" => Op::Sequence(SequenceOp::Empty),
+            "SequenceAt" => Op::Sequence(SequenceOp::At),
+            "SequenceLength" => Op::Sequence(SequenceOp::Length),
+            "SequenceInsert" => Op::Sequence(SequenceOp::Insert),
+            "SequenceErase" => Op::Sequence(SequenceOp::Erase),
+            "ConcatFromSequence" => Op::Sequence(SequenceOp::Concat {
+                axis: a.opt_int("axis")?.ok_or_else(|| a.bad("axis", "given"))?,
+                new_axis: a.int("new_axis", 0)? != 0,
+            }),
             "ArgMax" | "ArgMin" => Op::ArgExtreme {
                 max: op_type == "ArgMax",
                 axis: a.int("axis", 0)?,
@@ -1169,6 +1214,16 @@ impl Op {
             Op::ConstantOfShape { .. } => onnx("ConstantOfShape"),
             Op::Range => onnx("Range"),
             Op::Size => onnx("Size"),
+            Op::Sequence(s) => onnx(match s {
+                SequenceOp::Split { .. } => "SplitToSequence",
+                SequenceOp::Construct => "SequenceConstruct",
+                SequenceOp::Empty => "SequenceEmpty",
+                SequenceOp::At => "SequenceAt",
+                SequenceOp::Length => "SequenceLength",
+                SequenceOp::Insert => "SequenceInsert",
+                SequenceOp::Erase => "SequenceErase",
+                SequenceOp::Concat { .. } => "ConcatFromSequence",
+            }),
             Op::ArgExtreme { max: true, .. } => onnx("ArgMax"),
             Op::ArgExtreme { max: false, .. } => onnx("ArgMin"),
             Op::Squeeze { .. } => onnx("Squeeze"),
@@ -1365,6 +1420,9 @@ impl Op {
             Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
             Op::Pad { .. } => 1..4,
+            // Split sizes and positions (a sequence op's other inputs are tensors or sequences).
+            Op::Sequence(SequenceOp::Split { .. } | SequenceOp::At | SequenceOp::Erase) => 1..2,
+            Op::Sequence(SequenceOp::Insert) => 2..3,
             Op::Squeeze { .. } | Op::Unsqueeze { .. } | Op::Split { .. } | Op::ReduceOp { .. } => 1..2,
             Op::Slice { .. } => 1..5,
             Op::ConstantOfShape { .. } => 0..1,

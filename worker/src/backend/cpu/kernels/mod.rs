@@ -193,6 +193,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Unsqueeze { .. }
         | Op::Flatten { .. }
         | Op::CastLike
+        | Op::Sequence(_)
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
