@@ -1455,3 +1455,51 @@ fn gather_nd_and_scatter_nd_match_the_cpu_backend_on_the_emulated_kernels() {
         }
     }
 }
+
+/// NegativeLogLikelihoodLoss and its gradient with every reduction, weights and an ignored label,
+/// over [N, C] and [N, C, D] log-probabilities in f32 and f64, on the emulated kernels against the
+/// CPU backend.
+#[test]
+fn negative_log_likelihood_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for (shape, labels) in [
+        (vec![5usize, 4], Tensor::from_vec(&[5], vec![0i64, 3, -1, 1, 2])),
+        (vec![2, 4, 3], Tensor::from_vec(&[2, 3], vec![0i64, 3, 1, -1, 2, 0])),
+    ] {
+        let label_shape = labels.shape().to_vec();
+        for t in [DType::F32, DType::F64] {
+            let x = Tensor::from_vec(&shape, values(shape.iter().product(), 3)).cast(t);
+            let w = Tensor::from_vec(&[4], vec![0.5f32, 1.0, 2.0, 1.5]).cast(t);
+            for reduction in [LossReduction::Mean, LossReduction::Sum, LossReduction::None] {
+                for weighted in [false, true] {
+                    let ignore_index = Some(-1);
+                    let loss_shape = if reduction == LossReduction::None { label_shape.clone() } else { vec![] };
+                    let mut inputs = vec![x.clone(), labels.clone()];
+                    let mut grad_inputs = vec![
+                        Tensor::from_vec(&loss_shape, values(loss_shape.iter().product(), 6)).cast(t),
+                        labels.clone(),
+                    ];
+                    if weighted {
+                        inputs.push(w.clone());
+                        grad_inputs.push(w.clone());
+                    }
+                    let what = format!("{t} {shape:?} {reduction:?} weighted {weighted}");
+                    let op = Op::NegativeLogLikelihoodLoss { reduction, ignore_index };
+                    let out = [Meta::new(t, &loss_shape)];
+                    close_as_f32(
+                        &what,
+                        &run_typed(&gpu, &op, &inputs, &out),
+                        &run_typed(&cpu, &op, &inputs, &out),
+                        1e-6,
+                    );
+                    let grad =
+                        Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, input_shape: shape.clone() };
+                    let out = [Meta::new(t, &shape)];
+                    let (g, c) =
+                        (run_typed(&gpu, &grad, &grad_inputs, &out), run_typed(&cpu, &grad, &grad_inputs, &out));
+                    close_as_f32(&format!("{what}, gradient"), &g, &c, 1e-6);
+                }
+            }
+        }
+    }
+}

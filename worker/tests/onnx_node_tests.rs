@@ -136,6 +136,7 @@ const REQUIRED_OPS: &[&str] = &[
     "Pad",
     "GatherND",
     "ScatterND",
+    "NegativeLogLikelihoodLoss",
 ];
 
 enum Outcome {

@@ -331,21 +331,32 @@ fn softmax_layernorm_and_losses() {
         ("SoftmaxCrossEntropyLoss weighted sum", LossReduction::Sum, None, true),
         ("SoftmaxCrossEntropyLoss none NCd", LossReduction::None, None, false),
     ] {
-        let mut b = CaseBuilder::new(13);
         let nc_d = reduction == LossReduction::None;
-        let x = b.param("scores", if nc_d { &[2, 4, 3] } else { &[5, 4] }, -2.0, 2.0);
         let labels = if nc_d {
             Tensor::from_vec(&[2, 3], vec![0i64, 3, 1, 2, 2, 0])
         } else {
             Tensor::from_vec(&[5], vec![0i64, 3, 2, 1, 2])
         };
-        let l = b.constant("labels", labels);
-        let mut ins = vec![x, l];
-        if weights {
-            ins.push(b.constant("w", Tensor::from_vec(&[4], vec![0.5f32, 1.0, 2.0, 1.5])));
+        let w = Tensor::from_vec(&[4], vec![0.5f32, 1.0, 2.0, 1.5]);
+        // The same positions through NegativeLogLikelihoodLoss, over the scores as they are (it
+        // reads log-probabilities, but its gradient does not depend on that).
+        for (loss, op) in [
+            (name.to_string(), Op::SoftmaxCrossEntropyLoss { reduction, ignore_index: ignore }),
+            (
+                name.replace("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"),
+                Op::NegativeLogLikelihoodLoss { reduction, ignore_index: ignore },
+            ),
+        ] {
+            let mut b = CaseBuilder::new(13);
+            let x = b.param("scores", if nc_d { &[2, 4, 3] } else { &[5, 4] }, -2.0, 2.0);
+            let l = b.constant("labels", labels.clone());
+            let mut ins = vec![x, l];
+            if weights {
+                ins.push(b.constant("w", w.clone()));
+            }
+            let y = b.g.op1("y", op, &ins);
+            check(&loss, b.done(y));
         }
-        let y = b.g.op1("y", Op::SoftmaxCrossEntropyLoss { reduction, ignore_index: ignore }, &ins);
-        check(name, b.done(y));
     }
 }
 

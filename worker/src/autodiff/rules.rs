@@ -424,6 +424,16 @@ pub fn backward(
             let op = Op::SoftmaxCrossEntropyLossGrad { reduction: *reduction, ignore_index: *ignore_index };
             vec![Some(b.emit1(&name, op, &ins)?), None, None]
         }
+        Op::NegativeLogLikelihoodLoss { reduction, ignore_index } => {
+            let mut ins = vec![dy, x(1)];
+            if let Some(w) = node.input(2) {
+                ins.push(w);
+            }
+            let input_shape = shape_of(b, x(0));
+            let op =
+                Op::NegativeLogLikelihoodLossGrad { reduction: *reduction, ignore_index: *ignore_index, input_shape };
+            vec![Some(b.emit1(&name, op, &ins)?), None, None]
+        }
         Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
         Op::Attention { scale, causal } => {
             // The backward pass reads the output and the rows' log-sum-exp, and recomputes the

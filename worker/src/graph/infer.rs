@@ -759,7 +759,7 @@ pub fn infer_node(
             }
             (Op::BatchNorm { epsilon: *epsilon, momentum: *momentum, training }, outs)
         }
-        Op::SoftmaxCrossEntropyLoss { reduction, .. } => {
+        Op::SoftmaxCrossEntropyLoss { reduction, .. } | Op::NegativeLogLikelihoodLoss { reduction, .. } => {
             let (s, l) = (m(0)?, m(1)?);
             if let Some(Some(w)) = metas.get(2) {
                 same_dtype(&[0, 2])?;
@@ -781,7 +781,14 @@ pub fn infer_node(
                 LossReduction::None => Meta::new(s.dtype, &l.shape),
                 _ => Meta::new(s.dtype, &[]),
             };
-            (op, vec![loss, s.clone()])
+            // SoftmaxCrossEntropyLoss's second output: the log-probabilities.
+            match op {
+                Op::SoftmaxCrossEntropyLoss { .. } => (op, vec![loss, s.clone()]),
+                _ => (op, vec![loss]),
+            }
+        }
+        Op::NegativeLogLikelihoodLossGrad { input_shape, .. } => {
+            (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
         Op::Sequence(_) => return Err(err(node, "a sequence op is resolved into tensor ops before inference")),

@@ -527,6 +527,12 @@ pub enum Op {
     },
     /// An op over sequences of tensors, resolved into tensor ops when the graph is bound.
     Sequence(SequenceOp),
+    /// log-probabilities [N, C, D...], labels [N, D...] (, weights [C]) -> −x[n, label, d]·w[label]
+    /// per position (0 where the label is ignored), reduced as SoftmaxCrossEntropyLoss's.
+    NegativeLogLikelihoodLoss {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
     /// Shape-producing ops; fully folded into constants at plan time.
     Constant {
         value: Tensor,
@@ -586,6 +592,13 @@ pub enum Op {
     GatherGrad {
         axis: i64,
         data_shape: Vec<usize>,
+    },
+    /// dLoss, labels (, weights) -> dX of `input_shape`: −w[label]·dLoss (÷ the summed weights
+    /// for a mean) at each counted position's label, zeros elsewhere.
+    NegativeLogLikelihoodLossGrad {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+        input_shape: Vec<usize>,
     },
     /// dY, indices -> dData: dY scatter-added into zeros of `data_shape` where GatherElements
     /// read it.
@@ -767,6 +780,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Mod",
     "Mul",
     "Neg",
+    "NegativeLogLikelihoodLoss",
     "Not",
     "Or",
     "PRelu",
@@ -1064,6 +1078,9 @@ impl Op {
                 momentum: a.float("momentum", 0.9)?,
                 training: a.int("training_mode", 0)? != 0,
             },
+            "NegativeLogLikelihoodLoss" => {
+                Op::NegativeLogLikelihoodLoss { reduction: reduction(a)?, ignore_index: a.opt_int("ignore_index")? }
+            }
             "SoftmaxCrossEntropyLoss" => {
                 Op::SoftmaxCrossEntropyLoss { reduction: reduction(a)?, ignore_index: a.opt_int("ignore_index")? }
             }
@@ -1209,6 +1226,8 @@ impl Op {
             Op::GlobalAveragePool => onnx("GlobalAveragePool"),
             Op::BatchNorm { .. } => onnx("BatchNormalization"),
             Op::SoftmaxCrossEntropyLoss { .. } => onnx("SoftmaxCrossEntropyLoss"),
+            Op::NegativeLogLikelihoodLoss { .. } => onnx("NegativeLogLikelihoodLoss"),
+            Op::NegativeLogLikelihoodLossGrad { .. } => internal("NegativeLogLikelihoodLossGrad"),
             Op::Constant { .. } => onnx("Constant"),
             Op::Shape { .. } => onnx("Shape"),
             Op::ConstantOfShape { .. } => onnx("ConstantOfShape"),
@@ -1347,6 +1366,8 @@ impl Op {
                 vec![f("epsilon", *epsilon), f("momentum", *momentum), i("training_mode", *training as i64)]
             }
             Op::SoftmaxCrossEntropyLoss { reduction, ignore_index }
+            | Op::NegativeLogLikelihoodLoss { reduction, ignore_index }
+            | Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, .. }
             | Op::VocabParallelLoss { reduction, ignore_index }
             | Op::VocabParallelLossGrad { reduction, ignore_index } => {
                 let r = match reduction {

@@ -1050,6 +1050,83 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             )
         }
         Op::ReduceSumTo { .. } => reduce_sum_to(dev, x(0)?, y),
+        Op::NegativeLogLikelihoodLoss { reduction, ignore_index } => {
+            let (input, labels, w) = (x(0)?, x(1)?, ins.get(2).copied().flatten());
+            let (n, c, d) = channels(input.shape())?;
+            let positions = (n * d) as usize;
+            let wide = ids_i64(&labels, "NegativeLogLikelihoodLoss' labels")?;
+            let (has_ignore, ignore) = (ignore_index.is_some() as i32, ignore_index.unwrap_or(0));
+            let w_at = w.map_or(NULL, |w| w.at);
+            let fault = dev.fault(|| format!("NegativeLogLikelihoodLoss over {c} classes"));
+            let t = input.dtype();
+            let per_meta = Meta::new(t, &[positions]);
+            let scratch = scratch_parts(dev, &[positions * t.size(); 2])?;
+            let per = if *reduction == LossReduction::None { y } else { V { meta: &per_meta, at: scratch[0] } };
+            dev.kernel(
+                &float_kernel("nll", t)?,
+                elementwise(positions),
+                &mut params![
+                    positions as i64,
+                    c as i64,
+                    d,
+                    input.at,
+                    labels.at,
+                    wide,
+                    has_ignore,
+                    ignore,
+                    w_at,
+                    per.at,
+                    fault
+                ],
+            )?;
+            if *reduction == LossReduction::None {
+                return Ok(());
+            }
+            reduce_strided(dev, Reduce::Sum, per, &[true], y)?;
+            if *reduction == LossReduction::Mean {
+                let counted = V { meta: &per_meta, at: scratch[1] };
+                let den = nll_denominator(dev, &labels, w, c, *ignore_index, counted, y.meta)?;
+                binary(dev, Binary::Div, y, den, y)?;
+            }
+            Ok(())
+        }
+        Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, .. } => {
+            let (dloss, labels, w) = (x(0)?, x(1)?, ins.get(2).copied().flatten());
+            let (n, c, d) = channels(y.shape())?;
+            let positions = (n * d) as usize;
+            let wide = ids_i64(&labels, "NegativeLogLikelihoodLoss' labels")?;
+            let (has_ignore, ignore) = (ignore_index.is_some() as i32, ignore_index.unwrap_or(0));
+            let t = y.dtype();
+            let counted_meta = Meta::new(t, &[positions]);
+            let den = match reduction {
+                LossReduction::Mean => {
+                    let at = scratch_parts(dev, &[positions * t.size()])?[0];
+                    let counted = V { meta: &counted_meta, at };
+                    nll_denominator(dev, &labels, w, c, *ignore_index, counted, dloss.meta)?.at
+                }
+                _ => NULL,
+            };
+            dev.fill(y.at, 0, y.meta.bytes())?;
+            let per_position = (*reduction == LossReduction::None) as i32;
+            dev.kernel(
+                &float_kernel("nll_grad", t)?,
+                elementwise(positions),
+                &mut params![
+                    positions as i64,
+                    c as i64,
+                    d,
+                    per_position,
+                    dloss.at,
+                    den,
+                    labels.at,
+                    wide,
+                    has_ignore,
+                    ignore,
+                    w.map_or(NULL, |w| w.at),
+                    y.at
+                ],
+            )
+        }
         Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => {
             let (scores, labels) = (x(0)?, x(1)?);
             // Scores of a half type are read as they are (mixed precision's logits: the
@@ -1276,6 +1353,32 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
             )
         }
     }
+}
+
+/// The divisor of NegativeLogLikelihoodLoss's mean: each position's weight (w[label], 1 without
+/// weights, 0 where ignored) into `counted`, summed into its first element, returned as a value
+/// of the scalar meta `scalar` (the loss's, or its gradient's).
+fn nll_denominator<'a>(
+    dev: Dev,
+    labels: &V,
+    w: Option<V>,
+    classes: usize,
+    ignore_index: Option<i64>,
+    counted: V,
+    scalar: &'a Meta,
+) -> Result<V<'a>, String> {
+    let positions = counted.n();
+    let wide = ids_i64(labels, "NegativeLogLikelihoodLoss' labels")?;
+    let (has_ignore, ignore) = (ignore_index.is_some() as i32, ignore_index.unwrap_or(0));
+    let w = w.map_or(NULL, |w| w.at);
+    dev.kernel(
+        &float_kernel("nll_weights", counted.dtype())?,
+        elementwise(positions),
+        &mut params![positions as i64, classes as i64, labels.at, wide, has_ignore, ignore, w, counted.at, NULL],
+    )?;
+    let den = V { meta: scalar, at: counted.at };
+    reduce_strided(dev, Reduce::Sum, counted, &[true], den)?;
+    Ok(den)
 }
 
 /// Pow with an exponent of another type than the base (ONNX's T1): both widened to f64, the

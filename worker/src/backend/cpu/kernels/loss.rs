@@ -214,3 +214,81 @@ pub fn softmax_cross_entropy_grad(
     });
     Ok(())
 }
+
+/// NegativeLogLikelihoodLoss's positions: each one's label (None where ignored) and weight (0
+/// where ignored), and the divisor of a mean (the summed weights; 1 otherwise).
+struct NllPositions {
+    labels: Vec<Option<usize>>,
+    counted: Vec<f64>,
+    den: f64,
+}
+
+impl NllPositions {
+    fn of(
+        reduction: LossReduction,
+        ignore: Option<i64>,
+        classes: usize,
+        labels: &TensorView,
+        weights: Option<&TensorView>,
+    ) -> Result<NllPositions, String> {
+        let labels = labels_of(labels, classes, ignore)?;
+        let w = weights.map(|w| w.to_f64_vec());
+        let counted: Vec<f64> = labels.iter().map(|l| l.map_or(0.0, |l| w.as_ref().map_or(1.0, |w| w[l]))).collect();
+        let den = match reduction {
+            LossReduction::Mean => counted.iter().sum(),
+            _ => 1.0,
+        };
+        Ok(NllPositions { labels, counted, den })
+    }
+}
+
+/// NegativeLogLikelihoodLoss over log-probabilities [N, C, D...]: −x[n, label, d]·w[label] per
+/// position, summed or averaged over the summed weights (a mean over none is NaN, as SCE's), in
+/// f64.
+pub fn negative_log_likelihood(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    input: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    loss: &mut TensorViewMut,
+) -> KResult {
+    let (_, c, d) = layout(input.shape);
+    let NllPositions { labels, counted, den } = NllPositions::of(reduction, ignore, c, labels, weights.as_ref())?;
+    let x = input.to_f64_vec();
+    let per: Vec<f64> = labels
+        .iter()
+        .zip(&counted)
+        .enumerate()
+        .map(|(p, (l, w))| l.map_or(0.0, |l| -x[(p / d * c + l) * d + p % d] * w))
+        .collect();
+    match reduction {
+        LossReduction::None => super::write_f64(&per, loss),
+        _ => super::write_f64(&[per.iter().sum::<f64>() / den], loss),
+    }
+    Ok(())
+}
+
+/// NegativeLogLikelihoodLoss's gradient: −w[label]·dLoss (÷ the summed weights for a mean) at
+/// each counted position's label, zeros elsewhere.
+pub fn negative_log_likelihood_grad(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    dloss: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    dx: &mut TensorViewMut,
+) -> KResult {
+    let (_, c, d) = layout(dx.shape);
+    let NllPositions { labels, counted, den } = NllPositions::of(reduction, ignore, c, labels, weights.as_ref())?;
+    let g = dloss.to_f64_vec();
+    let mut out = vec![0f64; dx.numel()];
+    for (p, (l, w)) in labels.iter().zip(&counted).enumerate() {
+        if let Some(l) = l {
+            let dl = if reduction == LossReduction::None { g[p] } else { g[0] };
+            out[(p / d * c + l) * d + p % d] = -w * dl / den;
+        }
+    }
+    super::write_f64(&out, dx);
+    Ok(())
+}

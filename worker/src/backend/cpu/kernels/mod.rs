@@ -138,6 +138,14 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             shape::reduce(*kind, axes.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0])
         }
         Op::ReduceSumTo { .. } => shape::reduce_sum_to(&x(0)?, &mut outputs[0]),
+        Op::NegativeLogLikelihoodLoss { reduction, ignore_index } => {
+            let w = inputs.get(2).copied().flatten();
+            loss::negative_log_likelihood(*reduction, *ignore_index, &x(0)?, &x(1)?, w, &mut outputs[0])
+        }
+        Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, .. } => {
+            let w = inputs.get(2).copied().flatten();
+            loss::negative_log_likelihood_grad(*reduction, *ignore_index, &x(0)?, &x(1)?, w, &mut outputs[0])
+        }
         Op::SoftmaxCrossEntropyLoss { reduction, ignore_index } => loss::softmax_cross_entropy(
             *reduction,
             *ignore_index,

@@ -343,6 +343,108 @@ extern "C" __global__ void cross_entropy_grad_rows_bf16(i64 cols, int reduction,
     cross_entropy_grad_row<BF16>(cols, reduction, dloss, logp, labels, labels_i64, w, den, dx);
 }
 
+// ---- NegativeLogLikelihoodLoss, and its gradient ----
+
+// The label at position p (of N·D, p = n·D + k) if it counts: -1 where it is ignored; an
+// out-of-range label sets *fault to 1 + p and does not count.
+__device__ __forceinline__ i64 nll_label(i64 p, i64 c, const void* labels, int labels_i64, int has_ignore,
+                                         i64 ignore, i64* fault) {
+    i64 l = labels_i64 ? ((const i64*)labels)[p] : (i64)((const int*)labels)[p];
+    if (has_ignore && l == ignore) return -1;
+    if (l < 0 || l >= c) {
+        if (fault) atomicCAS((u64*)fault, 0ull, (u64)(p + 1));
+        return -1;
+    }
+    return l;
+}
+
+// Each position's weight: w[label] (1 without weights), 0 where the label does not count.
+template <class S>
+__device__ void nll_weights(i64 positions, i64 c, const void* labels, int labels_i64, int has_ignore, i64 ignore,
+                            const typename S::T* w, typename S::T* counted, i64* fault) {
+    for (i64 p = first_index(); p < positions; p += grid_stride()) {
+        i64 l = nll_label(p, c, labels, labels_i64, has_ignore, ignore, fault);
+        counted[p] = S::store(l < 0 ? (typename S::C)0 : (w ? S::load(w[l]) : (typename S::C)1));
+    }
+}
+// Each position's loss over log-probabilities [N, C, D]: −x[n, label, k]·w[label], or 0.
+template <class S>
+__device__ void nll(i64 positions, i64 c, i64 d, const typename S::T* x, const void* labels, int labels_i64,
+                    int has_ignore, i64 ignore, const typename S::T* w, typename S::T* per, i64* fault) {
+    typedef typename S::C C;
+    for (i64 p = first_index(); p < positions; p += grid_stride()) {
+        i64 l = nll_label(p, c, labels, labels_i64, has_ignore, ignore, fault);
+        C wl = l < 0 ? (C)0 : (w ? S::load(w[l]) : (C)1);
+        per[p] = S::store(l < 0 ? (C)0 : -S::load(x[((p / d) * c + l) * d + p % d]) * wl);
+    }
+}
+// dX (zeroed first by the backend) at each counted position's label: −w[label]·dLoss (dLoss per
+// position, or the one value), divided by *den for a mean.
+template <class S>
+__device__ void nll_grad(i64 positions, i64 c, i64 d, int per_position, const typename S::T* dloss,
+                         const typename S::T* den, const void* labels, int labels_i64, int has_ignore, i64 ignore,
+                         const typename S::T* w, typename S::T* dx) {
+    typedef typename S::C C;
+    for (i64 p = first_index(); p < positions; p += grid_stride()) {
+        i64 l = nll_label(p, c, labels, labels_i64, has_ignore, ignore, (i64*)0);
+        if (l < 0) continue;
+        C g = S::load(dloss[per_position ? p : 0]) * (w ? S::load(w[l]) : (C)1);
+        dx[((p / d) * c + l) * d + p % d] = S::store(-(den ? g / S::load(*den) : g));
+    }
+}
+extern "C" __global__ void nll_weights_f32(i64 positions, i64 c, const void* labels, int labels_i64, int has_ignore,
+                                           i64 ignore, const float* w, float* counted, i64* fault) {
+    nll_weights<F32>(positions, c, labels, labels_i64, has_ignore, ignore, w, counted, fault);
+}
+extern "C" __global__ void nll_weights_f16(i64 positions, i64 c, const void* labels, int labels_i64, int has_ignore,
+                                           i64 ignore, const u16* w, u16* counted, i64* fault) {
+    nll_weights<F16>(positions, c, labels, labels_i64, has_ignore, ignore, w, counted, fault);
+}
+extern "C" __global__ void nll_weights_bf16(i64 positions, i64 c, const void* labels, int labels_i64, int has_ignore,
+                                            i64 ignore, const u16* w, u16* counted, i64* fault) {
+    nll_weights<BF16>(positions, c, labels, labels_i64, has_ignore, ignore, w, counted, fault);
+}
+extern "C" __global__ void nll_weights_f64(i64 positions, i64 c, const void* labels, int labels_i64, int has_ignore,
+                                           i64 ignore, const double* w, double* counted, i64* fault) {
+    nll_weights<F64>(positions, c, labels, labels_i64, has_ignore, ignore, w, counted, fault);
+}
+extern "C" __global__ void nll_f32(i64 positions, i64 c, i64 d, const float* x, const void* labels, int labels_i64,
+                                   int has_ignore, i64 ignore, const float* w, float* per, i64* fault) {
+    nll<F32>(positions, c, d, x, labels, labels_i64, has_ignore, ignore, w, per, fault);
+}
+extern "C" __global__ void nll_f16(i64 positions, i64 c, i64 d, const u16* x, const void* labels, int labels_i64,
+                                   int has_ignore, i64 ignore, const u16* w, u16* per, i64* fault) {
+    nll<F16>(positions, c, d, x, labels, labels_i64, has_ignore, ignore, w, per, fault);
+}
+extern "C" __global__ void nll_bf16(i64 positions, i64 c, i64 d, const u16* x, const void* labels, int labels_i64,
+                                    int has_ignore, i64 ignore, const u16* w, u16* per, i64* fault) {
+    nll<BF16>(positions, c, d, x, labels, labels_i64, has_ignore, ignore, w, per, fault);
+}
+extern "C" __global__ void nll_f64(i64 positions, i64 c, i64 d, const double* x, const void* labels, int labels_i64,
+                                   int has_ignore, i64 ignore, const double* w, double* per, i64* fault) {
+    nll<F64>(positions, c, d, x, labels, labels_i64, has_ignore, ignore, w, per, fault);
+}
+extern "C" __global__ void nll_grad_f32(i64 positions, i64 c, i64 d, int per_position, const float* dloss,
+                                        const float* den, const void* labels, int labels_i64, int has_ignore,
+                                        i64 ignore, const float* w, float* dx) {
+    nll_grad<F32>(positions, c, d, per_position, dloss, den, labels, labels_i64, has_ignore, ignore, w, dx);
+}
+extern "C" __global__ void nll_grad_f16(i64 positions, i64 c, i64 d, int per_position, const u16* dloss,
+                                        const u16* den, const void* labels, int labels_i64, int has_ignore,
+                                        i64 ignore, const u16* w, u16* dx) {
+    nll_grad<F16>(positions, c, d, per_position, dloss, den, labels, labels_i64, has_ignore, ignore, w, dx);
+}
+extern "C" __global__ void nll_grad_bf16(i64 positions, i64 c, i64 d, int per_position, const u16* dloss,
+                                         const u16* den, const void* labels, int labels_i64, int has_ignore,
+                                         i64 ignore, const u16* w, u16* dx) {
+    nll_grad<BF16>(positions, c, d, per_position, dloss, den, labels, labels_i64, has_ignore, ignore, w, dx);
+}
+extern "C" __global__ void nll_grad_f64(i64 positions, i64 c, i64 d, int per_position, const double* dloss,
+                                        const double* den, const void* labels, int labels_i64, int has_ignore,
+                                        i64 ignore, const double* w, double* dx) {
+    nll_grad<F64>(positions, c, d, per_position, dloss, den, labels, labels_i64, has_ignore, ignore, w, dx);
+}
+
 // ---- Gather along an axis, and its gradient (the embedding's) ----
 
 // out[o, k, i] = data[o, ids[k], i] for `inner` 4-byte elements; negative ids count from the
