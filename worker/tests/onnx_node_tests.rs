@@ -137,6 +137,7 @@ const REQUIRED_OPS: &[&str] = &[
     "GatherND",
     "ScatterND",
     "NegativeLogLikelihoodLoss",
+    "Tile",
 ];
 
 enum Outcome {

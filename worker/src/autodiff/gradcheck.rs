@@ -441,6 +441,13 @@ fn data_movement() {
         check(&format!("Pad {mode:?}"), b.done(y));
     }
 
+    // Tile (through the Reshape → Expand → Reshape it binds as): each element read 6 times.
+    let mut b = CaseBuilder::new(38);
+    let x = b.param("x", &[2, 3], -1.0, 1.0);
+    let repeats = b.constant("repeats", Tensor::from_vec(&[2], vec![3i64, 2]));
+    let y = b.g.op1("y", Op::Tile, &[x, repeats]);
+    check("Tile", b.done(y));
+
     // GatherND with a batch dim, and ScatterND replacing and adding slices (a tuple repeated).
     let mut b = CaseBuilder::new(36);
     let x = b.param("x", &[2, 3, 4], -1.0, 1.0);

@@ -791,7 +791,9 @@ pub fn infer_node(
             (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
-        Op::Sequence(_) => return Err(err(node, "a sequence op is resolved into tensor ops before inference")),
+        Op::Sequence(_) | Op::Tile => {
+            return Err(err(node, "sequence ops and Tile are rewritten into other ops before inference"))
+        }
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
@@ -1016,6 +1018,12 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                 }
             }
         }
+        if let Some(expanded) = expand_tile(&mut g, &mut consts, &node, &metas)? {
+            for n in expanded.into_iter().rev() {
+                queue.push_front(n);
+            }
+            continue;
+        }
         if let Some(expanded) = expand_coerced_softmax(&mut g, &mut consts, &node, &metas) {
             for n in expanded.into_iter().rev() {
                 queue.push_front(n);
@@ -1077,6 +1085,55 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
     g.inputs.retain(|d| !bindings.constants.contains_key(&d.value) && !graph.initializers.contains_key(&d.value));
     g.prune();
     Ok(g)
+}
+
+/// Tile as the ops that make it: x [d0, d1, ...] viewed as [1, d0, 1, d1, ...], expanded to
+/// [r0, d0, r1, d1, ...] and viewed as [r0·d0, r1·d1, ...], queued for binding in its place.
+fn expand_tile(
+    g: &mut Graph,
+    consts: &mut HashMap<ValueId, Tensor>,
+    node: &Node,
+    metas: &[Option<Meta>],
+) -> Result<Option<Vec<Node>>> {
+    if node.op != Op::Tile {
+        return Ok(None);
+    }
+    let x = metas.first().cloned().flatten().ok_or_else(|| err(node, "input 0 is missing"))?;
+    let repeats = node
+        .input(1)
+        .and_then(|v| consts.get(&v))
+        .and_then(|t| t.to_i64_vec())
+        .ok_or_else(|| err(node, "repeats (input 1) must be known when the graph is planned"))?;
+    if repeats.len() != x.shape.len() || repeats.iter().any(|&r| r < 0) {
+        return Err(err(node, format!("repeats {repeats:?} for an input of shape {:?}", x.shape)));
+    }
+    let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);
+    let dims = |f: &dyn Fn(usize, i64) -> [i64; 2]| -> Vec<i64> {
+        x.shape.iter().zip(&repeats).flat_map(|(&d, &r)| f(d, r)).collect()
+    };
+    let interleaved = dims(&|d, _| [1, d as i64]);
+    let expanded = dims(&|d, r| [r, d as i64]);
+    let tiled: Vec<i64> = x.shape.iter().zip(&repeats).map(|(&d, &r)| d as i64 * r).collect();
+    let mut operand = |name: &str, dims: Vec<i64>| {
+        let v = g.fresh(&format!("{}:{name}", node.name));
+        let t = Tensor::from_vec(&[dims.len()], dims);
+        g.values[v].meta = Some(Meta::new(t.dtype(), t.shape()));
+        consts.insert(v, t);
+        v
+    };
+    let (s1, s2, s3) = (operand("interleaved", interleaved), operand("expanded", expanded), operand("tiled", tiled));
+    let (a, b) = (g.fresh(&format!("{}:interleaved_x", node.name)), g.fresh(&format!("{}:expanded_x", node.name)));
+    let make = |suffix: &str, op: Op, inputs: [ValueId; 2], out: ValueId| Node {
+        name: format!("{}{suffix}", node.name),
+        op,
+        inputs: inputs.into_iter().map(Some).collect(),
+        outputs: vec![Some(out)],
+    };
+    Ok(Some(vec![
+        make(":interleave", Op::Reshape, [input, s1], a),
+        make(":expand", Op::Expand, [a, s2], b),
+        make("", Op::Reshape, [b, s3], output),
+    ]))
 }
 
 /// Before opset 13, Softmax and LogSoftmax normalize over all dims from `axis` on, as if the

@@ -488,6 +488,10 @@ pub enum Op {
         axis: i64,
     },
     Expand,
+    /// x, repeats -> x repeated along each axis; binding rewrites it as Reshape → Expand →
+    /// Reshape (x viewed as [1, d0, 1, d1, ...] expanded to [r0, d0, r1, d1, ...]), whose kernels
+    /// and gradients serve it.
+    Tile,
     /// `pads`: ONNX's begin pads then end pads, one per axis of the input once bound (its
     /// `pads`, `constant_value` and `axes` inputs are folded in); `value` fills the constant
     /// border.
@@ -828,6 +832,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Tan",
     "Tanh",
     "ThresholdedRelu",
+    "Tile",
     "Transpose",
     "Trilu",
     "Unsqueeze",
@@ -1030,6 +1035,7 @@ impl Op {
                 },
             },
             "Expand" => Op::Expand,
+            "Tile" => Op::Tile,
             // Before opset 11 pads and value are attributes; later inputs that inference folds.
             "Pad" => Op::Pad {
                 mode: match a.string("mode", "constant")?.as_str() {
@@ -1206,6 +1212,7 @@ impl Op {
             Op::GatherND { .. } => onnx("GatherND"),
             Op::ScatterND { .. } => onnx("ScatterND"),
             Op::Expand => onnx("Expand"),
+            Op::Tile => onnx("Tile"),
             Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
             Op::ReduceOp { kind, .. } => onnx(match kind {
@@ -1438,7 +1445,7 @@ impl Op {
     /// Ops whose inputs beyond the first are shape operands, folded away at plan time.
     pub fn static_operand_inputs(&self) -> std::ops::Range<usize> {
         match self {
-            Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike => 1..2,
+            Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike | Op::Tile => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
             Op::Pad { .. } => 1..4,
             // Split sizes and positions (a sequence op's other inputs are tensors or sequences).

@@ -202,6 +202,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Flatten { .. }
         | Op::CastLike
         | Op::Sequence(_)
+        | Op::Tile
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
