@@ -1503,3 +1503,24 @@ fn negative_log_likelihood_matches_the_cpu_backend_on_the_emulated_kernels() {
         }
     }
 }
+
+/// CumSum each way along each axis, of f32, bf16, f64 and i64, on the emulated kernels against the
+/// CPU backend.
+#[test]
+fn cumsum_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for t in [DType::F32, DType::BF16, DType::F64, DType::I64] {
+        let x = Tensor::from_vec(&[3, 4, 5], values(60, 2).iter().map(|v| v * 10.0).collect()).cast(t);
+        for axis in 0..3 {
+            for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)] {
+                let op = Op::CumSum { axis, exclusive, reverse };
+                let out = [Meta::new(t, &[3, 4, 5])];
+                let (g, c) = (
+                    run_typed(&gpu, &op, std::slice::from_ref(&x), &out),
+                    run_typed(&cpu, &op, std::slice::from_ref(&x), &out),
+                );
+                assert_same_values(&format!("{t} {op:?}"), &g, &c);
+            }
+        }
+    }
+}

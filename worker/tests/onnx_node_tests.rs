@@ -138,6 +138,7 @@ const REQUIRED_OPS: &[&str] = &[
     "ScatterND",
     "NegativeLogLikelihoodLoss",
     "Tile",
+    "CumSum",
 ];
 
 enum Outcome {

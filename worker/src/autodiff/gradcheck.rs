@@ -448,6 +448,15 @@ fn data_movement() {
     let y = b.g.op1("y", Op::Tile, &[x, repeats]);
     check("Tile", b.done(y));
 
+    // CumSum each way along the middle axis of three.
+    for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut b = CaseBuilder::new(39);
+        let x = b.param("x", &[2, 4, 3], -1.0, 1.0);
+        let axis = b.constant("axis", Tensor::scalar(-2i64));
+        let y = b.g.op1("y", Op::CumSum { axis: 0, exclusive, reverse }, &[x, axis]);
+        check(&format!("CumSum exclusive {exclusive} reverse {reverse}"), b.done(y));
+    }
+
     // GatherND with a batch dim, and ScatterND replacing and adding slices (a tuple repeated).
     let mut b = CaseBuilder::new(36);
     let x = b.param("x", &[2, 3, 4], -1.0, 1.0);

@@ -282,6 +282,12 @@ pub fn backward(
             let data_shape = shape_of(b, x(0));
             vec![Some(b.emit1(&name, Op::GatherGrad { axis: *axis, data_shape }, &[dy, x(1)])?), None]
         }
+        // Each input element reaches the sums after it (before it, reversed): the gradient is
+        // dY's running sum the other way.
+        Op::CumSum { axis, exclusive, reverse } => {
+            let op = Op::CumSum { axis: *axis, exclusive: *exclusive, reverse: !reverse };
+            vec![Some(b.emit1(&name, op, &[dy])?)]
+        }
         Op::Pad { mode, pads, .. } => {
             let op = Op::PadGrad { mode: *mode, pads: pads.clone(), input_shape: shape_of(b, x(0)) };
             vec![Some(b.emit1(&name, op, &[dy])?)]

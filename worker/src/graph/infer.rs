@@ -577,6 +577,16 @@ pub fn infer_node(
             }
             (Op::Pad { mode: *mode, pads: full, value }, vec![Meta::new(x.dtype, &shape)])
         }
+        Op::CumSum { axis, exclusive, reverse } => {
+            let x = m(0)?;
+            let axis = match ints(1, "axis")? {
+                Some(a) if a.len() == 1 => a[0],
+                Some(a) => return Err(err(node, format!("axis {a:?} must be one integer"))),
+                None => *axis,
+            };
+            let a = norm_axis(axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
+            (Op::CumSum { axis: a as i64, exclusive: *exclusive, reverse: *reverse }, vec![x.clone()])
+        }
         Op::PadGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
         Op::GatherND { batch_dims } => {
             let (x, idx) = (m(0)?, m(1)?);
@@ -897,7 +907,15 @@ fn fold(
     consts: &[Option<&Tensor>],
     outs: &[Meta],
 ) -> Result<Option<Vec<Tensor>>> {
-    let all_const = node.inputs.iter().zip(consts).all(|(i, c)| i.is_none() || c.is_some());
+    // Shape operands need not be constant to fold: inference has read them (CastLike's second
+    // input, whose type is all it gives, is often an activation).
+    let operands = node.op.static_operand_inputs();
+    let all_const = node
+        .inputs
+        .iter()
+        .zip(consts)
+        .enumerate()
+        .all(|(k, (i, c))| i.is_none() || c.is_some() || operands.contains(&k));
     match op {
         Op::Shape { start, end } => {
             let x = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;

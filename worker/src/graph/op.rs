@@ -488,6 +488,13 @@ pub enum Op {
         axis: i64,
     },
     Expand,
+    /// Running sums along `axis` (folded from its input): with `exclusive` each sum leaves out
+    /// its own element, with `reverse` they run from the end.
+    CumSum {
+        axis: i64,
+        exclusive: bool,
+        reverse: bool,
+    },
     /// x, repeats -> x repeated along each axis; binding rewrites it as Reshape → Expand →
     /// Reshape (x viewed as [1, d0, 1, d1, ...] expanded to [r0, d0, r1, d1, ...]), whose kernels
     /// and gradients serve it.
@@ -748,6 +755,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Conv",
     "Cos",
     "Cosh",
+    "CumSum",
     "Div",
     "Dropout",
     "Elu",
@@ -1036,6 +1044,9 @@ impl Op {
             },
             "Expand" => Op::Expand,
             "Tile" => Op::Tile,
+            "CumSum" => {
+                Op::CumSum { axis: 0, exclusive: a.int("exclusive", 0)? != 0, reverse: a.int("reverse", 0)? != 0 }
+            }
             // Before opset 11 pads and value are attributes; later inputs that inference folds.
             "Pad" => Op::Pad {
                 mode: match a.string("mode", "constant")?.as_str() {
@@ -1213,6 +1224,7 @@ impl Op {
             Op::ScatterND { .. } => onnx("ScatterND"),
             Op::Expand => onnx("Expand"),
             Op::Tile => onnx("Tile"),
+            Op::CumSum { .. } => onnx("CumSum"),
             Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
             Op::ReduceOp { kind, .. } => onnx(match kind {
@@ -1316,6 +1328,9 @@ impl Op {
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
+            Op::CumSum { exclusive, reverse, .. } => {
+                vec![i("exclusive", *exclusive as i64), i("reverse", *reverse as i64)]
+            }
             Op::GatherND { batch_dims } | Op::GatherNDGrad { batch_dims, .. } => {
                 vec![i("batch_dims", *batch_dims as i64)]
             }
@@ -1435,6 +1450,7 @@ impl Op {
             Op::Dropout { ratio, .. } => vec![Tensor::scalar(*ratio)],
             Op::Unary(Unary::Clip { min, max }) => vec![Tensor::scalar(*min), Tensor::scalar(*max)],
             Op::Pad { pads, value, .. } => vec![ints(pads), Tensor::scalar(*value as f32)],
+            Op::CumSum { axis, .. } => vec![Tensor::scalar(*axis)],
             Op::Split { sizes, .. } if !sizes.is_empty() => vec![ints(sizes)],
             Op::Squeeze { axes: Some(a) } | Op::Unsqueeze { axes: Some(a) } => vec![ints(a)],
             Op::ReduceOp { axes: Some(a), .. } if !a.is_empty() => vec![ints(a)],
@@ -1445,7 +1461,7 @@ impl Op {
     /// Ops whose inputs beyond the first are shape operands, folded away at plan time.
     pub fn static_operand_inputs(&self) -> std::ops::Range<usize> {
         match self {
-            Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike | Op::Tile => 1..2,
+            Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike | Op::Tile | Op::CumSum { .. } => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
             Op::Pad { .. } => 1..4,
             // Split sizes and positions (a sequence op's other inputs are tensors or sequences).

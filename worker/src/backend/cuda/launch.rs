@@ -882,6 +882,22 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![outer as i64, dim as i64, inner as i64, count as i64, data.at, ids.at, wide, y.at, fault],
             )
         }
+        Op::CumSum { axis, exclusive, reverse } => {
+            let a = x(0)?;
+            let kernel = match a.dtype() {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
+                    numeric("cumsum", a.dtype())
+                }
+                t => return Err(format!("CumSum of {t} on the CUDA backend")),
+            };
+            let (outer, len, inner) = around(a.shape(), norm_axis(*axis, a.shape().len())?);
+            let lines = outer * inner;
+            dev.kernel(
+                &kernel,
+                elementwise(lines),
+                &mut params![*exclusive as i32, *reverse as i32, lines as i64, len as i64, inner as i64, a.at, y.at],
+            )
+        }
         Op::ArgExtreme { max, axis, select_last_index, .. } => {
             let a = x(0)?;
             let kernel = match a.dtype() {

@@ -131,6 +131,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             index::gather_elements_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0])
         }
         Op::Expand => shape::expand(&x(0)?, &mut outputs[0]),
+        Op::CumSum { axis, exclusive, reverse } => {
+            shape::cumsum(*axis as usize, *exclusive, *reverse, &x(0)?, &mut outputs[0])
+        }
         Op::Pad { mode, pads, value } => shape::pad(*mode, pads, *value, &x(0)?, &mut outputs[0]),
         Op::PadGrad { mode, pads, .. } => shape::pad_grad(*mode, pads, &x(0)?, &mut outputs[0]),
         Op::Trilu { upper, k } => shape::trilu(*upper, *k, &x(0)?, &mut outputs[0]),

@@ -314,6 +314,47 @@ pub fn reduce(kind: Reduce, axes: &[i64], x: &TensorView, y: &mut TensorViewMut)
     Ok(())
 }
 
+/// CumSum along `axis` (x viewed as [outer, len, inner]): floats summed in f64, integers in i64
+/// (wrapping), each rounded or cast once into the output's type.
+pub fn cumsum(axis: usize, exclusive: bool, reverse: bool, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let len = x.shape[axis];
+    let inner: usize = x.shape[axis + 1..].iter().product();
+    let lines = x.numel() / (len * inner).max(1);
+    let order = |k: usize| if reverse { len - 1 - k } else { k };
+    macro_rules! scan {
+        ($vals:expr, $zero:expr, $add:expr) => {{
+            let vals = $vals;
+            let mut out = vec![$zero; vals.len()];
+            for line in 0..lines {
+                for i in 0..inner {
+                    let mut acc = $zero;
+                    for k in 0..len {
+                        let at = (line * len + order(k)) * inner + i;
+                        if exclusive {
+                            out[at] = acc;
+                            acc = $add(acc, vals[at]);
+                        } else {
+                            acc = $add(acc, vals[at]);
+                            out[at] = acc;
+                        }
+                    }
+                }
+            }
+            out
+        }};
+    }
+    if x.dtype.is_float() {
+        let out = scan!(x.to_f64_vec(), 0f64, |a: f64, v: f64| a + v);
+        super::write_f64(&out, y);
+    } else {
+        let vals = x.to_i64_vec().ok_or_else(|| format!("CumSum of {}", x.dtype))?;
+        let out = scan!(vals, 0i64, |a: i64, v: i64| a.wrapping_add(v));
+        let t = Tensor::from_vec(y.shape, out).cast(y.dtype);
+        y.bytes.copy_from_slice(t.bytes());
+    }
+    Ok(())
+}
+
 /// For each element of Pad's output (row-major), the offset in the input it reads, or None in
 /// the constant border.
 fn pad_sources(mode: PadMode, pads: &[i64], input: &[usize], output: &[usize]) -> Vec<Option<usize>> {

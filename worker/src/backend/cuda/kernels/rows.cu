@@ -660,6 +660,63 @@ extern "C" __global__ void scatter_nd_reduce_f64(int reduction, i64 n, i64 tuple
     scatter_nd_reduce<F64>(reduction, n, tuples, inner, kd, ks, updates, ids, ids_i64, out);
 }
 
+// ---- CumSum ----
+
+// Running sums along an axis of `len` elements `inner` apart, one thread per line (outer ·
+// inner of them): floats summed in f64 and integers in i64 (wrapping, as u64), each stored once
+// into the element's type, as the CPU's.
+template <class S, typename A>
+__device__ void cumsum(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const typename S::T* x,
+                       typename S::T* y) {
+    for (i64 i = first_index(); i < lines; i += grid_stride()) {
+        i64 base = (i / inner) * len * inner + i % inner;
+        A acc = 0;
+        for (i64 k = 0; k < len; ++k) {
+            i64 at = base + (reverse ? len - 1 - k : k) * inner;
+            A v = (A)S::load(x[at]);
+            if (exclusive) y[at] = S::store((typename S::C)acc);
+            acc = (A)(acc + v);
+            if (!exclusive) y[at] = S::store((typename S::C)acc);
+        }
+    }
+}
+struct I32S {
+    typedef int T;
+    typedef int C;
+    static __device__ __forceinline__ int load(int v) { return v; }
+    static __device__ __forceinline__ int store(int v) { return v; }
+};
+struct I64S {
+    typedef i64 T;
+    typedef i64 C;
+    static __device__ __forceinline__ i64 load(i64 v) { return v; }
+    static __device__ __forceinline__ i64 store(i64 v) { return v; }
+};
+extern "C" __global__ void cumsum_f32(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const float* x,
+                                      float* y) {
+    cumsum<F32, double>(exclusive, reverse, lines, len, inner, x, y);
+}
+extern "C" __global__ void cumsum_f16(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const u16* x,
+                                      u16* y) {
+    cumsum<F16, double>(exclusive, reverse, lines, len, inner, x, y);
+}
+extern "C" __global__ void cumsum_bf16(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const u16* x,
+                                       u16* y) {
+    cumsum<BF16, double>(exclusive, reverse, lines, len, inner, x, y);
+}
+extern "C" __global__ void cumsum_f64(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const double* x,
+                                      double* y) {
+    cumsum<F64, double>(exclusive, reverse, lines, len, inner, x, y);
+}
+extern "C" __global__ void cumsum_i32(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const int* x,
+                                      int* y) {
+    cumsum<I32S, u64>(exclusive, reverse, lines, len, inner, x, y);
+}
+extern "C" __global__ void cumsum_i64(int exclusive, int reverse, i64 lines, i64 len, i64 inner, const i64* x,
+                                      i64* y) {
+    cumsum<I64S, u64>(exclusive, reverse, lines, len, inner, x, y);
+}
+
 // ---- ArgMax and ArgMin ----
 
 // Integer element types for the families that compare elements as they are.
