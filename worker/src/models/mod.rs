@@ -35,7 +35,25 @@ pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
             (crate::graph::onnx_io::from_model(&proto, &origin)?, c.loss.clone())
         }
     };
+    let mut graph = graph;
+    inference_batch_norm(&mut graph);
     with_loss(graph, &loss_cfg)
+}
+
+/// BatchNormalization as the model's own forward pass runs it (evaluation, the exported
+/// model): in inference mode, over the running statistics, whatever mode the exporter wrote
+/// (TorchScript writes `training_mode=1` and two more outputs, the updated statistics, from a
+/// module in training mode). The session gives its training graph training mode back
+/// (`session::buffers::training_form`). A node whose extra outputs something reads keeps them.
+pub fn inference_batch_norm(g: &mut Graph) {
+    let uses = g.use_counts();
+    for node in &mut g.nodes {
+        let Op::BatchNorm { epsilon, momentum, .. } = node.op else { continue };
+        if node.outputs.iter().skip(1).flatten().all(|&o| uses[o] == 0) {
+            node.op = Op::BatchNorm { epsilon, momentum, training: false };
+            node.outputs.truncate(1);
+        }
+    }
 }
 
 fn builtin_loss() -> LossConfig {

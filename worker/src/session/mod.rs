@@ -14,6 +14,7 @@
 //!   executors run the graph's all-reduces over the tensor-parallel group. A replicated weight
 //!   gets the same gradient on every tensor-parallel rank and counts once, on rank 0.
 
+pub mod buffers;
 mod overlap;
 mod sharded;
 mod stage;
@@ -175,6 +176,8 @@ pub struct Session<B: Backend> {
     variables: HashSet<ValueId>,
     disabled_passes: Vec<String>,
     params: Vec<Param<B>>,
+    /// BatchNormalization's running statistics, updated after every training forward pass.
+    running: Vec<buffers::RunningStatistic>,
     loss: ValueId,
     eval_loss: ValueId,
     inputs: BTreeMap<String, ValueId>,
@@ -248,16 +251,17 @@ fn update_in_groups<'a, B: Backend + 'a>(
 
 /// The passes over a forward graph (training's or evaluation's) before it is differentiated or
 /// planned: the forward fusions (attention), then mixed precision's casts around them. The loss
-/// and the activations a stage sends keep their values and types.
+/// and `kept` (what is read after a run: the activations a stage sends, the new running
+/// statistics) keep their values and types.
 fn forward_passes(
     g: &mut Graph,
     loss: ValueId,
-    sends: &[ValueId],
+    kept: &[ValueId],
     disabled: &[String],
     half: Option<DType>,
     variables: &HashSet<ValueId>,
 ) -> Result<()> {
-    let keep: Vec<ValueId> = std::iter::once(loss).chain(sends.iter().copied()).collect();
+    let keep: Vec<ValueId> = std::iter::once(loss).chain(kept.iter().copied()).collect();
     fuse::run_forward(g, disabled, &keep);
     match half {
         Some(half) => crate::graph::autocast::autocast(g, half, variables, &keep),
@@ -317,19 +321,54 @@ impl<B: Backend> Session<B> {
                 }
             }
         }
-        // float32 initializers train; other float types (a float64 constant, say) stay as they are.
-        let params: Vec<ValueId> = g
-            .float_initializers()
-            .into_iter()
+        // What trains: the float32 initializers that are parameters by how the graph reads them
+        // (`buffers::roles`: not BatchNormalization's running statistics, not constants an
+        // exporter lifted into initializers), unless frozenWeights lists them; weightsToTrain,
+        // when given, names exactly what trains. Other float types (a float64 constant, say)
+        // stay as they are. The running statistics no list names are updated by every training
+        // forward pass, as PyTorch's are.
+        let roles = buffers::roles(g);
+        let role = |v: ValueId| roles.get(&v).copied();
+        let listed = |names: &[String], v: ValueId| names.iter().any(|f| f == g.name_of(v));
+        let f32_initializers =
+            || g.float_initializers().into_iter().filter(|v| g.initializers[v].dtype() == DType::F32);
+        let params: Vec<ValueId> = f32_initializers()
             .filter(|&v| {
-                let name = g.name_of(v);
-                g.initializers[&v].dtype() == DType::F32
-                    && !opts.frozen.iter().any(|f| f == name)
-                    && (opts.trainable.is_empty() || opts.trainable.iter().any(|f| f == name))
+                let chosen = if opts.trainable.is_empty() {
+                    role(v) == Some(buffers::Role::Parameter)
+                } else {
+                    listed(&opts.trainable, v)
+                };
+                chosen && !listed(&opts.frozen, v)
             })
             .collect();
+        let tracked: HashSet<ValueId> = f32_initializers()
+            .filter(|&v| {
+                role(v) == Some(buffers::Role::RunningStatistic)
+                    && !listed(&opts.frozen, v)
+                    && !listed(&opts.trainable, v)
+            })
+            .collect();
+        if !tracked.is_empty() && opts.pipeline.is_some() {
+            return Err(Error::Config(format!(
+                "parallelism.pipeline: the model's {} BatchNormalization running statistics are not updated across \
+                 pipeline stages yet; train without pipeline parallelism, or list them in frozenWeights to keep them \
+                 as they are",
+                tracked.len()
+            )));
+        }
+        tracing::debug!(
+            parameters = params.len(),
+            running_statistics = tracked.len(),
+            constants = roles.values().filter(|&&r| r == buffers::Role::Constant).count(),
+            "float initializers by role"
+        );
         if params.is_empty() {
-            return Err(Error::Config("the model has no trainable weights (float32 initializers)".into()));
+            return Err(Error::Config(
+                "the model has no trainable weights: no float32 initializer that a gradient reaches (running \
+                 statistics and constants do not train) is left by frozenWeights / weightsToTrain"
+                    .into(),
+            ));
         }
         for (i, group) in opts.groups.iter().enumerate() {
             if let Some(p) = group
@@ -342,12 +381,15 @@ impl<B: Backend> Session<B> {
                 )));
             }
         }
-        let variables: HashSet<ValueId> = params.iter().copied().collect();
+        // Values that change from step to step: never folded into their readers.
+        let variables: HashSet<ValueId> = params.iter().chain(&tracked).copied().collect();
         let bindings = bindings_for(g, sample, &variables)?;
 
-        // The forward graph in training mode, each dropout with its own seed (so that a
-        // recomputed clone, or a pipeline stage's second forward pass, draws the same mask).
-        let mut bound = bind(g, &bindings, true)?;
+        // The forward graph in training mode (BatchNormalization too, whatever the export
+        // says), each dropout with its own seed (so that a recomputed clone, or a pipeline
+        // stage's second forward pass, draws the same mask).
+        let mut bound = bind(&buffers::training_form(g, &tracked), &bindings, true)?;
+        let running = buffers::running_statistics(&bound, &tracked)?;
         autodiff::recompute::pin_dropout_seeds(&mut bound);
         let all_weights: Vec<(String, Meta)> =
             params.iter().map(|&v| (g.name_of(v).to_string(), bound.meta(v).cloned().expect("bound"))).collect();
@@ -375,8 +417,10 @@ impl<B: Backend> Session<B> {
             )));
         }
         let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
-        let sends = part.as_ref().map_or(&[][..], |p| &p.sends[..]);
-        forward_passes(&mut train, loss, sends, &opts.disabled_passes, opts.half, &variables)?;
+        let updated: Vec<ValueId> = running.iter().map(|r| r.updated).collect();
+        let kept: Vec<ValueId> =
+            part.as_ref().map_or(&[][..], |p| &p.sends[..]).iter().chain(&updated).copied().collect();
+        forward_passes(&mut train, loss, &kept, &opts.disabled_passes, opts.half, &variables)?;
         // fp16: the loss's gradient is the loss scale, fed each step (the last stage's loss is
         // the model's; the other stages' backward passes start from gradients already scaled).
         let loss_scale_input = (opts.loss_scaler.is_some() && part.as_ref().is_none_or(|p| p.is_last())).then(|| {
@@ -415,14 +459,15 @@ impl<B: Backend> Session<B> {
             }
         }
         // Gradients are outputs too: the optimizer reads them after each run; so are the
-        // reported scalars and the activations a stage sends, which keeps fusion from folding
-        // them away.
+        // reported scalars, the activations a stage sends and the new running statistics,
+        // which keeps fusion from folding them away.
         let sends: Vec<ValueId> = part.as_ref().map_or(vec![], |p| p.sends.clone());
         train.outputs = std::iter::once(loss)
             .chain(grads.iter().copied())
             .chain(input_grads.iter().flatten().copied())
             .chain(scalars.iter().map(|&(_, v)| v))
             .chain(sends.iter().copied())
+            .chain(updated.iter().copied())
             .collect();
         fuse::run(&mut train, &opts.disabled_passes);
         let train = Executor::new(backend.clone(), train, &[])?;
@@ -431,8 +476,10 @@ impl<B: Backend> Session<B> {
         }
 
         // Model FLOPs count on the whole forward graph as the model states it, before fusion.
+        // Evaluation runs it with BatchNormalization in inference mode.
         let mut forward = g.clone();
         forward.outputs = vec![model.loss];
+        crate::models::inference_batch_norm(&mut forward);
         let flops_per_batch = crate::graph::flops::training(&bind(&forward, &bindings, false)?);
 
         let mut ps = Vec::new();
@@ -481,6 +528,7 @@ impl<B: Backend> Session<B> {
             variables,
             disabled_passes: opts.disabled_passes.clone(),
             params: ps,
+            running,
             loss,
             eval_loss: model.loss,
             inputs,
@@ -703,10 +751,12 @@ impl<B: Backend> Session<B> {
                             overlap.node_done(ex, params, group, node, scale)
                         })?;
                         overlap.finish(&self.train, &self.params, group)?;
+                        self.update_running_statistics()?;
                         self.collect_losses(true, &mut sums)?;
                     }
                     _ => {
                         self.train.run(seed)?;
+                        self.update_running_statistics()?;
                         self.collect_micro_batch(k, n, true, &mut sums)?;
                     }
                 }
@@ -767,6 +817,25 @@ impl<B: Backend> Session<B> {
             update_in_groups(&*self.train.backend, (lr, self.step, grad_scale), slots)?;
         }
         Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
+    }
+
+    /// Moves the running statistics to the values the forward pass just computed, as PyTorch
+    /// does in every training-mode forward pass (each micro-batch's; on a data-parallel rank,
+    /// from its own batch).
+    fn update_running_statistics(&self) -> Result<()> {
+        for r in &self.running {
+            let (value, updated) = (self.train.arg(r.value), self.train.arg(r.updated));
+            self.train.backend.accumulate(value, r.keep, updated, r.scale).map_err(Error::Runtime)?;
+        }
+        Ok(())
+    }
+
+    /// The running statistics by name, as they are now.
+    pub fn running_statistics(&self) -> Result<BTreeMap<String, Tensor>> {
+        self.running
+            .iter()
+            .map(|r| Ok((self.train.graph.name_of(r.value).to_string(), self.train.fetch(r.value)?)))
+            .collect()
     }
 
     /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`): with
@@ -877,9 +946,9 @@ impl<B: Backend> Session<B> {
             self.eval = Some((shapes, ex));
         }
         let eval = &mut self.eval.as_mut().expect("planned above").1;
-        for p in &self.params {
-            let w = self.train.fetch(p.value)?;
-            eval.feed(p.value, &w)?;
+        for v in self.params.iter().map(|p| p.value).chain(self.running.iter().map(|r| r.value)) {
+            let w = self.train.fetch(v)?;
+            eval.feed(v, &w)?;
         }
         let mut total = [0.0];
         for b in batches {
@@ -948,7 +1017,7 @@ impl<B: Backend> Session<B> {
         let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
         let stages = match (&self.stage, &self.pipeline) {
             (Some(part), Some(group)) if replica0 => part.gather_weights(self, group)?,
-            _ if replica0 => Some(self.weights()?),
+            _ if replica0 => Some(self.weights()?.into_iter().chain(self.running_statistics()?).collect()),
             _ => None,
         };
         // The first stage's tensor-parallel ranks (of replica 0) join their slices.
@@ -994,6 +1063,7 @@ impl<B: Backend> Session<B> {
     /// - the weights its stage is first to hold, by data-parallel replica 0;
     /// - their optimizer state as `optimizer/<name>/<k>`; under ZeRO every replica writes its
     ///   shard's pieces, as `optimizer/<name>/<k>@<first element>`;
+    /// - the running statistics, by data-parallel replica 0 on tensor-parallel rank 0;
     /// - `optimizer/step`, and under fp16 `optimizer/loss_scale` (the same on every rank).
     pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
@@ -1011,6 +1081,9 @@ impl<B: Backend> Session<B> {
             for (key, t) in z.state_pieces(self)? {
                 out.insert(key, t);
             }
+        }
+        if replica0 && self.tensor.is_none_or(|t| t.rank == 0) {
+            out.extend(self.running_statistics()?);
         }
         if let Some(t) = self.tensor {
             out = out.into_iter().map(|(key, v)| (self.slice_key(&key, t.rank), v)).collect();
@@ -1085,6 +1158,11 @@ impl<B: Backend> Session<B> {
                 let t = optimizer_state(state, &name, k, &meta, origin)?;
                 self.train.backend.upload(&t, Arg { buf, offset: 0, meta: &meta }).map_err(Error::Runtime)?;
             }
+        }
+        for r in &self.running {
+            let name = self.train.graph.name_of(r.value);
+            let t = state.get(name).ok_or_else(|| missing(name))?;
+            self.train.feed(r.value, t).map_err(|e| Error::Corrupt(format!("{origin}: running statistic {e}")))?;
         }
         if let Some(mut z) = self.zero.take() {
             let loaded = z.load(self, state, origin);
