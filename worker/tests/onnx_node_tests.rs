@@ -139,6 +139,9 @@ const REQUIRED_OPS: &[&str] = &[
     "NegativeLogLikelihoodLoss",
     "Tile",
     "CumSum",
+    "Sum",
+    "Mean",
+    "OneHot",
 ];
 
 enum Outcome {

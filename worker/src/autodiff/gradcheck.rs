@@ -448,6 +448,15 @@ fn data_movement() {
     let y = b.g.op1("y", Op::Tile, &[x, repeats]);
     check("Tile", b.done(y));
 
+    // Sum and Mean of three inputs, broadcast (through the Adds they bind as).
+    for mean in [false, true] {
+        let mut b = CaseBuilder::new(41);
+        let (x, z, w) =
+            (b.param("x", &[2, 3], -1.0, 1.0), b.param("z", &[3], -1.0, 1.0), b.param("w", &[2, 1], -1.0, 1.0));
+        let y = b.g.op1("y", Op::Sum { mean }, &[x, z, w]);
+        check(if mean { "Mean" } else { "Sum" }, b.done(y));
+    }
+
     // CumSum each way along the middle axis of three.
     for (exclusive, reverse) in [(false, false), (true, false), (false, true), (true, true)] {
         let mut b = CaseBuilder::new(39);

@@ -801,7 +801,7 @@ pub fn infer_node(
             (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
-        Op::Sequence(_) | Op::Tile => {
+        Op::Sequence(_) | Op::Tile | Op::Sum { .. } | Op::OneHot { .. } => {
             return Err(err(node, "sequence ops and Tile are rewritten into other ops before inference"))
         }
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
@@ -1036,7 +1036,12 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                 }
             }
         }
-        if let Some(expanded) = expand_tile(&mut g, &mut consts, &node, &metas)? {
+        let rewritten = match node.op {
+            Op::Sum { mean } => Some(expand_sum(&mut g, &mut consts, &node, &metas, mean)?),
+            Op::OneHot { axis } => Some(expand_one_hot(&mut g, &mut consts, &node, &metas, axis)?),
+            _ => expand_tile(&mut g, &mut consts, &node, &metas)?,
+        };
+        if let Some(expanded) = rewritten {
             for n in expanded.into_iter().rev() {
                 queue.push_front(n);
             }
@@ -1152,6 +1157,106 @@ fn expand_tile(
         make(":expand", Op::Expand, [a, s2], b),
         make("", Op::Reshape, [b, s3], output),
     ]))
+}
+
+/// A constant of the graph, known when it is bound.
+fn constant_value(g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, name: &str, t: Tensor) -> ValueId {
+    let v = g.fresh(name);
+    g.values[v].meta = Some(Meta::new(t.dtype(), t.shape()));
+    consts.insert(v, t);
+    v
+}
+
+/// A node of one output.
+fn node1(name: String, op: Op, inputs: &[ValueId], output: ValueId) -> Node {
+    Node { name, op, inputs: inputs.iter().copied().map(Some).collect(), outputs: vec![Some(output)] }
+}
+
+/// Sum (Mean) as ((x0 + x1) + x2) + … (then × 1/n), queued for binding in its place.
+fn expand_sum(
+    g: &mut Graph,
+    consts: &mut HashMap<ValueId, Tensor>,
+    node: &Node,
+    metas: &[Option<Meta>],
+    mean: bool,
+) -> Result<Vec<Node>> {
+    let ins: Vec<ValueId> =
+        node.inputs.iter().map(|i| i.ok_or_else(|| err(node, "an omitted input"))).collect::<Result<_>>()?;
+    let output = node.output(0).ok_or_else(|| err(node, "no output"))?;
+    let first = ins.first().ok_or_else(|| err(node, "no inputs"))?;
+    let dtype = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?.dtype;
+    let mut nodes = Vec::new();
+    let mut acc = *first;
+    let last = ins.len() - 1 + mean as usize;
+    for (k, &x) in ins.iter().enumerate().skip(1) {
+        let out = if k == last { output } else { g.fresh(&format!("{}:sum{k}", node.name)) };
+        nodes.push(node1(format!("{}:add{k}", node.name), Op::Binary(super::op::Binary::Add), &[acc, x], out));
+        acc = out;
+    }
+    if mean {
+        let scale = Tensor::scalar(1.0 / ins.len() as f64).cast(dtype);
+        let k = constant_value(g, consts, &format!("{}:1/n", node.name), scale);
+        nodes.push(node1(node.name.clone(), Op::Binary(super::op::Binary::Mul), &[acc, k], output));
+    } else if ins.len() == 1 {
+        nodes.push(node1(node.name.clone(), Op::Identity, &[acc], output));
+    }
+    Ok(nodes)
+}
+
+/// OneHot as the ops that make it: the indices as i64, negative ones moved up by depth, given
+/// the output's axis (Unsqueeze) and compared with 0..depth laid along it (Equal), choosing
+/// values[1] or values[0] (Where). An index outside −depth..depth matches nothing.
+fn expand_one_hot(
+    g: &mut Graph,
+    consts: &mut HashMap<ValueId, Tensor>,
+    node: &Node,
+    metas: &[Option<Meta>],
+    axis: i64,
+) -> Result<Vec<Node>> {
+    let known = |k: usize, what: &str| {
+        node.input(k)
+            .and_then(|v| consts.get(&v))
+            .cloned()
+            .ok_or_else(|| err(node, format!("{what} (input {k}) must be known when the graph is planned")))
+    };
+    let (depth_t, values) = (known(1, "depth")?, known(2, "values")?);
+    let depth = match depth_t.to_f64_vec()[..] {
+        [d] if d >= 1.0 => d as i64,
+        _ => return Err(err(node, format!("depth must be one positive number, not {:?}", depth_t.to_f64_vec()))),
+    };
+    if values.numel() != 2 {
+        return Err(err(node, format!("values must be [off, on], not {} elements", values.numel())));
+    }
+    let idx = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+    let rank = idx.shape.len() + 1;
+    let a = norm_axis(axis, rank).ok_or_else(|| err(node, format!("axis {axis} out of range for rank {rank}")))?;
+    let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);
+    let name = |s: &str| format!("{}:{s}", node.name);
+    let mut c = |s: &str, t: Tensor| constant_value(g, consts, &name(s), t);
+    let zero = c("zero", Tensor::scalar(0i64));
+    let depth_v = c("depth_i64", Tensor::scalar(depth));
+    let mut line = vec![1usize; rank];
+    line[a] = depth as usize;
+    let range = c("range", Tensor::from_vec(&line, (0..depth).collect::<Vec<i64>>()));
+    let pick = |k: usize| Tensor::scalar(values.to_f64_vec()[k]).cast(values.dtype());
+    let (off, on) = (c("off", pick(0)), c("on", pick(1)));
+    let fresh = |g: &mut Graph, s: &str| g.fresh(&name(s));
+    let ids = fresh(g, "ids");
+    let negative = fresh(g, "negative");
+    let moved = fresh(g, "moved");
+    let wrapped = fresh(g, "wrapped");
+    let lined = fresh(g, "lined");
+    let hit = fresh(g, "hit");
+    use super::op::Binary;
+    Ok(vec![
+        node1(name("cast"), Op::Cast { to: DType::I64 }, &[input], ids),
+        node1(name("is_negative"), Op::Binary(Binary::Less), &[ids, zero], negative),
+        node1(name("add_depth"), Op::Binary(Binary::Add), &[ids, depth_v], moved),
+        node1(name("wrap"), Op::Where, &[negative, moved, ids], wrapped),
+        node1(name("unsqueeze"), Op::Unsqueeze { axes: Some(vec![a as i64]) }, &[wrapped], lined),
+        node1(name("equal"), Op::Binary(Binary::Equal), &[lined, range], hit),
+        node1(node.name.clone(), Op::Where, &[hit, on, off], output),
+    ])
 }
 
 /// Before opset 13, Softmax and LogSoftmax normalize over all dims from `axis` on, as if the

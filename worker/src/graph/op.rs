@@ -495,6 +495,17 @@ pub enum Op {
         exclusive: bool,
         reverse: bool,
     },
+    /// Sum (or, with `mean`, Mean) of one or more inputs, broadcast; binding rewrites it as a
+    /// chain of Add (then a Mul by 1/n), whose kernels and gradients serve it.
+    Sum {
+        mean: bool,
+    },
+    /// indices, depth, values [off, on] -> values[1] where the output's coordinate along `axis`
+    /// equals the index (negative ones counting from depth), values[0] elsewhere; binding
+    /// rewrites it as Cast, Where, Unsqueeze, Equal and Where over a Range of depth.
+    OneHot {
+        axis: i64,
+    },
     /// x, repeats -> x repeated along each axis; binding rewrites it as Reshape → Expand →
     /// Reshape (x viewed as [1, d0, 1, d1, ...] expanded to [r0, d0, r1, d1, ...]), whose kernels
     /// and gradients serve it.
@@ -787,6 +798,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "MatMul",
     "Max",
     "MaxPool",
+    "Mean",
     "Min",
     "Mish",
     "Mod",
@@ -794,6 +806,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Neg",
     "NegativeLogLikelihoodLoss",
     "Not",
+    "OneHot",
     "Or",
     "PRelu",
     "Pad",
@@ -837,6 +850,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Sqrt",
     "Squeeze",
     "Sub",
+    "Sum",
     "Tan",
     "Tanh",
     "ThresholdedRelu",
@@ -1044,6 +1058,9 @@ impl Op {
             },
             "Expand" => Op::Expand,
             "Tile" => Op::Tile,
+            "Sum" => Op::Sum { mean: false },
+            "Mean" => Op::Sum { mean: true },
+            "OneHot" => Op::OneHot { axis: a.int("axis", -1)? },
             "CumSum" => {
                 Op::CumSum { axis: 0, exclusive: a.int("exclusive", 0)? != 0, reverse: a.int("reverse", 0)? != 0 }
             }
@@ -1224,6 +1241,9 @@ impl Op {
             Op::ScatterND { .. } => onnx("ScatterND"),
             Op::Expand => onnx("Expand"),
             Op::Tile => onnx("Tile"),
+            Op::Sum { mean: false } => onnx("Sum"),
+            Op::Sum { mean: true } => onnx("Mean"),
+            Op::OneHot { .. } => onnx("OneHot"),
             Op::CumSum { .. } => onnx("CumSum"),
             Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
@@ -1463,6 +1483,7 @@ impl Op {
         match self {
             Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike | Op::Tile | Op::CumSum { .. } => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
+            Op::OneHot { .. } => 1..3,
             Op::Pad { .. } => 1..4,
             // Split sizes and positions (a sequence op's other inputs are tensors or sequences).
             Op::Sequence(SequenceOp::Split { .. } | SequenceOp::At | SequenceOp::Erase) => 1..2,

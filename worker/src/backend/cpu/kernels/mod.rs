@@ -206,6 +206,8 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::CastLike
         | Op::Sequence(_)
         | Op::Tile
+        | Op::Sum { .. }
+        | Op::OneHot { .. }
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
