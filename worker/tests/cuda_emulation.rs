@@ -1524,3 +1524,27 @@ fn cumsum_matches_the_cpu_backend_on_the_emulated_kernels() {
         }
     }
 }
+
+/// ScatterElements along each axis with every reduction, repeated and negative indices, in f32,
+/// bf16 and (reduction none) i64, on the emulated kernels against the CPU backend.
+#[test]
+fn scatter_elements_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    use ScatterReduction::*;
+    for axis in 0..2i64 {
+        let dim = [3i64, 4][axis as usize];
+        let idx = Tensor::from_vec(&[2, 3], (0..6).map(|i| (i * 5 % (2 * dim)) - dim).collect::<Vec<i64>>());
+        for t in [DType::F32, DType::BF16, DType::I64] {
+            let x = Tensor::from_vec(&[3, 4], values(12, 1)).cast(t);
+            let u = Tensor::from_vec(&[2, 3], values(6, 8).iter().map(|v| v * 4.0).collect()).cast(t);
+            let reductions: &[ScatterReduction] = if t == DType::I64 { &[None] } else { &[None, Add, Mul, Max, Min] };
+            for &reduction in reductions {
+                let op = Op::ScatterElements { axis, reduction };
+                let out = [Meta::new(t, &[3, 4])];
+                let inputs = [x.clone(), idx.clone(), u.clone()];
+                let what = format!("{t} ScatterElements axis {axis} {reduction:?}");
+                assert_same_values(&what, &run_typed(&gpu, &op, &inputs, &out), &run_typed(&cpu, &op, &inputs, &out));
+            }
+        }
+    }
+}

@@ -142,6 +142,7 @@ const REQUIRED_OPS: &[&str] = &[
     "Sum",
     "Mean",
     "OneHot",
+    "ScatterElements",
 ];
 
 enum Outcome {

@@ -483,6 +483,17 @@ fn data_movement() {
         check(&format!("ScatterND {reduction:?}"), b.done(y));
     }
 
+    // ScatterElements replacing (distinct indices) and adding (an index repeated) along axis 1.
+    for (reduction, ids) in [(ScatterReduction::None, vec![3i64, 0, -4, 1]), (ScatterReduction::Add, vec![3, 3, 0, 3])]
+    {
+        let mut b = CaseBuilder::new(42);
+        let x = b.param("x", &[2, 4], -1.0, 1.0);
+        let idx = b.constant("idx", Tensor::from_vec(&[2, 2], ids));
+        let u = b.param("u", &[2, 2], -1.0, 1.0);
+        let y = b.g.op1("y", Op::ScatterElements { axis: 1, reduction }, &[x, idx, u]);
+        check(&format!("ScatterElements {reduction:?}"), b.done(y));
+    }
+
     // BERT's attention-mask gather: indices of data's rank, repeated and negative, along the
     // last axis and along the first.
     for (axis, idx) in [(1, vec![0i64, 3, 3, -1, 2, 0]), (0, vec![1i64, 0, -2, 1, 1, 0])] {

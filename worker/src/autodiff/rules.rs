@@ -312,6 +312,21 @@ pub fn backward(
             let updates = b.emit1(&format!("{name}_updates"), Op::GatherND { batch_dims: 0 }, &[dy, x(1)])?;
             vec![Some(data), None, Some(updates)]
         }
+        // As ScatterND's, element by element.
+        Op::ScatterElements { axis, reduction } => {
+            let data = match reduction {
+                ScatterReduction::None => {
+                    let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+                    let zeros = b.expand(&format!("{name}_zeros"), zero, &shape_of(b, x(2)));
+                    let op = Op::ScatterElements { axis: *axis, reduction: *reduction };
+                    b.emit1(&format!("{name}_data"), op, &[dy, x(1), zeros])?
+                }
+                ScatterReduction::Add => dy,
+                _ => return Err(no_rule(node, "for ScatterElements with reduction mul, max or min")),
+            };
+            let updates = b.emit1(&format!("{name}_updates"), Op::GatherElements { axis: *axis }, &[dy, x(1)])?;
+            vec![Some(data), None, Some(updates)]
+        }
         Op::GatherElements { axis } => {
             let data_shape = shape_of(b, x(0));
             let op = Op::GatherElementsGrad { axis: *axis, data_shape };

@@ -608,6 +608,27 @@ pub fn infer_node(
             }
             (op, vec![x.clone()])
         }
+        Op::ScatterElements { axis, reduction } => {
+            let (x, idx, upd) = (m(0)?, m(1)?, m(2)?);
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
+            if idx.dtype.is_float()
+                || idx.shape.len() != x.shape.len()
+                || upd.shape != idx.shape
+                || upd.dtype != x.dtype
+            {
+                return Err(err(
+                    node,
+                    format!(
+                        "indices {:?} and updates {} {:?} must be of data's rank, one shape",
+                        idx.shape, upd.dtype, upd.shape
+                    ),
+                ));
+            }
+            if idx.shape.iter().zip(&x.shape).enumerate().any(|(d, (i, n))| d != a && i > n) {
+                return Err(err(node, format!("indices of shape {:?} reach past data {:?}", idx.shape, x.shape)));
+            }
+            (Op::ScatterElements { axis: a as i64, reduction: *reduction }, vec![x.clone()])
+        }
         Op::GatherNDGrad { data_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)]),
         Op::GatherElements { axis } => {
             let (x, idx) = (m(0)?, m(1)?);

@@ -477,6 +477,12 @@ pub enum Op {
     GatherND {
         batch_dims: usize,
     },
+    /// data, indices, updates (both of data's rank, one shape) -> data with each update combined
+    /// into the element GatherElements would read at its position, in index order.
+    ScatterElements {
+        axis: i64,
+        reduction: ScatterReduction,
+    },
     /// data, indices [.., k], updates -> data with each update slice combined into the slice
     /// its k-tuple names, in index order.
     ScatterND {
@@ -826,6 +832,8 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Relu",
     "Reshape",
     "Round",
+    "Scatter",
+    "ScatterElements",
     "ScatterND",
     "Selu",
     "SequenceAt",
@@ -898,6 +906,17 @@ fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
         return Err(a.bad("auto_pad", "NOTSET, SAME_UPPER, SAME_LOWER or VALID"));
     }
     Ok(w)
+}
+
+fn scatter_reduction(a: &Attrs) -> Result<ScatterReduction> {
+    match a.string("reduction", "none")?.as_str() {
+        "none" => Ok(ScatterReduction::None),
+        "add" => Ok(ScatterReduction::Add),
+        "mul" => Ok(ScatterReduction::Mul),
+        "max" => Ok(ScatterReduction::Max),
+        "min" => Ok(ScatterReduction::Min),
+        other => Err(a.bad("reduction", &format!("none, add, mul, max or min, not '{other}'"))),
+    }
 }
 
 fn reduction(a: &Attrs) -> Result<LossReduction> {
@@ -1046,16 +1065,11 @@ impl Op {
                 batch_dims: usize::try_from(a.int("batch_dims", 0)?)
                     .map_err(|_| a.bad("batch_dims", "non-negative"))?,
             },
-            "ScatterND" => Op::ScatterND {
-                reduction: match a.string("reduction", "none")?.as_str() {
-                    "none" => ScatterReduction::None,
-                    "add" => ScatterReduction::Add,
-                    "mul" => ScatterReduction::Mul,
-                    "max" => ScatterReduction::Max,
-                    "min" => ScatterReduction::Min,
-                    other => return Err(a.bad("reduction", &format!("none, add, mul, max or min, not '{other}'"))),
-                },
-            },
+            "ScatterND" => Op::ScatterND { reduction: scatter_reduction(a)? },
+            // Scatter is ScatterElements' name before opset 11.
+            "ScatterElements" | "Scatter" => {
+                Op::ScatterElements { axis: a.int("axis", 0)?, reduction: scatter_reduction(a)? }
+            }
             "Expand" => Op::Expand,
             "Tile" => Op::Tile,
             "Sum" => Op::Sum { mean: false },
@@ -1239,6 +1253,7 @@ impl Op {
             Op::GatherElements { .. } => onnx("GatherElements"),
             Op::GatherND { .. } => onnx("GatherND"),
             Op::ScatterND { .. } => onnx("ScatterND"),
+            Op::ScatterElements { .. } => onnx("ScatterElements"),
             Op::Expand => onnx("Expand"),
             Op::Tile => onnx("Tile"),
             Op::Sum { mean: false } => onnx("Sum"),
@@ -1357,6 +1372,10 @@ impl Op {
             Op::ScatterND { reduction } => {
                 let r = ["none", "add", "mul", "max", "min"][*reduction as usize];
                 vec![("reduction".into(), AttrValue::Str(r.into()))]
+            }
+            Op::ScatterElements { axis, reduction } => {
+                let r = ["none", "add", "mul", "max", "min"][*reduction as usize];
+                vec![i("axis", *axis), ("reduction".into(), AttrValue::Str(r.into()))]
             }
             Op::Pad { mode, .. } | Op::PadGrad { mode, .. } => {
                 let m = ["constant", "reflect", "edge", "wrap"][*mode as usize];

@@ -1004,6 +1004,26 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 ],
             )
         }
+        Op::ScatterElements { axis, reduction } => {
+            let (data, ids, updates) = (x(0)?, x(1)?, x(2)?);
+            let wide = ids_i64(&ids, "ScatterElements' indices")?;
+            let ax = norm_axis(*axis, data.shape().len())?;
+            let (n, m, d, sd) = (y.n() as i64, ids.n() as i64, dims(ids.shape())?, contiguous_strides(data.shape()));
+            let dim = data.shape()[ax] as i64;
+            dev.copy(y.at, data.at, data.meta.bytes())?;
+            match reduction {
+                ScatterReduction::None => dev.kernel(
+                    &sized("scatter_elements", data.dtype())?,
+                    elementwise(y.n()),
+                    &mut params![n, m, d, ax as i32, dim, sd, updates.at, ids.at, wide, y.at],
+                ),
+                r => dev.kernel(
+                    &float_kernel("scatter_elements_reduce", data.dtype())?,
+                    elementwise(y.n()),
+                    &mut params![*r as i32, n, m, d, ax as i32, dim, sd, updates.at, ids.at, wide, y.at],
+                ),
+            }
+        }
         Op::ScatterND { reduction } => {
             let (data, ids, updates) = (x(0)?, x(1)?, x(2)?);
             let wide = ids_i64(&ids, "ScatterND's indices")?;

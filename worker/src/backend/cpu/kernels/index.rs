@@ -62,6 +62,56 @@ fn scatter_add<T: Copy + Default + std::ops::AddAssign>(src: &[T], offsets: &[us
     }
 }
 
+/// ScatterElements: y = data, then each update combined into the element at its offset
+/// (`element_offsets`), in index order (with `None`, of indices that repeat the last wins).
+pub fn scatter_elements(
+    reduction: ScatterReduction,
+    axis: usize,
+    data: &TensorView,
+    idx: &TensorView,
+    updates: &TensorView,
+    y: &mut TensorViewMut,
+) -> KResult {
+    let offsets = element_offsets(axis, data.shape, idx)?;
+    combine_into(reduction, &offsets, 1, data, updates, y);
+    Ok(())
+}
+
+/// y = data, then update block t (of `inner` elements) combined into y's elements from
+/// offsets[t] on, in order: ScatterND's and ScatterElements' common step.
+fn combine_into(
+    reduction: ScatterReduction,
+    offsets: &[usize],
+    inner: usize,
+    data: &TensorView,
+    updates: &TensorView,
+    y: &mut TensorViewMut,
+) {
+    y.bytes.copy_from_slice(data.bytes);
+    if reduction == ScatterReduction::None {
+        let size = data.dtype.size();
+        for (t, &at) in offsets.iter().enumerate() {
+            let src = &updates.bytes[t * inner * size..(t + 1) * inner * size];
+            y.bytes[at * size..(at + inner) * size].copy_from_slice(src);
+        }
+        return;
+    }
+    // The arithmetic reductions in f64, as the CPU's other element-type-generic ops.
+    let (mut acc, upd) = (data.to_f64_vec(), updates.to_f64_vec());
+    for (t, &at) in offsets.iter().enumerate() {
+        for (o, &u) in acc[at..at + inner].iter_mut().zip(&upd[t * inner..(t + 1) * inner]) {
+            *o = match reduction {
+                ScatterReduction::Add => *o + u,
+                ScatterReduction::Mul => *o * u,
+                ScatterReduction::Max => o.max(u),
+                ScatterReduction::Min => o.min(u),
+                ScatterReduction::None => u,
+            };
+        }
+    }
+    super::write_f64(&acc, y);
+}
+
 /// The slices that GatherND's and ScatterND's indices [.., k] name in data of `data_shape`:
 /// each k-tuple's element offset (within its batch: the first `batch` dims of data and indices
 /// are shared), and the slice's length (the product of data's dims past batch + k).
@@ -122,29 +172,7 @@ pub fn scatter_nd(
     y: &mut TensorViewMut,
 ) -> KResult {
     let (offsets, inner) = nd_slices(0, data.shape, idx)?;
-    y.bytes.copy_from_slice(data.bytes);
-    if reduction == ScatterReduction::None {
-        let size = data.dtype.size();
-        for (t, &at) in offsets.iter().enumerate() {
-            let src = &updates.bytes[t * inner * size..(t + 1) * inner * size];
-            y.bytes[at * size..(at + inner) * size].copy_from_slice(src);
-        }
-        return Ok(());
-    }
-    // The arithmetic reductions in f64, as the CPU's other element-type-generic ops.
-    let (mut acc, upd) = (data.to_f64_vec(), updates.to_f64_vec());
-    for (t, &at) in offsets.iter().enumerate() {
-        for (o, &u) in acc[at..at + inner].iter_mut().zip(&upd[t * inner..(t + 1) * inner]) {
-            *o = match reduction {
-                ScatterReduction::Add => *o + u,
-                ScatterReduction::Mul => *o * u,
-                ScatterReduction::Max => o.max(u),
-                ScatterReduction::Min => o.min(u),
-                ScatterReduction::None => u,
-            };
-        }
-    }
-    super::write_f64(&acc, y);
+    combine_into(reduction, &offsets, inner, data, updates, y);
     Ok(())
 }
 

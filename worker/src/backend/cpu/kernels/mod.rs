@@ -125,6 +125,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         }
         Op::GatherND { batch_dims } => index::gather_nd(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherNDGrad { batch_dims, .. } => index::gather_nd_grad(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::ScatterElements { axis, reduction } => {
+            index::scatter_elements(*reduction, *axis as usize, &x(0)?, &x(1)?, &x(2)?, &mut outputs[0])
+        }
         Op::ScatterND { reduction } => index::scatter_nd(*reduction, &x(0)?, &x(1)?, &x(2)?, &mut outputs[0]),
         Op::GatherElements { axis } => index::gather_elements(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherElementsGrad { axis, .. } => {

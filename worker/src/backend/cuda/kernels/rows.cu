@@ -535,6 +535,69 @@ extern "C" __global__ void gather_elements_grad_f32(i64 n, Dims d, int axis, i64
     }
 }
 
+// ScatterElements over out (a copy of data made first by the backend): each element of out
+// visits the index positions in order (m of them, of the indices' shape d) and takes (reduction
+// 0) or combines in f64 (1 add, 2 mul, 3 max, 4 min) every update whose element_offset is its
+// own. No atomics, so repeated indices give the CPU's result; the cost is out's elements times m.
+template <typename T>
+__device__ void scatter_elements(i64 n, i64 m, const Dims& d, int axis, i64 dim, const Strides& sd, const T* updates,
+                                 const void* ids, int ids_i64, T* out) {
+    for (i64 e = first_index(); e < n; e += grid_stride())
+        for (i64 i = 0; i < m; ++i)
+            if (element_offset(i, d, axis, dim, sd, ids, ids_i64) == e) out[e] = updates[i];
+}
+extern "C" __global__ void scatter_elements_b8(i64 n, i64 m, Dims d, int axis, i64 dim, Strides sd,
+                                               const u8* updates, const void* ids, int ids_i64, u8* out) {
+    scatter_elements<u8>(n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_b16(i64 n, i64 m, Dims d, int axis, i64 dim, Strides sd,
+                                                const u16* updates, const void* ids, int ids_i64, u16* out) {
+    scatter_elements<u16>(n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_b32(i64 n, i64 m, Dims d, int axis, i64 dim, Strides sd,
+                                                const u32* updates, const void* ids, int ids_i64, u32* out) {
+    scatter_elements<u32>(n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_b64(i64 n, i64 m, Dims d, int axis, i64 dim, Strides sd,
+                                                const u64* updates, const void* ids, int ids_i64, u64* out) {
+    scatter_elements<u64>(n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+template <class S>
+__device__ void scatter_elements_reduce(int reduction, i64 n, i64 m, const Dims& d, int axis, i64 dim,
+                                        const Strides& sd, const typename S::T* updates, const void* ids,
+                                        int ids_i64, typename S::T* out) {
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        double acc = (double)S::load(out[e]);
+        for (i64 i = 0; i < m; ++i) {
+            if (element_offset(i, d, axis, dim, sd, ids, ids_i64) != e) continue;
+            double v = (double)S::load(updates[i]);
+            // max_of and min_of ignore a NaN operand, as the CPU's f64::max and f64::min.
+            acc = reduction == 1 ? acc + v : reduction == 2 ? acc * v : reduction == 3 ? max_of(acc, v) : min_of(acc, v);
+        }
+        out[e] = S::store((typename S::C)acc);
+    }
+}
+extern "C" __global__ void scatter_elements_reduce_f32(int reduction, i64 n, i64 m, Dims d, int axis, i64 dim,
+                                                       Strides sd, const float* updates, const void* ids, int ids_i64,
+                                                       float* out) {
+    scatter_elements_reduce<F32>(reduction, n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_reduce_f16(int reduction, i64 n, i64 m, Dims d, int axis, i64 dim,
+                                                       Strides sd, const u16* updates, const void* ids, int ids_i64,
+                                                       u16* out) {
+    scatter_elements_reduce<F16>(reduction, n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_reduce_bf16(int reduction, i64 n, i64 m, Dims d, int axis, i64 dim,
+                                                        Strides sd, const u16* updates, const void* ids, int ids_i64,
+                                                        u16* out) {
+    scatter_elements_reduce<BF16>(reduction, n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+extern "C" __global__ void scatter_elements_reduce_f64(int reduction, i64 n, i64 m, Dims d, int axis, i64 dim,
+                                                       Strides sd, const double* updates, const void* ids, int ids_i64,
+                                                       double* out) {
+    scatter_elements_reduce<F64>(reduction, n, m, d, axis, dim, sd, updates, ids, ids_i64, out);
+}
+
 // ---- GatherND and ScatterND ----
 
 // The offset in data of the slice that k-tuple t of the indices names: its batch's base (tuples
