@@ -143,6 +143,8 @@ const REQUIRED_OPS: &[&str] = &[
     "Mean",
     "OneHot",
     "ScatterElements",
+    "InstanceNormalization",
+    "GroupNormalization",
 ];
 
 enum Outcome {

@@ -9,7 +9,9 @@ use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::{Binary, LossReduction, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window};
+use crate::graph::op::{
+    Binary, LossReduction, NormKind, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window,
+};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use std::sync::Arc;
@@ -324,6 +326,26 @@ fn softmax_layernorm_and_losses() {
     let bias = b.param("bias", &[4], -0.5, 0.5);
     let y = b.g.op1("y", Op::LayerNorm { axis: -1, epsilon: 1e-5 }, &[x, s, bias]);
     check("LayerNormalization", b.done(y));
+
+    // Instance, group (per-channel and opset 18's per-group scale) and RMS normalization,
+    // through the reductions and arithmetic they bind as.
+    for (what, kind, scale_len, bias) in [
+        ("InstanceNormalization", NormKind::Instance, 4, true),
+        ("GroupNormalization", NormKind::Group { groups: 2 }, 4, true),
+        ("GroupNormalization per group", NormKind::Group { groups: 2 }, 2, true),
+        ("RMSNormalization", NormKind::Rms { axis: 2 }, 6, false),
+    ] {
+        let mut b = CaseBuilder::new(43);
+        let x = b.param("x", &[2, 4, 6], -1.0, 1.0);
+        let shape: &[usize] = if scale_len == 6 { &[2, 3] } else { &[scale_len] };
+        let s = b.param("scale", shape, 0.5, 1.5);
+        let mut ins = vec![x, s];
+        if bias {
+            ins.push(b.param("bias", &[scale_len], -0.5, 0.5));
+        }
+        let y = b.g.op1("y", Op::Normalization { kind, epsilon: 1e-5 }, &ins);
+        check(what, b.done(y));
+    }
 
     for (name, reduction, ignore, weights) in [
         ("SoftmaxCrossEntropyLoss mean", LossReduction::Mean, None, false),

@@ -6,7 +6,7 @@
 //! static, so backends never read shape operands at run time.
 
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
-use super::op::{LossReduction, Op, PadMode, PoolKind, Unary, Window};
+use super::op::{LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -822,7 +822,7 @@ pub fn infer_node(
             (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
-        Op::Sequence(_) | Op::Tile | Op::Sum { .. } | Op::OneHot { .. } => {
+        Op::Sequence(_) | Op::Tile | Op::Sum { .. } | Op::OneHot { .. } | Op::Normalization { .. } => {
             return Err(err(node, "sequence ops and Tile are rewritten into other ops before inference"))
         }
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
@@ -1060,6 +1060,9 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
         let rewritten = match node.op {
             Op::Sum { mean } => Some(expand_sum(&mut g, &mut consts, &node, &metas, mean)?),
             Op::OneHot { axis } => Some(expand_one_hot(&mut g, &mut consts, &node, &metas, axis)?),
+            Op::Normalization { kind, epsilon } => {
+                Some(expand_norm(&mut g, &mut consts, &node, &metas, kind, epsilon)?)
+            }
             _ => expand_tile(&mut g, &mut consts, &node, &metas)?,
         };
         if let Some(expanded) = rewritten {
@@ -1224,6 +1227,126 @@ fn expand_sum(
     Ok(nodes)
 }
 
+/// Instance, group and RMS normalization written out: x (viewed as [N, G, rest] for groups)
+/// less its mean over the normalized dims (not for RMS), divided by √(mean of squares + ε),
+/// viewed back, times scale and plus bias laid along the channel axis (or the group axis, for
+/// opset 18's per-group scale), queued for binding in its place.
+fn expand_norm(
+    g: &mut Graph,
+    consts: &mut HashMap<ValueId, Tensor>,
+    node: &Node,
+    metas: &[Option<Meta>],
+    kind: NormKind,
+    epsilon: f32,
+) -> Result<Vec<Node>> {
+    use super::op::{Binary, Reduce};
+    let x = metas[0].clone().ok_or_else(|| err(node, "input 0 is missing"))?;
+    let scale = metas.get(1).cloned().flatten().ok_or_else(|| err(node, "scale (input 1) is missing"))?;
+    let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);
+    let r = x.shape.len();
+    if r < 2 && !matches!(kind, NormKind::Rms { .. }) {
+        return Err(err(node, format!("X of shape {:?} has no channel dimension", x.shape)));
+    }
+    let c = x.shape.get(1).copied().unwrap_or(1);
+    // The view normalized, its normalized axes, and the shape scale and bias take in that view
+    // (None: they apply after viewing back, along the channels).
+    let (view, axes, on_view): (Vec<usize>, Vec<i64>, Option<Vec<usize>>) = match kind {
+        NormKind::Instance => (x.shape.clone(), (2..r as i64).collect(), None),
+        NormKind::Group { groups } => {
+            if c % groups != 0 {
+                return Err(err(node, format!("{c} channels do not split into {groups} groups")));
+            }
+            let rest = x.numel() / (x.shape[0] * groups).max(1);
+            let per_group = (scale.numel() == groups && groups != c).then(|| vec![groups, 1]);
+            (vec![x.shape[0], groups, rest], vec![2], per_group)
+        }
+        NormKind::Rms { axis } => {
+            let a = norm_axis(axis, r).ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
+            (x.shape.clone(), (a as i64..r as i64).collect(), Some(x.shape[a..].to_vec()))
+        }
+    };
+    let name = |s: &str| format!("{}:{s}", node.name);
+    let mut nodes = Vec::new();
+    let fresh = |g: &mut Graph, s: &str| g.fresh(&name(s));
+    let shape_of = |g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, s: &str, dims: &[usize]| {
+        let t = Tensor::from_vec(&[dims.len()], dims.iter().map(|&d| d as i64).collect::<Vec<_>>());
+        constant_value(g, consts, &name(s), t)
+    };
+    let mean = |axes: &[i64]| Op::ReduceOp {
+        kind: Reduce::Mean,
+        axes: Some(axes.to_vec()),
+        keepdims: true,
+        noop_with_empty_axes: false,
+    };
+    let v = if view != x.shape {
+        let (s, v) = (shape_of(g, consts, "view_shape", &view), fresh(g, "view"));
+        nodes.push(node1(name("view"), Op::Reshape, &[input, s], v));
+        v
+    } else {
+        input
+    };
+    let centered = if matches!(kind, NormKind::Rms { .. }) {
+        v
+    } else {
+        let (m, d) = (fresh(g, "mean"), fresh(g, "centered"));
+        nodes.push(node1(name("mean"), mean(&axes), &[v], m));
+        nodes.push(node1(name("center"), Op::Binary(Binary::Sub), &[v, m], d));
+        d
+    };
+    let eps = constant_value(g, consts, &name("epsilon"), Tensor::scalar(epsilon).cast(x.dtype));
+    let (sq, ms, shifted, root, normed) = (
+        fresh(g, "square"),
+        fresh(g, "mean_square"),
+        fresh(g, "plus_epsilon"),
+        fresh(g, "root"),
+        fresh(g, "normalized"),
+    );
+    nodes.push(node1(name("square"), Op::Binary(Binary::Mul), &[centered, centered], sq));
+    nodes.push(node1(name("mean_square"), mean(&axes), &[sq], ms));
+    nodes.push(node1(name("plus_epsilon"), Op::Binary(Binary::Add), &[ms, eps], shifted));
+    nodes.push(node1(name("root"), Op::Unary(super::op::Unary::Sqrt), &[shifted], root));
+    nodes.push(node1(name("divide"), Op::Binary(Binary::Div), &[centered, root], normed));
+    // scale and bias along the channels ([C, 1, …] against [N, C, …]) or as `on_view` says.
+    let lay = |g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, nodes: &mut Vec<Node>, k: usize, s: &str| {
+        let operand = node.input(k)?;
+        let dims = on_view.clone().unwrap_or_else(|| {
+            let mut d = vec![1usize; r - 1];
+            d[0] = c;
+            d
+        });
+        let (shape, laid) = (shape_of(g, consts, &format!("{s}_shape"), &dims), g.fresh(&name(&format!("{s}_laid"))));
+        nodes.push(node1(name(&format!("lay_{s}")), Op::Reshape, &[operand, shape], laid));
+        Some(laid)
+    };
+    // Back to x's shape before a per-channel scale; after a scale laid on the view.
+    let back = |g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, nodes: &mut Vec<Node>, y: ValueId| {
+        if view == x.shape {
+            return y;
+        }
+        let (s, out) = (shape_of(g, consts, "back_shape", &x.shape), g.fresh(&name("back")));
+        nodes.push(node1(name("back"), Op::Reshape, &[y, s], out));
+        out
+    };
+    let mut y = normed;
+    if on_view.is_none() {
+        y = back(g, consts, &mut nodes, y);
+    }
+    let scale_v = lay(g, consts, &mut nodes, 1, "scale").expect("scale exists");
+    let scaled = fresh(g, "scaled");
+    nodes.push(node1(name("scale"), Op::Binary(Binary::Mul), &[y, scale_v], scaled));
+    y = scaled;
+    if let Some(b) = lay(g, consts, &mut nodes, 2, "bias") {
+        let biased = fresh(g, "biased");
+        nodes.push(node1(name("bias"), Op::Binary(Binary::Add), &[y, b], biased));
+        y = biased;
+    }
+    if on_view.is_some() {
+        y = back(g, consts, &mut nodes, y);
+    }
+    nodes.push(node1(node.name.clone(), Op::Identity, &[y], output));
+    Ok(nodes)
+}
+
 /// OneHot as the ops that make it: the indices as i64, negative ones moved up by depth, given
 /// the output's axis (Unsqueeze) and compared with 0..depth laid along it (Equal), choosing
 /// values[1] or values[0] (Where). An index outside −depth..depth matches nothing.
@@ -1373,5 +1496,40 @@ mod tests {
         let log_old = run_one(11, Op::LogSoftmax { axis: 1 }, &x).unwrap();
         let back: Vec<f32> = log_old.as_slice::<f32>().iter().map(|v| v.exp()).collect();
         assert!(back.iter().zip(old.as_slice::<f32>()).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
+}
+
+#[cfg(test)]
+mod normalization_tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::exec::Executor;
+    use crate::graph::ir::Dim;
+    use std::sync::Arc;
+
+    /// RMSNormalization (opset 23, which the ONNX node tests of onnx 1.17 do not cover) against
+    /// its definition: x / √(mean over the dims from `axis` of x² + ε) · scale.
+    #[test]
+    fn rms_normalization_binds_to_its_definition() {
+        let mut g = Graph::new("rms", 23);
+        let x = g.add_input("x", DType::F32, vec![Dim::Fixed(2), Dim::Fixed(3), Dim::Fixed(4)]);
+        let scale: Vec<f32> = (0..12).map(|i| 0.5 + i as f32 / 10.0).collect();
+        let s = g.add_initializer("scale", Tensor::from_vec(&[3, 4], scale.clone()));
+        let y = g.op1("y", Op::Normalization { kind: NormKind::Rms { axis: 1 }, epsilon: 1e-3 }, &[x, s]);
+        g.outputs = vec![y];
+        let bound = bind(&g, &Bindings::default(), false).unwrap();
+        let mut ex = Executor::new(Arc::new(CpuBackend::new()), bound, &[]).unwrap();
+        let xs: Vec<f32> = (0..24).map(|i| (i as f32 * 0.37).sin()).collect();
+        ex.feed(x, &Tensor::from_vec(&[2, 3, 4], xs.clone())).unwrap();
+        ex.run(1).unwrap();
+        let got = ex.fetch(y).unwrap();
+        for (n, row) in xs.chunks(12).enumerate() {
+            let rms = (row.iter().map(|v| (v * v) as f64).sum::<f64>() / 12.0 + 1e-3).sqrt();
+            for (k, &v) in row.iter().enumerate() {
+                let want = v as f64 / rms * scale[k] as f64;
+                let have = got.as_slice::<f32>()[n * 12 + k] as f64;
+                assert!((have - want).abs() < 1e-6, "element {n},{k}: {have} against {want}");
+            }
+        }
     }
 }

@@ -345,6 +345,18 @@ pub enum ScatterReduction {
     Min,
 }
 
+/// The normalizations binding writes out as reductions and arithmetic (`infer::expand_norm`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NormKind {
+    /// InstanceNormalization: each (sample, channel) over its spatial dims; scale and bias [C].
+    Instance,
+    /// GroupNormalization: each sample's channels in `groups` groups, each over its channels and
+    /// spatial dims; scale and bias [C] (opset 21), or [groups] (opset 18).
+    Group { groups: usize },
+    /// RMSNormalization: x / √(mean(x²) + ε) over the dims from `axis` on, times scale.
+    Rms { axis: i64 },
+}
+
 /// The ops over sequences of tensors; `graph::sequence` resolves them when the graph is bound.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SequenceOp {
@@ -511,6 +523,12 @@ pub enum Op {
     /// rewrites it as Cast, Where, Unsqueeze, Equal and Where over a Range of depth.
     OneHot {
         axis: i64,
+    },
+    /// x, scale (, bias) -> the normalization `kind`; binding writes it out as ReduceMean, Sub,
+    /// Mul, Add, Sqrt and Div, whose kernels and gradients serve it.
+    Normalization {
+        kind: NormKind,
+        epsilon: f32,
     },
     /// x, repeats -> x repeated along each axis; binding rewrites it as Reshape → Expand →
     /// Reshape (x viewed as [1, d0, 1, d1, ...] expanded to [r0, d0, r1, d1, ...]), whose kernels
@@ -790,9 +808,11 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "GlobalAveragePool",
     "Greater",
     "GreaterOrEqual",
+    "GroupNormalization",
     "HardSigmoid",
     "HardSwish",
     "Identity",
+    "InstanceNormalization",
     "IsInf",
     "IsNaN",
     "LayerNormalization",
@@ -817,6 +837,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "PRelu",
     "Pad",
     "Pow",
+    "RMSNormalization",
     "Range",
     "Reciprocal",
     "ReduceL1",
@@ -1072,6 +1093,24 @@ impl Op {
             }
             "Expand" => Op::Expand,
             "Tile" => Op::Tile,
+            "InstanceNormalization" => {
+                Op::Normalization { kind: NormKind::Instance, epsilon: a.float("epsilon", 1e-5)? }
+            }
+            "GroupNormalization" | "RMSNormalization" => {
+                if a.int("stash_type", 1)? != 1 {
+                    return Err(Error::Unsupported(format!("{}: only stash_type 1 (float32) is supported", a.origin)));
+                }
+                let kind = match op_type {
+                    "GroupNormalization" => NormKind::Group {
+                        groups: usize::try_from(a.opt_int("num_groups")?.ok_or_else(|| a.bad("num_groups", "given"))?)
+                            .ok()
+                            .filter(|&g| g > 0)
+                            .ok_or_else(|| a.bad("num_groups", "positive"))?,
+                    },
+                    _ => NormKind::Rms { axis: a.int("axis", -1)? },
+                };
+                Op::Normalization { kind, epsilon: a.float("epsilon", 1e-5)? }
+            }
             "Sum" => Op::Sum { mean: false },
             "Mean" => Op::Sum { mean: true },
             "OneHot" => Op::OneHot { axis: a.int("axis", -1)? },
@@ -1256,6 +1295,11 @@ impl Op {
             Op::ScatterElements { .. } => onnx("ScatterElements"),
             Op::Expand => onnx("Expand"),
             Op::Tile => onnx("Tile"),
+            Op::Normalization { kind, .. } => onnx(match kind {
+                NormKind::Instance => "InstanceNormalization",
+                NormKind::Group { .. } => "GroupNormalization",
+                NormKind::Rms { .. } => "RMSNormalization",
+            }),
             Op::Sum { mean: false } => onnx("Sum"),
             Op::Sum { mean: true } => onnx("Mean"),
             Op::OneHot { .. } => onnx("OneHot"),
@@ -1363,6 +1407,15 @@ impl Op {
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
+            Op::Normalization { kind, epsilon } => {
+                let mut v = vec![f("epsilon", *epsilon)];
+                match kind {
+                    NormKind::Instance => {}
+                    NormKind::Group { groups } => v.push(i("num_groups", *groups as i64)),
+                    NormKind::Rms { axis } => v.push(i("axis", *axis)),
+                }
+                v
+            }
             Op::CumSum { exclusive, reverse, .. } => {
                 vec![i("exclusive", *exclusive as i64), i("reverse", *reverse as i64)]
             }

@@ -211,6 +211,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Tile
         | Op::Sum { .. }
         | Op::OneHot { .. }
+        | Op::Normalization { .. }
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
