@@ -1162,24 +1162,15 @@ fn expand_tile(
     let expanded = dims(&|d, r| [r, d as i64]);
     let tiled: Vec<i64> = x.shape.iter().zip(&repeats).map(|(&d, &r)| d as i64 * r).collect();
     let mut operand = |name: &str, dims: Vec<i64>| {
-        let v = g.fresh(&format!("{}:{name}", node.name));
-        let t = Tensor::from_vec(&[dims.len()], dims);
-        g.values[v].meta = Some(Meta::new(t.dtype(), t.shape()));
-        consts.insert(v, t);
-        v
+        constant_value(g, consts, &format!("{}:{name}", node.name), Tensor::from_vec(&[dims.len()], dims))
     };
     let (s1, s2, s3) = (operand("interleaved", interleaved), operand("expanded", expanded), operand("tiled", tiled));
     let (a, b) = (g.fresh(&format!("{}:interleaved_x", node.name)), g.fresh(&format!("{}:expanded_x", node.name)));
-    let make = |suffix: &str, op: Op, inputs: [ValueId; 2], out: ValueId| Node {
-        name: format!("{}{suffix}", node.name),
-        op,
-        inputs: inputs.into_iter().map(Some).collect(),
-        outputs: vec![Some(out)],
-    };
+    let name = |suffix: &str| format!("{}{suffix}", node.name);
     Ok(Some(vec![
-        make(":interleave", Op::Reshape, [input, s1], a),
-        make(":expand", Op::Expand, [a, s2], b),
-        make("", Op::Reshape, [b, s3], output),
+        node1(name(":interleave"), Op::Reshape, &[input, s1], a),
+        node1(name(":expand"), Op::Expand, &[a, s2], b),
+        node1(name(""), Op::Reshape, &[b, s3], output),
     ]))
 }
 

@@ -5,7 +5,7 @@
 
 use super::KResult;
 use crate::graph::op::ScatterReduction;
-use crate::tensor::{strides, DType, TensorView, TensorViewMut};
+use crate::tensor::{strides, TensorView, TensorViewMut};
 
 /// For each position of `idx` (row-major), the element offset in `data_shape` that it addresses:
 /// the position's own coordinates, the one along `axis` replaced by the index there (negative
@@ -47,19 +47,8 @@ pub fn gather_elements(axis: usize, data: &TensorView, idx: &TensorView, y: &mut
 pub fn gather_elements_grad(axis: usize, dy: &TensorView, idx: &TensorView, dx: &mut TensorViewMut) -> KResult {
     let shape = dx.shape.to_vec();
     let offsets = element_offsets(axis, &shape, idx)?;
-    match dy.dtype {
-        DType::F32 => scatter_add(dy.as_slice::<f32>(), &offsets, dx.as_mut_slice::<f32>()),
-        DType::F64 => scatter_add(dy.as_slice::<f64>(), &offsets, dx.as_mut_slice::<f64>()),
-        t => return Err(format!("GatherElementsGrad is not implemented for {t}")),
-    }
+    super::scatter_add(dy, offsets.into_iter().map(Some), dx);
     Ok(())
-}
-
-fn scatter_add<T: Copy + Default + std::ops::AddAssign>(src: &[T], offsets: &[usize], out: &mut [T]) {
-    out.fill(T::default());
-    for (&v, &at) in src.iter().zip(offsets) {
-        out[at] += v;
-    }
 }
 
 /// ScatterElements: y = data, then each update combined into the element at its offset
@@ -153,12 +142,7 @@ pub fn gather_nd(batch: usize, data: &TensorView, idx: &TensorView, y: &mut Tens
 pub fn gather_nd_grad(batch: usize, dy: &TensorView, idx: &TensorView, dx: &mut TensorViewMut) -> KResult {
     let shape = dx.shape.to_vec();
     let (offsets, inner) = nd_slices(batch, &shape, idx)?;
-    let blocks: Vec<usize> = offsets.iter().flat_map(|&at| at..at + inner).collect();
-    match dy.dtype {
-        DType::F32 => scatter_add(dy.as_slice::<f32>(), &blocks, dx.as_mut_slice::<f32>()),
-        DType::F64 => scatter_add(dy.as_slice::<f64>(), &blocks, dx.as_mut_slice::<f64>()),
-        t => return Err(format!("GatherNDGrad is not implemented for {t}")),
-    }
+    super::scatter_add(dy, offsets.iter().flat_map(|&at| (at..at + inner).map(Some)), dx);
     Ok(())
 }
 
@@ -217,7 +201,7 @@ pub fn arg_extreme(max: bool, last: bool, axis: usize, x: &TensorView, y: &mut T
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::Tensor;
+    use crate::tensor::{DType, Tensor};
 
     #[test]
     fn gathers_along_an_axis_and_scatters_back() {

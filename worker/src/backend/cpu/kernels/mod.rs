@@ -272,6 +272,34 @@ pub fn run_on_tensors(op: &Op, inputs: &[Option<&Tensor>], outputs: &mut [Tensor
 }
 
 /// Writes values computed in f64 into `y`, converted to its element type as `Cast` converts.
+/// dX = zeros, then dX[target] += dY[i] for each element i of dY that has a target, in order:
+/// the gradient of every op that reads elements by index (GatherElements, GatherND, Pad). f32 and
+/// f64 add in their own type; other element types (none reaches here in a training graph, halves
+/// arrive widened) add in f64.
+pub fn scatter_add(dy: &TensorView, targets: impl Iterator<Item = Option<usize>>, dx: &mut TensorViewMut) {
+    fn add<T: Copy + Default + std::ops::AddAssign>(
+        dy: &[T],
+        targets: impl Iterator<Item = Option<usize>>,
+        dx: &mut [T],
+    ) {
+        dx.fill(T::default());
+        for (&g, at) in dy.iter().zip(targets) {
+            if let Some(at) = at {
+                dx[at] += g;
+            }
+        }
+    }
+    match dy.dtype {
+        DType::F32 => add(dy.as_slice::<f32>(), targets, dx.as_mut_slice::<f32>()),
+        DType::F64 => add(dy.as_slice::<f64>(), targets, dx.as_mut_slice::<f64>()),
+        _ => {
+            let mut wide = vec![0f64; dx.numel()];
+            add(&dy.to_f64_vec(), targets, &mut wide);
+            write_f64(&wide, dx);
+        }
+    }
+}
+
 pub fn write_f64(vals: &[f64], y: &mut TensorViewMut) {
     match y.dtype {
         DType::F32 => y.as_mut_slice::<f32>().iter_mut().zip(vals).for_each(|(o, v)| *o = *v as f32),

@@ -399,19 +399,7 @@ pub fn pad(mode: PadMode, pads: &[i64], value: f64, x: &TensorView, y: &mut Tens
 /// reflect, edge and wrap modes).
 pub fn pad_grad(mode: PadMode, pads: &[i64], dy: &TensorView, dx: &mut TensorViewMut) -> KResult {
     let sources = pad_sources(mode, pads, dx.shape, dy.shape);
-    fn add<T: Copy + Default + std::ops::AddAssign>(dy: &[T], sources: &[Option<usize>], dx: &mut [T]) {
-        dx.fill(T::default());
-        for (&g, src) in dy.iter().zip(sources) {
-            if let Some(i) = src {
-                dx[*i] += g;
-            }
-        }
-    }
-    match dy.dtype {
-        DType::F32 => add(dy.as_slice::<f32>(), &sources, dx.as_mut_slice::<f32>()),
-        DType::F64 => add(dy.as_slice::<f64>(), &sources, dx.as_mut_slice::<f64>()),
-        t => return Err(format!("PadGrad is not implemented for {t}")),
-    }
+    super::scatter_add(dy, sources.into_iter(), dx);
     Ok(())
 }
 

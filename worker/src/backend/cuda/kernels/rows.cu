@@ -535,6 +535,12 @@ extern "C" __global__ void gather_elements_grad_f32(i64 n, Dims d, int axis, i64
     }
 }
 
+// A scatter's reduction (1 add, 2 mul, 3 max, 4 min) of an update into the element, in f64;
+// max_of and min_of ignore a NaN operand, as the CPU's f64::max and f64::min.
+__device__ __forceinline__ double scatter_combine(int reduction, double acc, double v) {
+    return reduction == 1 ? acc + v : reduction == 2 ? acc * v : reduction == 3 ? max_of(acc, v) : min_of(acc, v);
+}
+
 // ScatterElements over out (a copy of data made first by the backend): each element of out
 // visits the index positions in order (m of them, of the indices' shape d) and takes (reduction
 // 0) or combines in f64 (1 add, 2 mul, 3 max, 4 min) every update whose element_offset is its
@@ -570,9 +576,7 @@ __device__ void scatter_elements_reduce(int reduction, i64 n, i64 m, const Dims&
         double acc = (double)S::load(out[e]);
         for (i64 i = 0; i < m; ++i) {
             if (element_offset(i, d, axis, dim, sd, ids, ids_i64) != e) continue;
-            double v = (double)S::load(updates[i]);
-            // max_of and min_of ignore a NaN operand, as the CPU's f64::max and f64::min.
-            acc = reduction == 1 ? acc + v : reduction == 2 ? acc * v : reduction == 3 ? max_of(acc, v) : min_of(acc, v);
+            acc = scatter_combine(reduction, acc, (double)S::load(updates[i]));
         }
         out[e] = S::store((typename S::C)acc);
     }
@@ -699,9 +703,7 @@ __device__ void scatter_nd_reduce(int reduction, i64 n, i64 tuples, i64 inner, c
         double acc = (double)S::load(out[e]);
         for (i64 t = 0; t < tuples; ++t) {
             if (!nd_update(e, t, inner, kd, ks, ids, ids_i64, updates, &u)) continue;
-            double v = (double)S::load(u);
-            // max_of and min_of ignore a NaN operand, as the CPU's f64::max and f64::min.
-            acc = reduction == 1 ? acc + v : reduction == 2 ? acc * v : reduction == 3 ? max_of(acc, v) : min_of(acc, v);
+            acc = scatter_combine(reduction, acc, (double)S::load(u));
         }
         out[e] = S::store((typename S::C)acc);
     }
