@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu gpu-bundle images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images clean
 
 deps:
 	bash .ci/deps.sh
@@ -161,6 +161,16 @@ bench-load: deps k8s
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
 	TENSORFLEET_E2E_CLUSTER="$$cluster" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
 		$(CARGO) bench -p tensorfleet-e2e --bench load
+
+# The models and PyTorch's numbers the tests against PyTorch read (worker/tests/data/torch_*/):
+# exported from PyTorch and Hugging Face transformers (random init, tiny configs) by the
+# export.py beside them, which also trains each module in PyTorch for the reference losses.
+# The files are committed, so `make test` needs no PyTorch; this target writes them again.
+test-data:
+	bash .ci/bench-deps.sh
+	.venv-bench/bin/pip install --quiet --requirement worker/tests/data/requirements-export.txt
+	.venv-bench/bin/pip install --quiet --no-deps torchvision==0.29.2
+	for d in worker/tests/data/torch_*/; do .venv-bench/bin/python "$$d/export.py" || exit 1; done
 
 # GPT-2 124M training throughput on this machine's GPU, next to PyTorch eager and torch.compile
 # in the same run (worker/benches/gpu_gpt2_124m.py; results in target/gpu-bench/gpu-bench.json).

@@ -212,6 +212,12 @@ pub struct OnnxModelConfig {
     /// bound from `batchSize` when not given.
     #[serde(default)]
     pub dims: BTreeMap<String, usize>,
+    /// Embedding rows that do not train through their lookup, as PyTorch's
+    /// `nn.Embedding(padding_idx=…)` keeps them (ONNX exports lose padding_idx): the
+    /// embedding's initializer name → the row (negative counts from the end). A tied use of
+    /// the same weight, such as an LM head, still trains the row.
+    #[serde(default)]
+    pub padding_idx: BTreeMap<String, i64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]

@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::exec::plan::plan;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::onnx_io::from_model;
+use crate::session::buffers::Role;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -54,8 +55,20 @@ fn inspect_model(path: &Path, dims: &[String]) -> Result<()> {
         *ops.entry(n.op.onnx_name().0).or_default() += 1;
     }
     println!("  ops: {}", ops.iter().map(|(k, v)| format!("{k}×{v}")).collect::<Vec<_>>().join(", "));
-    let params: usize = g.float_initializers().iter().map(|v| g.initializers[v].numel()).sum();
-    println!("  {} float initializers, {params} parameters", g.float_initializers().len());
+    // What training would do with each float initializer (docs/MODELS.md): parameters train,
+    // running statistics and other buffers do not.
+    let roles = crate::session::buffers::roles(&g);
+    let count = |role: Role| -> (usize, usize) {
+        let of_role: Vec<_> = roles.iter().filter(|(_, r)| **r == role).map(|(v, _)| *v).collect();
+        (of_role.len(), of_role.iter().map(|v| g.initializers[v].numel()).sum())
+    };
+    let ((p, params), (s, stats), (c, consts)) =
+        (count(Role::Parameter), count(Role::RunningStatistic), count(Role::Constant));
+    println!(
+        "  {} float initializers: {p} parameters ({params} values), {s} running statistics ({stats} values), {c} \
+         buffers and constants ({consts} values)",
+        roles.len()
+    );
     for d in &g.inputs {
         println!("  input  {}: {} {:?}", g.name_of(d.value), d.dtype, d.dims);
     }

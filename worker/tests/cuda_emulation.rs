@@ -6,6 +6,7 @@
 
 mod common;
 mod cuda_emulator;
+mod torch_oracle;
 
 use cuda_emulator::EmulatedGpu;
 use std::collections::BTreeMap;
@@ -103,6 +104,35 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
         let gpu = train(Arc::new(EmulatedGpu::new()), update, recompute, micro, 3);
         let cpu = train(Arc::new(CpuBackend::new()), update, recompute, micro, 3);
         assert_same(what, &gpu, &cpu);
+    }
+}
+
+/// Models users export: the tiny Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention) and
+/// ViT (patch convolution, erf GELU) that tests/torch_hf.rs trains against PyTorch, from both
+/// exporters, train in bf16 on the emulated kernels to the CPU backend's bf16 losses.
+#[test]
+fn exported_llama_and_vit_train_in_bf16_on_the_emulated_kernels_to_the_cpu_losses() {
+    let dir = torch_oracle::data_dir("torch_hf");
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.01, decoupled: true };
+    let opts = SessionOptions { half: Some(DType::BF16), ..SessionOptions::new(adamw) };
+    for file in ["llama_torchscript.onnx", "llama_dynamo.onnx", "vit_torchscript.onnx", "vit_dynamo.onnx"] {
+        let model = file.split('_').next().unwrap();
+        let spec = torch_oracle::spec(&dir, file, Some(-100), Default::default());
+        let batches = torch_oracle::batches(&dir.join(format!("{model}.pb")), 4, 2);
+        let losses = |r: Run| -> Vec<f64> { r.losses.into_iter().chain([r.eval]).collect() };
+        let gpu = losses(train_model(Arc::new(EmulatedGpu::new()), &spec, &batches[..1], &opts, 3));
+        let cpu = losses(train_model(Arc::new(CpuBackend::new()), &spec, &batches[..1], &opts, 3));
+        let fp32 =
+            losses(train_model(Arc::new(CpuBackend::new()), &spec, &batches[..1], &SessionOptions::new(adamw), 3));
+        println!("{file} bf16: emulated {gpu:?}, CPU {cpu:?}; CPU fp32 {fp32:?}");
+        for (k, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            assert!(
+                (g - c).abs() <= 3e-3 * c.abs(),
+                "{file}, loss {k} (the last: evaluation): emulated GPU {g}, CPU {c}"
+            );
+        }
+        // ...and bf16 is what ran: the losses round away from fp32's.
+        assert!(gpu.iter().zip(&fp32).any(|(g, f)| (g - f).abs() > 1e-5 * f.abs()), "{file}: no rounding seen");
     }
 }
 

@@ -11,77 +11,39 @@
 //! evaluation (inference-mode) loss. The inference export holds the trained running statistics
 //! and runs BatchNormalization in inference mode.
 
+mod torch_oracle;
+
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
-use tensorfleet_worker::config::{DataFormat, DataSource, LossConfig, LossKind, ModelSpec, OnnxModelConfig};
-use tensorfleet_worker::data::{self, Batch, Batching, Feeds, Partition};
+use tensorfleet_worker::data::Batch;
 use tensorfleet_worker::graph::op::Op;
-use tensorfleet_worker::models::{self, Model};
-use tensorfleet_worker::optim::Update;
+use tensorfleet_worker::models::Model;
 use tensorfleet_worker::session::buffers::{self, Role};
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::Tensor;
+use torch_oracle::{floats, rel, update};
 
 const TOLERANCE: f64 = 1e-4;
 
 fn data_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn")
+    torch_oracle::data_dir("torch_cnn")
 }
 
 fn expected() -> Value {
-    let text = std::fs::read_to_string(data_dir().join("expected.json")).expect("expected.json");
-    serde_json::from_str(&text).expect("expected.json is JSON")
-}
-
-fn floats(v: &Value) -> Vec<f64> {
-    serde_json::from_value(v.clone()).expect("a list of numbers")
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs().max(1e-12)
+    torch_oracle::expected(&data_dir())
 }
 
 /// The model as a user configures it: the ONNX file, cross-entropy on `logits`, nothing frozen.
 fn load(file: &str) -> Model {
-    let loss = LossConfig {
-        kind: Some(LossKind::SoftmaxCrossEntropy),
-        output: "logits".into(),
-        label: "labels".into(),
-        ignore_index: None,
-    };
-    let spec = ModelSpec {
-        onnx: Some(OnnxModelConfig { path: data_dir().join(file), loss, dims: Default::default() }),
-        ..Default::default()
-    };
-    models::load(&spec, 0).unwrap_or_else(|e| panic!("{file}: {e}"))
+    torch_oracle::load(&data_dir(), file, None, Default::default())
 }
 
-/// The batches PyTorch trained on, read as training reads them (in order, no shuffle).
+/// The batches PyTorch trained on.
 fn batches(e: &Value) -> Vec<Batch> {
-    let src = DataSource { path: data_dir().join(e["data"].as_str().unwrap()), format: DataFormat::OnnxSamples };
-    let batch = e["batch"].as_u64().unwrap() as usize;
-    let batching = Batching { batch, seq_len: 0, shuffle: false, seed: 0, partition: Partition::WHOLE };
-    let feeds = Feeds { token_input: String::new(), token_label: String::new() };
-    let mut loader = data::open(&src, "data.train", batching, &feeds).unwrap();
-    (0..e["batches"].as_u64().unwrap()).map(|_| loader.next_batch().unwrap()).collect()
-}
-
-fn update(e: &Value, kind: &str) -> (Update, f64) {
-    let o = &e[kind];
-    let f = |k: &str| o[k].as_f64().unwrap();
-    let update = match kind {
-        "sgd" => Update::Sgd { momentum: f("momentum") as f32, nesterov: false, weight_decay: f("weightDecay") as f32 },
-        _ => Update::Adam {
-            beta1: f("beta1") as f32,
-            beta2: f("beta2") as f32,
-            epsilon: f("epsilon") as f32,
-            weight_decay: f("weightDecay") as f32,
-            decoupled: true,
-        },
-    };
-    (update, f("lr"))
+    let path = data_dir().join(e["data"].as_str().unwrap());
+    torch_oracle::batches(&path, e["batch"].as_u64().unwrap() as usize, e["batches"].as_u64().unwrap() as usize)
 }
 
 /// The worst difference of `got` from `want`, over the elements, relative to the tensor's

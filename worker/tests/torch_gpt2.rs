@@ -48,7 +48,12 @@ fn expected() -> Expected {
 
 fn spec(file: &str, loss: LossConfig) -> ModelSpec {
     ModelSpec {
-        onnx: Some(OnnxModelConfig { path: data_dir().join(file), loss, dims: Default::default() }),
+        onnx: Some(OnnxModelConfig {
+            path: data_dir().join(file),
+            loss,
+            dims: Default::default(),
+            padding_idx: Default::default(),
+        }),
         ..Default::default()
     }
 }

@@ -450,7 +450,7 @@ fn data_movement() {
     let mut b = CaseBuilder::new(17);
     let table = b.param("table", &[5, 3], -1.0, 1.0);
     let idx = b.constant("idx", Tensor::from_vec(&[2, 3], vec![0i64, 4, 4, -1, 2, 0]));
-    let y = b.g.op1("y", Op::Gather { axis: 0 }, &[table, idx]);
+    let y = b.g.op1("y", Op::Gather { axis: 0, padding_row: None }, &[table, idx]);
     check("Gather (repeated and negative indices)", b.done(y));
 
     // Pad in every mode, with a cropping (negative) pad and borders wider than reflect's
@@ -590,4 +590,30 @@ fn convolution_pooling_batchnorm() {
     let outs =
         b.g.add_node("bn", Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true }, &[x, s, bias, mean, var], 3);
     check("BatchNormalization (training)", b.done(outs[0]));
+}
+
+/// A padded lookup (nn.Embedding(padding_idx)) is not what finite differences measure on
+/// purpose: the padding row gets no gradient from it, and every other row the plain gradient.
+#[test]
+fn padding_row_of_a_lookup_gets_no_gradient() {
+    let gradient = |padding_row: Option<i64>| {
+        let mut b = CaseBuilder::new(17);
+        let table = b.param("table", &[5, 3], -1.0, 1.0);
+        let idx = b.constant("idx", Tensor::from_vec(&[2, 3], vec![0i64, 4, 4, 1, 2, 0]));
+        let y = b.g.op1("y", Op::Gather { axis: 0, padding_row }, &[table, idx]);
+        let mut c = b.done(y);
+        let loss = attach_loss(&mut c, &mut Rng::new(5), &[2, 3, 3]);
+        c.g.outputs = vec![loss];
+        let bindings = Bindings { variables: c.params.iter().copied().collect(), ..Default::default() };
+        let mut train = bind(&c.g, &bindings, true).unwrap();
+        let grads = gradients(&mut train, loss, &c.params).unwrap();
+        train.outputs = grads.clone();
+        let mut ex = Executor::new(Arc::new(CpuBackend::new()), train, &[]).unwrap();
+        ex.run(1).unwrap();
+        ex.fetch(grads[0]).unwrap().to_f64_vec()
+    };
+    let (plain, padded) = (gradient(None), gradient(Some(4)));
+    assert!(plain[12..].iter().all(|&g| g != 0.0), "row 4 is looked up twice: {plain:?}");
+    assert_eq!(&padded[12..], &[0.0; 3], "the padding row");
+    assert_eq!(&padded[..12], &plain[..12], "the other rows");
 }

@@ -278,8 +278,12 @@ pub fn backward(
                 &[dy],
             )?)]
         }
-        Op::Gather { axis } => {
+        Op::Gather { axis, padding_row } => {
             let data_shape = shape_of(b, x(0));
+            let dy = match padding_row {
+                Some(row) => without_padding_row(b, &name, dy, x(1), *row)?,
+                None => dy,
+            };
             vec![Some(b.emit1(&name, Op::GatherGrad { axis: *axis, data_shape }, &[dy, x(1)])?), None]
         }
         // Each input element reaches the sums after it (before it, reversed): the gradient is
@@ -496,6 +500,21 @@ pub fn backward(
         }
         _ => return Err(no_rule(node, "exists for this op")),
     })
+}
+
+/// Gather's `dy` with zeros where the indices pick `row`: nn.Embedding(padding_idx)'s
+/// backward, which never writes the padding row's gradient.
+fn without_padding_row(b: &mut Builder, name: &str, dy: ValueId, indices: ValueId, row: i64) -> Result<ValueId> {
+    let (dy_shape, idx_shape) = (b.meta(dy).shape, b.meta(indices).shape);
+    let row = b.scalar_like(&format!("{name}_padding_row"), indices, row as f64);
+    let is_padding = b.emit1(&format!("{name}_is_padding"), Op::Binary(Binary::Equal), &[indices, row])?;
+    // Gather's output is data[..axis] ++ indices ++ data[axis + 1..]: lay the mask along the
+    // indices' dims. Padding is configured on axis-0 gathers (embeddings), so the mask leads.
+    let mut mask_shape = idx_shape.clone();
+    mask_shape.resize(dy_shape.len(), 1);
+    let mask = b.reshape(&format!("{name}_padding_mask"), is_padding, &mask_shape);
+    let zero = b.scalar_like(&format!("{name}_zero"), dy, 0.0);
+    b.emit1(&format!("{name}_unpadded"), Op::Where, &[mask, zero, dy])
 }
 
 /// `v · k` (returns `v` when k is 1).

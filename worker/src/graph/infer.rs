@@ -642,13 +642,13 @@ pub fn infer_node(
             }
             (Op::GatherElements { axis: a as i64 }, vec![Meta::new(x.dtype, &idx.shape)])
         }
-        Op::Gather { axis } => {
+        Op::Gather { axis, padding_row } => {
             let (x, idx) = (m(0)?, m(1)?);
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, "axis out of range"))?;
             let mut shape = x.shape[..a].to_vec();
             shape.extend_from_slice(&idx.shape);
             shape.extend_from_slice(&x.shape[a + 1..]);
-            (Op::Gather { axis: a as i64 }, vec![Meta::new(x.dtype, &shape)])
+            (Op::Gather { axis: a as i64, padding_row: *padding_row }, vec![Meta::new(x.dtype, &shape)])
         }
         Op::Expand => {
             let x = m(0)?;

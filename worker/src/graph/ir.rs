@@ -6,7 +6,7 @@
 
 use super::op::Op;
 use crate::tensor::{DType, Tensor};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 pub type ValueId = usize;
 
@@ -87,6 +87,9 @@ pub struct Graph {
     /// Declared element types and dims of graph outputs (from the model file, or worked out
     /// for an export), so a saved model's outputs are typed before any binding.
     pub output_types: BTreeMap<ValueId, (DType, Vec<Dim>)>,
+    /// Initializers the exporter declared buffers or constants of the module, not parameters
+    /// (the dynamo exporter's `InputSpec.kind` annotation); session::buffers reads it.
+    pub declared_buffers: BTreeSet<ValueId>,
     by_name: HashMap<String, ValueId>,
 }
 

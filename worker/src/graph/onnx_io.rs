@@ -1,6 +1,6 @@
 //! ONNX `ModelProto` ⇄ graph IR.
 
-use super::ir::{Dim, Graph};
+use super::ir::{Dim, Graph, ValueId};
 use super::op::{AttrValue, Attrs, Op, SUPPORTED_ONNX_OPS, TF_DOMAIN};
 use crate::error::{Error, Result};
 use crate::onnx::proto::{
@@ -9,7 +9,7 @@ use crate::onnx::proto::{
 };
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
 use crate::tensor::DType;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The opset the builtin models and exports are written with (Gelu needs 20).
 pub const EXPORT_OPSET: i64 = 20;
@@ -66,6 +66,7 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
         let tensor = tensor_from_proto(t, &format!("{origin}: initializer '{}'", t.name()))?;
         g.add_initializer(t.name(), tensor);
     }
+    g.declared_buffers = declared_buffers(gp, &g);
     for vi in &gp.input {
         let v = g.value(vi.name());
         if g.initializers.contains_key(&v) {
@@ -111,6 +112,22 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
 }
 
 /// A node's name in the graph and in messages: its own, or `OpType_index` when it has none.
+/// The dynamo exporter annotates each lifted module state's value_info with what
+/// torch.export called it: `PARAMETER`, `BUFFER` (BatchNorm's running statistics, RoPE's
+/// `inv_freq`, HF's `position_ids`) or `CONSTANT_TENSOR`. The initializers it calls anything
+/// but a parameter.
+fn declared_buffers(gp: &GraphProto, g: &Graph) -> BTreeSet<ValueId> {
+    const KIND: &str = "pkg.torch.export.graph_signature.InputSpec.kind";
+    let annotated = gp.value_info.iter().chain(&gp.input);
+    annotated
+        .filter(|vi| {
+            vi.metadata_props.iter().any(|p| p.key() == KIND && matches!(p.value(), "BUFFER" | "CONSTANT_TENSOR"))
+        })
+        .filter_map(|vi| g.find(vi.name()))
+        .filter(|v| g.initializers.contains_key(v))
+        .collect()
+}
+
 fn node_name(n: &NodeProto, index: usize) -> String {
     if n.name().is_empty() {
         format!("{}_{index}", n.op_type())

@@ -482,6 +482,10 @@ pub enum Op {
     },
     Gather {
         axis: i64,
+        /// A row of the data whose gradient through this gather stays zero, as PyTorch's
+        /// nn.Embedding(padding_idx) keeps it (ONNX has no such attribute: the configuration
+        /// sets it, `model.onnx.paddingIdx`). Other reads of the data still train the row.
+        padding_row: Option<i64>,
     },
     /// data, indices [.., k] -> out [indices' leading dims, data's dims past batch_dims + k]:
     /// each k-tuple of indices picks a slice of data, within its batch (the first `batch_dims`
@@ -1080,7 +1084,7 @@ impl Op {
                 let axes = a.ints("axes")?.unwrap_or_else(|| (0..starts.len() as i64).collect());
                 Op::Slice { steps: vec![1; starts.len()], starts, ends, axes }
             }
-            "Gather" => Op::Gather { axis: a.int("axis", 0)? },
+            "Gather" => Op::Gather { axis: a.int("axis", 0)?, padding_row: None },
             "GatherElements" => Op::GatherElements { axis: a.int("axis", 0)? },
             "GatherND" => Op::GatherND {
                 batch_dims: usize::try_from(a.int("batch_dims", 0)?)
@@ -1448,7 +1452,7 @@ impl Op {
             Op::Softmax { axis }
             | Op::LogSoftmax { axis }
             | Op::Concat { axis }
-            | Op::Gather { axis }
+            | Op::Gather { axis, .. }
             | Op::GatherElements { axis }
             | Op::GatherElementsGrad { axis, .. } => {
                 vec![i("axis", *axis)]

@@ -45,7 +45,7 @@ pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
     let ids = g.add_input("input_ids", DType::I64, vec![Dim::Named("batch".into()), Dim::Fixed(t)]);
     let wte = g.add_initializer("wte", init.normal(&[v, e], std));
     let wpe = g.add_initializer("wpe", init.normal(&[t, e], std));
-    let tok = g.op1("embed.tokens", Op::Gather { axis: 0 }, &[wte, ids]); // [B,T,C]
+    let tok = g.op1("embed.tokens", Op::Gather { axis: 0, padding_row: None }, &[wte, ids]); // [B,T,C]
     let mut x = g.op1("embed", Op::Binary(Binary::Add), &[tok, wpe]);
     x = dropout(&mut g, "embed.dropout", x, c.dropout, 1);
 

@@ -11,6 +11,7 @@ use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::op::{Binary, LossReduction, Op, Reduce};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
+use std::collections::{BTreeMap, HashSet};
 
 /// A model ready to train: its graph (forward + loss), the loss value, and the forward
 /// outputs an inference export keeps.
@@ -32,12 +33,48 @@ pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
         ModelConfig::Onnx(c) => {
             let origin = c.path.display().to_string();
             let proto = crate::onnx::load_model(&c.path)?;
-            (crate::graph::onnx_io::from_model(&proto, &origin)?, c.loss.clone())
+            let mut graph = crate::graph::onnx_io::from_model(&proto, &origin)?;
+            set_padding_rows(&mut graph, &c.padding_idx)?;
+            (graph, c.loss.clone())
         }
     };
     let mut graph = graph;
     inference_batch_norm(&mut graph);
     with_loss(graph, &loss_cfg)
+}
+
+/// Marks the lookups of each configured embedding (`model.onnx.paddingIdx`): every Gather on
+/// axis 0 whose data is the initializer, read directly or through Identity nodes, keeps the
+/// row's gradient at zero.
+fn set_padding_rows(g: &mut Graph, rows: &BTreeMap<String, i64>) -> Result<()> {
+    for (name, &row) in rows {
+        let field = format!("model.onnx.paddingIdx.{name}");
+        let table = g
+            .find(name)
+            .filter(|v| g.initializers.contains_key(v))
+            .ok_or_else(|| Error::Config(format!("{field}: the model has no initializer named '{name}'")))?;
+        let vocab = g.initializers[&table].shape().first().map_or(0, |&n| n as i64);
+        if !(-vocab..vocab).contains(&row) {
+            return Err(Error::Config(format!("{field}: row {row} is outside the embedding's {vocab} rows")));
+        }
+        let mut reads = HashSet::from([table]);
+        let mut marked = 0;
+        for node in &mut g.nodes {
+            let reads_table = node.input(0).is_some_and(|v| reads.contains(&v));
+            match &mut node.op {
+                Op::Identity if reads_table => reads.extend(node.outputs.iter().flatten()),
+                Op::Gather { axis: 0, padding_row } if reads_table => {
+                    *padding_row = Some(row.rem_euclid(vocab));
+                    marked += 1;
+                }
+                _ => {}
+            }
+        }
+        if marked == 0 {
+            return Err(Error::Config(format!("{field}: no Gather on axis 0 looks rows up in '{name}'")));
+        }
+    }
+    Ok(())
 }
 
 /// BatchNormalization as the model's own forward pass runs it (evaluation, the exported

@@ -232,7 +232,8 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                         a.copies.push((i, 0));
                     }
                 }
-                Op::Gather { axis: 0 } => {
+                // A padded embedding (model.onnx.paddingIdx) stays whole on every rank.
+                Op::Gather { axis: 0, padding_row: None } => {
                     let (Some(table), Some(ids)) = (node.input(0), node.input(1)) else { continue };
                     let is_table =
                         g.initializers.get(&table).is_some_and(|t| t.dtype().is_float() && t.shape().len() == 2);

@@ -11,8 +11,13 @@
 //! - otherwise read only where no gradient can flow (an operand folded when the graph is bound,
 //!   such as Clip's bounds, a shape or an axis; an op without gradient, such as Shape or a
 //!   comparison; or a mix of these with running-statistic reads): a constant, never trained;
+//! - otherwise, when the exporter declared it a buffer or constant of the module (the dynamo
+//!   exporter's annotation, `Graph::declared_buffers`: RoPE's `inv_freq`, say, which a
+//!   gradient could reach through Cos and Sin): a constant, as PyTorch never trains a buffer;
 //! - anything else, including an initializer nothing reads, is a parameter and trains.
 //!
+//! TorchScript exports write no such annotation, but they write a non-persistent buffer such
+//! as `inv_freq` as a Constant node, not an initializer, so the reads decide there.
 //! Reads through Identity nodes count as reads of the initializer. frozenWeights and
 //! weightsToTrain override the rule (`Session::new`).
 
@@ -71,10 +76,12 @@ pub fn roles(g: &Graph) -> HashMap<ValueId, Role> {
                 }
             }
         }
-        if reads.is_empty() || reads.contains(&Read::Gradient) {
-            Role::Parameter
-        } else if reads.iter().all(|&r| r == Read::Statistic) {
+        if !reads.is_empty() && reads.iter().all(|&r| r == Read::Statistic) {
             Role::RunningStatistic
+        } else if g.declared_buffers.contains(&v) {
+            Role::Constant
+        } else if reads.is_empty() || reads.contains(&Read::Gradient) {
+            Role::Parameter
         } else {
             Role::Constant
         }
@@ -200,6 +207,23 @@ mod tests {
         assert_eq!(role("running_var"), Role::RunningStatistic);
         assert_eq!(role("min"), Role::Constant);
         assert_eq!(role("max"), Role::Constant);
+    }
+
+    #[test]
+    fn declared_buffers_do_not_train_but_running_statistics_still_update() {
+        let mut g = graph();
+        // What the dynamo exporter annotates BUFFER: RoPE's inv_freq (read on the gradient
+        // path, through Mul) and BatchNorm's running statistics.
+        let x = g.find("x").unwrap();
+        let inv_freq = g.add_initializer("inv_freq", Tensor::from_vec(&[3], vec![1f32, 0.1, 0.01]));
+        let angles = g.op1("angles", Op::Binary(crate::graph::op::Binary::Mul), &[x, inv_freq]);
+        g.outputs.push(angles);
+        g.declared_buffers = ["inv_freq", "running_mean", "running_var"].iter().map(|n| g.find(n).unwrap()).collect();
+        let roles = roles(&g);
+        let role = |name: &str| roles[&g.find(name).unwrap()];
+        assert_eq!(role("inv_freq"), Role::Constant);
+        assert_eq!(role("running_mean"), Role::RunningStatistic);
+        assert_eq!(role("w"), Role::Parameter);
     }
 
     #[test]

@@ -796,10 +796,14 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::Gemm { alpha, beta, trans_a, trans_b } => {
             let c = ins.get(2).copied().flatten().filter(|_| *beta != 0.0);
             if let Some(c) = c {
-                // D starts as C broadcast to the output, and cuBLASLt adds beta·D to the product.
-                need_f32(&c, "C")?;
+                // D starts as C broadcast to the output, and cuBLASLt adds beta·D to the product
+                // (in D's type: f32, or a half type under mixed precision).
+                if c.dtype() != y.dtype() {
+                    return Err(format!("C is {} and the output {}; Gemm takes them alike", c.dtype(), y.dtype()));
+                }
                 let s = broadcast(c.shape(), y.shape())?;
-                strided_move(dev, Strided::Source, y.shape(), &s.at[..y.shape().len()], 4, c.at, y.at)?;
+                let size = c.dtype().size();
+                strided_move(dev, Strided::Source, y.shape(), &s.at[..y.shape().len()], size, c.at, y.at)?;
             }
             let (a, b) = (x(0)?, x(1)?);
             if a.shape().len() != 2 || b.shape().len() != 2 {
@@ -866,18 +870,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             }
             Ok(())
         }
-        Op::Gather { axis } => {
+        Op::Gather { axis, .. } => {
             let (data, ids) = (x(0)?, x(1)?);
-            if data.dtype().size() != 4 {
-                return Err(format!("Gather of {} on the CUDA backend (4-byte elements only)", data.dtype()));
-            }
             let wide = ids_i64(&ids, "Gather's indices")?;
             let ax = norm_axis(*axis, data.shape().len())?;
             let (outer, dim, inner) = around(data.shape(), ax);
             let count = ids.n();
             let fault = dev.fault(|| format!("Gather over an axis of {dim}"));
             dev.kernel(
-                "gather_b32",
+                &sized("gather", data.dtype())?,
                 elementwise(outer * count * inner),
                 &mut params![outer as i64, dim as i64, inner as i64, count as i64, data.at, ids.at, wide, y.at, fault],
             )

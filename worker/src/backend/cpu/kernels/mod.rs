@@ -118,7 +118,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::SliceGrad { starts, ends, axes, steps, .. } => {
             shape::slice_grad(starts, ends, axes, steps, &x(0)?, &mut outputs[0])
         }
-        Op::Gather { axis } => shape::gather(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
+        Op::Gather { axis, .. } => shape::gather(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherGrad { axis, .. } => shape::gather_grad(*axis as usize, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::ArgExtreme { max, axis, select_last_index, .. } => {
             index::arg_extreme(*max, *select_last_index, *axis as usize, &x(0)?, &mut outputs[0])

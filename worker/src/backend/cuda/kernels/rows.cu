@@ -447,10 +447,11 @@ extern "C" __global__ void nll_grad_f64(i64 positions, i64 c, i64 d, int per_pos
 
 // ---- Gather along an axis, and its gradient (the embedding's) ----
 
-// out[o, k, i] = data[o, ids[k], i] for `inner` 4-byte elements; negative ids count from the
-// end; an id out of range sets *fault to 1 + its position and writes zeros.
-extern "C" __global__ void gather_b32(i64 outer, i64 dim, i64 inner, i64 count, const u32* data, const void* ids,
-                                      int ids_i64, u32* out, i64* fault) {
+// out[o, k, i] = data[o, ids[k], i]; negative ids count from the end; an id out of range sets
+// *fault to 1 + its position and writes zeros. One entry point per element width.
+template <typename T>
+__device__ void gather(i64 outer, i64 dim, i64 inner, i64 count, const T* data, const void* ids, int ids_i64,
+                       T* out, i64* fault) {
     i64 n = outer * count * inner;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 e = i % inner, k = (i / inner) % count, o = i / (inner * count);
@@ -458,11 +459,27 @@ extern "C" __global__ void gather_b32(i64 outer, i64 dim, i64 inner, i64 count, 
         if (id < 0) id += dim;
         if (id < 0 || id >= dim) {
             atomicCAS((u64*)fault, 0ull, (u64)(k + 1));
-            out[i] = 0u;
+            out[i] = (T)0;
         } else {
             out[i] = data[(o * dim + id) * inner + e];
         }
     }
+}
+extern "C" __global__ void gather_b8(i64 outer, i64 dim, i64 inner, i64 count, const u8* data, const void* ids,
+                                     int ids_i64, u8* out, i64* fault) {
+    gather<u8>(outer, dim, inner, count, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_b16(i64 outer, i64 dim, i64 inner, i64 count, const u16* data, const void* ids,
+                                      int ids_i64, u16* out, i64* fault) {
+    gather<u16>(outer, dim, inner, count, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_b32(i64 outer, i64 dim, i64 inner, i64 count, const u32* data, const void* ids,
+                                      int ids_i64, u32* out, i64* fault) {
+    gather<u32>(outer, dim, inner, count, data, ids, ids_i64, out, fault);
+}
+extern "C" __global__ void gather_b64(i64 outer, i64 dim, i64 inner, i64 count, const u64* data, const void* ids,
+                                      int ids_i64, u64* out, i64* fault) {
+    gather<u64>(outer, dim, inner, count, data, ids, ids_i64, out, fault);
 }
 
 // dData (zeroed first by the backend) += dY scattered at the ids. atomicAdd: rows hit by
