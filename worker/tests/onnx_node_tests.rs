@@ -145,6 +145,9 @@ const REQUIRED_OPS: &[&str] = &[
     "ScatterElements",
     "InstanceNormalization",
     "GroupNormalization",
+    "LSTM",
+    "GRU",
+    "RNN",
 ];
 
 enum Outcome {

@@ -140,4 +140,12 @@ cases! {
     t5_torchscript_adamw: "t5" "torchscript" "adamw";
     t5_dynamo_sgd: "t5" "dynamo" "sgd";
     t5_dynamo_adamw: "t5" "dynamo" "adamw";
+    lstm_torchscript_sgd: "lstm" "torchscript" "sgd";
+    lstm_torchscript_adamw: "lstm" "torchscript" "adamw";
+    lstm_dynamo_sgd: "lstm" "dynamo" "sgd";
+    lstm_dynamo_adamw: "lstm" "dynamo" "adamw";
+    gru_torchscript_sgd: "gru" "torchscript" "sgd";
+    gru_torchscript_adamw: "gru" "torchscript" "adamw";
+    gru_dynamo_sgd: "gru" "dynamo" "sgd";
+    gru_dynamo_adamw: "gru" "dynamo" "adamw";
 }

@@ -8,9 +8,10 @@ use crate::backend::Group;
 use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
-use crate::graph::ir::{Graph, ValueId};
+use crate::graph::ir::{Graph, Node, ValueId};
 use crate::graph::op::{
-    Binary, LossReduction, NormKind, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window,
+    Activation, Binary, Direction, LossReduction, NormKind, Op, PadMode, PoolKind, Recurrent, RecurrentKind, Reduce,
+    ScatterReduction, Unary, Window,
 };
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
@@ -297,6 +298,72 @@ fn matmul_and_gemm() {
     for pass in ["matmul_bias_gelu", "matmul_gelu_grad"] {
         assert!(fused.contains(&(pass, 1)), "{pass} did not fuse the MLP once: {fused:?}");
     }
+}
+
+/// A recurrent layer with every optional input but sequence_lens (each a parameter, so that
+/// its gradient is checked), reading its output `k` (Y, Y_h or Y_c).
+fn recurrent_case(seed: u64, layer: Recurrent, x_shape: &[usize], k: usize) -> Case {
+    let mut b = CaseBuilder::new(seed);
+    let (dirs, gates, h) = (layer.direction.count(), layer.kind.gates(), 2);
+    let input = x_shape[2];
+    let states: &[usize] = if layer.batch_first { &[x_shape[0], dirs, h] } else { &[dirs, x_shape[1], h] };
+    let mut inputs = vec![
+        Some(b.param("x", x_shape, -1.0, 1.0)),
+        Some(b.param("w", &[dirs, gates * h, input], -0.8, 0.8)),
+        Some(b.param("r", &[dirs, gates * h, h], -0.8, 0.8)),
+        Some(b.param("b", &[dirs, 2 * gates * h], -0.5, 0.5)),
+        None,
+        Some(b.param("initial_h", states, -0.8, 0.8)),
+    ];
+    if layer.kind == RecurrentKind::Lstm {
+        inputs.push(Some(b.param("initial_c", states, -0.8, 0.8)));
+        inputs.push(Some(b.param("p", &[dirs, 3 * h], -0.5, 0.5)));
+    }
+    let outputs: Vec<ValueId> = (0..3).map(|o| b.g.fresh(&format!("y{o}"))).collect();
+    let outputs = if layer.kind == RecurrentKind::Lstm { outputs } else { outputs[..2].to_vec() };
+    let out = outputs[k];
+    let name = layer.kind.onnx_name().to_string();
+    b.g.nodes.push(Node { name, op: Op::Recurrent(layer), inputs, outputs: outputs.into_iter().map(Some).collect() });
+    b.done(out)
+}
+
+/// LSTM, GRU and RNN through the Gemm, Split, pointwise and Concat ops binding unrolls them into.
+#[test]
+fn recurrent_layers() {
+    use Unary::{Sigmoid, Tanh};
+    let layer = |kind, direction: Direction, batch_first, linear_before_reset| {
+        let per: &[Unary] = match kind {
+            RecurrentKind::Lstm => &[Sigmoid, Tanh, Tanh],
+            RecurrentKind::Gru => &[Sigmoid, Tanh],
+            RecurrentKind::Rnn => &[Tanh],
+        };
+        let activations = per.iter().cycle().take(per.len() * direction.count()).map(|&u| Activation::Unary(u));
+        Recurrent {
+            kind,
+            direction,
+            hidden_size: Some(2),
+            activations: activations.collect(),
+            clip: None,
+            input_forget: false,
+            linear_before_reset,
+            batch_first,
+        }
+    };
+    // 3 steps of a batch of 2, 3 features; hidden size 2.
+    let (time_major, batch_major) = ([3, 2, 3], [2, 3, 3]);
+    let lstm = layer(RecurrentKind::Lstm, Direction::Bidirectional, false, false);
+    for (k, output) in ["Y", "Y_h", "Y_c"].iter().enumerate() {
+        check(&format!("LSTM bidirectional, {output}"), recurrent_case(44, lstm.clone(), &time_major, k));
+    }
+    for (lbr, direction) in [(false, Direction::Forward), (true, Direction::Reverse)] {
+        let gru = layer(RecurrentKind::Gru, direction, true, lbr);
+        for (k, output) in ["Y", "Y_h"].iter().enumerate() {
+            let name = format!("GRU {direction:?} batch-first, linear_before_reset {lbr}, {output}");
+            check(&name, recurrent_case(45, gru.clone(), &batch_major, k));
+        }
+    }
+    let rnn = layer(RecurrentKind::Rnn, Direction::Bidirectional, true, false);
+    check("RNN bidirectional batch-first, Y", recurrent_case(46, rnn, &batch_major, 0));
 }
 
 #[test]

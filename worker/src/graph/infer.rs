@@ -822,9 +822,12 @@ pub fn infer_node(
             (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)])
         }
         Op::Constant { value } => (op.clone(), vec![Meta::new(value.dtype(), value.shape())]),
-        Op::Sequence(_) | Op::Tile | Op::Sum { .. } | Op::OneHot { .. } | Op::Normalization { .. } => {
-            return Err(err(node, "sequence ops and Tile are rewritten into other ops before inference"))
-        }
+        Op::Sequence(_)
+        | Op::Tile
+        | Op::Sum { .. }
+        | Op::OneHot { .. }
+        | Op::Normalization { .. }
+        | Op::Recurrent(_) => return Err(err(node, "binding rewrites this op into other ops before inference")),
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
@@ -1063,6 +1066,7 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
             Op::Normalization { kind, epsilon } => {
                 Some(expand_norm(&mut g, &mut consts, &node, &metas, kind, epsilon)?)
             }
+            Op::Recurrent(ref r) => Some(super::recurrent::expand(&mut g, &mut consts, &node, &metas, r)?),
             _ => expand_tile(&mut g, &mut consts, &node, &metas)?,
         };
         if let Some(expanded) = rewritten {
@@ -1175,7 +1179,7 @@ fn expand_tile(
 }
 
 /// A constant of the graph, known when it is bound.
-fn constant_value(g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, name: &str, t: Tensor) -> ValueId {
+pub(super) fn constant_value(g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, name: &str, t: Tensor) -> ValueId {
     let v = g.fresh(name);
     g.values[v].meta = Some(Meta::new(t.dtype(), t.shape()));
     consts.insert(v, t);
@@ -1183,7 +1187,7 @@ fn constant_value(g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, name: &s
 }
 
 /// A node of one output.
-fn node1(name: String, op: Op, inputs: &[ValueId], output: ValueId) -> Node {
+pub(super) fn node1(name: String, op: Op, inputs: &[ValueId], output: ValueId) -> Node {
     Node { name, op, inputs: inputs.iter().copied().map(Some).collect(), outputs: vec![Some(output)] }
 }
 

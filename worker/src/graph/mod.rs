@@ -1,5 +1,6 @@
 //! The graph engine: IR, the operator vocabulary, ONNX conversion, static binding (shape
-//! inference and folding, sequences resolved into their tensors) and fusion passes.
+//! inference and folding, sequences resolved into their tensors, recurrent layers unrolled
+//! over the sequence) and fusion passes.
 
 pub mod autocast;
 pub mod flops;
@@ -8,4 +9,5 @@ pub mod infer;
 pub mod ir;
 pub mod onnx_io;
 pub mod op;
+pub mod recurrent;
 pub mod sequence;

@@ -65,6 +65,22 @@ impl Attrs {
             Some(_) => Err(self.bad(name, "a list of integers")),
         }
     }
+    pub fn floats(&self, name: &str) -> Result<Option<Vec<f32>>> {
+        match self.map.get(name) {
+            None => Ok(None),
+            Some(AttrValue::Floats(v)) => Ok(Some(v.clone())),
+            Some(AttrValue::Float(v)) => Ok(Some(vec![*v])),
+            Some(_) => Err(self.bad(name, "a list of floats")),
+        }
+    }
+    pub fn strings(&self, name: &str) -> Result<Option<Vec<String>>> {
+        match self.map.get(name) {
+            None => Ok(None),
+            Some(AttrValue::Strings(v)) => Ok(Some(v.clone())),
+            Some(AttrValue::Str(v)) => Ok(Some(vec![v.clone()])),
+            Some(_) => Err(self.bad(name, "a list of strings")),
+        }
+    }
     pub fn string(&self, name: &str, default: &str) -> Result<String> {
         match self.map.get(name) {
             None => Ok(default.to_string()),
@@ -379,6 +395,269 @@ pub enum SequenceOp {
     Concat { axis: i64, new_axis: bool },
 }
 
+/// The recurrent layers; `graph::recurrent` writes each out at bind time, unrolled over the
+/// sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecurrentKind {
+    /// Gates i, o, f, c; activations f, g, h (default Sigmoid, Tanh, Tanh).
+    Lstm,
+    /// Gates z, r, h; activations f, g (default Sigmoid, Tanh).
+    Gru,
+    /// One gate; activation f (default Tanh).
+    Rnn,
+}
+
+impl RecurrentKind {
+    /// Blocks of hidden_size rows in W and R (and in each half of B).
+    pub fn gates(self) -> usize {
+        match self {
+            RecurrentKind::Lstm => 4,
+            RecurrentKind::Gru => 3,
+            RecurrentKind::Rnn => 1,
+        }
+    }
+
+    /// The activation functions of one direction, by default.
+    pub fn default_activations(self) -> &'static [&'static str] {
+        match self {
+            RecurrentKind::Lstm => &["Sigmoid", "Tanh", "Tanh"],
+            RecurrentKind::Gru => &["Sigmoid", "Tanh"],
+            RecurrentKind::Rnn => &["Tanh"],
+        }
+    }
+
+    pub fn onnx_name(self) -> &'static str {
+        match self {
+            RecurrentKind::Lstm => "LSTM",
+            RecurrentKind::Gru => "GRU",
+            RecurrentKind::Rnn => "RNN",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    Forward,
+    Reverse,
+    /// Forward, then reverse: every per-direction input and output holds both, forward first.
+    Bidirectional,
+}
+
+impl Direction {
+    pub fn count(self) -> usize {
+        if self == Direction::Bidirectional {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Whether direction `d` (0 or 1 of `count()`) runs from the sequence's end.
+    pub fn reversed(self, d: usize) -> bool {
+        self == Direction::Reverse || (self == Direction::Bidirectional && d == 1)
+    }
+}
+
+/// An activation function of a recurrent layer: a pointwise op, or one of the two ONNX names
+/// (Affine, ScaledTanh) that no op of its own stands for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Activation {
+    Unary(Unary),
+    /// αx + β.
+    Affine {
+        alpha: f32,
+        beta: f32,
+    },
+    /// α·tanh(βx).
+    ScaledTanh {
+        alpha: f32,
+        beta: f32,
+    },
+}
+
+impl Activation {
+    /// Parses an ONNX activation name (any case, as ONNX Runtime reads them), taking its α and
+    /// β from the fronts of `alphas` and `betas` (the lists are consumed in the order of the
+    /// activations) or their defaults when a list has run out.
+    fn parse(name: &str, alphas: &mut std::slice::Iter<f32>, betas: &mut std::slice::Iter<f32>) -> Option<Activation> {
+        let mut alpha = |default: f32| alphas.next().copied().unwrap_or(default);
+        let act = match name.to_ascii_lowercase().as_str() {
+            "relu" => Activation::Unary(Unary::Relu),
+            "tanh" => Activation::Unary(Unary::Tanh),
+            "sigmoid" => Activation::Unary(Unary::Sigmoid),
+            "softsign" => Activation::Unary(Unary::Softsign),
+            "softplus" => Activation::Unary(Unary::Softplus),
+            "leakyrelu" => Activation::Unary(Unary::LeakyRelu { alpha: alpha(0.01) }),
+            "thresholdedrelu" => Activation::Unary(Unary::ThresholdedRelu { alpha: alpha(1.0) }),
+            "elu" => Activation::Unary(Unary::Elu { alpha: alpha(1.0) }),
+            "hardsigmoid" => {
+                let alpha = alpha(0.2);
+                Activation::Unary(Unary::HardSigmoid { alpha, beta: betas.next().copied().unwrap_or(0.5) })
+            }
+            "affine" => {
+                let alpha = alpha(1.0);
+                Activation::Affine { alpha, beta: betas.next().copied().unwrap_or(0.0) }
+            }
+            "scaledtanh" => {
+                let alpha = alpha(1.0);
+                Activation::ScaledTanh { alpha, beta: betas.next().copied().unwrap_or(1.0) }
+            }
+            _ => return None,
+        };
+        Some(act)
+    }
+
+    /// The ONNX name, and the α and β it consumes from the attribute lists.
+    fn onnx(self) -> (&'static str, Vec<f32>, Vec<f32>) {
+        match self {
+            Activation::Unary(u @ Unary::HardSigmoid { alpha, beta }) => {
+                (Op::Unary(u).onnx_name().0, vec![alpha], vec![beta])
+            }
+            Activation::Unary(
+                u @ (Unary::LeakyRelu { alpha } | Unary::ThresholdedRelu { alpha } | Unary::Elu { alpha }),
+            ) => (Op::Unary(u).onnx_name().0, vec![alpha], vec![]),
+            Activation::Unary(u) => (Op::Unary(u).onnx_name().0, vec![], vec![]),
+            Activation::Affine { alpha, beta } => ("Affine", vec![alpha], vec![beta]),
+            Activation::ScaledTanh { alpha, beta } => ("ScaledTanh", vec![alpha], vec![beta]),
+        }
+    }
+}
+
+/// LSTM, GRU and RNN's attributes. Inputs: X, W, R (, B, sequence_lens, initial_h, initial_c,
+/// P); outputs Y (, Y_h, Y_c), any of them omitted.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Recurrent {
+    pub kind: RecurrentKind,
+    pub direction: Direction,
+    /// None: R's last dimension.
+    pub hidden_size: Option<usize>,
+    /// The activations of each direction in turn (forward's first), as many per direction as
+    /// `kind.default_activations()` lists.
+    pub activations: Vec<Activation>,
+    /// Each gate's input is clipped to [−clip, clip] before its activation.
+    pub clip: Option<f32>,
+    /// LSTM: the forget gate is 1 − the input gate (ONNX Runtime's reading of input_forget).
+    pub input_forget: bool,
+    /// GRU: the reset gate applies after R's product (and its bias), as cuDNN and PyTorch do.
+    pub linear_before_reset: bool,
+    /// layout 1: X, Y, initial_h/c and Y_h/c are batch-major ([batch, seq, ...], [batch, dirs, ...]).
+    pub batch_first: bool,
+}
+
+impl Recurrent {
+    fn from_onnx(kind: RecurrentKind, a: &Attrs) -> Result<Recurrent> {
+        let direction = match a.string("direction", "forward")?.as_str() {
+            "forward" => Direction::Forward,
+            "reverse" => Direction::Reverse,
+            "bidirectional" => Direction::Bidirectional,
+            other => return Err(a.bad("direction", &format!("forward, reverse or bidirectional, not '{other}'"))),
+        };
+        let activations = Recurrent::activations(kind, direction, a)?;
+        let hidden_size = match a.opt_int("hidden_size")? {
+            None => None,
+            Some(h) => {
+                Some(usize::try_from(h).ok().filter(|&h| h > 0).ok_or_else(|| a.bad("hidden_size", "positive"))?)
+            }
+        };
+        let clip = a.map.contains_key("clip").then(|| a.float("clip", 0.0)).transpose()?;
+        if clip.is_some_and(|c| c.is_nan() || c <= 0.0) {
+            return Err(a.bad("clip", "a positive threshold"));
+        }
+        let batch_first = match a.int("layout", 0)? {
+            0 => false,
+            1 => true,
+            other => return Err(a.bad("layout", &format!("0 or 1, not {other}"))),
+        };
+        Ok(Recurrent {
+            kind,
+            direction,
+            hidden_size,
+            activations,
+            clip,
+            input_forget: kind == RecurrentKind::Lstm && a.int("input_forget", 0)? != 0,
+            linear_before_reset: kind == RecurrentKind::Gru && a.int("linear_before_reset", 0)? != 0,
+            batch_first,
+        })
+    }
+
+    /// `activations` (each direction's, or the defaults) with their α and β.
+    fn activations(kind: RecurrentKind, direction: Direction, a: &Attrs) -> Result<Vec<Activation>> {
+        let per_direction = kind.default_activations();
+        let n = per_direction.len() * direction.count();
+        let mut names = a
+            .strings("activations")?
+            .unwrap_or_else(|| per_direction.iter().cycle().take(n).map(|s| s.to_string()).collect());
+        // RNN's schema default is ["Tanh", "Tanh"] whatever the direction; one direction takes
+        // the first, as ONNX Runtime does.
+        if kind == RecurrentKind::Rnn && n == 1 && names.len() == 2 {
+            names.truncate(1);
+        }
+        if names.len() != n {
+            let want = format!("{n} names ({} per direction), not {names:?}", per_direction.len());
+            return Err(a.bad("activations", &want));
+        }
+        let (alphas, betas) =
+            (a.floats("activation_alpha")?.unwrap_or_default(), a.floats("activation_beta")?.unwrap_or_default());
+        let (mut alphas, mut betas) = (alphas.iter(), betas.iter());
+        names
+            .iter()
+            .map(|name| {
+                Activation::parse(name, &mut alphas, &mut betas).ok_or_else(|| {
+                    Error::Unsupported(format!(
+                        "{}: activation '{name}' is not supported (Relu, Tanh, Sigmoid, Affine, LeakyRelu, \
+                         ThresholdedRelu, ScaledTanh, HardSigmoid, Elu, Softsign, Softplus are)",
+                        a.origin
+                    ))
+                })
+            })
+            .collect()
+    }
+
+    /// The attributes `from_onnx` reads back into this (activations always written out).
+    fn onnx_attrs(&self) -> Vec<(String, AttrValue)> {
+        let (mut names, mut alphas, mut betas) = (vec![], vec![], vec![]);
+        for act in &self.activations {
+            let (name, a, b) = act.onnx();
+            names.push(name.to_string());
+            alphas.extend(a);
+            betas.extend(b);
+        }
+        let direction = match self.direction {
+            Direction::Forward => "forward",
+            Direction::Reverse => "reverse",
+            Direction::Bidirectional => "bidirectional",
+        };
+        let mut v = vec![
+            ("direction".to_string(), AttrValue::Str(direction.into())),
+            ("activations".to_string(), AttrValue::Strings(names)),
+        ];
+        // Written only when set: opsets before 14 have no layout.
+        if self.batch_first {
+            v.push(("layout".into(), AttrValue::Int(1)));
+        }
+        if !alphas.is_empty() {
+            v.push(("activation_alpha".into(), AttrValue::Floats(alphas)));
+        }
+        if !betas.is_empty() {
+            v.push(("activation_beta".into(), AttrValue::Floats(betas)));
+        }
+        if let Some(h) = self.hidden_size {
+            v.push(("hidden_size".into(), AttrValue::Int(h as i64)));
+        }
+        if let Some(c) = self.clip {
+            v.push(("clip".into(), AttrValue::Float(c)));
+        }
+        match self.kind {
+            RecurrentKind::Lstm => v.push(("input_forget".into(), AttrValue::Int(self.input_forget as i64))),
+            RecurrentKind::Gru => {
+                v.push(("linear_before_reset".into(), AttrValue::Int(self.linear_before_reset as i64)))
+            }
+            RecurrentKind::Rnn => {}
+        }
+        v
+    }
+}
+
 /// How Pad fills the border: ONNX's modes, in the order the CUDA kernels number them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PadMode {
@@ -577,6 +856,9 @@ pub enum Op {
     },
     /// An op over sequences of tensors, resolved into tensor ops when the graph is bound.
     Sequence(SequenceOp),
+    /// LSTM, GRU or RNN; binding unrolls it over the sequence into Gemm, Split, pointwise ops
+    /// and Concat (`graph::recurrent`), whose kernels and gradients serve it.
+    Recurrent(Recurrent),
     /// log-probabilities [N, C, D...], labels [N, D...] (, weights [C]) -> −x[n, label, d]·w[label]
     /// per position (0 where the label is ignored), reduced as SoftmaxCrossEntropyLoss's.
     NegativeLogLikelihoodLoss {
@@ -804,6 +1086,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Expand",
     "Flatten",
     "Floor",
+    "GRU",
     "Gather",
     "GatherElements",
     "GatherND",
@@ -819,6 +1102,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "InstanceNormalization",
     "IsInf",
     "IsNaN",
+    "LSTM",
     "LayerNormalization",
     "LeakyRelu",
     "Less",
@@ -842,6 +1126,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Pad",
     "Pow",
     "RMSNormalization",
+    "RNN",
     "Range",
     "Reciprocal",
     "ReduceL1",
@@ -1118,6 +1403,9 @@ impl Op {
             "Sum" => Op::Sum { mean: false },
             "Mean" => Op::Sum { mean: true },
             "OneHot" => Op::OneHot { axis: a.int("axis", -1)? },
+            "LSTM" => Op::Recurrent(Recurrent::from_onnx(RecurrentKind::Lstm, a)?),
+            "GRU" => Op::Recurrent(Recurrent::from_onnx(RecurrentKind::Gru, a)?),
+            "RNN" => Op::Recurrent(Recurrent::from_onnx(RecurrentKind::Rnn, a)?),
             "CumSum" => {
                 Op::CumSum { axis: 0, exclusive: a.int("exclusive", 0)? != 0, reverse: a.int("reverse", 0)? != 0 }
             }
@@ -1307,6 +1595,7 @@ impl Op {
             Op::Sum { mean: false } => onnx("Sum"),
             Op::Sum { mean: true } => onnx("Mean"),
             Op::OneHot { .. } => onnx("OneHot"),
+            Op::Recurrent(r) => onnx(r.kind.onnx_name()),
             Op::CumSum { .. } => onnx("CumSum"),
             Op::Pad { .. } => onnx("Pad"),
             Op::Trilu { .. } => onnx("Trilu"),
@@ -1410,6 +1699,7 @@ impl Op {
                 vec![i("detect_negative", *negative as i64), i("detect_positive", *positive as i64)]
             }
             Op::Binary(Binary::Fmod) => vec![i("fmod", 1)],
+            Op::Recurrent(r) => r.onnx_attrs(),
             Op::ReshapeAllowZero => vec![i("allowzero", 1)],
             Op::Normalization { kind, epsilon } => {
                 let mut v = vec![f("epsilon", *epsilon)];
@@ -1560,6 +1850,8 @@ impl Op {
             Op::Reshape | Op::ReshapeAllowZero | Op::Expand | Op::CastLike | Op::Tile | Op::CumSum { .. } => 1..2,
             Op::Unary(Unary::Clip { .. }) => 1..3,
             Op::OneHot { .. } => 1..3,
+            // sequence_lens: binding must know it (it unrolls over the lengths).
+            Op::Recurrent(_) => 4..5,
             Op::Pad { .. } => 1..4,
             // Split sizes and positions (a sequence op's other inputs are tensors or sequences).
             Op::Sequence(SequenceOp::Split { .. } | SequenceOp::At | SequenceOp::Erase) => 1..2,

@@ -212,6 +212,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::Sum { .. }
         | Op::OneHot { .. }
         | Op::Normalization { .. }
+        | Op::Recurrent(_)
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }
