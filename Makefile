@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images clean
 
 deps:
 	bash .ci/deps.sh
@@ -63,6 +63,10 @@ demo-data: $(DEMO_TOKENS)
 $(DEMO_TOKENS):
 	$(CARGO) run --release -p tensorfleet-worker -- prepare-data \
 		--input $(DEMO_CORPUS) --output $(DEMO_TOKENS) --val-fraction 0.1
+
+# The builtin Llama on the same token shards as the quickstart.
+demo-llama: deps demo-data
+	$(CARGO) run --release -p tensorfleet-worker -- train --config examples/local/llama.yaml --set checkpoint.resume=never
 
 # SqueezeNet 1.1 (builtin) on the shapes set; docs/EXAMPLES.md says what to expect.
 demo-squeezenet: deps demo-shapes
@@ -211,4 +215,4 @@ images:
 # Build outputs and run outputs; the venv and the demos' data are rebuilt by the next make.
 clean:
 	$(CARGO) clean
-	rm -rf .venv out examples/local/out $(DEMO_TOKENS) $(DEMO_SHAPES) $(DEMO_CNN)
+	rm -rf .venv out examples/local/out examples/local/out-llama $(DEMO_TOKENS) $(DEMO_SHAPES) $(DEMO_CNN)

@@ -105,6 +105,10 @@ pub struct ModelSpec {
     /// A GPT-2 built in the worker: tied embeddings, tanh GELU, causal attention.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gpt2: Option<Gpt2Config>,
+    /// A Llama built in the worker: RMSNorm, rotary embeddings, grouped-query attention,
+    /// SwiGLU, an untied head.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub llama: Option<LlamaConfig>,
     /// SqueezeNet 1.1 built in the worker.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub squeezenet: Option<SqueezeNetConfig>,
@@ -120,6 +124,7 @@ pub struct ModelSpec {
 #[derive(Clone, Copy, Debug)]
 pub enum ModelConfig<'a> {
     Gpt2(&'a Gpt2Config),
+    Llama(&'a LlamaConfig),
     Squeezenet(&'a SqueezeNetConfig),
     Mlp(&'a MlpConfig),
     Onnx(&'a OnnxModelConfig),
@@ -132,6 +137,9 @@ impl ModelSpec {
         if let Some(c) = &self.gpt2 {
             found.push(ModelConfig::Gpt2(c));
         }
+        if let Some(c) = &self.llama {
+            found.push(ModelConfig::Llama(c));
+        }
         if let Some(c) = &self.squeezenet {
             found.push(ModelConfig::Squeezenet(c));
         }
@@ -143,8 +151,8 @@ impl ModelSpec {
         }
         match found.len() {
             1 => Ok(found[0]),
-            0 => Err(Error::Config("key 'model': name one of gpt2, squeezenet, mlp or onnx".into())),
-            _ => Err(Error::Config("key 'model': name only one of gpt2, squeezenet, mlp or onnx".into())),
+            0 => Err(Error::Config("key 'model': name one of gpt2, llama, squeezenet, mlp or onnx".into())),
+            _ => Err(Error::Config("key 'model': name only one of gpt2, llama, squeezenet, mlp or onnx".into())),
         }
     }
 }
@@ -170,6 +178,39 @@ pub struct Gpt2Config {
 
 fn d_vocab() -> usize {
     50257
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LlamaConfig {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Query heads per block (embed must be a multiple).
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention; heads must be a multiple). Equal to heads for
+    /// multi-head attention.
+    pub kv_heads: usize,
+    /// Embedding width; a multiple of `heads`, with an even head width.
+    pub embed: usize,
+    /// Width of the SwiGLU MLP.
+    pub ffn: usize,
+    /// Sequence length.
+    pub seq_len: usize,
+    /// Vocabulary size (32000 for Llama 2's tokenizer).
+    pub vocab: usize,
+    /// Base of the rotary embedding's angles.
+    #[serde(default = "d_rope_theta")]
+    pub rope_theta: f64,
+    /// ε of the RMSNorms.
+    #[serde(default = "d_norm_eps")]
+    pub norm_eps: f64,
+}
+
+fn d_rope_theta() -> f64 {
+    10000.0
+}
+fn d_norm_eps() -> f64 {
+    1e-6
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, JsonSchema, PartialEq)]
@@ -959,6 +1000,33 @@ impl TrainingConfig {
                 }
                 if self.data.train.format != DataFormat::Tokens {
                     return bad("data.train.format", "GPT-2 trains on token shards (format: tokens)".into());
+                }
+            }
+            ModelConfig::Llama(l) => {
+                let sizes = [l.layers, l.heads, l.kv_heads, l.embed, l.ffn, l.seq_len, l.vocab];
+                if sizes.contains(&0) {
+                    return bad(
+                        "model.llama",
+                        "layers, heads, kvHeads, embed, ffn, seqLen and vocab must be at least 1".into(),
+                    );
+                }
+                if l.embed % l.heads != 0 || (l.embed / l.heads) % 2 != 0 {
+                    return bad(
+                        "model.llama.embed",
+                        format!(
+                            "{} is not an even multiple of heads ({}): the rotary embedding halves each head",
+                            l.embed, l.heads
+                        ),
+                    );
+                }
+                if l.heads % l.kv_heads != 0 {
+                    return bad("model.llama.kvHeads", format!("{} does not divide heads ({})", l.kv_heads, l.heads));
+                }
+                if !(l.rope_theta > 1.0 && l.norm_eps > 0.0) {
+                    return bad("model.llama", "ropeTheta must exceed 1 and normEps be positive".into());
+                }
+                if self.data.train.format != DataFormat::Tokens {
+                    return bad("data.train.format", "Llama trains on token shards (format: tokens)".into());
                 }
             }
             ModelConfig::Squeezenet(s) => {

@@ -99,6 +99,20 @@ fn quickstart_gpt2_trains() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The builtin Llama on the same token shards.
+#[test]
+fn llama_trains() {
+    let dir = scratch("llama");
+    let corpus = examples().join("data/corpus.txt");
+    let o = worker(
+        &["prepare-data", "--input", corpus.to_str().unwrap(), "--output", "data/tokens", "--val-fraction", "0.1"],
+        &dir,
+    );
+    check("prepare-data", o);
+    train("llama.yaml", &dir, &["batchSize=2"]);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A scratch directory with a tiny shapes set in data/shapes, drawn as `make demo-shapes` draws
 /// the full one; None, and the test is skipped, without `TENSORFLEET_PYTHON`.
 fn with_shapes(name: &str) -> Option<PathBuf> {
@@ -127,4 +141,37 @@ fn imported_onnx_on_shapes_trains() {
     script("make_cnn.py", &["--output", "data/cnn.onnx"], &dir);
     train("custom-onnx.yaml", &dir, &["batchSize=4"]);
     std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Every TrainingJob in examples/ carries a training block the worker accepts, with a layout
+/// that covers the job's MPI world (workers × slotsPerWorker), as the operator will check.
+#[test]
+fn cluster_examples_are_valid_worker_configurations() {
+    let dir = examples().join("..");
+    let mut checked = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "yaml") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).unwrap();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let job: serde_yaml::Value = serde::Deserialize::deserialize(doc).unwrap();
+            if job["kind"].as_str() != Some("TrainingJob") {
+                continue;
+            }
+            let name = path.file_name().unwrap().to_string_lossy().to_string();
+            let training = serde_yaml::to_string(&job["spec"]["training"]).unwrap();
+            let cfg = TrainingConfig::parse(&training, &name, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let spec = &job["spec"];
+            let slots = spec["slotsPerWorker"]
+                .as_u64()
+                .or_else(|| spec["resources"]["limits"]["nvidia.com/gpu"].as_u64().or(Some(1)));
+            let world = spec["workers"].as_u64().unwrap() * slots.unwrap();
+            let p = &cfg.parallelism;
+            assert_eq!((p.data * p.tensor * p.pipeline) as u64, world, "{name}: the layout vs the world");
+            checked.push(name);
+        }
+    }
+    assert!(checked.iter().any(|n| n == "llama-tp.yaml") && checked.len() >= 5, "{checked:?}");
 }

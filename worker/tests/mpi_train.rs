@@ -430,6 +430,95 @@ fn tensor_parallelism_with_data_and_pipeline_over_four_ranks_equals_one_process(
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The builtin Llama splits as Megatron splits it and trains like one process: tensor
+/// parallelism splits the query and the kv heads (rotary embedding and the kv-head repeat stay
+/// head-local), SwiGLU's gate and up columns then the down rows, and the vocabulary of the
+/// embedding and of the untied head; two pipeline stages and data × tensor too.
+#[test]
+fn builtin_llama_layouts_equal_one_process() {
+    let dir = scratch("llama");
+    prepare_tokens(&dir);
+    let llama = "model: {llama: {layers: 2, heads: 4, kvHeads: 2, embed: 32, ffn: 48, seqLen: 16, vocab: 50257}}\n";
+    write_config(&dir, 2, "");
+    let text = std::fs::read_to_string(dir.join("train.yaml")).unwrap();
+    let text = llama.to_string() + text.split_once('\n').unwrap().1;
+    std::fs::write(dir.join("train.yaml"), text).unwrap();
+    check(&train_alone(&dir, &["batchSize=4", "output.dir=single"]), "the single-process run");
+    for (np, out, sets) in [
+        (2, "tp2", vec!["batchSize=4", "parallelism.tensor=2"]),
+        (2, "pp2", vec!["batchSize=4", "parallelism.pipeline=2"]),
+        (4, "dp2tp2", vec!["batchSize=2", "parallelism.data=2", "parallelism.tensor=2"]),
+    ] {
+        let mut sets = sets.clone();
+        let o = format!("output.dir={out}");
+        sets.push(&o);
+        check(&mpirun_train(&dir, np, &sets), &format!("mpirun -np {np}, {out}"));
+        assert_same_run(&dir, out, "single");
+    }
+    assert_same_export(&dir, "tp2", "single");
+    let (m, _) = checkpoint::load(&dir.join("tp2/checkpoints/checkpoint_6")).unwrap();
+    let split = |name: &str| {
+        m.tensor_splits.get(name).unwrap_or_else(|| panic!("'{name}' is not split: {:?}", m.tensor_splits.keys()))
+    };
+    for column in ["q_proj", "k_proj", "v_proj"] {
+        assert_eq!(split(&format!("model.layers.0.self_attn.{column}.weight")).axis, 1, "{column}");
+    }
+    assert_eq!(split("model.layers.1.self_attn.o_proj.weight").axis, 0);
+    assert_eq!(
+        (split("model.layers.0.mlp.gate_proj.weight").axis, split("model.layers.0.mlp.up_proj.weight").axis),
+        (1, 1)
+    );
+    assert_eq!(split("model.layers.0.mlp.down_proj.weight").axis, 0);
+    assert_eq!((split("model.embed_tokens.weight").axis, split("lm_head.weight").axis), (0, 1));
+    assert!(!m.tensor_splits.contains_key("model.layers.0.input_layernorm.weight"));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The same pass splits the Hugging Face Llama of tests/torch_hf.rs (its q/k/v/o and
+/// gate/up/down nn.Linear weights behind Transposes, rotate_half by Slice, the kv-heads
+/// repeated by Expand, the attention mask added to the scores), trained on its onnxSamples
+/// batches with the padding masked out, and two tensor-parallel ranks train it like one
+/// process. From the dynamo exporter only the MLP and the vocabulary split: its attention
+/// folds heads into the batch for a 3-D product ([B, H, T, D] → [B·H, T, D]), which the pass
+/// does not follow yet, so attention stays replicated there.
+#[test]
+fn tensor_parallelism_splits_an_hf_llama_exported_by_pytorch() {
+    let dir = scratch("tp-hf-llama");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_hf");
+    for exporter in ["torchscript", "dynamo"] {
+        std::fs::write(
+            dir.join("train.yaml"),
+            format!(
+                "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits, ignoreIndex: -100}}}}}}\n\
+                 data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 4\ngradientAccumulationSteps: 2\n\
+                 steps: 6\noptimizer: {{name: adamw, lr: 0.003}}\ngradClipNorm: 1.0\ncheckpoint: {{every: 6}}\n",
+                data.join(format!("llama_{exporter}.onnx")).display(),
+                data.join("llama.pb").display()
+            ),
+        )
+        .unwrap();
+        let (single, tp2) = (format!("single-{exporter}"), format!("tp2-{exporter}"));
+        check(&train_alone(&dir, &[&format!("output.dir={single}")]), "the single-process run");
+        let o = mpirun_train(&dir, 2, &["parallelism.tensor=2", &format!("output.dir={tp2}")]);
+        check(&o, &format!("mpirun -np 2, tensor 2, {exporter}"));
+        let ((want, _), (got, _)) = (losses(&dir.join(&single)), losses(&dir.join(&tp2)));
+        assert_eq!(want.len(), 6);
+        assert_close(&format!("{exporter}: loss"), &got, &want);
+        let at = |out: &str| dir.join(format!("{out}/checkpoints/checkpoint_6"));
+        assert_same_weights(&at(&tp2), &at(&single));
+        let (m, _) = checkpoint::load(&at(&tp2)).unwrap();
+        let attention = ["q_proj", "k_proj", "v_proj", "o_proj"].map(|w| format!("self_attn.{w}"));
+        let mlp = ["gate_proj", "up_proj", "down_proj"].map(|w| format!("mlp.{w}"));
+        for weight in mlp.iter().chain(&attention) {
+            let name = format!("model.model.layers.1.{weight}.weight");
+            let want = exporter == "torchscript" || weight.starts_with("mlp");
+            assert_eq!(m.tensor_splits.contains_key(&name), want, "{exporter}: '{name}': {:?}", m.tensor_splits.keys());
+        }
+        assert!(m.tensor_splits.contains_key("model.lm_head.weight"), "{exporter}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A layout that does not cover the world is refused before training, naming the keys.
 #[test]
 fn a_layout_that_does_not_match_the_world_exits_2() {

@@ -15,8 +15,11 @@ mod torch_oracle;
 use serde_json::Value;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
+use tensorfleet_worker::config::{LlamaConfig, ModelSpec};
+use tensorfleet_worker::data::Batch;
 use tensorfleet_worker::error::Error;
 use tensorfleet_worker::session::{Session, SessionOptions};
+use tensorfleet_worker::tensor::Tensor;
 use torch_oracle::{batches, data_dir, expected, floats, load, rel, spec, update};
 
 const TOLERANCE: f64 = 1e-4;
@@ -89,6 +92,63 @@ fn trains_the_module_parameters(case: &str, s: &Session<CpuBackend>, m: &Value, 
     let values: usize = trained.iter().map(|n| state[n.as_str()].numel()).sum();
     assert_eq!(values as u64, m["parameters"].as_u64().unwrap(), "{case}: trained values vs the module's parameters");
     assert!(names("otherFloatInitializers").is_empty(), "{case}: initializers that are not the module's state");
+}
+
+/// The builtin Llama (`model.llama`) computes what Hugging Face's LlamaForCausalLM computes:
+/// given the weights of the exported one (x·W layouts: the nn.Linear weights transposed), its
+/// losses over 10 AdamW steps on the unpadded batch are the export's (which follow PyTorch's
+/// above), from both exporters.
+#[test]
+fn builtin_llama_trains_as_the_exported_hf_llama() {
+    let dir = data_dir("torch_hf");
+    let e = expected(&dir);
+    let config = LlamaConfig {
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        embed: 16,
+        ffn: 32,
+        seq_len: 8,
+        vocab: 64,
+        rope_theta: 10000.0,
+        norm_eps: 1e-6,
+    };
+    let spec = ModelSpec { llama: Some(config), ..Default::default() };
+    let (update, lr) = update(&e, "adamw");
+    let batch = batches(&dir.join("llama.pb"), 4, 1).swap_remove(0);
+    let train = |model: &tensorfleet_worker::models::Model, batch: &Batch| -> Vec<f64> {
+        let mut s = Session::new(Arc::new(CpuBackend::new()), model, batch, 1, &SessionOptions::new(update)).unwrap();
+        (0..10).map(|k| s.step(std::slice::from_ref(batch), lr, 0.0, k).unwrap().loss).collect()
+    };
+    for file in ["llama_torchscript.onnx", "llama_dynamo.onnx"] {
+        let exported = load(&dir, file, Some(-100), Default::default());
+        let mut builtin = tensorfleet_worker::models::load(&spec, 0).unwrap();
+        let mut copied = 0;
+        for (&v, t) in builtin.graph.initializers.iter_mut() {
+            let name = builtin.graph.values[v].name.clone();
+            let Some(w) = exported.graph.find(&format!("model.{name}")).map(|w| &exported.graph.initializers[&w])
+            else {
+                continue;
+            };
+            *t = if name.ends_with("_proj.weight") || name == "lm_head.weight" { transposed(w) } else { w.clone() };
+            copied += 1;
+        }
+        assert_eq!(copied, 21, "{file}: the builtin's 21 weights, each found in the export");
+        // The builtin reads input_ids only: the export's attention_mask is all ones here.
+        let mut unmasked = batch.clone();
+        assert!(unmasked.remove("attention_mask").unwrap().to_f64_vec().iter().all(|&m| m == 1.0));
+        let (ours, theirs) = (train(&builtin, &unmasked), train(&exported, &batch));
+        let worst = ours.iter().zip(&theirs).map(|(a, b)| rel(*a, *b)).fold(0.0, f64::max);
+        println!("builtin Llama vs {file}: losses agree to {worst:.1e} over 10 steps ({ours:?})");
+        assert!(worst <= 1e-5, "{file}: builtin {ours:?}, export {theirs:?}");
+    }
+}
+
+/// A 2-D tensor's transpose.
+fn transposed(t: &Tensor) -> Tensor {
+    let (r, c) = (t.shape()[0], t.shape()[1]);
+    let v = t.as_slice::<f32>();
+    Tensor::from_vec(&[c, r], (0..r * c).map(|k| v[(k % r) * c + k / r]).collect::<Vec<f32>>())
 }
 
 /// A paddingIdx entry that cannot apply is a configuration error naming the entry.

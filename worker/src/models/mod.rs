@@ -2,6 +2,7 @@
 //! model and the exporter writes them like any other), and the loss attached to a model.
 
 pub mod gpt2;
+pub mod llama;
 pub mod mlp;
 pub mod squeezenet;
 
@@ -28,6 +29,7 @@ pub struct Model {
 pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
     let (graph, loss_cfg) = match cfg.kind()? {
         ModelConfig::Gpt2(c) => (gpt2::build(c, seed)?, builtin_loss()),
+        ModelConfig::Llama(c) => (llama::build(c, seed)?, builtin_loss()),
         ModelConfig::Squeezenet(c) => (squeezenet::build(c, seed)?, builtin_loss()),
         ModelConfig::Mlp(c) => (mlp::build(c, seed)?, builtin_loss()),
         ModelConfig::Onnx(c) => {

@@ -57,9 +57,17 @@ fn crossing(ranges: &[Option<(usize, usize)>], p: usize) -> Vec<ValueId> {
     (0..ranges.len()).filter(|&v| ranges[v].is_some_and(|(prod, last)| prod < p && p <= last)).collect()
 }
 
-/// Cuts for `stages` stages chosen by FLOPs: see the module comment.
-pub fn balanced_cuts(g: &Graph, loss: ValueId, stages: usize) -> Result<Vec<Vec<String>>> {
+/// Cuts for `stages` stages chosen by FLOPs (see the module comment), each stage reading at
+/// least one of the trained `weights` (an untied LM head, say, holds most of a small model's
+/// FLOPs: a cut just after it would leave the last stage only the loss).
+pub fn balanced_cuts(g: &Graph, loss: ValueId, stages: usize, weights: &[ValueId]) -> Result<Vec<Vec<String>>> {
     let n = g.nodes.len();
+    let mut reading_before = vec![0usize; n + 1];
+    for (i, node) in g.nodes.iter().enumerate() {
+        let reads = node.inputs.iter().flatten().any(|v| weights.contains(v));
+        reading_before[i + 1] = reading_before[i] + usize::from(reads);
+    }
+    let reads_weights = |from: usize, to: usize| reading_before[to] > reading_before[from];
     let ranges = live_ranges(g, loss);
     // Cost of a node: its dense FLOPs, and one per output element so that element-wise work
     // is not free.
@@ -87,14 +95,18 @@ pub fn balanced_cuts(g: &Graph, loss: ValueId, stages: usize) -> Result<Vec<Vec<
         let target = total * k as f64 / stages as f64;
         // Leave at least one candidate for each later cut.
         let left = stages - 1 - k;
-        let usable: Vec<usize> = candidates.iter().copied().filter(|&p| p > after).collect();
+        let usable: Vec<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&p| p > after && reads_weights(after, p) && reads_weights(p, n))
+            .collect();
         let usable = &usable[..usable.len().saturating_sub(left)];
         let p =
             usable.iter().copied().min_by(|&a, &b| (before[a] - target).abs().total_cmp(&(before[b] - target).abs()));
         let Some(p) = p else {
             return Err(Error::Config(format!(
                 "parallelism.pipeline: the model has {} place(s) where a single float tensor crosses, too few for \
-                 {stages} stages; use fewer stages or give parallelism.pipelineCuts",
+                 {stages} stages that each hold a trained weight; use fewer stages or give parallelism.pipelineCuts",
                 candidates.len()
             )));
         };
@@ -198,7 +210,7 @@ mod tests {
     #[test]
     fn gpt2_cuts_between_blocks_and_the_stages_chain() {
         let (g, loss) = gpt2(4);
-        let cuts = balanced_cuts(&g, loss, 2).unwrap();
+        let cuts = balanced_cuts(&g, loss, 2, &g.float_initializers()).unwrap();
         assert_eq!(cuts.len(), 1);
         assert_eq!(cuts[0].len(), 1, "one tensor crosses: {cuts:?}");
         let stages = split(&g, loss, &cuts).unwrap();
@@ -224,7 +236,7 @@ mod tests {
     #[test]
     fn four_stages_of_eight_blocks_get_similar_flops() {
         let (g, loss) = gpt2(8);
-        let stages = split(&g, loss, &balanced_cuts(&g, loss, 4).unwrap()).unwrap();
+        let stages = split(&g, loss, &balanced_cuts(&g, loss, 4, &g.float_initializers()).unwrap()).unwrap();
         let flops: Vec<f64> = stages.iter().map(|s| crate::graph::flops::forward(&s.graph)).collect();
         let mean = flops.iter().sum::<f64>() / 4.0;
         for f in &flops {
@@ -256,7 +268,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("parallelism.pipelineCuts[1]"), "{e}");
-        let e = balanced_cuts(&g, loss, 400).unwrap_err().to_string();
+        let e = balanced_cuts(&g, loss, 400, &g.float_initializers()).unwrap_err().to_string();
         assert!(e.contains("parallelism.pipeline"), "{e}");
     }
 }

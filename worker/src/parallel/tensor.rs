@@ -1,12 +1,16 @@
 //! Tensor parallelism, Megatron-style, as a pass over a bound forward graph (as ONNX Runtime's
-//! Megatron transformer rewrites a graph): the same pass shards the builtin GPT-2 and a GPT-2
-//! exported from PyTorch, since both are found by the shape of their dataflow, not by names.
+//! Megatron transformer rewrites a graph): the same pass shards the builtin GPT-2 and Llama and
+//! the ones exported from PyTorch, since all are found by the shape of their dataflow, not by
+//! names.
 //!
 //! What it finds and how it splits it over the `size` ranks of a tensor-parallel group:
 //! - **column → row pairs** (attention, MLP): a MatMul of a replicated activation by a weight
 //!   (`x·W`, or `x·Wᵀ` with W behind a Transpose, as PyTorch exports nn.Linear) starts a region
 //!   whose output columns are split; head-local ops (bias, Split into q/k/v, Reshape into heads,
-//!   Transpose, the q·kᵀ and p·v MatMuls, scale, mask, Softmax, GELU) keep the split; a MatMul of
+//!   Transpose, RoPE's Slice/Concat halves, the Expand that repeats kv-heads, the q·kᵀ and p·v
+//!   MatMuls, scale, mask, Softmax, GELU) keep the split; column regions that an op joins (Llama's
+//!   separate q, k and v products at q·kᵀ, SwiGLU's gate and up at their Mul) merge into one
+//!   region, whose every column MatMul gets the input copy; a MatMul of
 //!   the split activation by a second weight (split by rows) ends it with a partial sum that an
 //!   all-reduce completes (Megatron's `g`). Its input gets a `TensorParallelCopy` (Megatron's
 //!   `f`: identity forward, all-reduce of the gradient backward).
@@ -158,6 +162,11 @@ enum End {
 struct Region {
     /// The column MatMul, or the embedding Gather.
     start: usize,
+    /// The column MatMuls of regions merged into this one (Llama's separate q, k and v
+    /// products, which attention joins; SwiGLU's gate and up, which a Mul joins).
+    merged_starts: Vec<usize>,
+    /// Merged into another region: nothing of its own is left.
+    absorbed: bool,
     embedding: bool,
     /// Blocks of the column axis (a Split into equal parts sets it; anything else fixes it at 1).
     blocks: Option<usize>,
@@ -256,11 +265,21 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                 a.regions[r].invalid = Some(why);
             }
         };
-        // Every sharded input must belong to the same region.
-        if sharded.iter().flatten().any(|x| x.region != r) {
-            invalid(&mut a, format!("{} joins two split regions", node.describe()));
-            continue;
+        // Sharded inputs from several regions join them into one, if each can still be split.
+        let others: HashSet<usize> = sharded.iter().flatten().map(|x| x.region).filter(|&x| x != r).collect();
+        if !others.is_empty() {
+            if others.iter().chain([&r]).any(|&x| a.regions[x].invalid.is_some()) {
+                for x in others.into_iter().chain([r]) {
+                    a.regions[x].invalid.get_or_insert_with(|| format!("{} joins two split regions", node.describe()));
+                }
+                continue;
+            }
+            for other in others {
+                merge(&mut a, r, other);
+            }
         }
+        let sharded: Vec<Option<Sharded>> =
+            node.inputs.iter().map(|x| x.and_then(|v| a.values.get(&v).copied())).collect();
         let out_meta = |k: usize| node.output(k).map(meta);
         let mark = |a: &mut Analysis, v: Option<ValueId>, axis: usize, blocked: bool| {
             if let Some(v) = v {
@@ -340,6 +359,37 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                     }
                 }
             }
+            // Slices of the head dimension (RoPE's halves, as Hugging Face's rotate_half cuts them).
+            Op::Slice { axes, steps, .. } => {
+                let (x, y) = (meta(node.input(0).unwrap()), out_meta(0).unwrap());
+                let on_split = axes.iter().position(|&ax| ax as usize == s.axis);
+                let whole = on_split.is_none_or(|k| steps[k] == 1 && x.shape[s.axis] == y.shape[s.axis]);
+                if whole {
+                    mark(&mut a, node.output(0), s.axis, s.blocked);
+                } else {
+                    invalid(&mut a, format!("{} slices the split axis", node.describe()));
+                }
+            }
+            // RoPE's rotate-half: halves of the head dimension, concatenated back.
+            Op::Concat { axis } => {
+                let rank = meta(node.input(0).unwrap()).shape.len();
+                let alike = sharded.iter().all(|x| x.is_some_and(|x| x.axis == s.axis && x.blocked == s.blocked));
+                if alike && crate::graph::infer::norm_axis(*axis, rank) != Some(s.axis) {
+                    mark(&mut a, node.output(0), s.axis, s.blocked);
+                } else {
+                    invalid(&mut a, format!("{} concatenates split and unsplit values", node.describe()));
+                }
+            }
+            // Grouped-query attention's repeat of each kv-head, along an axis that is not split.
+            Op::Expand => {
+                let (x, y) = (meta(node.input(0).unwrap()), out_meta(0).unwrap());
+                let axis = s.axis + y.shape.len() - x.shape.len();
+                if y.shape[axis] == x.shape[s.axis] {
+                    mark(&mut a, node.output(0), axis, s.blocked);
+                } else {
+                    invalid(&mut a, format!("{} broadcasts the split axis", node.describe()));
+                }
+            }
             Op::Reshape => {
                 let (x, y) = (meta(node.input(0).unwrap()), out_meta(0).unwrap());
                 match reshape_axis(&x.shape, &y.shape, s.axis, size) {
@@ -412,11 +462,32 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
         a.regions[r].invalid.get_or_insert_with(|| "the loss would be split".into());
     }
     for region in &mut a.regions {
-        if region.ends.is_empty() && region.invalid.is_none() {
+        if region.ends.is_empty() && region.invalid.is_none() && !region.absorbed {
             region.invalid = Some("the split never ends in a row-parallel MatMul or a loss".into());
         }
     }
     a
+}
+
+/// Moves region `from` into region `into`: its values, weights, ends and column MatMuls.
+fn merge(a: &mut Analysis, into: usize, from: usize) {
+    for s in a.values.values_mut().filter(|s| s.region == from) {
+        s.region = into;
+    }
+    let gone = std::mem::take(&mut a.regions[from]);
+    a.regions[from].absorbed = true;
+    let region = &mut a.regions[into];
+    region.merged_starts.extend([gone.start].into_iter().chain(gone.merged_starts));
+    region.weights.extend(gone.weights);
+    region.weight_uses.extend(gone.weight_uses);
+    region.ends.extend(gone.ends);
+    match (region.blocks, gone.blocks) {
+        (None, b) => region.blocks = b,
+        (Some(x), Some(y)) if x != y => {
+            region.invalid.get_or_insert_with(|| "it joins regions split into different blocks".into());
+        }
+        _ => {}
+    }
 }
 
 /// Where the split axis `axis` of a value of shape `from` lands after a Reshape to `to`:
@@ -452,8 +523,10 @@ pub fn shard(g: &mut Graph, loss: ValueId, rank: usize, size: usize) -> Result<B
         let before = disabled.len();
         for region in &a.regions {
             if let Some(why) = &region.invalid {
-                if disabled.insert(region.start) {
-                    reasons.push(why.clone());
+                for start in std::iter::once(region.start).chain(region.merged_starts.iter().copied()) {
+                    if disabled.insert(start) {
+                        reasons.push(why.clone());
+                    }
                 }
             }
         }
@@ -474,8 +547,12 @@ pub fn shard(g: &mut Graph, loss: ValueId, rank: usize, size: usize) -> Result<B
             let all_in_regions = readers.iter().all(|i| users[w].contains(i));
             if !consistent || !all_in_regions {
                 for &(r, _, _) in uses {
-                    if disabled.insert(a.regions[r].start) {
-                        reasons.push(format!("weight '{}' is also used unsplit or split another way", g.name_of(*w)));
+                    let region = &a.regions[r];
+                    for start in std::iter::once(region.start).chain(region.merged_starts.iter().copied()) {
+                        if disabled.insert(start) {
+                            reasons
+                                .push(format!("weight '{}' is also used unsplit or split another way", g.name_of(*w)));
+                        }
                     }
                 }
             }
@@ -484,7 +561,9 @@ pub fn shard(g: &mut Graph, loss: ValueId, rank: usize, size: usize) -> Result<B
             break a;
         }
     };
-    let valid: Vec<usize> = (0..analysis.regions.len()).filter(|&r| analysis.regions[r].invalid.is_none()).collect();
+    let valid: Vec<usize> = (0..analysis.regions.len())
+        .filter(|&r| analysis.regions[r].invalid.is_none() && !analysis.regions[r].absorbed)
+        .collect();
     if valid.is_empty() {
         return Err(Error::Config(format!(
             "parallelism.tensor ({size}): the model has no part that tensor parallelism can split (Megatron's \
@@ -499,7 +578,7 @@ pub fn shard(g: &mut Graph, loss: ValueId, rank: usize, size: usize) -> Result<B
 }
 
 fn rewrite(g: &mut Graph, a: &Analysis, rank: usize, size: usize) -> Result<BTreeMap<String, TensorSplit>> {
-    let active = |r: usize| a.regions[r].invalid.is_none();
+    let active = |r: usize| a.regions[r].invalid.is_none() && !a.regions[r].absorbed;
     let blocks_of = |r: usize| a.regions[r].blocks.unwrap_or(1);
     // 1. The weights: sliced, their Transposes' outputs reshaped.
     let mut splits = BTreeMap::new();
@@ -560,8 +639,13 @@ fn rewrite(g: &mut Graph, a: &Analysis, rank: usize, size: usize) -> Result<BTre
         }
     }
     // 3. The collectives, in a new node list.
-    let starts: HashMap<usize, usize> =
-        a.regions.iter().enumerate().filter(|(r, _)| active(*r)).map(|(r, x)| (x.start, r)).collect();
+    let starts: HashMap<usize, usize> = a
+        .regions
+        .iter()
+        .enumerate()
+        .filter(|(r, _)| active(*r))
+        .flat_map(|(r, x)| std::iter::once(x.start).chain(x.merged_starts.iter().copied()).map(move |s| (s, r)))
+        .collect();
     let ends: HashMap<usize, End> =
         a.regions.iter().enumerate().filter(|(r, _)| active(*r)).flat_map(|(_, x)| x.ends.iter().copied()).collect();
     let copies: HashSet<(usize, usize)> =

@@ -400,7 +400,7 @@ impl<B: Backend> Session<B> {
             // Balanced cuts are chosen on the unsplit graph, so that every tensor-parallel rank
             // cuts alike (an uneven vocabulary split makes the ranks' FLOPs differ).
             if let Some(p) = pipeline.as_mut().filter(|p| p.cuts.is_empty()) {
-                p.cuts = crate::parallel::pipeline::balanced_cuts(&bound, model.loss, p.stages)?;
+                p.cuts = crate::parallel::pipeline::balanced_cuts(&bound, model.loss, p.stages, &params)?;
             }
             splits = crate::parallel::tensor::shard(&mut bound, model.loss, t.rank, t.size)?;
         }

@@ -62,8 +62,11 @@ pub(super) type Cut = (Graph, ValueId, Option<StagePart>, Vec<Vec<ValueId>>);
 /// The graph, loss and boundary of stage `opts.stage` of `bound` (the forward graph in
 /// training mode), and the trained weights (of `params`) each stage holds.
 pub(super) fn cut(bound: Graph, loss: ValueId, opts: &super::PipelineOptions, params: &[ValueId]) -> Result<Cut> {
-    let cuts =
-        if opts.cuts.is_empty() { pipeline::balanced_cuts(&bound, loss, opts.stages)? } else { opts.cuts.clone() };
+    let cuts = if opts.cuts.is_empty() {
+        pipeline::balanced_cuts(&bound, loss, opts.stages, params)?
+    } else {
+        opts.cuts.clone()
+    };
     let mut stages = pipeline::split(&bound, loss, &cuts)?;
     if stages.len() != opts.stages {
         return Err(Error::Config(format!(
