@@ -59,7 +59,11 @@ fn dims_of(t: &TypeProto) -> Option<(DType, Vec<Dim>)> {
 /// Converts a loaded model; `origin` (the file) prefixes every message.
 pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
     let opset = crate::onnx::default_opset(model);
-    let gp = model.graph.as_ref().ok_or_else(|| Error::Corrupt(format!("{origin}: the model has no graph")))?;
+    let inlined = crate::onnx::functions::inlined_graph(model, origin)?;
+    let gp = match &inlined {
+        Some(g) => g,
+        None => model.graph.as_ref().ok_or_else(|| Error::Corrupt(format!("{origin}: the model has no graph")))?,
+    };
     check_supported(gp, origin)?;
     let mut g = Graph::new(gp.name(), opset);
     for t in &gp.initializer {

@@ -8,6 +8,7 @@
 //! field at fault, so a user can find it in Netron; all of them are [`Error::Corrupt`] except a
 //! model file that cannot be opened ([`Error::Config`]) and I/O failures ([`Error::Runtime`]).
 
+pub mod functions;
 pub mod proto;
 pub mod tensor;
 #[cfg(test)]

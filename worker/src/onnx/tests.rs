@@ -620,3 +620,95 @@ fn random_damage_never_panics() {
         exercise(&bytes, &dir.0);
     }
 }
+
+/// A float attribute, or (with `refers`) one that takes the calling node's attribute `refers`.
+fn float_attribute(name: &str, value: Option<f32>, refers: Option<&str>) -> AttributeProto {
+    let mut a = attribute(name, AttributeType::Float);
+    a.f = value;
+    a.ref_attr_name = refers.map(str::to_string);
+    a
+}
+
+/// Model-local functions are inlined: a function calling another, an attribute passed down by
+/// reference or left to the function's default, two calls of one function kept apart.
+#[test]
+fn functions_are_inlined_with_their_attributes() {
+    use crate::backend::cpu::CpuBackend;
+    use crate::exec::Executor;
+    use crate::graph::infer::{bind, Bindings};
+    let local = |mut n: NodeProto| {
+        n.domain = Some("local".into());
+        n
+    };
+    // Inner(x) = LeakyRelu(x, alpha = @alpha, default 0.5); Outer(a, b) = Inner(a + b, alpha = @slope).
+    let inner = FunctionProto {
+        name: Some("Inner".into()),
+        domain: Some("local".into()),
+        input: vec!["x".into()],
+        output: vec!["y".into()],
+        attribute_proto: vec![float_attribute("alpha", Some(0.5), None)],
+        node: vec![NodeProto {
+            attribute: vec![float_attribute("alpha", None, Some("alpha"))],
+            ..node("LeakyRelu", "leaky", &["x"], &["y"])
+        }],
+        opset_import: vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(17) }],
+        ..Default::default()
+    };
+    let outer = FunctionProto {
+        name: Some("Outer".into()),
+        domain: Some("local".into()),
+        input: vec!["a".into(), "b".into()],
+        output: vec!["out".into()],
+        attribute: vec!["slope".into()],
+        node: vec![
+            node("Add", "sum", &["a", "b"], &["t"]),
+            NodeProto {
+                attribute: vec![float_attribute("alpha", None, Some("slope"))],
+                ..local(node("Inner", "act", &["t"], &["out"]))
+            },
+        ],
+        ..Default::default()
+    };
+    let graph = GraphProto {
+        name: Some("g".into()),
+        node: vec![
+            NodeProto {
+                attribute: vec![float_attribute("slope", Some(0.1), None)],
+                ..local(node("Outer", "first", &["X", "Y"], &["Z"]))
+            },
+            local(node("Outer", "second", &["Z", "Y"], &["W"])),
+        ],
+        input: vec![float_input("X", &[4]), float_input("Y", &[4])],
+        output: vec![float_input("W", &[4])],
+        ..Default::default()
+    };
+    let model = ModelProto {
+        ir_version: Some(8),
+        opset_import: vec![
+            OperatorSetIdProto { domain: Some(String::new()), version: Some(17) },
+            OperatorSetIdProto { domain: Some("local".into()), version: Some(1) },
+        ],
+        graph: Some(graph),
+        functions: vec![inner, outer],
+        ..Default::default()
+    };
+    let g = crate::graph::onnx_io::from_model(&model, "m.onnx").unwrap();
+    let names: Vec<&str> = g.nodes.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["first/sum", "first/act/leaky", "second/sum", "second/act/leaky"]);
+
+    let bound = bind(&g, &Bindings::default(), false).unwrap();
+    let mut ex = Executor::new(std::sync::Arc::new(CpuBackend::new()), bound, &[]).unwrap();
+    let (x, y) = (vec![-4f32, -1.0, 1.0, 2.0], vec![1f32, -1.0, 0.5, -3.0]);
+    ex.feed(g.find("X").unwrap(), &Tensor::from_vec(&[4], x.clone())).unwrap();
+    ex.feed(g.find("Y").unwrap(), &Tensor::from_vec(&[4], y.clone())).unwrap();
+    ex.run(0).unwrap();
+    let leaky = |v: f32, alpha: f32| if v < 0.0 { alpha * v } else { v };
+    let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| leaky(leaky(a + b, 0.1) + b, 0.5)).collect();
+    assert_eq!(ex.fetch(g.find("W").unwrap()).unwrap().as_slice::<f32>(), &want[..]);
+
+    // A function imported at another opset than the model's is refused, naming it.
+    let mut other = model.clone();
+    other.functions[0].opset_import[0].version = Some(13);
+    let e = crate::graph::onnx_io::from_model(&other, "m.onnx").unwrap_err();
+    assert!(matches!(e, Error::Unsupported(_)) && e.to_string().contains("function 'Inner'"), "{e}");
+}
