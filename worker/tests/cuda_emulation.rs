@@ -1417,6 +1417,63 @@ fn arg_extremes_match_the_cpu_backend_on_the_emulated_kernels() {
     }
 }
 
+/// TopK's indices along each axis, largest and smallest, of f32, bf16, f64 and i64 elements with
+/// ties in every line and two NaNs, k from 1 to the whole line, on the emulated kernels against
+/// the CPU backend.
+#[test]
+fn top_k_indices_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    // Values from a set of 5, so that every line has ties; NaNs at two places.
+    let mut v: Vec<f32> = (0..60).map(|i| ((i * 3) % 5) as f32 - 2.0).collect();
+    v[17] = f32::NAN;
+    v[44] = f32::NAN;
+    let shape = [3, 4, 5];
+    for t in [DType::F32, DType::BF16, DType::F64, DType::I64] {
+        let x = Tensor::from_vec(&shape, v.clone()).cast(t);
+        for (largest, axis) in (0..6).map(|c| (c % 2 == 0, c / 2)) {
+            for k in [1, 2, shape[axis]] {
+                let op = Op::TopKIndices { axis: axis as i64, k, largest };
+                let mut out_shape = shape.to_vec();
+                out_shape[axis] = k;
+                let out = [Meta::new(DType::I64, &out_shape)];
+                let (g, c) = (
+                    run_typed(&gpu, &op, std::slice::from_ref(&x), &out),
+                    run_typed(&cpu, &op, std::slice::from_ref(&x), &out),
+                );
+                assert_eq!(g[0].as_slice::<i64>(), c[0].as_slice::<i64>(), "{t} {op:?}");
+            }
+        }
+    }
+}
+
+/// MatMul of f64, i32 and i64 matrices (the products cuBLASLt's path does not take, which an
+/// Einsum of them is written out as), batch-broadcast and not, on the emulated kernels against
+/// the CPU backend.
+#[test]
+fn plain_products_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for (a_shape, b_shape, y_shape) in [
+        (vec![3, 4], vec![4, 2], vec![3, 2]),
+        (vec![2, 1, 3, 4], vec![3, 4, 5], vec![2, 3, 3, 5]),
+        (vec![2, 3, 4], vec![4, 5], vec![2, 3, 5]),
+    ] {
+        for t in [DType::F64, DType::I32, DType::I64] {
+            // Integers from -9 to 9 (values' [-1, 1) scaled), negative products included.
+            let operand = |s: &[usize], salt| {
+                let v: Vec<f32> = values(s.iter().product(), salt).iter().map(|v| v * 9.0).collect();
+                Tensor::from_vec(s, v).cast(t)
+            };
+            let (a, b) = (operand(&a_shape, 1), operand(&b_shape, 2));
+            let out = [Meta::new(t, &y_shape)];
+            let (g, c) = (
+                run_typed(&gpu, &Op::MatMul, &[a.clone(), b.clone()], &out),
+                run_typed(&cpu, &Op::MatMul, &[a, b], &out),
+            );
+            assert_same_values(&format!("{t} MatMul {a_shape:?} × {b_shape:?}"), &g, &c);
+        }
+    }
+}
+
 /// Pad in every mode over two axes (one cropped), of f32, bf16 and i64, and its gradient, on the
 /// emulated kernels against the CPU backend.
 #[test]

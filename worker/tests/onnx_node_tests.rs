@@ -148,6 +148,8 @@ const REQUIRED_OPS: &[&str] = &[
     "LSTM",
     "GRU",
     "RNN",
+    "TopK",
+    "Einsum",
 ];
 
 enum Outcome {

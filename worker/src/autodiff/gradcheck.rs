@@ -300,6 +300,44 @@ fn matmul_and_gemm() {
     }
 }
 
+/// Einsum through the Transposes, Reshapes, Slices, ReduceSums, Muls and MatMuls it is written
+/// out as.
+#[test]
+fn einsum_written_out() {
+    let cases: [(&str, &[&[usize]]); 7] = [
+        ("bij,bjk->bik", &[&[2, 3, 4], &[2, 4, 2]]),
+        // k is summed in its operand alone, before the product.
+        ("ij,jk->i", &[&[2, 3], &[3, 4]]),
+        ("i,j->ij", &[&[3], &[4]]),
+        ("ij->ji", &[&[3, 4]]),
+        ("ii->i", &[&[3, 3]]),
+        ("ii", &[&[3, 3]]),
+        ("...ii,...i->...", &[&[2, 3, 3], &[1, 3]]),
+    ];
+    for (equation, shapes) in cases {
+        let mut b = CaseBuilder::new(50);
+        let ins: Vec<ValueId> =
+            shapes.iter().enumerate().map(|(k, s)| b.param(&format!("x{k}"), s, -1.0, 1.0)).collect();
+        let y = b.g.op1("y", Op::Einsum { equation: equation.into() }, &ins);
+        check(&format!("Einsum {equation}"), b.done(y));
+    }
+}
+
+/// TopK's values, through the GatherElements of X at TopKIndices' indices they bind as.
+#[test]
+fn top_k_values() {
+    for largest in [true, false] {
+        let mut b = CaseBuilder::new(51);
+        let x = b.param("x", &[3, 5], -1.0, 1.0);
+        // Values 0.1 apart, so that the finite differences' steps (0.01) keep their order.
+        let spread: Vec<f32> = (0..15).map(|i| ((i * 7) % 15) as f32 / 10.0 - 0.7).collect();
+        b.g.initializers.insert(x, Tensor::from_vec(&[3, 5], spread));
+        let k = b.constant("k", Tensor::from_vec(&[1], vec![2i64]));
+        let outs = b.g.add_node("topk", Op::TopK { axis: -1, largest, sorted: true }, &[x, k], 2);
+        check(&format!("TopK values, largest {largest}"), b.done(outs[0]));
+    }
+}
+
 /// A recurrent layer with every optional input but sequence_lens (each a parameter, so that
 /// its gradient is checked), reading its output `k` (Y, Y_h or Y_c).
 fn recurrent_case(seed: u64, layer: Recurrent, x_shape: &[usize], k: usize) -> Case {

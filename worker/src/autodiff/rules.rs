@@ -18,7 +18,8 @@ pub fn differentiable(op: &Op) -> bool {
         | Op::ConstantOfShape { .. }
         | Op::Range
         | Op::Size
-        | Op::ArgExtreme { .. } => false,
+        | Op::ArgExtreme { .. }
+        | Op::TopKIndices { .. } => false,
         _ => true,
     }
 }

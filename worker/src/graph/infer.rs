@@ -827,7 +827,20 @@ pub fn infer_node(
         | Op::Sum { .. }
         | Op::OneHot { .. }
         | Op::Normalization { .. }
-        | Op::Recurrent(_) => return Err(err(node, "binding rewrites this op into other ops before inference")),
+        | Op::Recurrent(_)
+        | Op::TopK { .. }
+        | Op::Einsum { .. } => return Err(err(node, "binding rewrites this op into other ops before inference")),
+        Op::TopKIndices { axis, k, largest } => {
+            let x = m(0)?;
+            let a = norm_axis(*axis, x.shape.len()).filter(|_| !x.shape.is_empty());
+            let a = a.ok_or_else(|| err(node, format!("axis {axis} out of range for shape {:?}", x.shape)))?;
+            if *k > x.shape[a] {
+                return Err(err(node, format!("K = {k} is more than the {} elements along axis {a}", x.shape[a])));
+            }
+            let mut shape = x.shape.clone();
+            shape[a] = *k;
+            (Op::TopKIndices { axis: a as i64, k: *k, largest: *largest }, vec![Meta::new(DType::I64, &shape)])
+        }
         Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size => {
             return Err(err(node, "shape computations must be computable when the graph is planned"));
         }
@@ -1067,6 +1080,8 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
                 Some(expand_norm(&mut g, &mut consts, &node, &metas, kind, epsilon)?)
             }
             Op::Recurrent(ref r) => Some(super::recurrent::expand(&mut g, &mut consts, &node, &metas, r)?),
+            Op::TopK { axis, largest, .. } => Some(expand_top_k(&mut g, &consts, &node, axis, largest)?),
+            Op::Einsum { ref equation } => Some(super::einsum::expand(&mut g, &mut consts, &node, &metas, equation)?),
             _ => expand_tile(&mut g, &mut consts, &node, &metas)?,
         };
         if let Some(expanded) = rewritten {
@@ -1396,6 +1411,35 @@ fn expand_one_hot(
         node1(name("equal"), Op::Binary(Binary::Equal), &[lined, range], hit),
         node1(node.name.clone(), Op::Where, &[hit, on, off], output),
     ])
+}
+
+/// TopK as the indices of its K largest (smallest) elements along the axis (TopKIndices) and
+/// the values GatherElements reads there, so that the values' gradient is GatherElements'.
+/// K must be known: it sets the outputs' shapes. `sorted` asks nothing of us: the indices
+/// always come in order.
+fn expand_top_k(
+    g: &mut Graph,
+    consts: &HashMap<ValueId, Tensor>,
+    node: &Node,
+    axis: i64,
+    largest: bool,
+) -> Result<Vec<Node>> {
+    let k = node
+        .input(1)
+        .and_then(|v| consts.get(&v))
+        .ok_or_else(|| err(node, "K (input 1) must be known when the graph is planned"))?;
+    let k = match k.to_i64_vec().as_deref() {
+        Some(&[k]) if k >= 0 => k as usize,
+        _ => return Err(err(node, format!("K must be one non-negative integer, not {:?}", k.to_f64_vec()))),
+    };
+    let input = node.input(0).ok_or_else(|| err(node, "input 0 is missing"))?;
+    let name = |s: &str| format!("{}:{s}", node.name);
+    let indices = node.output(1).unwrap_or_else(|| g.fresh(&name("indices")));
+    let mut nodes = vec![node1(name("indices"), Op::TopKIndices { axis, k, largest }, &[input], indices)];
+    if let Some(values) = node.output(0) {
+        nodes.push(node1(node.name.clone(), Op::GatherElements { axis }, &[input, indices], values));
+    }
+    Ok(nodes)
 }
 
 /// Before opset 13, Softmax and LogSoftmax normalize over all dims from `axis` on, as if the

@@ -376,4 +376,21 @@ mod tests {
         gp.node.extend(SUPPORTED_ONNX_OPS.iter().map(|op| node(op, "ai.onnx", op)));
         check_supported(&gp, "model.onnx").unwrap();
     }
+
+    /// TopK and Einsum are written out when a graph is bound, but the model keeps them: an
+    /// export writes them back as the loader reads them.
+    #[test]
+    fn top_k_and_einsum_are_written_as_they_are_read() {
+        use crate::tensor::Tensor;
+        let mut g = Graph::new("t", 13);
+        let x = g.add_input("x", DType::F32, vec![Dim::Fixed(3), Dim::Fixed(4)]);
+        let k = g.add_initializer("k", Tensor::from_vec(&[1], vec![2i64]));
+        let top = g.add_node("topk", Op::TopK { axis: 0, largest: false, sorted: true }, &[x, k], 2);
+        let y = g.op1("einsum", Op::Einsum { equation: "ij, ij -> j".into() }, &[top[0], top[0]]);
+        g.outputs = vec![y, top[1]];
+        let back = from_model(&to_model(&g, "test"), "t.onnx").unwrap();
+        let ops: Vec<&Op> = back.nodes.iter().map(|n| &n.op).collect();
+        assert_eq!(ops, [&g.nodes[0].op, &g.nodes[1].op]);
+        assert_eq!(back.nodes[0].inputs.len(), 2, "K stays an input");
+    }
 }

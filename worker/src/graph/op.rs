@@ -896,6 +896,19 @@ pub enum Op {
     Flatten {
         axis: i64,
     },
+    /// X, K -> the K largest (or smallest) elements along `axis` and their indices (i64), in
+    /// order (whatever `sorted` says); binding rewrites it as TopKIndices and a GatherElements of
+    /// X at them, so the values' gradient is GatherElements'.
+    TopK {
+        axis: i64,
+        largest: bool,
+        sorted: bool,
+    },
+    /// The operands contracted as `equation` (numpy's einsum notation) says; binding writes it
+    /// out as Transpose, Reshape, Slice, ReduceSum, Expand, Mul and MatMul (`graph::einsum`).
+    Einsum {
+        equation: String,
+    },
 
     // ---- internal ops (gradients and fusions) ----
     /// Sums a broadcast gradient back down to `shape` (the inverse of broadcasting).
@@ -1005,6 +1018,14 @@ pub enum Op {
         trans_b: bool,
         activation: Unary,
     },
+    /// X -> the indices (i64) along `axis` of its `k` largest (or smallest) elements, largest
+    /// (smallest) first: equal elements in index order (ONNX's rule), and a NaN above every
+    /// number (numpy's sort, PyTorch's topk). TopK's first half.
+    TopKIndices {
+        axis: i64,
+        k: usize,
+        largest: bool,
+    },
 
     // ---- tensor parallelism (`parallel::tensor`); the executor runs the collectives ----
     /// Megatron's `g`: the value combined by `op` over the tensor-parallel group (a sum completes
@@ -1079,6 +1100,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "CumSum",
     "Div",
     "Dropout",
+    "Einsum",
     "Elu",
     "Equal",
     "Erf",
@@ -1173,6 +1195,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Tanh",
     "ThresholdedRelu",
     "Tile",
+    "TopK",
     "Transpose",
     "Trilu",
     "Unsqueeze",
@@ -1489,6 +1512,26 @@ impl Op {
                 keepdims: a.int("keepdims", 1)? != 0,
                 select_last_index: a.int("select_last_index", 0)? != 0,
             },
+            "TopK" if opset < 10 => {
+                return Err(Error::Unsupported(format!(
+                    "{}: TopK before opset 10 (k an attribute) is not supported; K is an input from opset 10",
+                    a.origin
+                )))
+            }
+            "TopK" => Op::TopK {
+                axis: a.int("axis", -1)?,
+                largest: a.int("largest", 1)? != 0,
+                sorted: a.int("sorted", 1)? != 0,
+            },
+            "Einsum" => {
+                if !a.map.contains_key("equation") {
+                    return Err(a.bad("equation", "given"));
+                }
+                let equation = a.string("equation", "")?;
+                super::einsum::Equation::parse(&equation)
+                    .map_err(|why| Error::Unsupported(format!("{}: equation '{equation}': {why}", a.origin)))?;
+                Op::Einsum { equation }
+            }
             other => {
                 return Err(Error::Unsupported(format!(
                     "{}: operator '{other}' is not supported (supported: {})",
@@ -1666,6 +1709,9 @@ impl Op {
             Op::VocabShardCrossEntropyGrad { .. } => internal("VocabShardCrossEntropyGrad"),
             Op::VocabParallelLoss { .. } => internal("VocabParallelLoss"),
             Op::VocabParallelLossGrad { .. } => internal("VocabParallelLossGrad"),
+            Op::TopK { .. } => onnx("TopK"),
+            Op::Einsum { .. } => onnx("Einsum"),
+            Op::TopKIndices { .. } => internal("TopKIndices"),
         }
     }
 
@@ -1824,6 +1870,13 @@ impl Op {
                 i("transB", *trans_b as i64),
                 i("gelu", (*activation == Unary::GeluTanh) as i64),
             ],
+            Op::TopK { axis, largest, sorted } => {
+                vec![i("axis", *axis), i("largest", *largest as i64), i("sorted", *sorted as i64)]
+            }
+            Op::Einsum { equation } => vec![("equation".into(), AttrValue::Str(equation.clone()))],
+            Op::TopKIndices { axis, k, largest } => {
+                vec![i("axis", *axis), i("k", *k as i64), i("largest", *largest as i64)]
+            }
             _ => vec![],
         }
     }
@@ -1862,6 +1915,7 @@ impl Op {
             Op::Range => 0..3,
             Op::Trilu { .. } => 1..2,
             Op::Dropout { .. } => 1..3,
+            Op::TopK { .. } => 1..2,
             _ => 0..0,
         }
     }

@@ -934,6 +934,22 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 ],
             )
         }
+        Op::TopKIndices { axis, k, largest } => {
+            let a = x(0)?;
+            let kernel = match a.dtype() {
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
+                    numeric("top_k_indices", a.dtype())
+                }
+                t => return Err(format!("TopK of {t} on the CUDA backend")),
+            };
+            let (_, len, inner) = around(a.shape(), norm_axis(*axis, a.shape().len())?);
+            let n = a.n();
+            dev.kernel(
+                &kernel,
+                elementwise(n),
+                &mut params![*largest as i32, n as i64, len as i64, inner as i64, *k as i64, a.at, y.at],
+            )
+        }
         Op::Pad { mode, pads, value } => {
             let a = x(0)?;
             let mut fill = [0u8; 8];
@@ -1661,6 +1677,10 @@ fn matmul(
     epilogue: Epilogue,
     y: V,
 ) -> Result<(), String> {
+    if matches!(y.dtype(), DType::F64 | DType::I32 | DType::I64) && epilogue == Epilogue::Plain {
+        plain_product(dev, a, b, trans_a, trans_b, y)?;
+        return bias.map_or(Ok(()), |bias| binary(dev, Binary::Add, y, bias, y));
+    }
     // A bias of the output's columns and type goes into the product's epilogue (added in f32
     // before the one rounding of D); any other broadcasts after the product, and the rest of
     // the epilogue after it.
@@ -1674,6 +1694,50 @@ fn matmul(
             activate(dev, epilogue, y)
         }
     }
+}
+
+/// y = op(a)·op(b) of f64 or integer matrices (kernels/product.cu; cuBLASLt's path takes the
+/// float types with f32 sums), with numpy's broadcast of the batch dims.
+fn plain_product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, y: V) -> Result<(), String> {
+    let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
+    if a.dtype() != y.dtype() || b.dtype() != y.dtype() || ra < 2 || rb < 2 {
+        let (sa, sb) = (a.shape(), b.shape());
+        return Err(format!(
+            "a product of {} {sa:?} and {} {sb:?} into {} has no CUDA path",
+            a.dtype(),
+            b.dtype(),
+            y.dtype()
+        ));
+    }
+    let (m, k) = if trans_a { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
+    let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
+    let batch = &y.shape()[..ry - 2];
+    // Each operand's strides over y's batch dims, in matrices, then in elements.
+    let over_batch = |x: &V, size: usize| -> Result<Strides, String> {
+        let mut s = broadcast(&x.shape()[..x.shape().len() - 2], batch)?;
+        s.at.iter_mut().for_each(|at| *at *= size as i64);
+        Ok(s)
+    };
+    let (sa, sb) = (over_batch(&a, m * k)?, over_batch(&b, k * n)?);
+    let count = y.n();
+    dev.kernel(
+        &numeric("matmul_plain", y.dtype()),
+        elementwise(count),
+        &mut params![
+            count as i64,
+            m as i64,
+            n as i64,
+            k as i64,
+            trans_a as i32,
+            trans_b as i32,
+            dims(batch)?,
+            a.at,
+            sa,
+            b.at,
+            sb,
+            y.at
+        ],
+    )
 }
 
 /// y = alpha·op(a)·op(b) + beta·y (+ bias, a vector of y's columns) over the batch dims of y;

@@ -1,11 +1,12 @@
 //! Ops that address elements by index tensors: GatherElements (indices of the data's rank) and
 //! its gradient (the scatter-add that ScatterElements with reduction "add" is); GatherND and
-//! ScatterND (k-tuples of indices naming slices) and GatherND's gradient; ArgMax/ArgMin, which
-//! produce indices.
+//! ScatterND (k-tuples of indices naming slices) and GatherND's gradient; ArgMax/ArgMin and
+//! TopK's indices, which produce indices.
 
 use super::KResult;
 use crate::graph::op::ScatterReduction;
-use crate::tensor::{strides, TensorView, TensorViewMut};
+use crate::tensor::{strides, DType, TensorView, TensorViewMut};
+use std::cmp::Ordering;
 
 /// For each position of `idx` (row-major), the element offset in `data_shape` that it addresses:
 /// the position's own coordinates, the one along `axis` replaced by the index there (negative
@@ -198,6 +199,62 @@ pub fn arg_extreme(max: bool, last: bool, axis: usize, x: &TensorView, y: &mut T
     Ok(())
 }
 
+/// y[o, j, i] = the index along the middle axis of x viewed as [outer, len, inner] of its j-th
+/// largest (`largest`) or smallest element, j < k (y's length along the axis): equal elements
+/// in index order (ONNX's rule), a NaN above every number (numpy's sort and PyTorch's topk put
+/// it there; ONNX Runtime's order of NaNs is not a consistent one). Integers compare as they
+/// are, other types in f64 (halves arrive widened).
+pub fn top_k_indices(largest: bool, axis: usize, x: &TensorView, y: &mut TensorViewMut) -> KResult {
+    let k = y.shape[axis];
+    let out = y.as_mut_slice::<i64>();
+    match x.dtype {
+        DType::I64 => top_k_lines(largest, axis, x.shape, x.as_slice::<i64>(), k, out),
+        DType::I32 => top_k_lines(largest, axis, x.shape, x.as_slice::<i32>(), k, out),
+        DType::F32 => top_k_lines(largest, axis, x.shape, x.as_slice::<f32>(), k, out),
+        _ => top_k_lines(largest, axis, x.shape, &x.to_f64_vec(), k, out),
+    }
+    Ok(())
+}
+
+fn top_k_lines<T: PartialOrd + Copy>(largest: bool, axis: usize, shape: &[usize], x: &[T], k: usize, out: &mut [i64]) {
+    let (len, inner) = (shape[axis], shape[axis + 1..].iter().product::<usize>());
+    if k == 0 || inner == 0 {
+        return;
+    }
+    let mut order: Vec<usize> = Vec::with_capacity(len);
+    for line in 0..x.len() / (len * inner) * inner {
+        let (o, i) = (line / inner, line % inner);
+        let at = |p: usize| x[(o * len + p) * inner + i];
+        // A total order (ties by index), so the k first need not come from a stable sort.
+        let before = |p: &usize, q: &usize| top_k_order(at(*p), at(*q), largest).then(p.cmp(q));
+        order.clear();
+        order.extend(0..len);
+        if k < len {
+            order.select_nth_unstable_by(k - 1, before);
+        }
+        order[..k].sort_unstable_by(before);
+        for (j, &p) in order[..k].iter().enumerate() {
+            out[(o * k + j) * inner + i] = p as i64;
+        }
+    }
+}
+
+/// Which of a and b TopK puts first: the larger (or smaller), NaN above every number.
+fn top_k_order<T: PartialOrd>(a: T, b: T, largest: bool) -> Ordering {
+    // NaN is the one value that does not compare with itself.
+    let ascending = match (a.partial_cmp(&a).is_none(), b.partial_cmp(&b).is_none()) {
+        (true, true) => Ordering::Equal,
+        (true, false) => Ordering::Greater,
+        (false, true) => Ordering::Less,
+        (false, false) => a.partial_cmp(&b).unwrap_or(Ordering::Equal),
+    };
+    if largest {
+        ascending.reverse()
+    } else {
+        ascending
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,5 +288,24 @@ mod tests {
         assert_eq!(run(true, false), vec![1, 1]);
         assert_eq!(run(true, true), vec![2, 1]);
         assert_eq!(run(false, false), vec![3, 1]);
+    }
+
+    #[test]
+    fn top_k_orders_ties_by_index_and_puts_nan_above_every_number() {
+        let x =
+            Tensor::from_vec(&[2, 6], vec![1.0f32, 3.0, f32::NAN, 3.0, -1.0, f32::NAN, 2.0, 2.0, 5.0, 2.0, 0.0, 7.0]);
+        let run = |largest, k, x: &Tensor| {
+            let mut y = Tensor::zeros(DType::I64, &[2, k]);
+            top_k_indices(largest, 1, &x.view(), &mut y.view_mut()).unwrap();
+            y.as_slice::<i64>().to_vec()
+        };
+        assert_eq!(run(true, 4, &x), vec![2, 5, 1, 3, 5, 2, 0, 1]);
+        assert_eq!(run(false, 4, &x), vec![4, 0, 1, 3, 4, 0, 1, 3]);
+        assert_eq!(run(false, 6, &x), vec![4, 0, 1, 3, 2, 5, 4, 0, 1, 3, 2, 5]);
+        // Along the first axis, of i64 elements (compared as integers, past f64's precision).
+        let big = Tensor::from_vec(&[3, 2], vec![i64::MAX, 1, i64::MAX - 1, 1, i64::MAX, 0]);
+        let mut y = Tensor::zeros(DType::I64, &[2, 2]);
+        top_k_indices(true, 0, &big.view(), &mut y.view_mut()).unwrap();
+        assert_eq!(y.as_slice::<i64>(), &[0, 0, 2, 1]);
     }
 }

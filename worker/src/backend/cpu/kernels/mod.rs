@@ -123,6 +123,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::ArgExtreme { max, axis, select_last_index, .. } => {
             index::arg_extreme(*max, *select_last_index, *axis as usize, &x(0)?, &mut outputs[0])
         }
+        Op::TopKIndices { axis, largest, .. } => {
+            index::top_k_indices(*largest, *axis as usize, &x(0)?, &mut outputs[0])
+        }
         Op::GatherND { batch_dims } => index::gather_nd(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GatherNDGrad { batch_dims, .. } => index::gather_nd_grad(*batch_dims, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::ScatterElements { axis, reduction } => {
@@ -213,6 +216,8 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::OneHot { .. }
         | Op::Normalization { .. }
         | Op::Recurrent(_)
+        | Op::TopK { .. }
+        | Op::Einsum { .. }
         | Op::Size
         | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
     }

@@ -857,6 +857,60 @@ extern "C" __global__ void arg_extreme_i64(int max, int last, i64 n, Dims od, St
     arg_extreme<I64>(max, last, n, od, os, len, stride, x, out);
 }
 
+// ---- TopK's indices ----
+
+// Whether element a (at index ia of its line) comes before b (at ib) in TopK's output: the
+// larger first (the smaller, without `largest`), a NaN above every number, equal ones in index
+// order; the CPU's order (cpu/kernels/index.rs).
+template <class C>
+__device__ __forceinline__ bool top_k_before(int largest, C a, i64 ia, C b, i64 ib) {
+    bool a_nan = a != a, b_nan = b != b;
+    if (a_nan || b_nan) return a_nan && b_nan ? ia < ib : (largest ? a_nan : b_nan);
+    if (a != b) return largest ? a > b : a < b;
+    return ia < ib;
+}
+
+// One thread per element of x (n elements; lines of len elements `inner` apart, k kept of each):
+// an element counts those of its line that come before it, and where fewer than k do, writes
+// its index at that rank. O(len) per element, O(len²) per line: simple, and enough for the
+// lines TopK takes in the models we train; a per-line sort would be the next step for long ones.
+template <class S>
+__device__ void top_k_indices(int largest, i64 n, i64 len, i64 inner, i64 k, const typename S::T* x, i64* out) {
+    typedef typename S::C C;
+    for (i64 e = first_index(); e < n; e += grid_stride()) {
+        i64 o = e / (len * inner), p = e / inner % len, i = e % inner;
+        const typename S::T* line = x + o * len * inner + i;
+        C v = S::load(line[p * inner]);
+        i64 rank = 0;
+        for (i64 q = 0; q < len && rank < k; ++q) rank += top_k_before<C>(largest, S::load(line[q * inner]), q, v, p);
+        if (rank < k) out[(o * k + rank) * inner + i] = p;
+    }
+}
+extern "C" __global__ void top_k_indices_f32(int largest, i64 n, i64 len, i64 inner, i64 k, const float* x,
+                                             i64* out) {
+    top_k_indices<F32>(largest, n, len, inner, k, x, out);
+}
+extern "C" __global__ void top_k_indices_f16(int largest, i64 n, i64 len, i64 inner, i64 k, const u16* x,
+                                             i64* out) {
+    top_k_indices<F16>(largest, n, len, inner, k, x, out);
+}
+extern "C" __global__ void top_k_indices_bf16(int largest, i64 n, i64 len, i64 inner, i64 k, const u16* x,
+                                              i64* out) {
+    top_k_indices<BF16>(largest, n, len, inner, k, x, out);
+}
+extern "C" __global__ void top_k_indices_f64(int largest, i64 n, i64 len, i64 inner, i64 k, const double* x,
+                                             i64* out) {
+    top_k_indices<F64>(largest, n, len, inner, k, x, out);
+}
+extern "C" __global__ void top_k_indices_i32(int largest, i64 n, i64 len, i64 inner, i64 k, const int* x,
+                                             i64* out) {
+    top_k_indices<I32>(largest, n, len, inner, k, x, out);
+}
+extern "C" __global__ void top_k_indices_i64(int largest, i64 n, i64 len, i64 inner, i64 k, const i64* x,
+                                             i64* out) {
+    top_k_indices<I64>(largest, n, len, inner, k, x, out);
+}
+
 // ReduceMax/Min/Sum/Mean/SumSquare over the trailing `cols` elements of each row (one block
 // per row). Sums are taken in f64, as the CPU backend's reduce does; kind is Reduce's order in
 // graph/op.rs (0 Sum, 1 Mean, 2 Max, 3 Min, 4 SumSquare).
