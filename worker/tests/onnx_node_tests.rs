@@ -148,6 +148,8 @@ const REQUIRED_OPS: &[&str] = &[
     "LSTM",
     "GRU",
     "RNN",
+    "ConvTranspose",
+    "Resize",
 ];
 
 enum Outcome {
