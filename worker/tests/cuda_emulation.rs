@@ -17,8 +17,9 @@ use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recomp
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
 use tensorfleet_worker::graph::op::{
-    Binary, LossReduction, Op, PadMode, PoolKind, Reduce, ScatterReduction, Unary, Window,
+    Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Resize, ScatterReduction, Unary, Window,
 };
+use tensorfleet_worker::graph::resize::{Coordinates, Interpolation, Target};
 use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
@@ -1632,6 +1633,108 @@ fn scatter_elements_matches_the_cpu_backend_on_the_emulated_kernels() {
                 let what = format!("{t} ScatterElements axis {axis} {reduction:?}");
                 assert_same_values(&what, &run_typed(&gpu, &op, &inputs, &out), &run_typed(&cpu, &op, &inputs, &out));
             }
+        }
+    }
+}
+
+/// ConvTranspose (2-D grouped with strides, dilations, uneven pads and output padding, 1-D,
+/// pointwise, and 3-D on its direct kernel) with its gradient, and Resize in each mode (nearest,
+/// linear over three axes, cubic, tf_crop_and_resize's extrapolation) with its gradient, in f32
+/// and bf16, on the emulated kernels against the CPU backend.
+#[test]
+fn conv_transpose_and_resize_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    // (what, x shape, W shape, group, window, output padding)
+    let convs = [
+        (
+            "2-D, 2 groups, stride 2, dilation 2, uneven pads, output padding",
+            vec![2, 4, 5, 4],
+            vec![4, 3, 3, 2],
+            2,
+            Window::explicit(&[3, 2], &[2, 3], &[2, 1], &[1, 0, 2, 1], false),
+            vec![1, 2],
+        ),
+        (
+            "2-D pointwise",
+            vec![2, 5, 4, 3],
+            vec![5, 3, 1, 1],
+            1,
+            Window::explicit(&[1, 1], &[1, 1], &[1, 1], &[0; 4], false),
+            vec![0, 0],
+        ),
+        ("1-D, stride 3", vec![3, 2, 6], vec![2, 4, 3], 1, Window::explicit(&[3], &[3], &[1], &[1, 2], false), vec![1]),
+        (
+            "3-D",
+            vec![2, 4, 3, 2, 3],
+            vec![4, 1, 2, 3, 2],
+            2,
+            Window::explicit(&[2, 3, 2], &[2, 1, 2], &[1, 2, 1], &[1, 0, 1, 0, 1, 0], false),
+            vec![1, 0, 0],
+        ),
+    ];
+    for (what, x_shape, w_shape, group, win, output_padding) in convs {
+        let k = x_shape.len() - 2;
+        let mut y_shape = vec![x_shape[0], w_shape[1] * group];
+        for i in 0..k {
+            let span = win.strides[i] * (x_shape[2 + i] - 1) + (win.kernel[i] - 1) * win.dilations[i] + 1;
+            y_shape.push(span + output_padding[i] - win.pads[i] - win.pads[k + i]);
+        }
+        let op = Op::ConvTranspose { window: win.clone(), group, output_padding, output_shape: None };
+        let grad = Op::ConvTransposeGrad { window: win, group };
+        let m = y_shape[1];
+        for t in [DType::F32, DType::BF16] {
+            let typed = |shape: &[usize], salt| Tensor::from_vec(shape, values(n(shape), salt)).cast(t);
+            let (x, w, b) = (typed(&x_shape, 1), typed(&w_shape, 2), typed(&[m], 3));
+            let what = format!("{t} ConvTranspose {what}");
+            // bf16 products round their columns to bf16 before col2im sums them: a few units.
+            let tol = if t == DType::F32 { 1e-5 } else { 2f32.powi(-6) };
+            let outs = [Meta::new(t, &y_shape)];
+            let ins = [x.clone(), w.clone(), b];
+            close_as_f32(&what, &run_typed(&gpu, &op, &ins, &outs), &run_typed(&cpu, &op, &ins, &outs), tol);
+            if k == 3 {
+                continue; // the gradient over 3 spatial dims has no CUDA kernel (a 3-D convolution)
+            }
+            let ins = [typed(&y_shape, 4), x, w];
+            let outs = [Meta::new(t, &x_shape), Meta::new(t, &w_shape), Meta::new(t, &[m])];
+            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            close_as_f32(&format!("{what}: gradient"), &g, &c, tol);
+        }
+    }
+    let x_shape = [2, 3, 5, 4];
+    let roi = vec![0.0, 0.0, -0.2, 0.1, 1.0, 1.0, 0.9, 1.3];
+    let scaled = |mode, coordinates, scales: [f32; 4]| Resize::new(mode, coordinates, Target::Scales(scales.to_vec()));
+    let resizes = [
+        scaled(Interpolation::Nearest, Coordinates::HalfPixel, [1.0, 1.0, 1.6, 0.5]),
+        scaled(Interpolation::Nearest, Coordinates::Asymmetric, [1.0, 1.0, 2.0, 3.0]),
+        scaled(Interpolation::Linear, Coordinates::AlignCorners, [1.0, 1.0, 2.0, 1.5]),
+        scaled(Interpolation::Linear, Coordinates::HalfPixel, [1.0, 1.7, 0.6, 2.0]),
+        scaled(Interpolation::Cubic, Coordinates::HalfPixel, [1.0, 1.0, 1.5, 2.0]),
+        // Outputs mapped outside the input take the extrapolation value.
+        Resize {
+            roi,
+            extrapolation_value: -2.5,
+            ..scaled(Interpolation::Linear, Coordinates::TfCropAndResize, [1.0, 1.0, 1.4, 2.0])
+        },
+    ];
+    for r in resizes {
+        let y_shape = r.geometry(&x_shape).unwrap().output;
+        let what = format!("Resize {:?} {:?} to {y_shape:?}", r.mode, r.coordinates);
+        let grad = Op::ResizeGrad { resize: r.clone(), input_shape: x_shape.to_vec() };
+        let op = Op::Resize(r);
+        for t in [DType::F32, DType::BF16] {
+            let typed = |shape: &[usize], salt| Tensor::from_vec(shape, values(n(shape), salt)).cast(t);
+            // Both sum the same terms in the same order in f32: bf16 rounds once, alike.
+            let tol = if t == DType::F32 { 1e-5 } else { 2f32.powi(-8) };
+            let x = typed(&x_shape, 5);
+            let outs = [Meta::new(t, &y_shape)];
+            let (g, c) = (run_typed(&gpu, &op, std::slice::from_ref(&x), &outs), run_typed(&cpu, &op, &[x], &outs));
+            close_as_f32(&format!("{t} {what}"), &g, &c, tol);
+            let dy = typed(&y_shape, 6);
+            let outs = [Meta::new(t, &x_shape)];
+            let (g, c) =
+                (run_typed(&gpu, &grad, std::slice::from_ref(&dy), &outs), run_typed(&cpu, &grad, &[dy], &outs));
+            close_as_f32(&format!("{t} {what}: gradient"), &g, &c, tol);
         }
     }
 }

@@ -150,6 +150,8 @@ const REQUIRED_OPS: &[&str] = &[
     "RNN",
     "TopK",
     "Einsum",
+    "ConvTranspose",
+    "Resize",
 ];
 
 enum Outcome {

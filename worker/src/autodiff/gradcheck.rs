@@ -697,6 +697,80 @@ fn convolution_pooling_batchnorm() {
     check("BatchNormalization (training)", b.done(outs[0]));
 }
 
+#[test]
+fn transposed_convolution() {
+    // (what, x shape, W shape, group, window, output_padding)
+    let cases = [
+        (
+            "ConvTranspose 3×3 stride 2 pad 1, output padding 1",
+            vec![2, 4, 3, 3],
+            vec![4, 3, 3, 3],
+            1,
+            Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[1, 1, 1, 1], false),
+            vec![1, 1],
+        ),
+        (
+            "ConvTranspose grouped, dilated, uneven pads",
+            vec![1, 4, 3, 4],
+            vec![4, 3, 2, 3],
+            2,
+            Window::explicit(&[2, 3], &[2, 1], &[2, 1], &[0, 1, 1, 0], false),
+            vec![1, 0],
+        ),
+        (
+            "ConvTranspose 1-D stride 3",
+            vec![2, 2, 4],
+            vec![2, 3, 3],
+            1,
+            Window::explicit(&[3], &[3], &[1], &[1, 0], false),
+            vec![2],
+        ),
+        (
+            "ConvTranspose 3-D",
+            vec![1, 2, 2, 3, 2],
+            vec![2, 2, 2, 2, 3],
+            1,
+            Window::explicit(&[2, 2, 3], &[2, 1, 2], &[1, 1, 1], &[0, 1, 1, 1, 0, 0], false),
+            vec![0, 0, 1],
+        ),
+    ];
+    for (name, x_shape, w_shape, group, window, output_padding) in cases {
+        let mut b = CaseBuilder::new(26);
+        let x = b.param("x", &x_shape, -1.0, 1.0);
+        let w = b.param("w", &w_shape, -1.0, 1.0);
+        let bias = b.param("b", &[w_shape[1] * group], -1.0, 1.0);
+        let op = Op::ConvTranspose { window, group, output_padding, output_shape: None };
+        let y = b.g.op1("y", op, &[x, w, bias]);
+        check(name, b.done(y));
+    }
+    // The plain loops behind 3-D convolution's gradient.
+    let mut b = CaseBuilder::new(27);
+    let x = b.param("x", &[1, 2, 3, 4, 3], -1.0, 1.0);
+    let w = b.param("w", &[4, 1, 2, 3, 2], -1.0, 1.0);
+    let window = Window::explicit(&[2, 3, 2], &[1, 2, 1], &[1, 1, 2], &[1, 1, 0, 0, 1, 1], false);
+    let y = b.g.op1("y", Op::Conv { window, group: 2 }, &[x, w]);
+    check("Conv 3-D grouped", b.done(y));
+}
+
+#[test]
+fn resize_rules() {
+    use crate::graph::resize::{Coordinates as C, Interpolation as I, Resize, Target};
+    let cases = [
+        ("Resize nearest ×2", I::Nearest, C::Asymmetric, vec![1.0, 1.0, 2.0, 2.0]),
+        ("Resize nearest ×1.5, ×0.6", I::Nearest, C::HalfPixel, vec![1.0, 1.0, 1.5, 0.6]),
+        ("Resize bilinear, half pixel", I::Linear, C::HalfPixel, vec![1.0, 1.0, 2.0, 1.5]),
+        ("Resize bilinear, aligned corners", I::Linear, C::AlignCorners, vec![1.0, 1.0, 2.0, 2.5]),
+        ("Resize linear over 3 axes, downsampling one", I::Linear, C::PytorchHalfPixel, vec![1.0, 1.5, 0.5, 2.0]),
+        ("Resize bicubic", I::Cubic, C::HalfPixel, vec![1.0, 1.0, 1.5, 2.0]),
+    ];
+    for (name, mode, coordinates, scales) in cases {
+        let mut b = CaseBuilder::new(28);
+        let x = b.param("x", &[2, 2, 4, 5], -1.0, 1.0);
+        let y = b.g.op1("y", Op::Resize(Resize::new(mode, coordinates, Target::Scales(scales))), &[x]);
+        check(name, b.done(y));
+    }
+}
+
 /// A padded lookup (nn.Embedding(padding_idx)) is not what finite differences measure on
 /// purpose: the padding row gets no gradient from it, and every other row the plain gradient.
 #[test]

@@ -424,6 +424,15 @@ pub fn backward(
             let outs = b.emit(&name, Op::ConvGrad { window: window.clone(), group: *group }, &[dy, x(0), x(1)], 3)?;
             outs.into_iter().take(node.inputs.len()).map(Some).collect()
         }
+        Op::ConvTranspose { window, group, .. } => {
+            let op = Op::ConvTransposeGrad { window: window.clone(), group: *group };
+            let outs = b.emit(&name, op, &[dy, x(0), x(1)], 3)?;
+            outs.into_iter().take(node.inputs.len()).map(Some).collect()
+        }
+        Op::Resize(r) => {
+            let op = Op::ResizeGrad { resize: r.clone(), input_shape: shape_of(b, x(0)) };
+            vec![Some(b.emit1(&name, op, &[dy])?)]
+        }
         Op::Pool { kind, window } => {
             vec![Some(b.emit1(&name, Op::PoolGrad { kind: *kind, window: window.clone() }, &[dy, x(0)])?)]
         }

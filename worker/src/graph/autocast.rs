@@ -2,9 +2,9 @@
 //!
 //! The weights stay f32 (the master copy the optimizer updates); the pass inserts `Cast` nodes so
 //! that each op computes in the type its kind calls for:
-//! - **low precision** — the products (MatMul, Gemm, Conv, fused attention): their float inputs
-//!   are cast to the half type, so the GEMMs read bf16/fp16 and accumulate in f32 (cuBLASLt's
-//!   compute type; attention's softmax is f32 inside the kernel);
+//! - **low precision** — the products (MatMul, Gemm, Conv, ConvTranspose, fused attention): their
+//!   float inputs are cast to the half type, so the GEMMs read bf16/fp16 and accumulate in f32
+//!   (cuBLASLt's compute type; attention's softmax is f32 inside the kernel);
 //! - **full precision** — what loses accuracy in half (normalizations, softmax, losses,
 //!   reductions, exp/log/pow) and the tensor-parallel collectives (which reduce f32): their
 //!   half inputs are cast up to f32;
@@ -35,7 +35,12 @@ enum Rule {
 
 fn rule(op: &Op) -> Rule {
     match op {
-        Op::MatMul | Op::Gemm { .. } | Op::Conv { .. } | Op::FusedMatMul { .. } | Op::Attention { .. } => Rule::Low,
+        Op::MatMul
+        | Op::Gemm { .. }
+        | Op::Conv { .. }
+        | Op::ConvTranspose { .. }
+        | Op::FusedMatMul { .. }
+        | Op::Attention { .. } => Rule::Low,
         Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::LayerNorm { .. }

@@ -1,7 +1,7 @@
 //! Model FLOPs of a bound graph: what model FLOPs utilization (MFU) is measured with.
 //!
-//! Only the dense products count (MatMul, Gemm, Conv: 2 FLOPs per multiply-add), and a
-//! training step costs three forward passes (the backward pass computes two products per
+//! Only the dense products count (MatMul, Gemm, Conv, ConvTranspose: 2 FLOPs per multiply-add),
+//! and a training step costs three forward passes (the backward pass computes two products per
 //! forward one). For GPT-2 this is PaLM's and nanoGPT's estimate, 6N + 12·L·C·T per token:
 //! attention is counted in full, not halved for the causal mask.
 
@@ -26,6 +26,8 @@ pub fn node(g: &Graph, n: &Node) -> f64 {
         }
         // Every output element sums over (input channels / group) × the kernel window.
         Op::Conv { .. } => shape(n.input(1)).map_or(0.0, |w| 2.0 * numel(&out) * numel(&w[1..])),
+        // Every input element spreads over (output channels / group) × the kernel window.
+        Op::ConvTranspose { .. } => shape(n.input(1)).map_or(0.0, |w| 2.0 * numel(&a) * numel(&w[1..])),
         _ => 0.0,
     }
 }

@@ -747,6 +747,36 @@ pub fn infer_node(
             shape.extend(spatial);
             (Op::Conv { window: win, group: *group }, vec![Meta::new(x.dtype, &shape)])
         }
+        Op::ConvTranspose { .. } => {
+            same_dtype(&[0, 1, 2])?;
+            let (op, y) = conv_transpose(&node.op, m(0)?, m(1)?).map_err(|e| err(node, e))?;
+            has_len(2, y.shape[1], "the bias")?;
+            (op, vec![y])
+        }
+        Op::Resize(r) => {
+            let x = m(0)?;
+            // A float operand folded in: None where it is omitted or empty.
+            let floats = |i: usize, what: &str| -> Result<Option<Vec<f32>>> {
+                match (metas.get(i).and_then(|x| x.as_ref()), c(i)) {
+                    (None, _) => Ok(None),
+                    (Some(_), Some(t)) => {
+                        Ok((t.numel() > 0).then(|| t.to_f64_vec().iter().map(|&v| v as f32).collect()))
+                    }
+                    (Some(_), None) => {
+                        Err(err(node, format!("{what} (input {i}) must be known when the graph is planned")))
+                    }
+                }
+            };
+            let bound = if r.legacy {
+                r.with_operands(None, floats(1, "scales")?, None)
+            } else {
+                let sizes = ints(3, "sizes")?.filter(|s| !s.is_empty());
+                r.with_operands(floats(1, "roi")?, floats(2, "scales")?, sizes)
+            };
+            let bound = bound.map_err(|e| err(node, e))?;
+            let geometry = bound.geometry(&x.shape).map_err(|e| err(node, e))?;
+            (Op::Resize(bound), vec![Meta::new(x.dtype, &geometry.output)])
+        }
         Op::Pool { kind, window } => {
             let x = m(0)?;
             if x.shape.len() < 3 || window.kernel.len() != x.shape.len() - 2 {
@@ -887,10 +917,92 @@ pub fn infer_node(
             let (x, w) = (m(1)?, m(2)?);
             (op, vec![x.clone(), w.clone(), Meta::new(w.dtype, &w.shape[..1])])
         }
+        Op::ConvTransposeGrad { .. } => {
+            let (dy, x, w) = (m(0)?, m(1)?, m(2)?);
+            (op, vec![x.clone(), w.clone(), Meta::new(w.dtype, &dy.shape[1..2])])
+        }
+        Op::ResizeGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
         Op::PoolGrad { .. } => (op, vec![m(1)?.clone()]),
         Op::BatchNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
     };
     Ok(out)
+}
+
+/// ConvTranspose bound to X [N, C, D...] and W [C, M/group, k...]: the op with its pads
+/// resolved (from output_shape or auto_pad as the ONNX spec computes them; a negative end pad
+/// becomes output padding) and Y's meta [N, M, O...], O = s·(D − 1) + output_padding + the
+/// dilated kernel − the pads.
+fn conv_transpose(op: &Op, x: &Meta, w: &Meta) -> std::result::Result<(Op, Meta), String> {
+    let Op::ConvTranspose { window, group, output_padding, output_shape } = op else { unreachable!("ConvTranspose") };
+    let n = x.shape.len().saturating_sub(2);
+    if n == 0 || w.shape.len() != x.shape.len() {
+        return Err(format!("X {:?} and W {:?} need the same rank, 3 or more", x.shape, w.shape));
+    }
+    let mut win = window.clone();
+    if win.kernel.is_empty() {
+        win.kernel = w.shape[2..].to_vec();
+        for v in [&mut win.strides, &mut win.dilations] {
+            if v.is_empty() {
+                *v = vec![1; n];
+            }
+        }
+        if win.pads.is_empty() {
+            win.pads = vec![0; 2 * n];
+        }
+    }
+    let mut padding: Vec<i64> = output_padding.iter().map(|&p| p as i64).collect();
+    padding.resize(n, 0);
+    let fits = win.kernel == w.shape[2..] && win.strides.len() == n && win.dilations.len() == n;
+    if !fits
+        || win.pads.len() != 2 * n
+        || output_padding.len() > n
+        || output_shape.as_ref().is_some_and(|s| s.len() != n)
+    {
+        return Err(format!(
+            "kernel_shape, strides, dilations, pads, output_padding or output_shape do not fit W {:?}",
+            w.shape
+        ));
+    }
+    if w.shape[0] != x.shape[1] || !x.shape[1].is_multiple_of(*group) {
+        return Err(format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape));
+    }
+    let mut pads: Vec<i64> = win.pads.iter().map(|&p| p as i64).collect();
+    let mut shape = vec![x.shape[0], w.shape[1] * group];
+    for i in 0..n {
+        let (stride, size) = (win.strides[i] as i64, x.shape[2 + i] as i64);
+        let span = stride * (size - 1) + (win.kernel[i] as i64 - 1) * win.dilations[i] as i64 + 1;
+        let target = match (output_shape, win.auto_pad.as_str()) {
+            (Some(shape), _) => Some(shape[i] as i64),
+            (None, "SAME_UPPER" | "SAME_LOWER") => Some(size * stride),
+            (None, "VALID") => Some(span + padding[i]),
+            _ => None,
+        };
+        if let Some(target) = target {
+            // The spec's split of the total padding: the odd one at the end for SAME_UPPER,
+            // at the start otherwise (floor division: the total may be negative).
+            let total = span + padding[i] - target;
+            let (half, rest) = (total.div_euclid(2), total - total.div_euclid(2));
+            (pads[i], pads[i + n]) = if win.auto_pad == "SAME_UPPER" { (half, rest) } else { (rest, half) };
+        }
+        if pads[i] < 0 {
+            return Err(format!("output_shape {output_shape:?} asks for a negative begin pad on axis {}", i + 2));
+        }
+        // Output past the end that no input reaches is output padding.
+        if pads[i + n] < 0 {
+            padding[i] -= pads[i + n];
+            pads[i + n] = 0;
+        }
+        let out = span + padding[i] - pads[i] - pads[i + n];
+        if out <= 0 {
+            return Err(format!("the output's axis {} would have {out} elements", i + 2));
+        }
+        shape.push(out as usize);
+    }
+    win.pads = pads.iter().map(|&p| p as usize).collect();
+    win.auto_pad = "NOTSET".into();
+    let output_padding = padding.iter().map(|&p| p as usize).collect();
+    let op = Op::ConvTranspose { window: win, group: *group, output_padding, output_shape: None };
+    Ok((op, Meta::new(x.dtype, &shape)))
 }
 
 /// ONNX Reshape target: 0 copies the input dim, -1 is inferred.
@@ -1535,6 +1647,54 @@ mod tests {
         let log_old = run_one(11, Op::LogSoftmax { axis: 1 }, &x).unwrap();
         let back: Vec<f32> = log_old.as_slice::<f32>().iter().map(|v| v.exp()).collect();
         assert!(back.iter().zip(old.as_slice::<f32>()).all(|(a, b)| (a - b).abs() < 1e-6));
+    }
+}
+
+#[cfg(test)]
+mod upsampling_tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::exec::Executor;
+    use crate::graph::ir::Dim;
+    use crate::graph::resize::{Coordinates, Interpolation, Resize, Target};
+    use std::sync::Arc;
+
+    fn forward(g: &Graph, x: &Tensor) -> Tensor {
+        let mut ex = Executor::new(Arc::new(CpuBackend::new()), g.clone(), &[]).unwrap();
+        ex.feed(g.inputs[0].value, x).unwrap();
+        ex.run(0).unwrap();
+        ex.fetch(g.outputs[0]).unwrap()
+    }
+
+    /// ConvTranspose's output_shape and Resize's sizes are resolved when bound; the bound ops
+    /// are saved with explicit pads and output padding, and with roi, scales and sizes as
+    /// inputs, which read back into the same ops.
+    #[test]
+    fn bound_conv_transpose_and_resize_save_as_they_read_back() {
+        let mut g = Graph::new("up", 19);
+        let x = g.add_input("x", DType::F32, vec![Dim::Fixed(1), Dim::Fixed(2), Dim::Fixed(3), Dim::Fixed(3)]);
+        let w = g.add_initializer("w", Tensor::from_vec(&[2, 3, 3, 3], (0..54).map(|i| (i as f32).cos()).collect()));
+        let window = Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[0, 1, 0, 1], false);
+        let transposed = Op::ConvTranspose { window, group: 1, output_padding: vec![], output_shape: Some(vec![8, 6]) };
+        let t = g.op1("t", transposed, &[x, w]);
+        let r = Resize::new(Interpolation::Linear, Coordinates::AlignCorners, Target::Sizes(vec![1, 3, 5, 9]));
+        let y = g.op1("r", Op::Resize(r), &[t]);
+        g.outputs = vec![y];
+        let bound = bind(&g, &Bindings::default(), false).unwrap();
+        let t_op = &bound.nodes.iter().find(|n| n.name == "t").unwrap().op;
+        let Op::ConvTranspose { window, output_padding, output_shape, .. } = t_op else { panic!("{t_op:?}") };
+        // 2·(3 − 1) + 3 = 7 rows and columns: 8 rows asked, one more at the end; 6 columns, one
+        // pad, at the start (the given pads give way to output_shape's).
+        assert_eq!((&window.pads[..], &output_padding[..], output_shape), (&[0, 1, 0, 0][..], &[1, 0][..], &None));
+        assert_eq!(bound.meta(y).unwrap().shape, [1, 3, 5, 9]);
+
+        let model = super::super::onnx_io::to_model(&bound, "test");
+        let read = super::super::onnx_io::from_model(&model, "up.onnx").unwrap();
+        let rebound = bind(&read, &Bindings::default(), false).unwrap();
+        let ops = |g: &Graph| g.nodes.iter().map(|n| n.op.clone()).collect::<Vec<_>>();
+        assert_eq!(ops(&rebound), ops(&bound));
+        let input = Tensor::from_vec(&[1, 2, 3, 3], (0..18).map(|i| (i as f32 * 0.7).sin()).collect());
+        assert_eq!(forward(&rebound, &input).as_slice::<f32>(), forward(&bound, &input).as_slice::<f32>());
     }
 }
 

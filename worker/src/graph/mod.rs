@@ -11,4 +11,5 @@ pub mod ir;
 pub mod onnx_io;
 pub mod op;
 pub mod recurrent;
+pub mod resize;
 pub mod sequence;

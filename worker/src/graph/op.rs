@@ -9,6 +9,8 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 
+pub use super::resize::Resize;
+
 /// Internal ops live in this domain when a graph is saved.
 pub const TF_DOMAIN: &str = "dev.tensorfleet";
 
@@ -32,7 +34,7 @@ pub struct Attrs {
 }
 
 impl Attrs {
-    fn bad(&self, name: &str, want: &str) -> Error {
+    pub(super) fn bad(&self, name: &str, want: &str) -> Error {
         Error::Corrupt(format!("{}: attribute '{name}' must be {want}", self.origin))
     }
     pub fn int(&self, name: &str, default: i64) -> Result<i64> {
@@ -840,6 +842,18 @@ pub enum Op {
         window: Window,
         group: usize,
     },
+    /// X [N, C, D...], W [C, M/group, k...] (, B [M]) -> Y [N, M, O...]: the data gradient of a
+    /// Conv of `window` whose input is Y. `output_shape` (or auto_pad) is resolved into the
+    /// window's pads and `output_padding` when bound; a negative end pad becomes output padding.
+    ConvTranspose {
+        window: Window,
+        group: usize,
+        output_padding: Vec<usize>,
+        output_shape: Option<Vec<usize>>,
+    },
+    /// Resize and Upsample (`graph::resize`): nearest, linear and cubic interpolation over any
+    /// axes, its scales or sizes (and roi) folded in when bound.
+    Resize(Resize),
     Pool {
         kind: PoolKind,
         window: Window,
@@ -981,6 +995,18 @@ pub enum Op {
         window: Window,
         group: usize,
     },
+    /// dY, X, W -> dX, dW, dB of ConvTranspose: dX is dY's Conv by W, dW is Conv's weight
+    /// gradient with X and dY in each other's places.
+    ConvTransposeGrad {
+        window: Window,
+        group: usize,
+    },
+    /// dY -> dX of Resize: dY spread back over the input with the interpolation's weights
+    /// (nearest: added to the element each output read).
+    ResizeGrad {
+        resize: Resize,
+        input_shape: Vec<usize>,
+    },
     /// dY, X -> dX.
     PoolGrad {
         kind: PoolKind,
@@ -1095,6 +1121,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Constant",
     "ConstantOfShape",
     "Conv",
+    "ConvTranspose",
     "Cos",
     "Cosh",
     "CumSum",
@@ -1163,6 +1190,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "ReduceSumSquare",
     "Relu",
     "Reshape",
+    "Resize",
     "Round",
     "Scatter",
     "ScatterElements",
@@ -1199,6 +1227,7 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Transpose",
     "Trilu",
     "Unsqueeze",
+    "Upsample",
     "Where",
     "Xor",
 ];
@@ -1464,6 +1493,21 @@ impl Op {
                 noop_with_empty_axes: a.int("noop_with_empty_axes", 0)? != 0,
             },
             "Conv" => Op::Conv { window: window(a, false)?, group: a.int("group", 1)?.max(1) as usize },
+            "ConvTranspose" => {
+                let to_usize = |v: Option<Vec<i64>>, what: &str| -> Result<Option<Vec<usize>>> {
+                    v.map(|v| {
+                        v.into_iter().map(|x| usize::try_from(x).map_err(|_| a.bad(what, "non-negative"))).collect()
+                    })
+                    .transpose()
+                };
+                Op::ConvTranspose {
+                    window: window(a, false)?,
+                    group: a.int("group", 1)?.max(1) as usize,
+                    output_padding: to_usize(a.ints("output_padding")?, "output_padding")?.unwrap_or_default(),
+                    output_shape: to_usize(a.ints("output_shape")?, "output_shape")?,
+                }
+            }
+            "Resize" | "Upsample" => Op::Resize(Resize::from_onnx(op_type, a, opset)?),
             "MaxPool" => {
                 if a.int("storage_order", 0)? != 0 {
                     return Err(Error::Unsupported(format!("{}: MaxPool storage_order=1 is not supported", a.origin)));
@@ -1655,6 +1699,8 @@ impl Op {
                 Reduce::Prod => "ReduceProd",
             }),
             Op::Conv { .. } => onnx("Conv"),
+            Op::ConvTranspose { .. } => onnx("ConvTranspose"),
+            Op::Resize(_) => onnx("Resize"),
             Op::Pool { kind: PoolKind::Max, .. } => onnx("MaxPool"),
             Op::Pool { .. } => onnx("AveragePool"),
             Op::GlobalAveragePool => onnx("GlobalAveragePool"),
@@ -1695,6 +1741,8 @@ impl Op {
             Op::PadGrad { .. } => internal("PadGrad"),
             Op::DropoutGrad { .. } => internal("DropoutGrad"),
             Op::ConvGrad { .. } => internal("ConvGrad"),
+            Op::ConvTransposeGrad { .. } => internal("ConvTransposeGrad"),
+            Op::ResizeGrad { .. } => internal("ResizeGrad"),
             Op::PoolGrad { .. } => internal("PoolGrad"),
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
@@ -1803,12 +1851,28 @@ impl Op {
             Op::ReduceOp { keepdims, noop_with_empty_axes, .. } => {
                 vec![i("keepdims", *keepdims as i64), i("noop_with_empty_axes", *noop_with_empty_axes as i64)]
             }
-            Op::Conv { window, group } => {
+            Op::Conv { window, group } | Op::ConvTransposeGrad { window, group } => {
                 // Conv has no ceil_mode (pooling has).
                 let mut v: Vec<_> = win(window).into_iter().filter(|(k, _)| k != "ceil_mode").collect();
                 v.push(i("group", *group as i64));
                 v
             }
+            Op::ConvTranspose { window, group, output_padding, output_shape } => {
+                let mut v: Vec<_> = win(window).into_iter().filter(|(k, _)| k != "ceil_mode").collect();
+                v.push(i("group", *group as i64));
+                if window.auto_pad != "NOTSET" {
+                    v.retain(|(k, _)| k != "pads");
+                    v.push(("auto_pad".into(), AttrValue::Str(window.auto_pad.clone())));
+                }
+                if output_padding.iter().any(|&p| p > 0) {
+                    v.push(us("output_padding", output_padding));
+                }
+                if let Some(shape) = output_shape {
+                    v.push(us("output_shape", shape));
+                }
+                v
+            }
+            Op::Resize(r) | Op::ResizeGrad { resize: r, .. } => r.onnx_attrs(),
             Op::Pool { kind, window } => {
                 let mut v = win(window);
                 if let PoolKind::Average { count_include_pad } = kind {
@@ -1893,6 +1957,7 @@ impl Op {
             Op::Split { sizes, .. } if !sizes.is_empty() => vec![ints(sizes)],
             Op::Squeeze { axes: Some(a) } | Op::Unsqueeze { axes: Some(a) } => vec![ints(a)],
             Op::ReduceOp { axes: Some(a), .. } if !a.is_empty() => vec![ints(a)],
+            Op::Resize(r) => r.operands(),
             _ => vec![],
         }
     }
@@ -1916,6 +1981,8 @@ impl Op {
             Op::Trilu { .. } => 1..2,
             Op::Dropout { .. } => 1..3,
             Op::TopK { .. } => 1..2,
+            // roi, scales and sizes (Upsample and opset 10's Resize: scales).
+            Op::Resize(r) => 1..if r.legacy { 2 } else { 4 },
             _ => 0..0,
         }
     }

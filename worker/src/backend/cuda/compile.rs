@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The program's source: the shared prelude, then each family of kernels.
-pub const SOURCE_FILES: [(&str, &str); 10] = [
+pub const SOURCE_FILES: [(&str, &str); 11] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("rows.cu", include_str!("kernels/rows.cu")),
@@ -21,6 +21,7 @@ pub const SOURCE_FILES: [(&str, &str); 10] = [
     ("attention_mma.cu", include_str!("kernels/attention_mma.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("product.cu", include_str!("kernels/product.cu")),
+    ("resize.cu", include_str!("kernels/resize.cu")),
 ];
 
 pub fn source() -> String {

@@ -122,6 +122,7 @@ pub enum P {
     Strides(Strides),
     Geo(window::Geo),
     Pool(window::Pool),
+    Taps(resize::Taps),
 }
 
 impl From<i32> for P {
@@ -164,6 +165,11 @@ impl From<window::Pool> for P {
         P::Pool(v)
     }
 }
+impl From<resize::Taps> for P {
+    fn from(v: resize::Taps) -> P {
+        P::Taps(v)
+    }
+}
 
 /// A device address, kept apart from plain u64 values (seeds) for the type check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -183,6 +189,7 @@ macro_rules! params {
 
 // After the macro, which they use.
 mod attention;
+mod resize;
 mod shard;
 mod window;
 
@@ -199,6 +206,7 @@ impl P {
             P::Strides(_) => "Strides",
             P::Geo(_) => "Geo",
             P::Pool(_) => "Pool",
+            P::Taps(_) => "Taps",
         }
     }
 
@@ -212,6 +220,7 @@ impl P {
             P::Strides(v) => v as *mut Strides as *mut c_void,
             P::Geo(v) => v as *mut window::Geo as *mut c_void,
             P::Pool(v) => v as *mut window::Pool as *mut c_void,
+            P::Taps(v) => v as *mut resize::Taps as *mut c_void,
         }
     }
 }
@@ -235,6 +244,7 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
                         "Strides" => "Strides",
                         "Geo" => "Geo",
                         "Pool" => "Pool",
+                        "Taps" => "Taps",
                         _ => "unknown",
                     })
                     .collect();
@@ -1251,6 +1261,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let [dx, dw, db] = outs else { return Err("ConvGrad has 3 outputs (dX, dW, dB)".into()) };
             window::conv_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
         }
+        Op::ConvTranspose { window, group, .. } => {
+            window::conv_transpose(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y)
+        }
+        Op::ConvTransposeGrad { window, group } => {
+            let [dx, dw, db] = outs else { return Err("ConvTransposeGrad has 3 outputs (dX, dW, dB)".into()) };
+            window::conv_transpose_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
+        }
+        Op::Resize(r) => resize::resize(dev, r, x(0)?, y),
+        Op::ResizeGrad { resize: r, .. } => resize::resize_grad(dev, r, x(0)?, y),
         Op::Attention { scale, causal } => {
             attention::forward(dev, *scale, *causal, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
         }

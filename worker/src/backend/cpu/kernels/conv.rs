@@ -1,5 +1,7 @@
-//! Convolution (im2col + GEMM), pooling and batch normalization, forward and backward, for
-//! 1-D and 2-D spatial inputs (1-D runs as 2-D with height 1). Layout NCHW.
+//! Convolution (im2col + GEMM), transposed convolution (a convolution's data gradient),
+//! pooling and batch normalization, forward and backward, for 1-D and 2-D spatial inputs (1-D
+//! runs as 2-D with height 1); convolutions over more dims, or of other element types than
+//! f32, run through plain f64 loops. Layout NCHW.
 
 use super::matmul::{parallelism, sgemm, Mat};
 use super::KResult;
@@ -136,7 +138,7 @@ pub fn conv(
         return conv_nd(win, group, x, w, bias, y);
     }
     let g = geo(win, x.shape, y.shape)?;
-    let (n, m) = (x.shape[0], y.shape[1]);
+    let m = y.shape[1];
     let (cg, mg) = (g.c / group, m / group);
     let kdim = cg * g.kh * g.kw;
     let plane = g.oh * g.ow;
@@ -177,13 +179,7 @@ pub fn conv(
             };
         }
     };
-    let ys = y.as_mut_slice::<f32>();
-    let chunk = m * plane;
-    if n >= rayon::current_num_threads() {
-        ys.par_chunks_mut(chunk).enumerate().for_each(|(i, yi)| per_image(i, yi, Parallelism::None));
-    } else {
-        ys.chunks_mut(chunk).enumerate().for_each(|(i, yi)| per_image(i, yi, parallelism(mg, plane, kdim)));
-    }
+    each_image(y.as_mut_slice::<f32>(), m * plane, parallelism(mg, plane, kdim), per_image);
     Ok(())
 }
 
@@ -264,34 +260,128 @@ pub fn conv_grad(
     w: &TensorView,
     outs: &mut [TensorViewMut],
 ) -> KResult {
+    let [dx, dw, db] = outs else { return Err("ConvGrad needs 3 outputs".into()) };
+    conv_data_grad(win, group, dy, w, dx)?;
+    conv_weight_grad(win, group, dy, x, dw)?;
+    channel_sums(dy, db);
+    Ok(())
+}
+
+/// ConvTranspose: Y = the data gradient of a convolution of `win` whose input is Y, taken at X
+/// (X [N, C, D...] in the place of dY, W [C, M/group, k...]), plus the bias.
+pub fn conv_transpose(
+    win: &Window,
+    group: usize,
+    x: &TensorView,
+    w: &TensorView,
+    bias: Option<TensorView>,
+    y: &mut TensorViewMut,
+) -> KResult {
+    conv_data_grad(win, group, x, w, y)?;
+    if let Some(b) = bias {
+        add_channel_bias(&b, y);
+    }
+    Ok(())
+}
+
+/// dY, X, W → dX, dW, dB of ConvTranspose: dX is dY convolved with W, dW is the convolution's
+/// weight gradient with X as the output's gradient and dY as the input.
+pub fn conv_transpose_grad(
+    win: &Window,
+    group: usize,
+    dy: &TensorView,
+    x: &TensorView,
+    w: &TensorView,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let [dx, dw, db] = outs else { return Err("ConvTransposeGrad needs 3 outputs".into()) };
+    conv(win, group, dy, w, None, dx)?;
+    conv_weight_grad(win, group, x, dy, dw)?;
+    channel_sums(dy, db);
+    Ok(())
+}
+
+/// Runs `f(image, its slice of out, parallelism)` over `out`'s images of `per_image` elements:
+/// the images in parallel when there are enough of them, else one by one, each product
+/// spreading over the threads (`par`).
+fn each_image(out: &mut [f32], per_image: usize, par: Parallelism, f: impl Fn(usize, &mut [f32], Parallelism) + Sync) {
+    if out.len() / per_image.max(1) >= rayon::current_num_threads() {
+        out.par_chunks_mut(per_image).enumerate().for_each(|(i, o)| f(i, o, Parallelism::None));
+    } else {
+        out.chunks_mut(per_image).enumerate().for_each(|(i, o)| f(i, o, par));
+    }
+}
+
+/// dX of a convolution from dY and W: per image and group dcol = W_gᵀ · dY_g, then col2im.
+fn conv_data_grad(win: &Window, group: usize, dy: &TensorView, w: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    if dy.dtype != DType::F32 || dx.shape.len() > 4 {
+        return conv_data_grad_nd(win, group, dy, w, dx);
+    }
+    let g = geo(win, dx.shape, dy.shape)?;
+    let m = dy.shape[1];
+    let (cg, mg) = (g.c / group, m / group);
+    let (kdim, plane) = (cg * g.kh * g.kw, g.oh * g.ow);
+    let (dys, ws) = (dy.as_slice::<f32>(), w.as_slice::<f32>());
+    let image = g.c * g.h * g.w;
+    each_image(dx.as_mut_slice::<f32>(), image, parallelism(kdim, plane, mg), |i, dxi, par| {
+        dxi.fill(0.0);
+        let dyi = &dys[i * m * plane..(i + 1) * m * plane];
+        let mut dcol = vec![0f32; kdim * plane];
+        for gr in 0..group {
+            // dcol[kdim × plane] = W_gᵀ[kdim × mg] · dY_g[mg × plane]
+            unsafe {
+                sgemm(
+                    kdim,
+                    plane,
+                    mg,
+                    dcol.as_mut_ptr(),
+                    plane as isize,
+                    ws.as_ptr(),
+                    Mat { offset: gr * mg * kdim, rs: 1, cs: kdim as isize },
+                    dyi.as_ptr(),
+                    Mat { offset: gr * mg * plane, rs: plane as isize, cs: 1 },
+                    false,
+                    1.0,
+                    par,
+                )
+            };
+            if is_pointwise(&g) {
+                dxi[gr * cg * plane..(gr + 1) * cg * plane].copy_from_slice(&dcol);
+            } else {
+                col2im(&g, &dcol, gr * cg, cg, dxi);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// dW of a convolution from dY and X: per image and group dW_g += dY_g · colᵀ, each image's
+/// part summed after.
+fn conv_weight_grad(win: &Window, group: usize, dy: &TensorView, x: &TensorView, dw: &mut TensorViewMut) -> KResult {
+    if dy.dtype != DType::F32 || x.shape.len() > 4 {
+        return conv_weight_grad_nd(win, group, dy, x, dw);
+    }
     let g = geo(win, x.shape, dy.shape)?;
     let (n, m) = (x.shape[0], dy.shape[1]);
     let (cg, mg) = (g.c / group, m / group);
-    let kdim = cg * g.kh * g.kw;
-    let plane = g.oh * g.ow;
-    let (dys, xs, ws) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), w.as_slice::<f32>());
-    let [dx, dw, db] = outs else { return Err("ConvGrad needs 3 outputs".into()) };
+    let (kdim, plane) = (cg * g.kh * g.kw, g.oh * g.ow);
+    let (dys, xs) = (dy.as_slice::<f32>(), x.as_slice::<f32>());
     let image = g.c * g.h * g.w;
-    // Each image yields its dX slice and a partial dW; partials are summed after.
-    let partial_dw: Vec<Vec<f32>> = dx
-        .as_mut_slice::<f32>()
-        .par_chunks_mut(image)
-        .enumerate()
-        .map(|(i, dxi)| {
-            dxi.fill(0.0);
+    let partial_dw: Vec<Vec<f32>> = (0..n)
+        .into_par_iter()
+        .map(|i| {
             let xi = &xs[i * image..(i + 1) * image];
             let dyi = &dys[i * m * plane..(i + 1) * m * plane];
             let mut dwp = vec![0f32; m * kdim];
             let mut col = vec![0f32; kdim * plane];
-            let mut dcol = vec![0f32; kdim * plane];
             for gr in 0..group {
                 if is_pointwise(&g) {
                     col.copy_from_slice(&xi[gr * cg * plane..(gr + 1) * cg * plane]);
                 } else {
                     im2col(&g, xi, gr * cg, cg, &mut col);
                 }
+                // dW_g[mg × kdim] = dY_g[mg × plane] · colᵀ[plane × kdim]
                 unsafe {
-                    // dW_g[mg × kdim] = dY_g[mg × plane] · colᵀ[plane × kdim]
                     sgemm(
                         mg,
                         kdim,
@@ -305,28 +395,8 @@ pub fn conv_grad(
                         false,
                         1.0,
                         Parallelism::None,
-                    );
-                    // dcol[kdim × plane] = W_gᵀ[kdim × mg] · dY_g[mg × plane]
-                    sgemm(
-                        kdim,
-                        plane,
-                        mg,
-                        dcol.as_mut_ptr(),
-                        plane as isize,
-                        ws.as_ptr(),
-                        Mat { offset: gr * mg * kdim, rs: 1, cs: kdim as isize },
-                        dyi.as_ptr(),
-                        Mat { offset: gr * mg * plane, rs: plane as isize, cs: 1 },
-                        false,
-                        1.0,
-                        Parallelism::None,
-                    );
-                }
-                if is_pointwise(&g) {
-                    dxi[gr * cg * plane..(gr + 1) * cg * plane].copy_from_slice(&dcol);
-                } else {
-                    col2im(&g, &dcol, gr * cg, cg, dxi);
-                }
+                    )
+                };
             }
             dwp
         })
@@ -336,11 +406,101 @@ pub fn conv_grad(
     for p in partial_dw {
         dws.iter_mut().zip(p).for_each(|(a, b)| *a += b);
     }
-    let dbs = db.as_mut_slice::<f32>();
-    for (k, o) in dbs.iter_mut().enumerate() {
-        *o = (0..n).map(|i| dys[(i * m + k) * plane..(i * m + k + 1) * plane].iter().sum::<f32>()).sum();
-    }
     Ok(())
+}
+
+/// dX of a convolution over any number of spatial dims, in f64 with plain loops: each dY
+/// element added to the inputs its window read, times the taps' weights.
+fn conv_data_grad_nd(win: &Window, group: usize, dy: &TensorView, w: &TensorView, dx: &mut TensorViewMut) -> KResult {
+    let (n, c, m) = (dx.shape[0], dx.shape[1], dy.shape[1]);
+    let (cg, mg) = (c / group, m / group);
+    let (size_in, size_out, kernel) = (dx.shape[2..].to_vec(), &dy.shape[2..], &w.shape[2..]);
+    let (plane_in, plane_out): (usize, usize) = (size_in.iter().product(), size_out.iter().product());
+    let kernel_taps: usize = kernel.iter().product();
+    let (dys, ws) = (dy.to_f64_vec(), w.to_f64_vec());
+    let mut out = vec![0f64; n * c * plane_in];
+    let (mut at, mut taps) = (vec![0usize; size_out.len()], Vec::new());
+    for o in 0..plane_out {
+        unflatten(o, size_out, &mut at);
+        window_taps(win, kernel, &at, &size_in, &mut taps);
+        for i in 0..n {
+            for oc in 0..m {
+                let (gr, g) = (oc / mg, dys[(i * m + oc) * plane_out + o]);
+                for ic in 0..cg {
+                    let xc = (i * c + gr * cg + ic) * plane_in;
+                    let wc = &ws[(oc * cg + ic) * kernel_taps..];
+                    for &(t, off) in &taps {
+                        out[xc + off] += g * wc[t];
+                    }
+                }
+            }
+        }
+    }
+    super::write_f64(&out, dx);
+    Ok(())
+}
+
+/// dW of a convolution over any number of spatial dims, in f64 with plain loops.
+fn conv_weight_grad_nd(win: &Window, group: usize, dy: &TensorView, x: &TensorView, dw: &mut TensorViewMut) -> KResult {
+    let (n, c, m) = (x.shape[0], x.shape[1], dy.shape[1]);
+    let (cg, mg) = (c / group, m / group);
+    let (size_in, size_out, kernel) = (&x.shape[2..], &dy.shape[2..], dw.shape[2..].to_vec());
+    let (plane_in, plane_out): (usize, usize) = (size_in.iter().product(), size_out.iter().product());
+    let kernel_taps: usize = kernel.iter().product();
+    let (dys, xs) = (dy.to_f64_vec(), x.to_f64_vec());
+    let mut out = vec![0f64; m * cg * kernel_taps];
+    let (mut at, mut taps) = (vec![0usize; size_out.len()], Vec::new());
+    for o in 0..plane_out {
+        unflatten(o, size_out, &mut at);
+        window_taps(win, &kernel, &at, size_in, &mut taps);
+        for i in 0..n {
+            for oc in 0..m {
+                let (gr, g) = (oc / mg, dys[(i * m + oc) * plane_out + o]);
+                for ic in 0..cg {
+                    let xc = &xs[(i * c + gr * cg + ic) * plane_in..];
+                    let wc = (oc * cg + ic) * kernel_taps;
+                    for &(t, off) in &taps {
+                        out[wc + t] += g * xc[off];
+                    }
+                }
+            }
+        }
+    }
+    super::write_f64(&out, dw);
+    Ok(())
+}
+
+/// dB[k] = Σ over images and positions of dY[·, k, ·].
+fn channel_sums(dy: &TensorView, db: &mut TensorViewMut) {
+    let (n, m) = (dy.shape[0], dy.shape[1]);
+    let plane: usize = dy.shape[2..].iter().product();
+    if dy.dtype == DType::F32 && db.dtype == DType::F32 {
+        let dys = dy.as_slice::<f32>();
+        for (k, o) in db.as_mut_slice::<f32>().iter_mut().enumerate() {
+            *o = (0..n).map(|i| dys[(i * m + k) * plane..(i * m + k + 1) * plane].iter().sum::<f32>()).sum();
+        }
+        return;
+    }
+    let dys = dy.to_f64_vec();
+    let sums: Vec<f64> = (0..m)
+        .map(|k| (0..n).map(|i| dys[(i * m + k) * plane..(i * m + k + 1) * plane].iter().sum::<f64>()).sum())
+        .collect();
+    super::write_f64(&sums, db);
+}
+
+/// y[·, k, ·] += b[k].
+fn add_channel_bias(b: &TensorView, y: &mut TensorViewMut) {
+    let (m, plane) = (y.shape[1], y.shape[2..].iter().product::<usize>().max(1));
+    if y.dtype == DType::F32 && b.dtype == DType::F32 {
+        let bs = b.as_slice::<f32>();
+        for (row, ys) in y.as_mut_slice::<f32>().chunks_mut(plane).enumerate() {
+            ys.iter_mut().for_each(|v| *v += bs[row % m]);
+        }
+        return;
+    }
+    let (bs, mut ys) = (b.to_f64_vec(), y.as_view().to_f64_vec());
+    ys.iter_mut().enumerate().for_each(|(k, v)| *v += bs[k / plane % m]);
+    super::write_f64(&ys, y);
 }
 
 /// The positions (input index) each output reads, per window: the shared loop of pooling.

@@ -14,6 +14,7 @@ pub mod loss;
 pub mod matmul;
 pub mod norm;
 pub mod random;
+pub mod resize;
 pub mod shape;
 pub mod shard;
 
@@ -176,6 +177,20 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
         }
         Op::ConvGrad { window, group } => conv::conv_grad(window, *group, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::ConvTranspose { window, group, .. } => {
+            conv::conv_transpose(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
+        }
+        Op::ConvTransposeGrad { window, group } => {
+            conv::conv_transpose_grad(window, *group, &x(0)?, &x(1)?, &x(2)?, outputs)
+        }
+        Op::Resize(r) => {
+            let taps = resize::taps(r, x(0)?.shape, outputs[0].shape)?;
+            resize::resample(&taps, r.extrapolation_value, &x(0)?, &mut outputs[0])
+        }
+        Op::ResizeGrad { resize: r, input_shape } => {
+            let taps = resize::transposed(&resize::taps(r, input_shape, x(0)?.shape)?, input_shape);
+            resize::resample(&taps, 0.0, &x(0)?, &mut outputs[0])
+        }
         Op::Pool { kind, window } => conv::pool(*kind, window, &x(0)?, outputs),
         Op::PoolGrad { kind, window } => conv::pool_grad(*kind, window, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::GlobalAveragePool => conv::global_average_pool(&x(0)?, &mut outputs[0]),

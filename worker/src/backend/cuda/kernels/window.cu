@@ -1,8 +1,8 @@
-// Convolution's data movement (im2col and its adjoint; the products are cuBLASLt's), pooling
-// and global average pooling, forward and backward. NCHW, f32, f16 or bf16 elements (sums in
-// f32; pooling also f64, which other element types are widened to). A 1-D convolution runs as
-// 2-D with height 1 (launch.rs lifts it, as the CPU backend's conv.rs does); pooling takes up to
-// 3 spatial dims.
+// Convolution's data movement (im2col and its adjoint; the products are cuBLASLt's), a direct
+// transposed convolution for 3 spatial dims, pooling and global average pooling, forward and
+// backward. NCHW, f32, f16 or bf16 elements (sums in f32; pooling also f64, which other element
+// types are widened to). A 1-D convolution runs as 2-D with height 1 (launch.rs lifts it, as the
+// CPU backend's conv.rs does); pooling takes up to 3 spatial dims.
 
 // The geometry of one 2-D window op: input C×H×W, output OH×OW, kernel, strides, dilations,
 // begin pads, and the end pads that only average pooling's count_include_pad reads.
@@ -207,6 +207,49 @@ extern "C" __global__ void pool_bf16(int max, int include_pad, i64 planes, Pool 
 extern "C" __global__ void pool_f64(int max, int include_pad, i64 planes, Pool g, const double* x, double* y,
                                     i64* indices) {
     pool<F64>(max, include_pad, planes, g, x, y, indices);
+}
+
+// ConvTranspose over up to 3 spatial dims (3-D, which the products' im2col does not cover), one
+// thread per output element: y[img, ch, p] = bias[ch] + Σ over the group's cg input channels c
+// and the taps t whose window of the convolution `g` (input Y, output X) reads p, of
+// x[img, c, that window] · w[c, ch mod mg, t]. W is [C, mg, taps]; bias may be null.
+template <class S>
+__device__ void conv_transpose_direct(i64 images, i64 group, i64 cg, i64 mg, const Pool& g, const typename S::T* x,
+                                      const typename S::T* w, const typename S::T* bias, typename S::T* y) {
+    i64 plane_y = g.in[0] * g.in[1] * g.in[2], plane_x = g.out[0] * g.out[1] * g.out[2];
+    i64 taps = g.k[0] * g.k[1] * g.k[2], channels = group * mg;
+    i64 n = images * channels * plane_y;
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 p = i % plane_y, ch = (i / plane_y) % channels, img = i / (plane_y * channels);
+        i64 gr = ch / mg, in[3] = {p / (g.in[2] * g.in[1]), (p / g.in[2]) % g.in[1], p % g.in[2]}, o[3];
+        const typename S::T* xg = x + (img * group + gr) * cg * plane_x;
+        const typename S::T* wg = w + (gr * cg * mg + ch % mg) * taps;
+        float s = bias ? S::load(bias[ch]) : 0.f;
+        for (i64 t0 = 0; t0 < g.k[0]; ++t0) {
+            if ((o[0] = reader_of(in[0], t0, g.s[0], g.d[0], g.pad[0], g.out[0])) < 0) continue;
+            for (i64 t1 = 0; t1 < g.k[1]; ++t1) {
+                if ((o[1] = reader_of(in[1], t1, g.s[1], g.d[1], g.pad[1], g.out[1])) < 0) continue;
+                for (i64 t2 = 0; t2 < g.k[2]; ++t2) {
+                    if ((o[2] = reader_of(in[2], t2, g.s[2], g.d[2], g.pad[2], g.out[2])) < 0) continue;
+                    i64 at = (o[0] * g.out[1] + o[1]) * g.out[2] + o[2], t = (t0 * g.k[1] + t1) * g.k[2] + t2;
+                    for (i64 c = 0; c < cg; ++c) s += S::load(xg[c * plane_x + at]) * S::load(wg[c * mg * taps + t]);
+                }
+            }
+        }
+        y[i] = S::store(s);
+    }
+}
+extern "C" __global__ void conv_transpose_direct_f32(i64 images, i64 group, i64 cg, i64 mg, Pool g, const float* x,
+                                                     const float* w, const float* bias, float* y) {
+    conv_transpose_direct<F32>(images, group, cg, mg, g, x, w, bias, y);
+}
+extern "C" __global__ void conv_transpose_direct_f16(i64 images, i64 group, i64 cg, i64 mg, Pool g, const u16* x,
+                                                     const u16* w, const u16* bias, u16* y) {
+    conv_transpose_direct<F16>(images, group, cg, mg, g, x, w, bias, y);
+}
+extern "C" __global__ void conv_transpose_direct_bf16(i64 images, i64 group, i64 cg, i64 mg, Pool g, const u16* x,
+                                                      const u16* w, const u16* bias, u16* y) {
+    conv_transpose_direct<BF16>(images, group, cg, mg, g, x, w, bias, y);
 }
 
 // dX of pooling, gathered per input element from the outputs whose windows read it: max

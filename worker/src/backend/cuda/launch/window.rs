@@ -1,11 +1,13 @@
 //! Convolution and pooling on the CUDA backend (kernels/window.cu): convolution as im2col and
 //! strided-batched cuBLASLt products over the images, one product per group; its gradient as
-//! the transposed products and col2im; pooling one thread per output (and per input element
-//! for the gradient, gathered so that no atomics make the sums' order vary). Convolutions over
-//! 1-D and 2-D windows in f32, f16 or bf16 (mixed precision's convolutions: half products with
-//! f32 accumulation); pooling over up to 3 spatial dims in any element type (its gradient 1-D
-//! and 2-D); with the CPU backend's geometry (cpu/kernels/conv.rs), whose results these are
-//! checked against.
+//! the transposed products and col2im; transposed convolution as that data gradient, and its
+//! own gradient as a convolution and the weight gradient with X and dY exchanged; pooling one
+//! thread per output (and per input element for the gradient, gathered so that no atomics make
+//! the sums' order vary). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
+//! precision's convolutions: half products with f32 accumulation), transposed ones also over 3
+//! (forward only, a direct kernel); pooling over up to 3 spatial dims in any element type (its
+//! gradient 1-D and 2-D); with the CPU backend's geometry (cpu/kernels/conv.rs), whose results
+//! these are checked against.
 
 use super::{
     at, cast, elementwise, numeric, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev, Epilogue, Product,
@@ -177,60 +179,90 @@ fn group_columns(
     Ok((col, s.kdim * s.plane))
 }
 
-/// dY, X, W → dX, dW, dB, per group and chunk of images: dcol[img] = W_gᵀ · dY_g[img] (batched),
-/// dX_g = col2im(dcol); dW_g = Σ_img dY_g[img] · col_g[img]ᵀ, each image's product in f32 in a
-/// slot of its own (batched; later chunks add into the first's slots), then the slots summed in
-/// f32 and rounded once to dW's type, as the CPU backend sums. dB sums dY over images and the
-/// plane.
+/// dY, X, W → dX, dW, dB: [`data_grad`], [`weight_grad`], and dB summing dY over images and
+/// the plane.
 pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
     let [dx, dw, db] = outs;
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
     let g = cpu::geo(win, x.shape(), dy.shape())?;
     let s = shape(t, &g, group, x.shape()[0], dy.shape()[1])?;
-    if s.images == 0 {
-        // No images: no dX, and dW and dB sum nothing.
-        dev.fill(dw.at, 0, dw.meta.bytes())?;
+    data_grad(dev, &g, &s, group, dy.at, w.at, dx.at)?;
+    weight_grad(dev, &g, &s, group, dy.at, x.at, dw)?;
+    channel_sums(dev, dy, db)
+}
+
+/// ConvTranspose: Y = the data gradient of the convolution of `win` whose input is Y, taken
+/// at X (X in dY's place), plus the bias per channel. Over 3 spatial dims, where the products'
+/// im2col geometry does not reach, a direct kernel sums each output's taps.
+pub fn conv_transpose(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
+    let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
+    if let Some(b) = &bias {
+        operands.push((b, "B"));
+    }
+    let t = one_float_type(&operands)?;
+    let bias_at = bias.map_or(NULL, |b| b.at);
+    if x.shape().len() == 5 {
+        let (cg, mg) = (x.shape()[1] / group.max(1), w.shape()[1]);
+        let geometry = Pool::of(win, y.shape(), x.shape())?;
+        return dev.kernel(
+            &typed("conv_transpose_direct", t)?,
+            elementwise(y.n()),
+            &mut params![x.shape()[0] as i64, group as i64, cg as i64, mg as i64, geometry, x.at, w.at, bias_at, y.at],
+        );
+    }
+    let g = cpu::geo(win, y.shape(), x.shape())?;
+    let s = shape(t, &g, group, x.shape()[0], x.shape()[1])?;
+    data_grad(dev, &g, &s, group, x.at, w.at, y.at)?;
+    if bias.is_some() {
+        let n = y.n();
+        let (channels, plane) = (g.c as i64, (g.h * g.w) as i64);
+        dev.kernel(&typed("channel_bias", t)?, elementwise(n), &mut params![n as i64, channels, plane, bias_at, y.at])?;
+    }
+    Ok(())
+}
+
+/// dY, X, W → dX, dW, dB of ConvTranspose: dX = dY ⊛ W (the convolution), dW the convolution's
+/// weight gradient with X as its output's gradient and dY as its input, dB dY's sums.
+pub fn conv_transpose_grad(
+    dev: Dev,
+    win: &Window,
+    group: usize,
+    dy: V,
+    x: V,
+    w: V,
+    outs: [V; 3],
+) -> Result<(), String> {
+    let [dx, dw, db] = outs;
+    let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
+    conv(dev, win, group, dy, w, None, dx)?;
+    let g = cpu::geo(win, dy.shape(), x.shape())?;
+    let s = shape(t, &g, group, x.shape()[0], x.shape()[1])?;
+    weight_grad(dev, &g, &s, group, x.at, dy.at, dw)?;
+    channel_sums(dev, dy, db)
+}
+
+/// dB[k] = Σ over images and the plane of dY[img, k, ·].
+fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), String> {
+    if dy.n() == 0 {
         return dev.fill(db.at, 0, db.meta.bytes());
     }
-    let pointwise = is_pointwise(&g);
-    let per_image = s.kdim * s.plane;
-    let dw_g_len = s.mg * s.kdim;
-    // Per image: its columns and their gradient (neither for a pointwise window), and its f32
-    // slot of dW_g.
+    let mut summed = vec![true; dy.shape().len()];
+    summed[1] = false;
+    reduce_strided(dev, Reduce::Sum, dy, &summed, db)
+}
+
+/// dX of the convolution `g` from dY and W, per group and chunk of images: dcol[img] = W_gᵀ ·
+/// dY_g[img] (batched), dX_g = col2im(dcol); a pointwise window's product writes dX's rows.
+fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, dx: Ptr) -> Result<(), String> {
+    let (t, pointwise, per_image) = (s.t, is_pointwise(g), s.kdim * s.plane);
     let col_bytes = if pointwise { 0 } else { per_image * t.size() };
-    let chunk = images_per_chunk(dev, s.images, 2 * col_bytes + dw_g_len * 4);
-    // One scratch: the chunk's columns, their gradient, dW's f32 slots and their f32 sum.
-    let bytes = [chunk * col_bytes, chunk * col_bytes, chunk * dw_g_len * 4, dw_g_len * 4];
-    let [col, dcol, partial, summed] = scratch_parts(dev, &bytes)?[..] else { unreachable!("four parts") };
-    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[chunk, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
+    let chunk = images_per_chunk(dev, s.images, col_bytes);
+    let dcol = if pointwise { NULL } else { dev.scratch(chunk * col_bytes)? };
     for gr in 0..group {
-        let w_g = at(w.at, gr * s.mg * s.kdim, t);
         for first in (0..s.images).step_by(chunk) {
             let images = chunk.min(s.images - first);
-            let (col_g, col_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col)?;
-            let dy_g = at(dy.at, (first * s.m + gr * s.mg) * s.plane, t);
-            dev.gemm(&Product {
-                m: s.mg as u64,
-                n: s.kdim as u64,
-                k: s.plane as u64,
-                batch: images as u64,
-                trans_a: false,
-                trans_b: true,
-                a: dy_g.0,
-                a_stride: (s.m * s.plane) as i64,
-                b: col_g.0,
-                b_stride: col_stride as i64,
-                d: partial.0,
-                d_stride: dw_g_len as i64,
-                alpha: 1.0,
-                beta: if first == 0 { 0.0 } else { 1.0 },
-                dtype: t,
-                d_dtype: DType::F32,
-                bias: 0,
-                epilogue: Epilogue::Plain,
-            })?;
-            // dcol, or for a pointwise window dX's own rows (the same layout as X's).
-            let dx_first = at(dx.at, first * g.c * g.h * g.w, t);
+            let dy_g = at(dy, (first * s.m + gr * s.mg) * s.plane, t);
+            let dx_first = at(dx, first * g.c * g.h * g.w, t);
             let (d, d_stride) =
                 if pointwise { (at(dx_first, gr * s.cg * s.plane, t), g.c * s.plane) } else { (dcol, per_image) };
             dev.gemm(&Product {
@@ -240,7 +272,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 batch: images as u64,
                 trans_a: true,
                 trans_b: false,
-                a: w_g.0,
+                a: at(w, gr * s.mg * s.kdim, t).0,
                 a_stride: 0,
                 b: dy_g.0,
                 b_stride: (s.m * s.plane) as i64,
@@ -258,9 +290,55 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
                 dev.kernel(
                     &typed("col2im", t)?,
                     elementwise(n),
-                    &mut params![images as i64, Geo::from(&g), (gr * s.cg) as i64, s.cg as i64, dcol, dx_first],
+                    &mut params![images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, dcol, dx_first],
                 )?;
             }
+        }
+    }
+    Ok(())
+}
+
+/// dW of the convolution `g` from dY and X, per group: dW_g = Σ_img dY_g[img] · col_g[img]ᵀ,
+/// each image's product in f32 in a slot of its own (batched per chunk of images; later chunks
+/// add into the first's slots), then the slots summed in f32 and rounded once to dW's type, as
+/// the CPU backend sums.
+fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr, dw: V) -> Result<(), String> {
+    let t = s.t;
+    if s.images == 0 {
+        // No images: dW sums nothing.
+        return dev.fill(dw.at, 0, dw.meta.bytes());
+    }
+    let dw_g_len = s.mg * s.kdim;
+    let col_bytes = if is_pointwise(g) { 0 } else { s.kdim * s.plane * t.size() };
+    let chunk = images_per_chunk(dev, s.images, col_bytes + dw_g_len * 4);
+    // One scratch: the chunk's columns, dW's f32 slots and their f32 sum.
+    let bytes = [chunk * col_bytes, chunk * dw_g_len * 4, dw_g_len * 4];
+    let [col, partial, summed] = scratch_parts(dev, &bytes)?[..] else { unreachable!("three parts") };
+    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[chunk, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
+    for gr in 0..group {
+        for first in (0..s.images).step_by(chunk) {
+            let images = chunk.min(s.images - first);
+            let (col_g, col_stride) = group_columns(dev, g, s, gr, (first, images), x, col)?;
+            dev.gemm(&Product {
+                m: s.mg as u64,
+                n: s.kdim as u64,
+                k: s.plane as u64,
+                batch: images as u64,
+                trans_a: false,
+                trans_b: true,
+                a: at(dy, (first * s.m + gr * s.mg) * s.plane, t).0,
+                a_stride: (s.m * s.plane) as i64,
+                b: col_g.0,
+                b_stride: col_stride as i64,
+                d: partial.0,
+                d_stride: dw_g_len as i64,
+                alpha: 1.0,
+                beta: if first == 0 { 0.0 } else { 1.0 },
+                dtype: t,
+                d_dtype: DType::F32,
+                bias: 0,
+                epilogue: Epilogue::Plain,
+            })?;
         }
         let dw_g = at(dw.at, gr * dw_g_len, t);
         let sum = V { meta: &sum_meta, at: if t == DType::F32 { dw_g } else { summed } };
@@ -269,10 +347,7 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
             cast(dev, DType::F32, t, summed, dw_g, dw_g_len)?;
         }
     }
-    // dB[k] = Σ over images and the plane of dY[img, k, ·].
-    let mut summed = vec![true; dy.shape().len()];
-    summed[1] = false;
-    reduce_strided(dev, Reduce::Sum, dy, &summed, db)
+    Ok(())
 }
 
 /// `Pool` of kernels/window.cu, by value: a pooling window over up to 3 spatial dims.
