@@ -1,7 +1,11 @@
 //! The exported inference model is valid ONNX (the ONNX checker, full check) and ONNX Runtime
-//! computes on it what the worker computes: GPT-2 and SqueezeNet, after some training.
+//! computes on it what the worker computes: GPT-2 and SqueezeNet, after some training, and
+//! models exported from PyTorch at opset 17 and 20 (tests/torch_hf.rs's Llama, T5 and LSTM),
+//! which the worker writes back at opset 18 or later (operands as inputs).
 //!
 //! Needs `TENSORFLEET_PYTHON` with onnx and onnxruntime (`make test` sets it).
+
+mod torch_oracle;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -117,4 +121,13 @@ fn exported_models_run_in_onnx_runtime() {
     .collect();
     let spec = ModelSpec { squeezenet: Some(SqueezeNetConfig { classes: 5, image_size: 48 }), ..Default::default() };
     check("squeezenet", spec, batch);
+
+    let dir = torch_oracle::data_dir("torch_hf");
+    for (model, exporter) in
+        [("llama", "torchscript"), ("llama", "dynamo"), ("t5", "torchscript"), ("lstm", "torchscript")]
+    {
+        let spec = torch_oracle::spec(&dir, &format!("{model}_{exporter}.onnx"), Some(-100), Default::default());
+        let batch = torch_oracle::batches(&dir.join(format!("{model}.pb")), 4, 1).swap_remove(0);
+        check(&format!("{model}-{exporter}"), spec, batch);
+    }
 }

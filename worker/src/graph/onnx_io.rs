@@ -312,7 +312,10 @@ pub fn to_model(g: &Graph, producer: &str) -> ModelProto {
         })
         .collect();
     let initializer = g.initializers.iter().map(|(v, t)| tensor_to_proto(g.name_of(*v), t)).chain(operands).collect();
-    let mut opset_import = vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(g.opset.max(13)) }];
+    // Operands go out as inputs, as opset 18 takes all of them (a reduction's axes were an
+    // attribute of every reduction but ReduceSum before it): a graph read at an older opset
+    // is written at 18, whose other changes only add optional inputs and attributes.
+    let mut opset_import = vec![OperatorSetIdProto { domain: Some(String::new()), version: Some(g.opset.max(18)) }];
     if uses_internal {
         opset_import.push(OperatorSetIdProto { domain: Some(TF_DOMAIN.to_string()), version: Some(1) });
     }
