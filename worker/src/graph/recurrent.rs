@@ -520,7 +520,23 @@ mod tests {
             Activation::Unary(Unary::HardSigmoid { alpha, beta }) => (alpha as f64 * v + beta as f64).clamp(0.0, 1.0),
             Activation::Affine { alpha, beta } => alpha as f64 * v + beta as f64,
             Activation::ScaledTanh { alpha, beta } => alpha as f64 * (beta as f64 * v).tanh(),
-            other => unimplemented!("{other:?}"),
+            Activation::Unary(Unary::Softsign) => v / (1.0 + v.abs()),
+            Activation::Unary(Unary::Softplus) => v.exp().ln_1p(),
+            Activation::Unary(Unary::ThresholdedRelu { alpha }) => {
+                if v > alpha as f64 {
+                    v
+                } else {
+                    0.0
+                }
+            }
+            Activation::Unary(Unary::Elu { alpha }) => {
+                if v >= 0.0 {
+                    v
+                } else {
+                    alpha as f64 * v.exp_m1()
+                }
+            }
+            Activation::Unary(u) => unreachable!("Activation::parse yields no {u:?}: not one of ONNX's activations"),
         }
     }
 
@@ -663,7 +679,7 @@ mod tests {
     fn unrolled_layers_follow_the_onnx_equations() {
         use Direction::{Bidirectional, Reverse};
         use RecurrentKind::{Gru, Lstm, Rnn};
-        use Unary::{HardSigmoid, LeakyRelu, Relu, Sigmoid, Tanh};
+        use Unary::{Elu, HardSigmoid, LeakyRelu, Relu, Sigmoid, Softplus, Softsign, Tanh, ThresholdedRelu};
         let u = Activation::Unary;
         let lstm = [u(Sigmoid), u(Tanh), u(Tanh)];
         let odd = vec![
@@ -694,6 +710,14 @@ mod tests {
             (
                 "RNN bidirectional",
                 layer(Rnn, Bidirectional, vec![u(Relu), Activation::Affine { alpha: 0.5, beta: 0.2 }]),
+            ),
+            (
+                "GRU bidirectional, the remaining activations",
+                layer(
+                    Gru,
+                    Bidirectional,
+                    vec![u(Softsign), u(Softplus), u(ThresholdedRelu { alpha: 0.2 }), u(Elu { alpha: 0.7 })],
+                ),
             ),
         ];
         for (seed, (name, l)) in cases.into_iter().enumerate() {
