@@ -70,9 +70,8 @@ and `.venv-bench/bin/pip install pillow onnx onnxscript`.
 
 import argparse
 import copy
-import json
 import os
-import re
+import sys
 import tempfile
 import warnings
 from collections import Counter
@@ -86,6 +85,10 @@ import torch.nn.functional as F
 import torchvision
 from torchvision.models import mobilenet_v2
 from torchvision.models.resnet import BasicBlock, ResNet
+
+# worker/tests/data/torch_oracle.py: what the export scripts share.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_oracle  # noqa: E402
 
 SEED = 20
 BATCH, BATCHES, SIZE, CLASSES = 16, 2, 32, 10
@@ -134,6 +137,7 @@ def export(model, x, path, exporter, **options):
             opts = dict(dynamo=False, opset_version=17, **options)
             torch.onnx.export(m, (x,), path, dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}},
                               **names, **opts)
+
         else:
             opts = dict(dynamo=True, **options)
             torch.onnx.export(m, (x,), path, dynamic_shapes=({0: torch.export.Dim("batch")},), **names, **opts)
@@ -176,18 +180,6 @@ def check_initializers(path, model):
     return named
 
 
-def optimizer(kind, model):
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    if kind == "sgd":
-        return torch.optim.SGD([{"params": decay, "weight_decay": SGD["weightDecay"]},
-                                {"params": rest, "weight_decay": 0.0}],
-                               lr=SGD["lr"], momentum=SGD["momentum"])
-    return torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW["weightDecay"]},
-                              {"params": rest, "weight_decay": 0.0}],
-                             lr=ADAMW["lr"], betas=(ADAMW["beta1"], ADAMW["beta2"]), eps=ADAMW["epsilon"])
-
-
 def running_stats(model):
     return {k: [float(f"{v:.8g}") for v in t.reshape(-1).tolist()] for k, t in model.state_dict().items()
             if k.endswith(("running_mean", "running_var"))}
@@ -197,7 +189,7 @@ def train(model, kind, dtype, xs, ys, snapshot_after=None):
     """PyTorch's training: per step the loss before the update, the eval-mode loss on batch 0
     after it; the first step's gradient norm; the running statistics after `snapshot_after`."""
     m = copy.deepcopy(model).to(dtype).train()
-    opt = optimizer(kind, m)
+    opt = torch_oracle.optimizer(kind, m, SGD, ADAMW)
     losses, evals, grad_norm, stats = [], [], None, None
     for step in range(STEPS):
         x, y = xs[step % BATCHES].to(dtype), ys[step % BATCHES]
@@ -232,17 +224,6 @@ def agree_steps(a, b):
     return len(a)
 
 
-def write_samples(path, xs, ys):
-    """onnxSamples: per sample a u32 byte count, then per tensor a u32 length and a TensorProto."""
-    with open(path, "wb") as f:
-        for x, y in zip(xs.reshape(-1, 3, SIZE, SIZE), ys.reshape(-1)):
-            body = b""
-            for name, value in (("input", x.numpy()), ("labels", np.array(y.item(), dtype=np.int64))):
-                enc = onnx.numpy_helper.from_array(value, name).SerializeToString()
-                body += len(enc).to_bytes(4, "little") + enc
-            f.write(len(body).to_bytes(4, "little") + body)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
@@ -252,7 +233,9 @@ def main():
     gen = torch.Generator().manual_seed(SEED + 1)
     xs = torch.randn(BATCHES, BATCH, 3, SIZE, SIZE, generator=gen)
     ys = torch.randint(0, CLASSES, (BATCHES, BATCH), generator=gen)
-    write_samples(os.path.join(args.out_dir, "batches.pb"), xs, ys)
+    torch_oracle.write_samples(os.path.join(args.out_dir, "batches.pb"), (
+        [("input", x.numpy()), ("labels", np.array(y.item(), dtype=np.int64))]
+        for x, y in zip(xs.reshape(-1, 3, SIZE, SIZE), ys.reshape(-1))))
 
     out = {
         "about": "PyTorch's training of the modules exported here; see export.py",
@@ -306,11 +289,7 @@ def main():
                                                         for k in f32} if f32 else None
         out["models"][name] = entry
 
-    text = json.dumps(out, indent=1)
-    # Lists of numbers on one line each: the file stays readable and small.
-    text = re.sub(r"\[\s+(-?[0-9][^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
-    with open(os.path.join(args.out_dir, "expected.json"), "w") as f:
-        f.write(text + "\n")
+    torch_oracle.write_expected(os.path.join(args.out_dir, "expected.json"), out)
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, onnx {onnx.__version__}")
     for name, entry in out["models"].items():
         for exporter, e in entry["exports"].items():

@@ -53,9 +53,8 @@ Needs: torch 2.15, transformers 5.24, onnx, onnxscript (`make test-data` install
 
 import argparse
 import copy
-import json
 import os
-import re
+import sys
 import warnings
 from collections import Counter
 
@@ -69,6 +68,10 @@ import transformers
 from transformers import (BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig,
                           LlamaForCausalLM, T5Config, T5ForConditionalGeneration, ViTConfig,
                           ViTForImageClassification)
+
+# worker/tests/data/torch_oracle.py: what the export scripts share.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_oracle  # noqa: E402
 
 SEED = 24
 BATCH, BATCHES, SEQ, VOCAB, CLASSES, IMAGE = 4, 2, 8, 64, 10, 16
@@ -127,6 +130,7 @@ def build_models():
         "t5": (Logits(T5ForConditionalGeneration(T5Config(**tiny, d_model=16, d_kv=8, d_ff=32, num_layers=2,
                                                           num_heads=2, dropout_rate=0, decoder_start_token_id=0,
                                                           attn_implementation="eager")),
+
                       lm + ["decoder_input_ids"], use_cache=False), lm + ["decoder_input_ids"], True),
         "lstm": (Recurrent(nn.LSTM), ["input_ids"], False),
         "gru": (Recurrent(nn.GRU), ["input_ids"], False),
@@ -220,21 +224,10 @@ def padding_idx(model, initializers):
     return rows
 
 
-def optimizer(kind, model):
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
-    if kind == "sgd":
-        return torch.optim.SGD([{"params": decay, "weight_decay": SGD["weightDecay"]},
-                                {"params": rest, "weight_decay": 0.0}], lr=SGD["lr"], momentum=SGD["momentum"])
-    return torch.optim.AdamW([{"params": decay, "weight_decay": ADAMW["weightDecay"]},
-                              {"params": rest, "weight_decay": 0.0}],
-                             lr=ADAMW["lr"], betas=(ADAMW["beta1"], ADAMW["beta2"]), eps=ADAMW["epsilon"])
-
-
 def train(model, kind, dtype, batches):
     """PyTorch's training: per step the loss before the update; the first step's gradient norm."""
     m = copy.deepcopy(model).to(dtype).train()
-    opt = optimizer(kind, m)
+    opt = torch_oracle.optimizer(kind, m, SGD, ADAMW)
     losses, grad_norm = [], None
     for step in range(STEPS):
         feeds, labels = batches[step % BATCHES]
@@ -248,18 +241,6 @@ def train(model, kind, dtype, batches):
             grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in m.parameters() if p.grad is not None))
         opt.step()
     return {"losses": losses, "gradNorm": grad_norm.item()}
-
-
-def write_samples(path, batches):
-    """onnxSamples: per sample a u32 byte count, then per tensor a u32 length and a TensorProto."""
-    with open(path, "wb") as f:
-        for feeds, labels in batches:
-            for i in range(BATCH):
-                body = b""
-                for name, value in [*feeds.items(), ("labels", labels)]:
-                    enc = onnx.numpy_helper.from_array(value[i].numpy(), name).SerializeToString()
-                    body += len(enc).to_bytes(4, "little") + enc
-                f.write(len(body).to_bytes(4, "little") + body)
 
 
 def main():
@@ -278,7 +259,9 @@ def main():
     for name, (model, inputs, per_position) in build_models().items():
         batches = make_batches(name, inputs, per_position, gen)
         data = f"{name}.pb"
-        write_samples(os.path.join(args.out_dir, data), batches)
+        torch_oracle.write_samples(os.path.join(args.out_dir, data), (
+            [*((n, v[i].numpy()) for n, v in feeds.items()), ("labels", labels[i].numpy())]
+            for feeds, labels in batches for i in range(BATCH)))
         entry = {"data": data, "inputs": inputs, "parameters": sum(p.numel() for p in model.parameters()),
                  "exports": {}}
         for exporter in ("torchscript", "dynamo"):
@@ -297,11 +280,7 @@ def main():
                            "float64": train(model, kind, torch.float64, batches)}
         out["models"][name] = entry
 
-    text = json.dumps(out, indent=1)
-    # Lists of numbers on one line each: the file stays readable and small.
-    text = re.sub(r"\[\s+(-?[0-9][^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
-    with open(os.path.join(args.out_dir, "expected.json"), "w") as f:
-        f.write(text + "\n")
+    torch_oracle.write_expected(os.path.join(args.out_dir, "expected.json"), out)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, onnx {onnx.__version__}")
     for name, entry in out["models"].items():
         for exporter, e in entry["exports"].items():

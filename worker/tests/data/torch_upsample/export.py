@@ -22,9 +22,8 @@ engine's float32 training follows PyTorch's step for step.
 """
 import argparse
 import copy
-import json
 import os
-import re
+import sys
 import warnings
 
 import numpy as np
@@ -32,6 +31,10 @@ import onnx
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+# worker/tests/data/torch_oracle.py: what the export scripts share.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_oracle  # noqa: E402
 
 SEED, BATCH, BATCHES, SIZE, CLASSES, STEPS = 0, 8, 2, 12, 5, 12
 SGD = {"lr": 0.05, "momentum": 0.9, "weightDecay": 0.0}
@@ -96,6 +99,7 @@ def train(model, kind, xs, ys):
     else:
         opt = torch.optim.AdamW(m.parameters(), lr=ADAMW["lr"], betas=(ADAMW["beta1"], ADAMW["beta2"]),
                                 eps=ADAMW["epsilon"], weight_decay=ADAMW["weightDecay"])
+
     losses, grad_norm = [], None
     for step in range(STEPS):
         loss = F.cross_entropy(m(xs[step % BATCHES]), ys[step % BATCHES])
@@ -108,17 +112,6 @@ def train(model, kind, xs, ys):
     return {"losses": losses, "gradNorm": grad_norm}
 
 
-def write_samples(path, xs, ys):
-    """onnxSamples: per sample a u32 byte count, then per tensor a u32 length and a TensorProto."""
-    with open(path, "wb") as f:
-        for x, y in zip(xs.reshape(-1, 3, SIZE, SIZE), ys.reshape(-1)):
-            body = b""
-            for name, value in (("input", x.numpy()), ("labels", np.array(y.item(), dtype=np.int64))):
-                enc = onnx.numpy_helper.from_array(value, name).SerializeToString()
-                body += len(enc).to_bytes(4, "little") + enc
-            f.write(len(body).to_bytes(4, "little") + body)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default=os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +122,9 @@ def main():
     gen = torch.Generator().manual_seed(SEED + 1)
     xs = torch.randn(BATCHES, BATCH, 3, SIZE, SIZE, generator=gen)
     ys = torch.randint(0, CLASSES, (BATCHES, BATCH), generator=gen)
-    write_samples(os.path.join(args.out_dir, "batches.pb"), xs, ys)
+    torch_oracle.write_samples(os.path.join(args.out_dir, "batches.pb"), (
+        [("input", x.numpy()), ("labels", np.array(y.item(), dtype=np.int64))]
+        for x, y in zip(xs.reshape(-1, 3, SIZE, SIZE), ys.reshape(-1))))
     out = {
         "about": "PyTorch's training of the module exported here; see export.py",
         "torch": torch.__version__, "onnx": onnx.__version__,
@@ -139,11 +134,7 @@ def main():
     }
     for kind in ("sgd", "adamw"):
         out[kind]["float32"] = train(model, kind, xs, ys)
-    text = json.dumps(out, indent=1)
-    # Lists of numbers on one line each: the file stays readable and small.
-    text = re.sub(r"\[\s+(-?[0-9][^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
-    with open(os.path.join(args.out_dir, "expected.json"), "w") as f:
-        f.write(text + "\n")
+    torch_oracle.write_expected(os.path.join(args.out_dir, "expected.json"), out)
     for kind in ("sgd", "adamw"):
         losses = out[kind]["float32"]["losses"]
         print(f"{kind}: losses {losses[0]:.4f} -> {losses[-1]:.4f}")
