@@ -19,7 +19,7 @@ use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::session::{Session, SessionOptions};
-use torch_oracle::{floats, rel, update};
+use torch_oracle::{first_grad_norm, floats, rel, update};
 
 /// Relative to PyTorch's: the CPU backend sums in other orders than PyTorch; the emulated
 /// kernels in others again.
@@ -51,8 +51,7 @@ fn trains_like_pytorch<B: Backend + 'static>(backend: Arc<B>, exporter: &str, ki
     for step in 0..want.len() {
         let r = s.step(std::slice::from_ref(&batches[step % batches.len()]), lr, 0.0, 0).unwrap();
         if step == 0 {
-            let norm = torch["gradNorm"].as_f64().unwrap();
-            assert!(rel(r.grad_norm, norm) <= TOLERANCE, "{case}: first gradient norm {} vs {norm}", r.grad_norm);
+            first_grad_norm(&case, r.grad_norm, torch, TOLERANCE);
         }
         losses.push(r.loss);
     }

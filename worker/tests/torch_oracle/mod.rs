@@ -64,6 +64,14 @@ pub fn batches(path: &Path, batch: usize, count: usize) -> Vec<Batch> {
     (0..count).map(|_| loader.next_batch().unwrap()).collect()
 }
 
+/// The first step's gradient norm `got` against PyTorch's (`torch["gradNorm"]`): within
+/// `tolerance` relative, or the test fails naming `case`. Returns the relative difference.
+pub fn first_grad_norm(case: &str, got: f64, torch: &Value, tolerance: f64) -> f64 {
+    let norm = torch["gradNorm"].as_f64().expect("expected.json gives the first step's gradient norm");
+    assert!(rel(got, norm) <= tolerance, "{case}: first step's gradient norm {got} vs PyTorch's {norm}");
+    rel(got, norm)
+}
+
 /// The update and learning rate of optimizer `kind` ("sgd" or "adamw") as expected.json gives
 /// its hyperparameters.
 pub fn update(e: &Value, kind: &str) -> (Update, f64) {
