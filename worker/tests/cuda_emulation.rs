@@ -1738,3 +1738,43 @@ fn conv_transpose_and_resize_match_the_cpu_backend_on_the_emulated_kernels() {
         }
     }
 }
+
+/// The gradients that scatter-add (Gather's, GatherElements', GatherND's, Pad's) of half values,
+/// as mixed precision leaves them where an exported model gathers from an activation (the
+/// recurrent nets' last step, a padded sequence): summed in f32 and rounded once, on the
+/// emulated kernels as on the CPU backend, ids repeated so that rows add up.
+#[test]
+fn scatter_gradients_of_half_values_match_the_cpu_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for t in [DType::BF16, DType::F16] {
+        let dy = |shape: &[usize]| Tensor::from_vec(shape, values(shape.iter().product(), 3)).cast(t);
+        let ids = |shape: &[usize], v: Vec<i64>| Tensor::from_vec(shape, v);
+        let cases = [
+            (
+                Op::GatherGrad { axis: 1, data_shape: vec![2, 5, 3] },
+                vec![dy(&[2, 4, 3]), ids(&[4], vec![4, 0, 4, -1])],
+                vec![2, 5, 3],
+            ),
+            (
+                Op::GatherElementsGrad { axis: 0, data_shape: vec![3, 4] },
+                vec![dy(&[2, 4]), ids(&[2, 4], vec![0, 2, 2, 1, 0, 2, 1, 1])],
+                vec![3, 4],
+            ),
+            (
+                Op::GatherNDGrad { batch_dims: 0, data_shape: vec![3, 2, 4] },
+                vec![dy(&[3, 4]), ids(&[3, 2], vec![0, 1, 2, 0, 0, 1])],
+                vec![3, 2, 4],
+            ),
+            (
+                Op::PadGrad { mode: PadMode::Reflect, pads: vec![0, 2, 0, 1], input_shape: vec![2, 4] },
+                vec![dy(&[2, 7])],
+                vec![2, 4],
+            ),
+        ];
+        for (op, inputs, shape) in cases {
+            let out = [Meta::new(t, &shape)];
+            let (g, c) = (run_typed(&gpu, &op, &inputs, &out), run_typed(&cpu, &op, &inputs, &out));
+            close_as_f32(&format!("{t} {}", op.onnx_name().0), &g, &c, 0.0);
+        }
+    }
+}

@@ -972,9 +972,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![*mode as i32, y.n() as i64, od, id, is, begin, a.at, u64::from_le_bytes(fill), y.at],
             )
         }
-        Op::PadGrad { mode, pads, .. } => {
-            let dy = x(0)?;
-            need_f32(&dy, "the gradient")?;
+        Op::PadGrad { mode, pads, .. } => scatter_in_f32(dev, x(0)?, y, |dy, y| {
             let (od, id, is, begin) = pad_layout(pads, y.shape(), dy.shape())?;
             dev.fill(y.at, 0, y.meta.bytes())?;
             dev.kernel(
@@ -982,7 +980,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 elementwise(dy.n()),
                 &mut params![*mode as i32, dy.n() as i64, od, id, is, begin, dy.at, y.at],
             )
-        }
+        }),
         Op::GatherND { batch_dims } => {
             let (data, ids) = (x(0)?, x(1)?);
             let wide = ids_i64(&ids, "GatherND's indices")?;
@@ -1008,28 +1006,19 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             )
         }
         Op::GatherNDGrad { batch_dims, .. } => {
-            let (dy, ids) = (x(0)?, x(1)?);
-            need_f32(&dy, "the gradient")?;
+            let ids = x(1)?;
             let wide = ids_i64(&ids, "GatherNDGrad's indices")?;
             let nd = NdSlices::of(*batch_dims, y.shape(), ids.shape())?;
-            dev.fill(y.at, 0, y.meta.bytes())?;
-            let n = dy.n();
-            dev.kernel(
-                "gather_nd_grad_f32",
-                elementwise(n),
-                &mut params![
-                    n as i64,
-                    nd.inner,
-                    nd.per_batch,
-                    nd.batch_stride,
-                    nd.kd,
-                    nd.ks,
-                    dy.at,
-                    ids.at,
-                    wide,
-                    y.at
-                ],
-            )
+            scatter_in_f32(dev, x(0)?, y, |dy, y| {
+                dev.fill(y.at, 0, y.meta.bytes())?;
+                let n = dy.n() as i64;
+                let (inner, per_batch, batch_stride) = (nd.inner, nd.per_batch, nd.batch_stride);
+                dev.kernel(
+                    "gather_nd_grad_f32",
+                    elementwise(dy.n()),
+                    &mut params![n, inner, per_batch, batch_stride, nd.kd, nd.ks, dy.at, ids.at, wide, y.at],
+                )
+            })
         }
         Op::ScatterElements { axis, reduction } => {
             let (data, ids, updates) = (x(0)?, x(1)?, x(2)?);
@@ -1085,32 +1074,34 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             )
         }
         Op::GatherElementsGrad { axis, .. } => {
-            let (dy, ids) = (x(0)?, x(1)?);
-            need_f32(&dy, "the gradient")?;
+            let ids = x(1)?;
             let wide = ids_i64(&ids, "GatherElementsGrad's indices")?;
             let ax = norm_axis(*axis, y.shape().len())?;
             let dim = y.shape()[ax];
             let (n, d, sd) = (ids.n(), dims(ids.shape())?, contiguous_strides(y.shape()));
-            dev.fill(y.at, 0, y.meta.bytes())?;
-            dev.kernel(
-                "gather_elements_grad_f32",
-                elementwise(n),
-                &mut params![n as i64, d, ax as i32, dim as i64, sd, dy.at, ids.at, wide, y.at],
-            )
+            scatter_in_f32(dev, x(0)?, y, |dy, y| {
+                dev.fill(y.at, 0, y.meta.bytes())?;
+                dev.kernel(
+                    "gather_elements_grad_f32",
+                    elementwise(n),
+                    &mut params![n as i64, d, ax as i32, dim as i64, sd, dy.at, ids.at, wide, y.at],
+                )
+            })
         }
         Op::GatherGrad { axis, .. } => {
-            let (dy, ids) = (x(0)?, x(1)?);
-            need_f32(&dy, "the gradient")?;
+            let ids = x(1)?;
             let wide = ids_i64(&ids, "GatherGrad's indices")?;
             let ax = norm_axis(*axis, y.shape().len())?;
             let (outer, dim, inner) = around(y.shape(), ax);
             let count = ids.n();
-            dev.fill(y.at, 0, y.meta.bytes())?;
-            dev.kernel(
-                "gather_grad_f32",
-                elementwise(outer * count * inner),
-                &mut params![outer as i64, dim as i64, inner as i64, count as i64, dy.at, ids.at, wide, y.at],
-            )
+            scatter_in_f32(dev, x(0)?, y, |dy, y| {
+                dev.fill(y.at, 0, y.meta.bytes())?;
+                dev.kernel(
+                    "gather_grad_f32",
+                    elementwise(outer * count * inner),
+                    &mut params![outer as i64, dim as i64, inner as i64, count as i64, dy.at, ids.at, wide, y.at],
+                )
+            })
         }
         Op::ReduceSumTo { .. } => reduce_sum_to(dev, x(0)?, y),
         Op::NegativeLogLikelihoodLoss { reduction, ignore_index } => {
@@ -1463,16 +1454,38 @@ fn pow_through_f64(dev: Dev, a: V, b: V, y: V) -> Result<(), String> {
 /// type: how element types without kernels of their own are computed, as the CPU backend
 /// computes them (through f64).
 fn through_f64(dev: Dev, ins: &[V], y: V, f: impl FnOnce(&[V], V) -> Result<(), String>) -> Result<(), String> {
+    widened(dev, DType::F64, ins, y, f)
+}
+
+/// Runs `f` on `wide` copies of `ins` into a `wide` value of `y`'s shape, then converts that to
+/// `y`'s type.
+fn widened(
+    dev: Dev,
+    wide: DType,
+    ins: &[V],
+    y: V,
+    f: impl FnOnce(&[V], V) -> Result<(), String>,
+) -> Result<(), String> {
     let values: Vec<V> = ins.iter().chain([&y]).copied().collect();
-    let at = scratch_parts(dev, &values.iter().map(|v| 8 * v.n()).collect::<Vec<_>>())?;
-    let metas: Vec<Meta> = values.iter().map(|v| Meta::new(DType::F64, v.shape())).collect();
-    let wide: Vec<V> = metas.iter().zip(at).map(|(meta, at)| V { meta, at }).collect();
-    for (v, w) in ins.iter().zip(&wide) {
-        cast(dev, v.dtype(), DType::F64, v.at, w.at, v.n())?;
+    let at = scratch_parts(dev, &values.iter().map(|v| wide.size() * v.n()).collect::<Vec<_>>())?;
+    let metas: Vec<Meta> = values.iter().map(|v| Meta::new(wide, v.shape())).collect();
+    let copies: Vec<V> = metas.iter().zip(at).map(|(meta, at)| V { meta, at }).collect();
+    for (v, w) in ins.iter().zip(&copies) {
+        cast(dev, v.dtype(), wide, v.at, w.at, v.n())?;
     }
-    let (wide_ins, wide_y) = wide.split_at(ins.len());
+    let (wide_ins, wide_y) = copies.split_at(ins.len());
     f(wide_ins, wide_y[0])?;
-    cast(dev, DType::F64, y.dtype(), wide_y[0].at, y.at, y.n())
+    cast(dev, wide, y.dtype(), wide_y[0].at, y.at, y.n())
+}
+
+/// Runs `f`, a gradient that scatters f32 additions, on `dy` and `y`: as they are in f32, or
+/// on f32 copies of half ones (accumulated in f32 and rounded once, as the CPU backend does).
+fn scatter_in_f32(dev: Dev, dy: V, y: V, f: impl FnOnce(V, V) -> Result<(), String>) -> Result<(), String> {
+    match (dy.dtype(), y.dtype()) {
+        (DType::F32, DType::F32) => f(dy, y),
+        (DType::F16 | DType::BF16, t) if t == dy.dtype() => widened(dev, DType::F32, &[dy], y, |w, y| f(w[0], y)),
+        (t, _) => Err(format!("the gradient is {t}; the CUDA kernels take f32, f16 or bf16 here")),
+    }
 }
 
 /// One scratch request cut into parts of `bytes` each, every part 256-byte aligned.
