@@ -44,15 +44,45 @@ enum Command {
         #[arg(long)]
         output: PathBuf,
     },
-    /// Tokenize text files with the GPT-2 BPE into token shards.
+    /// Turn text into token shards (GPT-2's BPE or a Hugging Face tokenizer.json), or a folder of
+    /// images in torchvision's ImageFolder layout into onnxSamples shards; both split into
+    /// train/ and val/ under --output.
     PrepareData {
-        #[arg(long, num_args = 1.., required = true)]
+        /// Text: plain files (a document each), JSON Lines (`.jsonl`, a document per line, in
+        /// --text-field) or Parquet (`.parquet`, a document per row, in the --text-field column).
+        #[arg(long, num_args = 1.., required_unless_present = "images", conflicts_with = "images")]
         input: Vec<PathBuf>,
+        /// A folder with a subfolder of images per class (torchvision's ImageFolder).
+        #[arg(long)]
+        images: Option<PathBuf>,
         #[arg(long)]
         output: PathBuf,
-        /// Share of the tokens kept for validation.
+        /// Share of the tokens (text) or of each class's images kept for validation.
         #[arg(long, default_value_t = 0.1)]
         val_fraction: f64,
+        /// `gpt2` (GPT-2's BPE, built in) or the path of a Hugging Face tokenizer.json.
+        #[arg(long, default_value = "gpt2")]
+        tokenizer: String,
+        /// The JSON field or Parquet column that holds each document's text.
+        #[arg(long, default_value = "text")]
+        text_field: String,
+        /// Images: the side of the square tensors (shorter side resized to it, then center-cropped).
+        #[arg(long, default_value_t = 224)]
+        image_size: u32,
+        /// Images: the graph inputs the image [3, size, size] and its class label [] feed.
+        #[arg(long, default_value = "input")]
+        image_input: String,
+        #[arg(long, default_value = "labels")]
+        label_input: String,
+        /// Images: per-channel mean and standard deviation subtracted and divided after scaling to
+        /// [0, 1] (ImageNet's: --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225).
+        #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [0.0, 0.0, 0.0])]
+        mean: Vec<f32>,
+        #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [1.0, 1.0, 1.0])]
+        std: Vec<f32>,
+        /// Images: the seed of the train/val split and of the samples' order in the shards.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Describe a checkpoint, an ONNX model or a data shard.
     Inspect {
@@ -99,11 +129,48 @@ fn run(cli: Cli) -> Result<()> {
             println!("exported step {} of {} to {}", manifest.step, dir.display(), output.display());
             Ok(())
         }
-        Command::PrepareData { input, output, val_fraction } => {
+        Command::PrepareData {
+            input,
+            images,
+            output,
+            val_fraction,
+            tokenizer,
+            text_field,
+            image_size,
+            image_input,
+            label_input,
+            mean,
+            std,
+            seed,
+        } => {
             if !(0.0..1.0).contains(&val_fraction) {
                 return Err(Error::Config(format!("--val-fraction {val_fraction}: must be in [0, 1)")));
             }
-            prepare::prepare(&input, &output, val_fraction)
+            match images {
+                Some(folder) => {
+                    let (mean, std) = ([mean[0], mean[1], mean[2]], [std[0], std[1], std[2]]);
+                    if let Some(s) = std.iter().find(|s| !(**s > 0.0)) {
+                        return Err(Error::Config(format!("--std {s}: each channel's must be positive")));
+                    }
+                    if image_size == 0 {
+                        return Err(Error::Config("--image-size 0: must be positive".into()));
+                    }
+                    let opts = prepare::ImageOptions {
+                        size: image_size,
+                        input_name: image_input,
+                        label_name: label_input,
+                        mean,
+                        std,
+                        val_fraction,
+                        seed,
+                    };
+                    prepare::prepare_images(&folder, &output, &opts)
+                }
+                None => {
+                    let opts = prepare::TextOptions { tokenizer, text_field, val_fraction };
+                    prepare::prepare_text(&input, &output, &opts)
+                }
+            }
         }
         Command::Inspect { path, dims } => inspect::inspect(&path, &dims),
     }

@@ -22,7 +22,18 @@ fn write_split(dir: &Path, prefix: &str, tokens: &[u16]) -> Result<Vec<PathBuf>>
     Ok(files)
 }
 
-pub fn prepare(inputs: &[PathBuf], output: &Path, val_fraction: f64) -> Result<()> {
+/// What `prepare_text` tokenizes with, and where the text is.
+#[derive(Clone, Debug)]
+pub struct TextOptions {
+    /// `gpt2` or the path of a tokenizer.json.
+    pub tokenizer: String,
+    /// The JSON field or Parquet column of each document's text.
+    pub text_field: String,
+    pub val_fraction: f64,
+}
+
+pub fn prepare_text(inputs: &[PathBuf], output: &Path, opts: &TextOptions) -> Result<()> {
+    let val_fraction = opts.val_fraction;
     let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Runtime(format!("loading the GPT-2 BPE: {e}")))?;
     let mut tokens: Vec<u16> = Vec::new();
     for (i, path) in inputs.iter().enumerate() {

@@ -1,0 +1,26 @@
+//! `prepare-data`: what users bring, turned into the shards training reads, split into `train/`
+//! and `val/` under the output folder:
+//! - text (`text.rs`): plain text files, JSON Lines or Parquet, tokenized by GPT-2's BPE or a
+//!   Hugging Face `tokenizer.json` into llm.c's token shards;
+//! - images (`images.rs`): a folder in torchvision's ImageFolder layout (a subfolder per class)
+//!   into onnxSamples shards of image tensors and their class labels.
+
+pub mod images;
+pub mod text;
+
+pub use images::{prepare_images, ImageOptions};
+pub use text::{prepare_text, TextOptions};
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+/// A progress bar on stderr over `len` units of `unit` (bytes, rows, images); drawn only where
+/// stderr is a terminal, as `train`'s is.
+pub(crate) fn progress(len: u64, unit: &str) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(len), ProgressDrawTarget::stderr());
+    let template = match unit {
+        "bytes" => "{wide_bar} {bytes}/{total_bytes} ({bytes_per_sec}, {eta} left) {msg}".to_string(),
+        _ => format!("{{wide_bar}} {{pos}}/{{len}} {unit} ({{per_sec}}, {{eta}} left) {{msg}}"),
+    };
+    bar.set_style(ProgressStyle::with_template(&template).expect("a valid template"));
+    bar
+}
