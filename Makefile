@@ -170,15 +170,16 @@ bench-load: deps k8s
 	TENSORFLEET_E2E_CLUSTER="$$cluster" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
 		$(CARGO) bench -p tensorfleet-e2e --bench load
 
-# The models and PyTorch's numbers the tests against PyTorch read (worker/tests/data/torch_*/):
-# exported from PyTorch and Hugging Face transformers (random init, tiny configs) by the
-# export.py beside them, which also trains each module in PyTorch for the reference losses.
-# The files are committed, so `make test` needs no PyTorch; this target writes them again.
+# The fixtures of the tests against PyTorch and Hugging Face's libraries (worker/tests/data/*/,
+# each written by the export.py beside it): models exported from PyTorch and transformers
+# (random init, tiny configs) with PyTorch's reference losses, and tokenizers with the ids the
+# `tokenizers` library gives a corpus. The files are committed, so `make test` needs none of
+# those libraries; this target writes them again.
 test-data:
 	bash .ci/bench-deps.sh
 	.venv-bench/bin/pip install --quiet --requirement worker/tests/data/requirements-export.txt
 	.venv-bench/bin/pip install --quiet --no-deps torchvision==0.29.2
-	for d in worker/tests/data/torch_*/; do .venv-bench/bin/python "$$d/export.py" || exit 1; done
+	for f in worker/tests/data/*/export.py; do .venv-bench/bin/python "$$f" || exit 1; done
 
 # GPT-2 124M training throughput on this machine's GPU, next to PyTorch eager and torch.compile
 # in the same run (worker/benches/gpu_gpt2_124m.py; results in target/gpu-bench/gpu-bench.json).

@@ -149,8 +149,11 @@ fn run(cli: Cli) -> Result<()> {
             match images {
                 Some(folder) => {
                     let (mean, std) = ([mean[0], mean[1], mean[2]], [std[0], std[1], std[2]]);
-                    if let Some(s) = std.iter().find(|s| !(**s > 0.0)) {
+                    if let Some(s) = std.iter().find(|s| !s.is_finite() || **s <= 0.0) {
                         return Err(Error::Config(format!("--std {s}: each channel's must be positive")));
+                    }
+                    if let Some(m) = mean.iter().find(|m| !m.is_finite()) {
+                        return Err(Error::Config(format!("--mean {m}: each channel's must be finite")));
                     }
                     if image_size == 0 {
                         return Err(Error::Config("--image-size 0: must be positive".into()));

@@ -73,19 +73,42 @@ pub fn read_window(file: &std::fs::File, info: &ShardInfo, start: usize, count: 
     })
 }
 
-/// Writes a u16 shard (the format `prepare-data` produces).
-pub fn write_shard(path: &Path, tokens: &[u16]) -> Result<()> {
-    let mut out = Vec::with_capacity(HEADER_BYTES + 2 * tokens.len());
+/// A token as a shard stores it: u16 (llm.c's GPT-2 shards, vocabularies up to 65,536) or u32.
+pub trait ShardToken: Copy {
+    const MAGIC: i32;
+    const VERSION: i32;
+    fn put(self, out: &mut Vec<u8>);
+}
+
+impl ShardToken for u16 {
+    const MAGIC: i32 = MAGIC_U16;
+    const VERSION: i32 = 1;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+}
+
+impl ShardToken for u32 {
+    const MAGIC: i32 = MAGIC_U32;
+    const VERSION: i32 = 7;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+}
+
+/// Writes a shard of `tokens` (the format `prepare-data` produces), u16 or u32 as they are.
+pub fn write_shard<T: ShardToken>(path: &Path, tokens: &[T]) -> Result<()> {
+    let mut out = Vec::with_capacity(HEADER_BYTES + std::mem::size_of_val(tokens));
     let mut header = [0i32; 256];
-    header[0] = MAGIC_U16;
-    header[1] = 1;
+    header[0] = T::MAGIC;
+    header[1] = T::VERSION;
     header[2] = i32::try_from(tokens.len())
         .map_err(|_| Error::Config(format!("{}: too many tokens for one shard", path.display())))?;
     for w in header {
         out.extend_from_slice(&w.to_le_bytes());
     }
-    for t in tokens {
-        out.extend_from_slice(&t.to_le_bytes());
+    for &t in tokens {
+        t.put(&mut out);
     }
     std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
 }
