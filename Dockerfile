@@ -1,16 +1,27 @@
 # syntax=docker/dockerfile:1
-# tensorfleet images. Two targets:
-#   docker build --target operator -t tensorfleet/operator .   (or `make images` for both)
-#   docker build --target worker   -t tensorfleet/worker .
-# The development machines have no Docker engine, so this file is not built in CI.
+# tensorfleet images. Two targets, built by `make images` (e2e/images/build.sh) with Docker
+# where an engine answers and with buildah otherwise:
+#   docker build --target operator -t tensorfleet/operator:VERSION .
+#   docker build --target worker   -t tensorfleet/worker:VERSION .
+#
+# The bases are build arguments. The defaults come from registries (Docker Hub, gcr.io, NVIDIA's);
+# where those cannot be reached, e2e/images/build.sh makes local stand-ins of the same kinds
+# (Debian bookworm by mmdebstrap, the CUDA 13 libraries from NVIDIA's pip wheels) and passes
+# them here, with BINARIES=host and the binaries it built on the host in .images/bin/.
 
-# The worker's base; an ARG before the first FROM is what a later FROM can read.
+# The Rust toolchain image of the cargo stage (BINARIES=cargo).
+ARG RUST_IMAGE=rust:1-bookworm
+# The operator's base: glibc and libgcc (what a Rust binary links), nothing else.
+ARG OPERATOR_BASE=gcr.io/distroless/cc-debian12:nonroot
+# The worker's base: the CUDA runtime libraries it loads when a GPU is present.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.0-runtime-ubuntu24.04
+# Where the binaries come from: cargo (built in the image) or host (copied from .images/bin/).
+ARG BINARIES=cargo
 
-# ---- builder: both release binaries, from one workspace build ---------------------------------
-FROM rust:1-bookworm AS builder
+# ---- binaries-cargo: both release binaries, from one workspace build in the image ---------------
+FROM ${RUST_IMAGE} AS binaries-cargo
 # libclang-dev and libopenmpi-dev: the mpi crate generates its bindings with bindgen against
-# OpenMPI's headers; pkg-config finds them. Installed now so that enabling MPI changes no image.
+# OpenMPI's headers; pkg-config finds them.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libclang-dev libopenmpi-dev pkg-config \
  && rm -rf /var/lib/apt/lists/*
@@ -24,19 +35,26 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
  && mkdir -p /out \
  && cp target/release/tensorfleet-worker target/release/tensorfleet-operator /out/
 
+# ---- binaries-host: the same binaries, built on a bookworm host by e2e/images/build.sh ---------
+FROM scratch AS binaries-host
+COPY .images/bin/ /out/
+
+# ---- binaries: the stage BINARIES names (the other is skipped) ---------------------------------
+FROM binaries-${BINARIES} AS binaries
+
 # ---- operator: the controller alone, on a small base, not as root -----------------------------
-# distroless/cc has glibc and libgcc (what a Rust binary links) and nothing else: no shell,
-# no package manager, a small attack surface for a pod that holds cluster credentials.
-FROM gcr.io/distroless/cc-debian12:nonroot AS operator
-COPY --from=builder /out/tensorfleet-operator /usr/local/bin/tensorfleet-operator
-USER nonroot:nonroot
+# No shell, no package manager: a small attack surface for a pod that holds cluster credentials.
+# 65532 is distroless' nonroot user; the local base has no user database, so it is numeric.
+FROM ${OPERATOR_BASE} AS operator
+COPY --from=binaries /out/tensorfleet-operator /usr/local/bin/tensorfleet-operator
+USER 65532:65532
 ENTRYPOINT ["/usr/local/bin/tensorfleet-operator"]
 
 # ---- worker: one image for the launcher and the worker pods -----------------------------------
-# The CUDA runtime base brings the libraries the worker loads at run time when a GPU is present
-# (it loads them dynamically and runs on CPUs without them): NVRTC, cuBLASLt, and NCCL's
-# libnccl2 (libnccl.so.2; where a base lacks it, GPU collectives fall back to MPI with a warning). Its glibc (2.39) is newer than the
-# builder's (2.36), which is the direction that works.
+# The CUDA base brings the libraries the worker loads at run time when a GPU is present (it
+# loads them dynamically and runs on CPUs without them): NVRTC, cuBLASLt, and NCCL's
+# libnccl.so.2 (where a base lacks it, GPU collectives fall back to MPI with a warning). Its
+# glibc must be the builder's (2.36, bookworm) or newer: NVIDIA's ubuntu24.04 image has 2.39.
 FROM ${CUDA_IMAGE} AS worker
 # openmpi-bin: mpirun on the launcher and the OpenMPI libraries every rank links (libmpi.so.40,
 # the same soname as bookworm's, which the builder linked against).
@@ -51,6 +69,6 @@ RUN apt-get update \
 RUN sed -i 's/^#\?StrictModes.*/StrictModes no/' /etc/ssh/sshd_config \
  && printf 'Host *\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n' \
       >> /etc/ssh/ssh_config
-COPY --from=builder /out/tensorfleet-worker /usr/local/bin/tensorfleet-worker
+COPY --from=binaries /out/tensorfleet-worker /usr/local/bin/tensorfleet-worker
 # The operator sets each pod's command (sshd on workers, mpirun on the launcher).
 CMD ["tensorfleet-worker", "--help"]

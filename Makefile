@@ -209,13 +209,10 @@ gpu-bundle: deps
 	echo "$(CURDIR)" > $(GPU_BUNDLE)/built-at
 	du -sh $(GPU_BUNDLE)
 
-# Needs a Docker engine; the development machines and CI have none, so this is not built there.
-images:
-	@docker info >/dev/null 2>&1 || { \
-		echo "images: no Docker engine answers here ('docker info' failed); run 'make images' on a machine with one" >&2; \
-		exit 1; }
-	docker build --target operator --tag $(IMAGE_PREFIX)/operator:$(IMAGE_TAG) .
-	docker build --target worker --tag $(IMAGE_PREFIX)/worker:$(IMAGE_TAG) .
+# Both images from the Dockerfile, as archives under target/images/: with Docker where an engine
+# answers, else with buildah on local bases (e2e/images/build.sh says how; needs root here).
+images: deps
+	IMAGE_PREFIX=$(IMAGE_PREFIX) IMAGE_TAG=$(IMAGE_TAG) bash e2e/images/build.sh
 
 # Build outputs and run outputs; the venv and the demos' data are rebuilt by the next make.
 clean:

@@ -14,8 +14,8 @@
 #   e2e/kind/up.sh && e2e/kind/run-scenarios.sh && e2e/kind/down.sh
 #
 # Env: TENSORFLEET_KIND_SKIP_BUILD=1 uses images already built (e.g. by `make images`);
-# TENSORFLEET_CUDA_IMAGE=nvidia/cuda:<tag> builds the worker on another CUDA base (the
-# Dockerfile's CUDA_IMAGE; the default needs a driver for CUDA 13.0, i.e. 580 or newer);
+# TENSORFLEET_CUDA_IMAGE=nvidia/cuda:<tag> builds the worker on another CUDA 13 base (the
+# Dockerfile's CUDA_IMAGE; CUDA 13 needs a driver of 580 or newer);
 # TENSORFLEET_KIND_CLUSTER renames the cluster.
 set -euo pipefail
 # shellcheck source=e2e/kind/common.sh
@@ -44,9 +44,8 @@ grep -Eq '^[[:space:]]*accept-nvidia-visible-devices-as-volume-mounts[[:space:]]
         "'sudo nvidia-ctk config --in-place --set accept-nvidia-visible-devices-as-volume-mounts=true && sudo systemctl restart docker'"
 
 driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
-if [[ -z ${TENSORFLEET_CUDA_IMAGE:-} && ${driver%%.*} -lt 580 ]]; then
-    die "driver $driver is older than 580, which the worker image's CUDA 13.0 base needs: update the driver, or set" \
-        "TENSORFLEET_CUDA_IMAGE to a CUDA runtime image your driver supports (e.g. nvidia/cuda:12.8.1-runtime-ubuntu24.04)"
+if [[ ${driver%%.*} -lt 580 ]]; then
+    die "driver $driver is older than 580, which CUDA 13 (the libraries the worker loads) needs: update the driver"
 fi
 kind_version=$(kind version 2>/dev/null | awk 'NR == 1 { print $2 }')
 [[ $kind_version == "$KIND_VERSION" ]] || log "note: kind is $kind_version; these scripts were written for $KIND_VERSION"
