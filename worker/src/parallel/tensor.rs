@@ -7,7 +7,8 @@
 //! - **column → row pairs** (attention, MLP): a MatMul of a replicated activation by a weight
 //!   (`x·W`, or `x·Wᵀ` with W behind a Transpose, as PyTorch exports nn.Linear) starts a region
 //!   whose output columns are split; head-local ops (bias, Split into q/k/v, Reshape into heads,
-//!   Transpose, RoPE's Slice/Concat halves, the Expand that repeats kv-heads, the q·kᵀ and p·v
+//!   Transpose, a Reshape that folds the heads into the batch and back, RoPE's Slice/Concat
+//!   halves, the Expand that repeats kv-heads, the q·kᵀ and p·v
 //!   MatMuls, scale, mask, Softmax, GELU) keep the split; column regions that an op joins (Llama's
 //!   separate q, k and v products at q·kᵀ, SwiGLU's gate and up at their Mul) merge into one
 //!   region, whose every column MatMul gets the input copy; a MatMul of
@@ -142,12 +143,15 @@ impl TensorSplit {
 }
 
 /// A value inside a region: split along `axis`; `blocked` while the axis is still made of the
-/// region's blocks (before the Split that separates q, k and v).
+/// region's blocks (before the Split that separates q, k and v); `folded` runs of the split
+/// dimension make up the axis, each split alike, where a Reshape folded the axes before it into
+/// it (the dynamo exporter's attention folds heads into the batch: [B, H, T, D] → [B·H, T, D]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Sharded {
     axis: usize,
     region: usize,
     blocked: bool,
+    folded: usize,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,7 +241,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                         region.weight_uses.push(i);
                         region.weight_uses.extend(transpose);
                         a.regions.push(region);
-                        a.values.insert(out, Sharded { axis: rank - 1, region: r, blocked: true });
+                        a.values.insert(out, Sharded { axis: rank - 1, region: r, blocked: true, folded: 1 });
                         a.copies.push((i, 0));
                     }
                 }
@@ -281,10 +285,13 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
         let sharded: Vec<Option<Sharded>> =
             node.inputs.iter().map(|x| x.and_then(|v| a.values.get(&v).copied())).collect();
         let out_meta = |k: usize| node.output(k).map(meta);
-        let mark = |a: &mut Analysis, v: Option<ValueId>, axis: usize, blocked: bool| {
+        let mark_folded = |a: &mut Analysis, v: Option<ValueId>, axis: usize, blocked: bool, folded: usize| {
             if let Some(v) = v {
-                a.values.insert(v, Sharded { axis, region: r, blocked });
+                a.values.insert(v, Sharded { axis, region: r, blocked, folded });
             }
+        };
+        let mark = |a: &mut Analysis, v: Option<ValueId>, axis: usize, blocked: bool| {
+            mark_folded(a, v, axis, blocked, s.folded)
         };
         match &node.op {
             Op::Unary(_) | Op::Binary(_) | Op::Where | Op::Cast { .. } | Op::Identity => {
@@ -299,11 +306,11 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                     let xm = meta(x);
                     let offset = ro - xm.shape.len();
                     match sharded[k] {
-                        Some(xs) => ok &= xs.axis + offset == axis && xs.blocked == s.blocked,
+                        Some(xs) => ok &= xs.axis + offset == axis && xs.blocked == s.blocked && xs.folded == s.folded,
                         None if axis < offset || xm.shape[axis - offset] == 1 => {}
                         None => match weight_ref(g, &producers, x, axis - offset) {
                             // A bias over the split axis: split with it.
-                            Some((w, None, waxis)) => {
+                            Some((w, None, waxis)) if s.folded == 1 => {
                                 a.regions[r].weights.push((w, waxis, s.blocked));
                                 a.regions[r].weight_uses.push(i);
                             }
@@ -345,7 +352,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                     let k = node.outputs.len();
                     let equal = sizes.windows(2).all(|w| w[0] == w[1]);
                     let region = &mut a.regions[r];
-                    if !s.blocked || !equal || region.blocks.is_some_and(|b| b != k) {
+                    if !s.blocked || !equal || s.folded > 1 || region.blocks.is_some_and(|b| b != k) {
                         invalid(&mut a, format!("{} splits the split axis unevenly", node.describe()));
                         continue;
                     }
@@ -373,7 +380,9 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
             // RoPE's rotate-half: halves of the head dimension, concatenated back.
             Op::Concat { axis } => {
                 let rank = meta(node.input(0).unwrap()).shape.len();
-                let alike = sharded.iter().all(|x| x.is_some_and(|x| x.axis == s.axis && x.blocked == s.blocked));
+                let alike = sharded
+                    .iter()
+                    .all(|x| x.is_some_and(|x| x.axis == s.axis && x.blocked == s.blocked && x.folded == s.folded));
                 if alike && crate::graph::infer::norm_axis(*axis, rank) != Some(s.axis) {
                     mark(&mut a, node.output(0), s.axis, s.blocked);
                 } else {
@@ -392,12 +401,18 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
             }
             Op::Reshape => {
                 let (x, y) = (meta(node.input(0).unwrap()), out_meta(0).unwrap());
-                match reshape_axis(&x.shape, &y.shape, s.axis, size) {
-                    Some(axis) if !s.blocked || a.regions[r].blocks.unwrap_or(1) == 1 => {
+                let unblocked = !s.blocked || a.regions[r].blocks.unwrap_or(1) == 1;
+                let carried = match s.folded {
+                    1 => reshape_axis(&x.shape, &y.shape, s.axis, size).map(|axis| (axis, 1)),
+                    _ => None,
+                };
+                match carried.or_else(|| fold_axis(&x.shape, &y.shape, s.axis, s.folded)) {
+                    Some((axis, folded)) if unblocked => {
                         if s.blocked {
                             a.regions[r].blocks = Some(1);
                         }
-                        mark(&mut a, node.output(0), axis, s.blocked && x.shape[s.axis] == y.shape[axis]);
+                        let blocked = s.blocked && x.shape[s.axis] == y.shape[axis];
+                        mark_folded(&mut a, node.output(0), axis, blocked, folded);
                     }
                     _ => invalid(&mut a, format!("{} regroups the split axis", node.describe())),
                 }
@@ -410,6 +425,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                     // Per-head products: both split on the same batch axis.
                     (Some(p), Some(q))
                         if p.axis == q.axis
+                            && p.folded == q.folded
                             && p.axis + 2 < ro
                             && meta(x).shape.len() == ro
                             && meta(w).shape.len() == ro =>
@@ -417,19 +433,21 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                         mark(&mut a, node.output(0), p.axis, p.blocked && q.blocked)
                     }
                     // The row-parallel end.
-                    (Some(p), None) if p.axis + 1 == meta(x).shape.len() => match weight_ref(g, &producers, w, 0) {
-                        Some((weight, transpose, axis)) if !p.blocked || a.regions[r].blocks.unwrap_or(1) == 1 => {
-                            let region = &mut a.regions[r];
-                            if p.blocked {
-                                region.blocks = Some(1);
+                    (Some(p), None) if p.axis + 1 == meta(x).shape.len() && p.folded == 1 => {
+                        match weight_ref(g, &producers, w, 0) {
+                            Some((weight, transpose, axis)) if !p.blocked || a.regions[r].blocks.unwrap_or(1) == 1 => {
+                                let region = &mut a.regions[r];
+                                if p.blocked {
+                                    region.blocks = Some(1);
+                                }
+                                region.weights.push((weight, axis, false));
+                                region.weight_uses.push(i);
+                                region.weight_uses.extend(transpose);
+                                region.ends.push((i, End::Row));
                             }
-                            region.weights.push((weight, axis, false));
-                            region.weight_uses.push(i);
-                            region.weight_uses.extend(transpose);
-                            region.ends.push((i, End::Row));
+                            _ => invalid(&mut a, format!("{} multiplies the split axis by no weight", node.describe())),
                         }
-                        _ => invalid(&mut a, format!("{} multiplies the split axis by no weight", node.describe())),
-                    },
+                    }
                     _ => invalid(
                         &mut a,
                         format!("{} reads the split axis in a way that cannot stay split", node.describe()),
@@ -444,6 +462,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                     && node.output(1).is_none_or(|v| g.use_counts()[v] == 0)
                     && scores.shape.len() == 2
                     && s.axis == 1
+                    && s.folded == 1
                     && (!s.blocked || a.regions[r].blocks.unwrap_or(1) == 1);
                 if ok {
                     a.regions[r].blocks = Some(1);
@@ -509,6 +528,21 @@ fn reshape_axis(from: &[usize], to: &[usize], axis: usize, size: usize) -> Optio
         }
     }
     None
+}
+
+/// Where the split dimension lands after a Reshape from `from` to `to` that folds the axes
+/// before it into it or unfolds them again: the split axis `axis` of `from` holds `folded` runs
+/// of the split dimension; returns the output axis that holds whole runs of it, ending where
+/// its rows end, and how many runs that axis holds. ([B, H, T, D] → [B·H, T, D] with H split:
+/// axis 0 holding B runs; and back.)
+fn fold_axis(from: &[usize], to: &[usize], axis: usize, folded: usize) -> Option<(usize, usize)> {
+    let n = from[axis] / folded;
+    let runs_before = from[..axis].iter().product::<usize>() * folded;
+    let inner: usize = from[axis + 1..].iter().product();
+    (0..to.len()).find_map(|b| {
+        let (d, before, after) = (to[b], to[..b].iter().product::<usize>(), to[b + 1..].iter().product::<usize>());
+        (n > 0 && after == inner && d.is_multiple_of(n) && before * (d / n) == runs_before).then_some((b, d / n))
+    })
 }
 
 /// Shards the bound forward graph `g` for rank `rank` of a tensor-parallel group of `size`
@@ -602,7 +636,7 @@ fn rewrite(g: &mut Graph, a: &Analysis, rank: usize, size: usize) -> Result<BTre
             let b = blocks_of(s.region);
             b * share(n / b, rank, size).len()
         } else {
-            share(n, rank, size).len()
+            s.folded * share(n / s.folded, rank, size).len()
         }
     };
     let mut sharded_values: Vec<(ValueId, Sharded)> =
@@ -819,5 +853,18 @@ mod tests {
         assert_eq!(reshape_axis(&[2, 8, 50257], &[16, 50257], 2, 2), Some(1));
         // An odd head count cannot be split evenly.
         assert_eq!(reshape_axis(&[2, 8, 24], &[2, 8, 3, 8], 2, 2), None);
+    }
+
+    #[test]
+    fn a_reshape_folds_the_split_heads_into_the_batch_and_back() {
+        // [B,H,T,D] → [B·H,T,D]: H's split folds into axis 0 as B runs; the transposed
+        // [B·H,D,T] unfolds into [B,H,D,T] with H split again.
+        assert_eq!(reshape_axis(&[4, 6, 8, 2], &[24, 8, 2], 1, 2), None);
+        assert_eq!(fold_axis(&[4, 6, 8, 2], &[24, 8, 2], 1, 1), Some((0, 4)));
+        assert_eq!(fold_axis(&[24, 2, 8], &[4, 6, 2, 8], 0, 4), Some((1, 1)));
+        // Folding the axes after the split one in is not a fold of runs.
+        assert_eq!(fold_axis(&[4, 6, 8, 2], &[4, 96], 1, 1), None);
+        // A Reshape that moves rows across runs keeps nothing.
+        assert_eq!(fold_axis(&[24, 8, 2], &[12, 16, 2], 0, 4), None);
     }
 }
