@@ -172,7 +172,8 @@ bench-load: deps k8s
 
 # The models and PyTorch's numbers the tests against PyTorch read (worker/tests/data/torch_*/):
 # exported from PyTorch and Hugging Face transformers (random init, tiny configs) by the
-# export.py beside them, which also trains each module in PyTorch for the reference losses.
+# export.py beside them, which also trains each module in PyTorch for the reference losses;
+# and a tiny ImageFolder with torchvision's tensors of it (torch_images/, for prepare-data).
 # The files are committed, so `make test` needs no PyTorch; this target writes them again.
 test-data:
 	bash .ci/bench-deps.sh
