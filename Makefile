@@ -172,9 +172,10 @@ bench-load: deps k8s
 
 # The fixtures of the tests against PyTorch and Hugging Face's libraries (worker/tests/data/*/,
 # each written by the export.py beside it): models exported from PyTorch and transformers
-# (random init, tiny configs) with PyTorch's reference losses, and tokenizers with the ids the
-# `tokenizers` library gives a corpus. The files are committed, so `make test` needs none of
-# those libraries; this target writes them again.
+# (random init, tiny configs) with PyTorch's reference losses, tokenizers with the ids the
+# `tokenizers` library gives a corpus, and a tiny ImageFolder with torchvision's tensors of it.
+# The files are committed, so `make test` needs none of those libraries; this target writes
+# them again.
 test-data:
 	bash .ci/bench-deps.sh
 	.venv-bench/bin/pip install --quiet --requirement worker/tests/data/requirements-export.txt

@@ -76,9 +76,10 @@ enum Command {
         label_input: String,
         /// Images: per-channel mean and standard deviation subtracted and divided after scaling to
         /// [0, 1] (ImageNet's: --mean 0.485,0.456,0.406 --std 0.229,0.224,0.225).
-        #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [0.0, 0.0, 0.0])]
+        // Three values each, checked by the handler: clap's num_args = 3 counts "a,b,c" as one.
+        #[arg(long, value_delimiter = ',', default_values_t = [0.0, 0.0, 0.0])]
         mean: Vec<f32>,
-        #[arg(long, value_delimiter = ',', num_args = 3, default_values_t = [1.0, 1.0, 1.0])]
+        #[arg(long, value_delimiter = ',', default_values_t = [1.0, 1.0, 1.0])]
         std: Vec<f32>,
         /// Images: the seed of the train/val split and of the samples' order in the shards.
         #[arg(long, default_value_t = 0)]
@@ -148,7 +149,12 @@ fn run(cli: Cli) -> Result<()> {
             }
             match images {
                 Some(folder) => {
-                    let (mean, std) = ([mean[0], mean[1], mean[2]], [std[0], std[1], std[2]]);
+                    let per_channel = |flag: &str, v: &[f32]| {
+                        <[f32; 3]>::try_from(v).map_err(|_| {
+                            Error::Config(format!("--{flag} {v:?}: needs 3 values, one per channel (R,G,B)"))
+                        })
+                    };
+                    let (mean, std) = (per_channel("mean", &mean)?, per_channel("std", &std)?);
                     if let Some(s) = std.iter().find(|s| !s.is_finite() || **s <= 0.0) {
                         return Err(Error::Config(format!("--std {s}: each channel's must be positive")));
                     }
