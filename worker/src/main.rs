@@ -186,6 +186,12 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
+    // Rust ignores SIGPIPE, so a print to a closed pipe (`inspect MODEL | head -1`) would panic;
+    // the default action ends the process quietly, as it ends other Unix tools.
+    // SAFETY: signal() with SIG_DFL installs no handler; nothing else has touched SIGPIPE yet.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(

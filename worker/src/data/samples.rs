@@ -9,11 +9,13 @@ use crate::error::{Error, Result};
 use crate::onnx::proto::TensorProto;
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
 use crate::rng::Rng;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 use prost::Message;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 type Sample = Vec<(String, Tensor)>;
+/// What a sample's tensors must agree on across a data set: names, element types, shapes.
+type Signature = Vec<(String, DType, Vec<usize>)>;
 
 fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
@@ -73,6 +75,12 @@ pub fn write_shard(path: &Path, samples: &[Sample]) -> Result<()> {
     std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
 }
 
+/// A sample's tensors as `name: dtype[shape]`, for messages.
+fn describe(tensors: &Signature) -> String {
+    let parts: Vec<String> = tensors.iter().map(|(n, t, s)| format!("{n}: {t}{s:?}")).collect();
+    format!("[{}]", parts.join(", "))
+}
+
 pub struct SampleLoader {
     samples: Vec<Sample>,
     order: Vec<usize>,
@@ -82,9 +90,29 @@ pub struct SampleLoader {
 
 impl SampleLoader {
     pub fn open(path: &Path, key: &str, batching: Batching) -> Result<SampleLoader> {
+        // Every sample's tensors must match the first's in name, element type and shape: the
+        // batches stack them. Checked per shard, so that the message names the file.
         let mut samples = Vec::new();
+        let mut first: Option<(PathBuf, Signature)> = None;
         for f in shard_files(path, "pb", key)? {
-            samples.extend(read_shard(&f)?);
+            let shard = read_shard(&f)?;
+            for (i, sample) in shard.iter().enumerate() {
+                let these: Signature = sample.iter().map(|(n, t)| (n.clone(), t.dtype(), t.shape().to_vec())).collect();
+                match &first {
+                    None => first = Some((f.clone(), these)),
+                    Some((file, want)) if *want != these => {
+                        return Err(Error::Corrupt(format!(
+                            "{key}: sample shard {} sample {i} has tensors {}, but {} sample 0 has {}",
+                            f.display(),
+                            describe(&these),
+                            file.display(),
+                            describe(want)
+                        )));
+                    }
+                    Some(_) => {}
+                }
+            }
+            samples.extend(shard);
         }
         let global = batching.global_batch();
         if samples.len() < global {
@@ -97,13 +125,6 @@ impl SampleLoader {
                 path.display(),
                 samples.len()
             )));
-        }
-        let first: Vec<(&str, &[usize])> = samples[0].iter().map(|(n, t)| (n.as_str(), t.shape())).collect();
-        for (i, s) in samples.iter().enumerate() {
-            let these: Vec<(&str, &[usize])> = s.iter().map(|(n, t)| (n.as_str(), t.shape())).collect();
-            if these != first {
-                return Err(Error::Corrupt(format!("{key}: sample {i} has tensors {these:?}, sample 0 has {first:?}")));
-            }
         }
         let mut l = SampleLoader { samples, order: vec![], batching, pos: Position::default() };
         l.order = l.epoch_order(0);

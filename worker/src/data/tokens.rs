@@ -129,7 +129,16 @@ impl TokenLoader {
         let shards: Vec<ShardInfo> =
             shard_files(path, "bin", key)?.iter().map(|p| read_header(p)).collect::<Result<_>>()?;
         let (global, seq_len) = (batching.global_batch(), batching.seq_len);
-        if shards.iter().all(|s| s.tokens < global * seq_len + 1) {
+        // A window of global × seqLen tokens, plus the last label: sizes that overflow or are
+        // zero leave no window to read.
+        let Some(window) = global.checked_mul(seq_len).filter(|&w| w > 0 && w < usize::MAX) else {
+            return Err(Error::Config(format!(
+                "{key}: a batch of {global} sequences × seqLen {seq_len} tokens is {}; batchSize and \
+                 seqLen must be positive and their product a count of tokens a shard can hold",
+                if global == 0 || seq_len == 0 { "empty" } else { "too many tokens to address" }
+            )));
+        };
+        if shards.iter().all(|s| s.tokens < window + 1) {
             let ranks = match batching.partition.count {
                 1 => String::new(),
                 n => format!(" (batchSize {} × {n} data-parallel ranks)", batching.batch),

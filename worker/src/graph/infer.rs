@@ -46,11 +46,11 @@ pub fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     Some(out)
 }
 
-/// An axis in `-rank..rank` as an index.
+/// An axis in `-rank..rank` as an index; a scalar has none.
 pub fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
     let r = rank as i64;
     let a = if axis < 0 { axis + r } else { axis };
-    (0..r.max(1)).contains(&a).then_some(a as usize)
+    (0..r).contains(&a).then_some(a as usize)
 }
 
 /// Resolves auto_pad against input spatial dims; returns the window with explicit pads.
@@ -431,17 +431,21 @@ pub fn infer_node(
             let perm: Vec<i64> = perm.clone().unwrap_or_else(|| (0..r as i64).rev().collect());
             let mut seen = vec![false; r];
             let mut shape = Vec::with_capacity(r);
+            // Negative entries count from the end, as ONNX Runtime accepts them; the bound op
+            // holds them from the front, which every kernel and gradient rule reads.
+            let mut normalized = Vec::with_capacity(r);
             for &p in &perm {
                 let p = norm_axis(p, r).ok_or_else(|| err(node, format!("perm {perm:?} is not a permutation")))?;
                 if std::mem::replace(&mut seen[p], true) {
                     return Err(err(node, format!("perm {perm:?} is not a permutation")));
                 }
                 shape.push(x.shape[p]);
+                normalized.push(p as i64);
             }
             if perm.len() != r {
                 return Err(err(node, format!("perm {perm:?} does not match rank {r}")));
             }
-            (Op::Transpose { perm: Some(perm) }, vec![Meta::new(x.dtype, &shape)])
+            (Op::Transpose { perm: Some(normalized) }, vec![Meta::new(x.dtype, &shape)])
         }
         Op::Concat { axis } => {
             let first = m(0)?;
@@ -1067,7 +1071,7 @@ fn fold(
         .all(|(k, (i, c))| i.is_none() || c.is_some() || operands.contains(&k));
     match op {
         Op::Shape { start, end } => {
-            let x = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+            let x = metas.first().and_then(Option::as_ref).ok_or_else(|| err(node, "input 0 is missing"))?;
             let r = x.shape.len() as i64;
             let clamp = |v: i64| (if v < 0 { v + r } else { v }).clamp(0, r) as usize;
             let (s, e) = (clamp(*start), clamp(end.unwrap_or(r)));
@@ -1075,7 +1079,7 @@ fn fold(
             return Ok(Some(vec![Tensor::from_vec(&[dims.len()], dims)]));
         }
         Op::Size => {
-            let x = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+            let x = metas.first().and_then(Option::as_ref).ok_or_else(|| err(node, "input 0 is missing"))?;
             return Ok(Some(vec![Tensor::scalar(x.numel() as i64)]));
         }
         Op::Constant { value } => return Ok(Some(vec![value.clone()])),
@@ -1330,7 +1334,7 @@ fn expand_sum(
         node.inputs.iter().map(|i| i.ok_or_else(|| err(node, "an omitted input"))).collect::<Result<_>>()?;
     let output = node.output(0).ok_or_else(|| err(node, "no output"))?;
     let first = ins.first().ok_or_else(|| err(node, "no inputs"))?;
-    let dtype = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?.dtype;
+    let dtype = metas.first().and_then(Option::as_ref).ok_or_else(|| err(node, "input 0 is missing"))?.dtype;
     let mut nodes = Vec::new();
     let mut acc = *first;
     let last = ins.len() - 1 + mean as usize;
@@ -1362,7 +1366,7 @@ fn expand_norm(
     epsilon: f32,
 ) -> Result<Vec<Node>> {
     use super::op::{Binary, Reduce};
-    let x = metas[0].clone().ok_or_else(|| err(node, "input 0 is missing"))?;
+    let x = metas.first().cloned().flatten().ok_or_else(|| err(node, "input 0 is missing"))?;
     let scale = metas.get(1).cloned().flatten().ok_or_else(|| err(node, "scale (input 1) is missing"))?;
     let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);
     let r = x.shape.len();
@@ -1493,7 +1497,7 @@ fn expand_one_hot(
     if values.numel() != 2 {
         return Err(err(node, format!("values must be [off, on], not {} elements", values.numel())));
     }
-    let idx = metas[0].as_ref().ok_or_else(|| err(node, "input 0 is missing"))?;
+    let idx = metas.first().and_then(Option::as_ref).ok_or_else(|| err(node, "input 0 is missing"))?;
     let rank = idx.shape.len() + 1;
     let a = norm_axis(axis, rank).ok_or_else(|| err(node, format!("axis {axis} out of range for rank {rank}")))?;
     let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);

@@ -1,0 +1,169 @@
+//! Inputs that made the worker panic (exit 101) before (issue 22), each made again here from a
+//! committed model or shard with the one fault a fuzzer found: the worker must answer with the
+//! documented exit code (2 bad input, 3 corrupt) and a message naming the node or file, or, where
+//! the input is valid ONNX, train it as the unmodified model trains.
+
+use prost::Message;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use tensorfleet_worker::data::samples::write_shard;
+use tensorfleet_worker::data::tokens::write_shard as write_token_shard;
+use tensorfleet_worker::onnx::proto::{ModelProto, NodeProto};
+use tensorfleet_worker::tensor::Tensor;
+
+fn worker(args: &[&str], dir: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(dir).output().unwrap()
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tf-bad-input-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn hf(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_hf").join(file)
+}
+
+/// The committed model `file` with `fault` applied to its graph's nodes, written to `dir/name`.
+fn faulty(file: &Path, dir: &Path, name: &str, fault: impl FnOnce(&mut Vec<NodeProto>)) -> PathBuf {
+    let mut model = ModelProto::decode(std::fs::read(file).unwrap().as_slice()).unwrap();
+    fault(&mut model.graph.as_mut().unwrap().node);
+    let path = dir.join(name);
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    path
+}
+
+/// A config training `model` on the HF GPT-2's batches for `steps` steps.
+fn config(dir: &Path, model: &Path, steps: u32, out: &str) -> PathBuf {
+    let path = dir.join(format!("{out}.yaml"));
+    std::fs::write(
+        &path,
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits, ignoreIndex: -100}}}}}}\n\
+             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 4\nsteps: {steps}\noutput: {{dir: {out}}}\n",
+            model.display(),
+            hf("gpt2.pb").display()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn losses(dir: &Path) -> Vec<f64> {
+    std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["loss"].as_f64())
+        .collect()
+}
+
+/// The exit code and message of a refused input: not a panic, the documented code, the name.
+fn assert_refused(what: &str, o: &Output, code: i32, names: &str) {
+    let err = stderr(o);
+    assert!(!err.contains("panicked"), "{what}: {err}");
+    assert_eq!(o.status.code(), Some(code), "{what}: {err}");
+    assert!(err.contains(names), "{what}: the message names {names:?}: {err}");
+}
+
+/// ONNX Runtime takes Transpose's perm counted from the end too; the bound op now holds it from
+/// the front, where constant folding's kernel and the gradient rule indexed with it as given.
+#[test]
+fn a_transpose_perm_counted_from_the_end_trains_as_the_model_does() {
+    let dir = scratch("perm");
+    let negative = faulty(&hf("gpt2_torchscript.onnx"), &dir, "negative.onnx", |nodes| {
+        let mut changed = 0;
+        for n in nodes.iter_mut().filter(|n| n.op_type() == "Transpose") {
+            for a in n.attribute.iter_mut().filter(|a| a.name() == "perm") {
+                let rank = a.ints.len() as i64;
+                a.ints.iter_mut().for_each(|p| *p -= rank);
+                changed += 1;
+            }
+        }
+        assert!(changed > 0, "the model has Transposes with a perm");
+    });
+    for (model, out) in [(hf("gpt2_torchscript.onnx"), "plain"), (negative, "negative")] {
+        let o = worker(&["train", "--quiet", "--config", config(&dir, &model, 3, out).to_str().unwrap()], &dir);
+        assert!(o.status.success(), "{out}: {}", stderr(&o));
+    }
+    assert_eq!(losses(&dir.join("negative")), losses(&dir.join("plain")));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Nodes stripped of their inputs, or of the rank their axis needs: exit 3 naming the node.
+#[test]
+fn a_node_without_the_inputs_it_reads_is_named() {
+    let dir = scratch("inputs");
+    let shape = faulty(&hf("gpt2_dynamo.onnx"), &dir, "shape.onnx", |nodes| {
+        let n = nodes.iter_mut().find(|n| n.op_type() == "Shape").expect("a Shape node");
+        n.input.clear();
+    });
+    let o = worker(&["train", "--quiet", "--config", config(&dir, &shape, 1, "shape").to_str().unwrap()], &dir);
+    assert_refused("Shape without input", &o, 3, "(Shape)");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Samples whose tensors differ in element type cannot be stacked into a batch: exit 3 naming
+/// the shard and the sample (it panicked stacking them).
+#[test]
+fn samples_that_differ_in_element_type_name_the_shard() {
+    let dir = scratch("samples");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    let sample = |labels: Tensor| {
+        vec![("input_ids".to_string(), Tensor::from_vec(&[8], vec![1i64; 8])), ("labels".to_string(), labels)]
+    };
+    write_shard(&dir.join("data/a.pb"), &[sample(Tensor::from_vec(&[8], vec![2i64; 8]))]).unwrap();
+    write_shard(&dir.join("data/b.pb"), &[sample(Tensor::from_vec(&[8], vec![2i32; 8]))]).unwrap();
+    std::fs::write(
+        dir.join("t.yaml"),
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
+             data: {{train: {{path: data, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
+            hf("gpt2_torchscript.onnx").display()
+        ),
+    )
+    .unwrap();
+    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    assert_refused("mixed dtypes", &o, 3, "b.pb sample 0 has tensors [input_ids: int64[8], labels: int32[8]]");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// batchSize × seqLen past what a token count can hold wrapped to a small window, then divided
+/// by zero: exit 2 naming both.
+#[test]
+fn a_token_window_that_overflows_is_refused() {
+    let dir = scratch("tokens");
+    std::fs::create_dir_all(dir.join("tokens")).unwrap();
+    write_token_shard(&dir.join("tokens/a.bin"), &(0..64u16).collect::<Vec<_>>()).unwrap();
+    std::fs::write(
+        dir.join("t.yaml"),
+        "model: {gpt2: {layers: 1, heads: 2, embed: 16, seqLen: 4, vocab: 64}}\n\
+         data: {train: {path: tokens, format: tokens}}\nbatchSize: 4611686018427387904\nsteps: 1\n",
+    )
+    .unwrap();
+    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    assert_refused("overflowing window", &o, 2, "seqLen");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `inspect MODEL | head -1`: the pipe closes while the worker prints; it ends as Unix tools end
+/// (SIGPIPE), without a panic.
+#[test]
+fn a_closed_pipe_ends_inspect_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+        .args(["inspect", hf("gpt2_torchscript.onnx").to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
+    use std::os::unix::process::ExitStatusExt;
+    assert!(o.status.success() || o.status.signal() == Some(13), "{:?}", o.status);
+}
