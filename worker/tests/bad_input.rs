@@ -108,6 +108,33 @@ fn a_node_without_the_inputs_it_reads_is_named() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A convolution padded by 2^62 asked for an output no allocation holds; its sizes wrapped and
+/// the kernel indexed past them: exit 3 naming the node, before anything is allocated.
+#[test]
+fn a_window_too_large_to_address_is_named() {
+    let dir = scratch("pads");
+    let cnn = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn");
+    let padded = faulty(&cnn.join("resnet18_torchscript.onnx"), &dir, "padded.onnx", |nodes| {
+        let conv = nodes.iter_mut().find(|n| n.op_type() == "Conv").expect("a Conv");
+        let pads = conv.attribute.iter_mut().find(|a| a.name() == "pads").expect("pads");
+        pads.ints[1] = 1 << 62;
+    });
+    std::fs::write(
+        dir.join("t.yaml"),
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
+             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
+            padded.display(),
+            cnn.join("batches.pb").display()
+        ),
+    )
+    .unwrap();
+    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    assert_refused("pads of 2^62", &o, 3, "(Conv): its output");
+    assert!(stderr(&o).contains("too large to address"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Samples whose tensors differ in element type cannot be stacked into a batch: exit 3 naming
 /// the shard and the sample (it panicked stacking them).
 #[test]

@@ -64,8 +64,8 @@ pub fn resolve_window(w: &Window, spatial: &[usize]) -> Window {
         let mut pads = vec![0; 2 * n];
         for i in 0..n {
             let out = spatial[i].div_ceil(w.strides[i]);
-            let eff = (w.kernel[i] - 1) * w.dilations[i] + 1;
-            let total = ((out - 1) * w.strides[i] + eff).saturating_sub(spatial[i]);
+            let eff = (w.kernel[i] - 1).saturating_mul(w.dilations[i]).saturating_add(1);
+            let total = (out - 1).saturating_mul(w.strides[i]).saturating_add(eff).saturating_sub(spatial[i]);
             let (small, big) = (total / 2, total - total / 2);
             if w.auto_pad == "SAME_UPPER" {
                 pads[i] = small;
@@ -83,13 +83,24 @@ pub fn resolve_window(w: &Window, spatial: &[usize]) -> Window {
     w
 }
 
+/// An output no allocation can hold (its byte count overflows, or passes what Rust can
+/// allocate) is refused before anything is sized by it, naming the node.
+fn addressable(node: &Node, m: &Meta) -> Result<()> {
+    let bytes = m.shape.iter().try_fold(m.dtype.size(), |acc, &d| acc.checked_mul(d));
+    match bytes {
+        Some(b) if b <= isize::MAX as usize => Ok(()),
+        _ => Err(err(node, format!("its output {}{:?} is too large to address", m.dtype, m.shape))),
+    }
+}
+
 /// Output spatial size of a window over `spatial`.
 pub fn window_output(w: &Window, spatial: &[usize]) -> Option<Vec<usize>> {
     let n = spatial.len();
     (0..n)
         .map(|i| {
-            let eff = (w.kernel[i] - 1) * w.dilations[i] + 1;
-            let padded = spatial[i] + w.pads[i] + w.pads[i + n];
+            // Checked: a model's attributes can ask for sizes no machine addresses.
+            let eff = (w.kernel[i] - 1).checked_mul(w.dilations[i])?.checked_add(1)?;
+            let padded = spatial[i].checked_add(w.pads[i])?.checked_add(w.pads[i + n])?;
             if padded < eff {
                 return None;
             }
@@ -1084,11 +1095,15 @@ fn fold(
         }
         Op::Constant { value } => return Ok(Some(vec![value.clone()])),
         Op::ConstantOfShape { value } => {
-            let dims = consts[0]
+            let dims = consts
+                .first()
+                .copied()
+                .flatten()
                 .and_then(|t| t.to_i64_vec())
                 .ok_or_else(|| err(node, "the shape input must be known when the graph is planned"))?;
             let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
             let v = value.reshaped_scalar();
+            addressable(node, &Meta::new(v.dtype(), &shape))?;
             let mut out = Tensor::zeros(v.dtype(), &shape);
             kernels::broadcast_fill(&v, &mut out);
             return Ok(Some(vec![out]));
@@ -1217,6 +1232,9 @@ pub fn bind(graph: &Graph, bindings: &Bindings, training: bool) -> Result<Graph>
         let folded_early = matches!(node.op, Op::Shape { .. } | Op::ConstantOfShape { .. } | Op::Range | Op::Size);
         let (op, out_metas) =
             if folded_early { (node.op.clone(), vec![]) } else { infer_node(&node, &metas, &cvals, training)? };
+        for m in &out_metas {
+            addressable(&node, m)?;
+        }
         if let Some(values) = fold(&node, &op, &metas, &cvals, &out_metas)? {
             for (o, t) in node.outputs.iter().zip(values) {
                 if let Some(o) = o {

@@ -339,12 +339,38 @@ pub fn broadcast_fill(value: &Tensor, out: &mut Tensor) {
 
 /// ONNX Range over scalar start, limit, delta of one type.
 pub fn range(start: &Tensor, limit: &Tensor, delta: &Tensor) -> Result<Tensor, String> {
+    if [start, limit, delta].iter().any(|t| t.numel() != 1) {
+        let shapes = [start, limit, delta].map(|t| t.shape().to_vec());
+        return Err(format!("Range's start, limit and delta must be scalars, not {shapes:?}"));
+    }
     let (s, l, d) = (start.to_f64_vec()[0], limit.to_f64_vec()[0], delta.to_f64_vec()[0]);
     if d == 0.0 {
         return Err("Range delta is 0".into());
     }
-    let n = ((l - s) / d).ceil().max(0.0) as usize;
+    let count = ((l - s) / d).ceil().max(0.0);
+    // A range is an index list: past 2^31 entries it is a fault, not a sequence to build.
+    if count.is_nan() || count > i32::MAX as f64 {
+        return Err(format!("Range from {s} to {l} by {d} would hold {count} values"));
+    }
+    let n = count as usize;
     let vals: Vec<f64> = (0..n).map(|i| s + i as f64 * d).collect();
     let t = Tensor::from_vec(&[n], vals);
     Ok(t.cast(start.dtype()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn range_refuses_operands_that_are_not_scalars_and_counts_past_2_31() {
+        let scalar = |v: f32| Tensor::from_vec(&[], vec![v]);
+        let empty = Tensor::from_vec(&[0], Vec::<f32>::new());
+        assert_eq!(range(&scalar(0.0), &scalar(5.0), &scalar(2.0)).unwrap().to_f64_vec(), [0.0, 2.0, 4.0]);
+        let err = range(&empty, &scalar(5.0), &scalar(1.0)).unwrap_err();
+        assert!(err.contains("must be scalars"), "{err}");
+        let err = range(&scalar(0.0), &scalar(1e12), &scalar(1.0)).unwrap_err();
+        assert!(err.contains("would hold 999999995904 values"), "{err}"); // 1e12 in f32
+        assert!(range(&scalar(0.0), &scalar(f32::INFINITY), &scalar(1.0)).is_err());
+    }
 }
