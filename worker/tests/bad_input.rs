@@ -135,6 +135,38 @@ fn a_window_too_large_to_address_is_named() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A shape constant of 2^40 expanded at bind aborted the process when folding allocated 8 TB:
+/// exit 2 naming the node and the bytes it needs and the machine has.
+#[test]
+fn a_constant_larger_than_the_machine_is_refused_before_folding() {
+    let dir = scratch("expand");
+    let cnn = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn");
+    let huge = faulty(&cnn.join("mobilenet_v2_dynamo.onnx"), &dir, "huge.onnx", |nodes| {
+        let shapes: Vec<String> =
+            nodes.iter().filter(|n| n.op_type() == "Expand").filter_map(|n| n.input.get(1).cloned()).collect();
+        let constant = nodes
+            .iter_mut()
+            .find(|n| n.op_type() == "Constant" && n.output.iter().any(|o| shapes.contains(o)))
+            .expect("an Expand of a Constant shape");
+        let ints = constant.attribute.iter_mut().find(|a| a.name() == "value_ints").expect("value_ints");
+        ints.ints = vec![1 << 40];
+    });
+    std::fs::write(
+        dir.join("t.yaml"),
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
+             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
+            huge.display(),
+            cnn.join("batches.pb").display()
+        ),
+    )
+    .unwrap();
+    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    assert_refused("Expand to 2^40", &o, 2, "(Expand): folding its constant output int64[1099511627776]");
+    assert!(stderr(&o).contains("needs 8796093022208 bytes; this machine has"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Samples whose tensors differ in element type cannot be stacked into a batch: exit 3 naming
 /// the shard and the sample (it panicked stacking them).
 #[test]

@@ -93,6 +93,29 @@ fn addressable(node: &Node, m: &Meta) -> Result<()> {
     }
 }
 
+/// Folding computes a constant in this machine's memory: one larger than the memory (a
+/// constant expanded to 2^40 elements) is refused, naming the node and both sizes, rather than
+/// aborting the process when the allocation fails. Exit 2: the model asks more than the
+/// machine has, which a larger machine may give.
+fn fits_in_memory(node: &Node, m: &Meta) -> Result<()> {
+    static TOTAL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let total = TOTAL.get_or_init(|| {
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kib: usize = info.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    });
+    match total {
+        Some(total) if m.bytes() > *total => Err(Error::Config(format!(
+            "{}: folding its constant output {}{:?} needs {} bytes; this machine has {total}",
+            node.describe(),
+            m.dtype,
+            m.shape,
+            m.bytes()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Output spatial size of a window over `spatial`.
 pub fn window_output(w: &Window, spatial: &[usize]) -> Option<Vec<usize>> {
     let n = spatial.len();
@@ -1103,7 +1126,9 @@ fn fold(
                 .ok_or_else(|| err(node, "the shape input must be known when the graph is planned"))?;
             let shape: Vec<usize> = dims.iter().map(|&d| d.max(0) as usize).collect();
             let v = value.reshaped_scalar();
-            addressable(node, &Meta::new(v.dtype(), &shape))?;
+            let meta = Meta::new(v.dtype(), &shape);
+            addressable(node, &meta)?;
+            fits_in_memory(node, &meta)?;
             let mut out = Tensor::zeros(v.dtype(), &shape);
             kernels::broadcast_fill(&v, &mut out);
             return Ok(Some(vec![out]));
@@ -1125,6 +1150,9 @@ fn fold(
         return Ok(None);
     }
     let inputs: Vec<Option<&Tensor>> = consts.to_vec();
+    for m in outs {
+        fits_in_memory(node, m)?;
+    }
     let mut outputs: Vec<Tensor> = outs.iter().map(|m| Tensor::zeros(m.dtype, &m.shape)).collect();
     kernels::run_on_tensors(op, &inputs, &mut outputs).map_err(|e| err(node, e))?;
     Ok(Some(outputs))
