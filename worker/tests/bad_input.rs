@@ -167,6 +167,41 @@ fn a_constant_larger_than_the_machine_is_refused_before_folding() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// An LSTM over a sequence dimension of 2^31 unrolled for minutes (the fuzzer's inspect timed
+/// out); past 65,536 steps the layer is refused at once, naming it.
+#[test]
+fn a_recurrent_layer_too_long_to_unroll_is_refused_at_once() {
+    let dir = scratch("lstm");
+    let long = dir.join("long.onnx");
+    let mut model = ModelProto::decode(std::fs::read(hf("lstm_torchscript.onnx")).unwrap().as_slice()).unwrap();
+    let input = &mut model.graph.as_mut().unwrap().input[0];
+    let tensor_type = match input.r#type.as_mut().and_then(|t| t.value.as_mut()) {
+        Some(tensorfleet_worker::onnx::proto::type_proto::Value::TensorType(t)) => t,
+        other => panic!("a tensor input: {other:?}"),
+    };
+    let time = &mut tensor_type.shape.as_mut().unwrap().dim[1];
+    time.value = Some(tensorfleet_worker::onnx::proto::tensor_shape_proto::dimension::Value::DimValue(1 << 31));
+    std::fs::write(&long, model.encode_to_vec()).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+        .args(["inspect", long.to_str().unwrap()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() > 60 {
+            child.kill().ok();
+            panic!("inspect was still unrolling after 60 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = child.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("(LSTM): a sequence of 2147483648 steps"), "{out}{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Samples whose tensors differ in element type cannot be stacked into a batch: exit 3 naming
 /// the shard and the sample (it panicked stacking them).
 #[test]

@@ -28,6 +28,9 @@ const INITIAL_H: usize = 5;
 const INITIAL_C: usize = 6;
 const P_IN: usize = 7;
 
+/// The most steps (over all directions) a recurrent layer is unrolled into.
+const MAX_STEPS: usize = 1 << 16;
+
 /// The sizes read off the inputs.
 #[derive(Clone, Copy)]
 struct Sizes {
@@ -47,6 +50,18 @@ pub fn expand(
     r: &Recurrent,
 ) -> Result<Vec<Node>> {
     let s = sizes(node, metas, r)?;
+    // Unrolled, each step and direction is about a dozen nodes: a sequence longer than this
+    // is a fault (a wrong dimension), not something to build for minutes.
+    if s.steps.saturating_mul(s.dirs) > MAX_STEPS {
+        return Err(Error::Config(format!(
+            "{}: a sequence of {} steps in {} direction(s) would unroll into about {} nodes; at most {MAX_STEPS} \
+             steps are written out (is the sequence dimension right?)",
+            node.describe(),
+            s.steps,
+            s.dirs,
+            s.steps.saturating_mul(s.dirs).saturating_mul(12)
+        )));
+    }
     check_lengths(node, consts, s)?;
     if r.kind != RecurrentKind::Lstm && node.output(2).is_some() {
         return Err(err(node, "only LSTM has a third output (Y_c)"));
