@@ -39,7 +39,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 FROM scratch AS binaries-host
 COPY .images/bin/ /out/
 
-# ---- binaries: the stage BINARIES names (the other is skipped) ---------------------------------
+# ---- binaries: the stage BINARIES names (BuildKit, Docker's builder since 23, and buildah skip
+# the other; the legacy builder would build both and fail without .images/bin/) -----------------
 FROM binaries-${BINARIES} AS binaries
 
 # ---- operator: the controller alone, on a small base, not as root -----------------------------

@@ -44,7 +44,7 @@ fi
 
 if ! command -v buildah >/dev/null || ! command -v mmdebstrap >/dev/null; then
     stage "installing buildah and mmdebstrap (Debian packages)"
-    apt-get install -y --no-install-recommends buildah mmdebstrap >/dev/null
+    apt-get update -qq && apt-get install -y --no-install-recommends buildah mmdebstrap >/dev/null
 fi
 export STORAGE_DRIVER=${STORAGE_DRIVER:-vfs} BUILDAH_ISOLATION=${BUILDAH_ISOLATION:-chroot}
 work=$(mktemp -d /tmp/tensorfleet-images.XXXXXX)
@@ -85,7 +85,7 @@ if [[ $rebase == 1 ]] || ! has_image "$cuda"; then
     python3 -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
         "${platforms[@]/#/--platform=}" --dest "$wheels" "${CUDA_WHEELS[@]}"
     for w in "${CUDA_WHEELS[@]}"; do
-        file=$(ls "$wheels"/"$(echo "${w%%==*}" | tr - _)"-"${w##*==}"-*.whl)
+        file=$(ls "$wheels"/"$(echo "${w%%==*}" | tr - _)"-"${w##*==}"-*.whl | head -n 1)
         python3 - "$file" "$work/cuda" <<'EOF'
 import sys, zipfile, os
 # The shared libraries only (nvidia/*/lib/*.so*): no headers, static archives or Python.
@@ -130,7 +130,10 @@ buildah rm "$c" >/dev/null
 c=$(buildah from "$prefix/worker:$tag")
 buildah run "$c" -- tensorfleet-worker --version
 buildah run "$c" -- sh -c 'mpirun --version | head -n 1; ssh-keygen -A >/dev/null && /usr/sbin/sshd -t && echo "sshd: configuration valid"'
-buildah run "$c" -- sh -c 'ldconfig -p | grep -E "libnvrtc.so.13|libcublasLt.so.13|libnccl.so.2" | sed "s/ =>.*//"'
+for lib in libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
+    buildah run "$c" -- sh -c "ldconfig -p | grep -q '$lib '" || { echo "images: $lib is not in the worker's ld cache" >&2; exit 1; }
+    echo "$lib: in the ld cache"
+done
 buildah rm "$c" >/dev/null
 
 stage "done"

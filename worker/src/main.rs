@@ -186,13 +186,16 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() {
-    // Rust ignores SIGPIPE, so a print to a closed pipe (`inspect MODEL | head -1`) would panic;
-    // the default action ends the process quietly, as it ends other Unix tools.
-    // SAFETY: signal() with SIG_DFL installs no handler; nothing else has touched SIGPIPE yet.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
     let cli = Cli::parse();
+    // Rust ignores SIGPIPE, so a print to a closed pipe (`inspect MODEL | head -1`) would panic;
+    // for the commands a person pipes, the default action ends the process quietly, as it ends
+    // other Unix tools. `train` keeps the exit codes the operator reads.
+    if matches!(cli.command, Command::Inspect { .. } | Command::PrepareData { .. }) {
+        // SAFETY: signal() with SIG_DFL installs no handler; nothing else has touched SIGPIPE.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TENSORFLEET_LOG").unwrap_or_else(|_| "info".into()),

@@ -193,3 +193,48 @@ fn bad_input_names_the_file_and_line_or_row() {
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("adds no special tokens") && stderr(&o).contains("<|endoftext|>"), "{}", stderr(&o));
 }
+
+/// A vocabulary's size counts its entries; ids can lie past that count (a tokenizer.json with
+/// gaps): shards are u32 as soon as an id needs it, never truncated to u16.
+#[test]
+fn ids_past_65535_in_a_small_vocabulary_write_u32_shards() {
+    let dir = scratch("gaps");
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 3, "content": "<|endoftext|>", "single_word": false,
+            "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"a": 0, "far": 80_000, "[UNK]": 1}, "unk_token": "[UNK]"}
+    });
+    std::fs::write(dir.join("gaps.json"), tokenizer.to_string()).unwrap();
+    std::fs::write(dir.join("a.txt"), "a far b").unwrap();
+    let o = prepare(&["--input", "a.txt", "--tokenizer", "gaps.json", "--output", "out", "--val-fraction", "0"], &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(shard_tokens(&dir.join("out/train")), (vec![3, 0, 80_000, 1], 4));
+}
+
+/// A second run into the same folder replaces the first's shards (a larger corpus's extra
+/// shards and its val/ would otherwise be read with them); no documents at all is exit 2.
+#[test]
+fn a_rerun_replaces_the_shards_and_nothing_to_tokenize_is_refused() {
+    let dir = scratch("rerun");
+    std::fs::create_dir_all(dir.join("out/train")).unwrap();
+    std::fs::create_dir_all(dir.join("out/val")).unwrap();
+    std::fs::write(dir.join("out/train/train_000007.bin"), b"an earlier run's").unwrap();
+    std::fs::write(dir.join("out/val/val_000000.bin"), b"an earlier run's").unwrap();
+    std::fs::write(dir.join("a.txt"), "some text").unwrap();
+    let o = prepare(&["--input", "a.txt", "--output", "out", "--val-fraction", "0"], &dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names = |d: &str| -> Vec<String> {
+        let mut n: Vec<String> =
+            std::fs::read_dir(dir.join(d)).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into()).collect();
+        n.sort();
+        n
+    };
+    assert_eq!(names("out/train"), ["train_000000.bin"]);
+    assert!(names("out/val").is_empty());
+    std::fs::write(dir.join("empty.jsonl"), "\n\n").unwrap();
+    let o = prepare(&["--input", "empty.jsonl", "--output", "out2"], &dir);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("no documents"), "{}", stderr(&o));
+}

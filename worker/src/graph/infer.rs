@@ -65,7 +65,8 @@ pub fn resolve_window(w: &Window, spatial: &[usize]) -> Window {
         for i in 0..n {
             let out = spatial[i].div_ceil(w.strides[i]);
             let eff = (w.kernel[i] - 1).saturating_mul(w.dilations[i]).saturating_add(1);
-            let total = (out - 1).saturating_mul(w.strides[i]).saturating_add(eff).saturating_sub(spatial[i]);
+            let total =
+                out.saturating_sub(1).saturating_mul(w.strides[i]).saturating_add(eff).saturating_sub(spatial[i]);
             let (small, big) = (total / 2, total - total / 2);
             if w.auto_pad == "SAME_UPPER" {
                 pads[i] = small;
@@ -99,10 +100,15 @@ fn addressable(node: &Node, m: &Meta) -> Result<()> {
 /// machine has, which a larger machine may give.
 fn fits_in_memory(node: &Node, m: &Meta) -> Result<()> {
     static TOTAL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    // The machine's memory, or the container's limit where one is lower (cgroup v2, then v1).
     let total = TOTAL.get_or_init(|| {
         let info = std::fs::read_to_string("/proc/meminfo").ok()?;
         let kib: usize = info.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
+        let limit = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<usize>().ok());
+        let machine = kib.checked_mul(1024)?;
+        Some(limit.map_or(machine, |l| l.min(machine)))
     });
     match total {
         Some(total) if m.bytes() > *total => Err(Error::Config(format!(

@@ -541,7 +541,8 @@ fn fold_axis(from: &[usize], to: &[usize], axis: usize, folded: usize) -> Option
     let inner: usize = from[axis + 1..].iter().product();
     (0..to.len()).find_map(|b| {
         let (d, before, after) = (to[b], to[..b].iter().product::<usize>(), to[b + 1..].iter().product::<usize>());
-        (n > 0 && after == inner && d.is_multiple_of(n) && before * (d / n) == runs_before).then_some((b, d / n))
+        let runs = d.checked_div(n).unwrap_or(0);
+        (runs > 0 && after == inner && d.is_multiple_of(n) && before * runs == runs_before).then_some((b, runs))
     })
 }
 

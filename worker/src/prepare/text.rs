@@ -174,20 +174,41 @@ pub fn prepare_text(inputs: &[PathBuf], output: &Path, opts: &TextOptions) -> Re
     }
     stream.bar.finish_and_clear();
     let tokens = stream.tokens;
+    if stream.documents == 0 {
+        return Err(Error::Config(format!("--input: no documents in {} input(s), nothing to tokenize", inputs.len())));
+    }
     let n_val = ((tokens.len() as f64) * opts.val_fraction).round() as usize;
     let (val, train) = tokens.split_at(n_val);
-    let wide = tokenizer.vocab_size() > 1 << 16;
+    // u16 shards where every id fits: a vocabulary's size counts its entries, and a
+    // tokenizer.json with gaps or high added-token ids can give larger ids than that count.
+    let wide = tokenizer.vocab_size() > 1 << 16 || tokens.iter().any(|&t| t > u16::MAX as u32);
     for (split, part) in [("train", train), ("val", val)] {
+        let dir = output.join(split);
+        remove_stale_shards(&dir, split)?;
         if part.is_empty() && split == "val" {
             continue;
         }
-        let dir = output.join(split);
         let files = match wide {
             true => write_split(&dir, split, part)?,
             false => write_split(&dir, split, &part.iter().map(|&t| t as u16).collect::<Vec<_>>())?,
         };
         let width = if wide { "u32" } else { "u16" };
         println!("{split}: {} {width} tokens in {} shard(s) under {}", part.len(), files.len(), dir.display());
+    }
+    Ok(())
+}
+
+/// Removes `dir/{prefix}_*.bin` an earlier run left, which the loader would read beside this
+/// run's shards (another tokenizer's ids among them).
+fn remove_stale_shards(dir: &Path, prefix: &str) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("{prefix}_")) && name.ends_with(".bin") {
+            let path = entry.path();
+            std::fs::remove_file(&path)
+                .map_err(|e| Error::Runtime(format!("removing the stale shard {}: {e}", path.display())))?;
+        }
     }
     Ok(())
 }

@@ -348,8 +348,9 @@ pub fn range(start: &Tensor, limit: &Tensor, delta: &Tensor) -> Result<Tensor, S
         return Err("Range delta is 0".into());
     }
     let count = ((l - s) / d).ceil().max(0.0);
-    // A range is an index list: past 2^31 entries it is a fault, not a sequence to build.
-    if count.is_nan() || count > i32::MAX as f64 {
+    // A range is an index list: past 2^28 entries (2 GiB built in f64) it is a fault, not a
+    // sequence to build.
+    if count.is_nan() || count > (1u64 << 28) as f64 {
         return Err(format!("Range from {s} to {l} by {d} would hold {count} values"));
     }
     let n = count as usize;
@@ -363,7 +364,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn range_refuses_operands_that_are_not_scalars_and_counts_past_2_31() {
+    fn range_refuses_operands_that_are_not_scalars_and_counts_past_2_28() {
         let scalar = |v: f32| Tensor::from_vec(&[], vec![v]);
         let empty = Tensor::from_vec(&[0], Vec::<f32>::new());
         assert_eq!(range(&scalar(0.0), &scalar(5.0), &scalar(2.0)).unwrap().to_f64_vec(), [0.0, 2.0, 4.0]);
