@@ -3,6 +3,9 @@
 //! documented exit code (2 bad input, 3 corrupt) and a message naming the node or file, or, where
 //! the input is valid ONNX, train it as the unmodified model trains.
 
+mod common;
+
+use common::{scratch, stderr};
 use prost::Message;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -15,19 +18,28 @@ fn worker(args: &[&str], dir: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(dir).output().unwrap()
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tf-bad-input-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
 fn hf(file: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_hf").join(file)
+}
+
+fn cnn(file: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn").join(file)
+}
+
+/// A config training the CNN `model` one step on the torchvision batches.
+fn cnn_config(dir: &Path, model: &Path) -> PathBuf {
+    let path = dir.join("cnn.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
+             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
+            model.display(),
+            cnn("batches.pb").display()
+        ),
+    )
+    .unwrap();
+    path
 }
 
 /// The committed model `file` with `fault` applied to its graph's nodes, written to `dir/name`.
@@ -75,7 +87,7 @@ fn assert_refused(what: &str, o: &Output, code: i32, names: &str) {
 /// the front, where constant folding's kernel and the gradient rule indexed with it as given.
 #[test]
 fn a_transpose_perm_counted_from_the_end_trains_as_the_model_does() {
-    let dir = scratch("perm");
+    let dir = scratch("bad-input-perm");
     let negative = faulty(&hf("gpt2_torchscript.onnx"), &dir, "negative.onnx", |nodes| {
         let mut changed = 0;
         for n in nodes.iter_mut().filter(|n| n.op_type() == "Transpose") {
@@ -98,7 +110,7 @@ fn a_transpose_perm_counted_from_the_end_trains_as_the_model_does() {
 /// Nodes stripped of their inputs, or of the rank their axis needs: exit 3 naming the node.
 #[test]
 fn a_node_without_the_inputs_it_reads_is_named() {
-    let dir = scratch("inputs");
+    let dir = scratch("bad-input-inputs");
     let shape = faulty(&hf("gpt2_dynamo.onnx"), &dir, "shape.onnx", |nodes| {
         let n = nodes.iter_mut().find(|n| n.op_type() == "Shape").expect("a Shape node");
         n.input.clear();
@@ -112,24 +124,13 @@ fn a_node_without_the_inputs_it_reads_is_named() {
 /// the kernel indexed past them: exit 3 naming the node, before anything is allocated.
 #[test]
 fn a_window_too_large_to_address_is_named() {
-    let dir = scratch("pads");
-    let cnn = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn");
-    let padded = faulty(&cnn.join("resnet18_torchscript.onnx"), &dir, "padded.onnx", |nodes| {
+    let dir = scratch("bad-input-pads");
+    let padded = faulty(&cnn("resnet18_torchscript.onnx"), &dir, "padded.onnx", |nodes| {
         let conv = nodes.iter_mut().find(|n| n.op_type() == "Conv").expect("a Conv");
         let pads = conv.attribute.iter_mut().find(|a| a.name() == "pads").expect("pads");
         pads.ints[1] = 1 << 62;
     });
-    std::fs::write(
-        dir.join("t.yaml"),
-        format!(
-            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
-             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
-            padded.display(),
-            cnn.join("batches.pb").display()
-        ),
-    )
-    .unwrap();
-    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    let o = worker(&["train", "--quiet", "--config", cnn_config(&dir, &padded).to_str().unwrap()], &dir);
     assert_refused("pads of 2^62", &o, 3, "(Conv): its output");
     assert!(stderr(&o).contains("too large to address"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
@@ -139,9 +140,8 @@ fn a_window_too_large_to_address_is_named() {
 /// exit 2 naming the node and the bytes it needs and the machine has.
 #[test]
 fn a_constant_larger_than_the_machine_is_refused_before_folding() {
-    let dir = scratch("expand");
-    let cnn = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_cnn");
-    let huge = faulty(&cnn.join("mobilenet_v2_dynamo.onnx"), &dir, "huge.onnx", |nodes| {
+    let dir = scratch("bad-input-expand");
+    let huge = faulty(&cnn("mobilenet_v2_dynamo.onnx"), &dir, "huge.onnx", |nodes| {
         let shapes: Vec<String> =
             nodes.iter().filter(|n| n.op_type() == "Expand").filter_map(|n| n.input.get(1).cloned()).collect();
         let constant = nodes
@@ -151,17 +151,7 @@ fn a_constant_larger_than_the_machine_is_refused_before_folding() {
         let ints = constant.attribute.iter_mut().find(|a| a.name() == "value_ints").expect("value_ints");
         ints.ints = vec![1 << 40];
     });
-    std::fs::write(
-        dir.join("t.yaml"),
-        format!(
-            "model: {{onnx: {{path: {}, loss: {{type: softmaxCrossEntropy, output: logits}}}}}}\n\
-             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
-            huge.display(),
-            cnn.join("batches.pb").display()
-        ),
-    )
-    .unwrap();
-    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    let o = worker(&["train", "--quiet", "--config", cnn_config(&dir, &huge).to_str().unwrap()], &dir);
     assert_refused("Expand to 2^40", &o, 2, "(Expand): folding its constant output int64[1099511627776]");
     assert!(stderr(&o).contains("needs 8796093022208 bytes; this machine has"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
@@ -171,7 +161,7 @@ fn a_constant_larger_than_the_machine_is_refused_before_folding() {
 /// out); past 65,536 steps the layer is refused at once, naming it.
 #[test]
 fn a_recurrent_layer_too_long_to_unroll_is_refused_at_once() {
-    let dir = scratch("lstm");
+    let dir = scratch("bad-input-lstm");
     let long = dir.join("long.onnx");
     let mut model = ModelProto::decode(std::fs::read(hf("lstm_torchscript.onnx")).unwrap().as_slice()).unwrap();
     let input = &mut model.graph.as_mut().unwrap().input[0];
@@ -206,7 +196,7 @@ fn a_recurrent_layer_too_long_to_unroll_is_refused_at_once() {
 /// the shard and the sample (it panicked stacking them).
 #[test]
 fn samples_that_differ_in_element_type_name_the_shard() {
-    let dir = scratch("samples");
+    let dir = scratch("bad-input-samples");
     std::fs::create_dir_all(dir.join("data")).unwrap();
     let sample = |labels: Tensor| {
         vec![("input_ids".to_string(), Tensor::from_vec(&[8], vec![1i64; 8])), ("labels".to_string(), labels)]
@@ -231,7 +221,7 @@ fn samples_that_differ_in_element_type_name_the_shard() {
 /// by zero: exit 2 naming both.
 #[test]
 fn a_token_window_that_overflows_is_refused() {
-    let dir = scratch("tokens");
+    let dir = scratch("bad-input-tokens");
     std::fs::create_dir_all(dir.join("tokens")).unwrap();
     write_token_shard(&dir.join("tokens/a.bin"), &(0..64u16).collect::<Vec<_>>()).unwrap();
     std::fs::write(

@@ -4,6 +4,9 @@
 //! made of its image (tests/data/torch_images/export.py wrote both). Then the train/val split,
 //! and the errors that name what is wrong.
 
+mod common;
+
+use common::scratch;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,13 +22,6 @@ const JPEG_LEVELS: f32 = 3.0;
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
-}
-
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tf-images-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 fn data() -> PathBuf {
@@ -70,7 +66,7 @@ fn samples(dir: &Path) -> Vec<(i64, Vec<f32>)> {
 #[test]
 fn samples_are_torchvisions_tensors() {
     let want = expected();
-    let dir = scratch("torchvision");
+    let dir = scratch("images-torchvision");
     let o = prepare(&data().join("folder"), &dir, &["--val-fraction", "0"]).output().unwrap();
     assert!(o.status.success(), "prepare-data: {}", text(&o.stderr));
     let stdout = text(&o.stdout);
@@ -134,7 +130,7 @@ fn samples_are_torchvisions_tensors() {
 
 #[test]
 fn val_takes_its_share_of_each_class_and_the_output_is_seeded() {
-    let dir = scratch("split");
+    let dir = scratch("images-split");
     let all = dir.join("all");
     assert!(prepare(&data().join("folder"), &all, &["--val-fraction", "0"]).output().unwrap().status.success());
     let half = dir.join("half");
@@ -191,7 +187,7 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn bad_folders_exit_2_and_undecodable_images_exit_3_naming_them() {
-    let dir = scratch("errors");
+    let dir = scratch("images-errors");
     let out = dir.join("out");
 
     let missing = dir.join("no-such-folder");

@@ -7,6 +7,9 @@
 //! exactly those ids, document after document; bad input exits 2 or 3 naming the file and line
 //! or row.
 
+mod common;
+
+use common::{scratch, stderr};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -16,13 +19,6 @@ fn data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/hf_tokenizers")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("tf-prepare-text-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 fn prepare(args: &[&str], dir: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
         .arg("prepare-data")
@@ -30,10 +26,6 @@ fn prepare(args: &[&str], dir: &Path) -> Output {
         .current_dir(dir)
         .output()
         .unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// Every token of the shards under `dir`, in file order, and their width in bytes.
@@ -63,7 +55,7 @@ fn stream(t: &Value, docs: impl Iterator<Item = usize>) -> Vec<u32> {
 
 #[test]
 fn tokens_match_hugging_face_tokenizers_from_jsonl_parquet_and_text() {
-    let (d, dir) = (data(), scratch("oracle"));
+    let (d, dir) = (data(), scratch("prepare-text-oracle"));
     let e: Value = serde_json::from_str(&std::fs::read_to_string(d.join("expected.json")).unwrap()).unwrap();
     let n = e["documents"].as_array().unwrap().len();
     let inputs = ["docs.jsonl", "docs_snappy.parquet", "docs_zstd.parquet", "doc_0.txt", "doc_1.txt", "doc_2.txt"];
@@ -93,7 +85,7 @@ fn tokens_match_hugging_face_tokenizers_from_jsonl_parquet_and_text() {
 
 #[test]
 fn validation_takes_the_first_tokens() {
-    let (d, dir) = (data(), scratch("val"));
+    let (d, dir) = (data(), scratch("prepare-text-val"));
     let e: Value = serde_json::from_str(&std::fs::read_to_string(d.join("expected.json")).unwrap()).unwrap();
     let n = e["documents"].as_array().unwrap().len();
     let (input, tokenizer) = (d.join("docs.jsonl"), d.join("gpt2_style.json"));
@@ -129,7 +121,7 @@ fn word_level(words: usize, separator: bool) -> String {
 
 #[test]
 fn vocabularies_past_65536_write_u32_shards() {
-    let dir = scratch("wide");
+    let dir = scratch("prepare-text-wide");
     std::fs::write(dir.join("wide.json"), word_level(70_000, true)).unwrap();
     std::fs::write(dir.join("a.txt"), "w69999 w3 w65536 nope").unwrap();
     let o = prepare(&["--input", "a.txt", "--tokenizer", "wide.json", "--output", "out", "--val-fraction", "0"], &dir);
@@ -143,7 +135,7 @@ fn vocabularies_past_65536_write_u32_shards() {
 /// (unreadable), the message naming the file and line or row, and no output written.
 #[test]
 fn bad_input_names_the_file_and_line_or_row() {
-    let (d, dir) = (data(), scratch("bad"));
+    let (d, dir) = (data(), scratch("prepare-text-bad"));
     let gpt2_style = d.join("gpt2_style.json").display().to_string();
     std::fs::write(dir.join("bad.jsonl"), "{\"text\": \"fine\"}\n\n{\"text\": \"cut\n").unwrap();
     std::fs::write(dir.join("field.jsonl"), "{\"text\": \"fine\"}\n{\"body\": \"x\", \"id\": 2}\n").unwrap();
@@ -198,7 +190,7 @@ fn bad_input_names_the_file_and_line_or_row() {
 /// gaps): shards are u32 as soon as an id needs it, never truncated to u16.
 #[test]
 fn ids_past_65535_in_a_small_vocabulary_write_u32_shards() {
-    let dir = scratch("gaps");
+    let dir = scratch("prepare-text-gaps");
     let tokenizer = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null,
         "added_tokens": [{"id": 3, "content": "<|endoftext|>", "single_word": false,
@@ -217,7 +209,7 @@ fn ids_past_65535_in_a_small_vocabulary_write_u32_shards() {
 /// shards and its val/ would otherwise be read with them); no documents at all is exit 2.
 #[test]
 fn a_rerun_replaces_the_shards_and_nothing_to_tokenize_is_refused() {
-    let dir = scratch("rerun");
+    let dir = scratch("prepare-text-rerun");
     std::fs::create_dir_all(dir.join("out/train")).unwrap();
     std::fs::create_dir_all(dir.join("out/val")).unwrap();
     std::fs::write(dir.join("out/train/train_000007.bin"), b"an earlier run's").unwrap();

@@ -251,20 +251,6 @@ fn sample_bytes(opts: &ImageOptions) -> usize {
         .sum::<usize>()
 }
 
-/// Removes `dir/prefix_NNNNNN.pb` from number `from` on: an earlier run's shards beyond this
-/// run's, which the loader would otherwise read with them.
-fn remove_stale_shards(dir: &Path, prefix: &str, from: usize) -> Result<()> {
-    for i in from.. {
-        let path = dir.join(format!("{prefix}_{i:06}.pb"));
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(Error::Runtime(format!("removing the stale shard {}: {e}", path.display()))),
-        }
-    }
-    Ok(())
-}
-
 /// Decodes `items` shard by shard (in parallel within a shard; the order is the items', whatever
 /// the thread count) and writes `dir/prefix_NNNNNN.pb`. Returns the number of shards.
 fn write_split(
@@ -290,7 +276,7 @@ fn write_split(
         write_shard(&dir.join(format!("{prefix}_{shards:06}.pb")), &samples)?;
         shards += 1;
     }
-    remove_stale_shards(dir, prefix, shards)?;
+    super::remove_stale_shards(dir, prefix, "pb", shards)?;
     Ok(shards)
 }
 
@@ -317,7 +303,7 @@ pub fn prepare_images(folder: &Path, output: &Path, opts: &ImageOptions) -> Resu
     let train_shards = write_split(&train_dir, "train", &train, opts, &bar)?;
     let val_dir = output.join("val");
     let val_shards = if val.is_empty() {
-        remove_stale_shards(&val_dir, "val", 0)?;
+        super::remove_stale_shards(&val_dir, "val", "pb", 0)?;
         0
     } else {
         write_split(&val_dir, "val", &val, opts, &bar)?

@@ -11,7 +11,9 @@ pub mod text;
 pub use images::{prepare_images, ImageOptions};
 pub use text::{prepare_text, TextOptions};
 
+use crate::error::{Error, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::path::Path;
 
 /// A progress bar on stderr over `len` units of `unit` (bytes, rows, images); drawn only where
 /// stderr is a terminal, as `train`'s is.
@@ -23,4 +25,21 @@ pub(crate) fn progress(len: u64, unit: &str) -> ProgressBar {
     };
     bar.set_style(ProgressStyle::with_template(&template).expect("a valid template"));
     bar
+}
+
+/// Removes the shards `dir/{prefix}_NNNNNN.{extension}` numbered `from` or later that an earlier
+/// run left, which the loader would otherwise read beside this run's (another tokenizer's ids,
+/// another image size).
+pub(crate) fn remove_stale_shards(dir: &Path, prefix: &str, extension: &str, from: usize) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let number = name.strip_prefix(&format!("{prefix}_")).and_then(|n| n.strip_suffix(&format!(".{extension}")));
+        if number.and_then(|n| n.parse::<usize>().ok()).is_some_and(|n| n >= from) {
+            let path = entry.path();
+            std::fs::remove_file(&path)
+                .map_err(|e| Error::Runtime(format!("removing the stale shard {}: {e}", path.display())))?;
+        }
+    }
+    Ok(())
 }

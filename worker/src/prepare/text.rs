@@ -184,8 +184,8 @@ pub fn prepare_text(inputs: &[PathBuf], output: &Path, opts: &TextOptions) -> Re
     let wide = tokenizer.vocab_size() > 1 << 16 || tokens.iter().any(|&t| t > u16::MAX as u32);
     for (split, part) in [("train", train), ("val", val)] {
         let dir = output.join(split);
-        remove_stale_shards(&dir, split)?;
         if part.is_empty() && split == "val" {
+            super::remove_stale_shards(&dir, split, "bin", 0)?;
             continue;
         }
         let files = match wide {
@@ -198,21 +198,6 @@ pub fn prepare_text(inputs: &[PathBuf], output: &Path, opts: &TextOptions) -> Re
     Ok(())
 }
 
-/// Removes `dir/{prefix}_*.bin` an earlier run left, which the loader would read beside this
-/// run's shards (another tokenizer's ids among them).
-fn remove_stale_shards(dir: &Path, prefix: &str) -> Result<()> {
-    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(()) };
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&format!("{prefix}_")) && name.ends_with(".bin") {
-            let path = entry.path();
-            std::fs::remove_file(&path)
-                .map_err(|e| Error::Runtime(format!("removing the stale shard {}: {e}", path.display())))?;
-        }
-    }
-    Ok(())
-}
-
 fn write_split<T: ShardToken>(dir: &Path, prefix: &str, tokens: &[T]) -> Result<Vec<PathBuf>> {
     std::fs::create_dir_all(dir).map_err(|e| Error::Runtime(format!("{}: {e}", dir.display())))?;
     let mut files = Vec::new();
@@ -221,6 +206,7 @@ fn write_split<T: ShardToken>(dir: &Path, prefix: &str, tokens: &[T]) -> Result<
         write_shard(&p, chunk)?;
         files.push(p);
     }
+    super::remove_stale_shards(dir, prefix, "bin", files.len())?;
     Ok(files)
 }
 

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Output};
 use tensorfleet_worker::backend::{Arg, Backend};
 use tensorfleet_worker::graph::ir::Meta;
 use tensorfleet_worker::graph::op::Op;
@@ -78,4 +78,19 @@ pub fn close_as_f32(what: &str, got: &[Tensor], reference: &[Tensor], tol: f32) 
         let worst = gs.iter().zip(cs).fold(0f32, |m, (&a, &b)| m.max(differs(a, b)));
         assert!(worst <= tol * largest, "{what}, output {k}: differs by {worst} (largest {largest})");
     }
+}
+
+/// A fresh, empty directory for one test, `tf-<name>-<pid>` under the temp dir.
+#[allow(dead_code)] // the tests that run the worker binary
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("tf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A finished command's stderr, as text.
+#[allow(dead_code)] // the tests that run the worker binary
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
 }
