@@ -14,12 +14,14 @@
 # or to gpu-session/ where OUT is unset; the benchmark's rows gather in one gpu-bench.json
 # across bench calls on one machine. Should the tensor-core attention fail,
 # TENSORFLEET_CUDA_ATTENTION=warp before the command runs everything on the warp kernels
-# without a rebuild.
+# without a rebuild. GPU_BUNDLE=<folder> runs another bundle than .gpu-bundle (for a baseline:
+# `make gpu-bundle GPU_BUNDLE=.gpu-bundle-base` on the earlier commit, carried beside the
+# other, so that before and after are measured in one call on one machine).
 set -euo pipefail
 mode=${1:?"usage: gpu_session.sh all|check|bench [benchmark arguments]"}
 shift
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-bundle=.gpu-bundle
+bundle=${GPU_BUNDLE:-.gpu-bundle}
 [[ -f $bundle/built-at ]] || { echo "gpu_session: no $bundle here; run 'make gpu-bundle' and carry it" >&2; exit 2; }
 out=${OUT:-gpu-session}
 mkdir -p "$out"

@@ -142,6 +142,29 @@ __device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 r0, const f
     }
 }
 
+// Which columns of a tile the lane's two accumulator rows (h = 0, 1) count, as a range [lo, hi)
+// of the tile's columns: one comparison or two per element, in 32 bits, instead of the mask's
+// 64-bit arithmetic (most tiles count every column; the element-wise work beside the products
+// is what bounds these kernels). Forward and dq: rows are queries r0 + g + 8h, columns keys
+// from k0; a key counts below tk and, under the causal mask, up to the row.
+__device__ __forceinline__ int clamp_cols(i64 x, int kt) { return x < 0 ? 0 : (x > kt ? kt : (int)x); }
+__device__ __forceinline__ void keys_seen(int (&hi)[2], i64 r0, i64 k0, i64 tk, int causal, int kt, int g) {
+    for (int h = 0; h < 2; ++h) {
+        i64 end = tk - k0, diagonal = r0 + g + 8 * h - k0 + 1;
+        hi[h] = clamp_cols(causal && diagonal < end ? diagonal : end, kt);
+    }
+}
+// dk and dv: rows are keys r0 + g + 8h (none past tk), columns queries from q0; a query counts
+// below tq and, under the causal mask, from the key on.
+__device__ __forceinline__ void queries_seen(int (&lo)[2], int& hi, i64 r0, i64 q0, i64 tq, i64 tk, int causal,
+                                             int kt, int g) {
+    hi = clamp_cols(tq - q0, kt);
+    for (int h = 0; h < 2; ++h) {
+        i64 key = r0 + g + 8 * h, from = causal ? key - q0 : 0;
+        lo[h] = key >= tk ? kt : clamp_cols(from, kt);
+    }
+}
+
 // The sum (or max) over the four lanes that hold one accumulator row.
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
@@ -177,12 +200,14 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
             float s[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(s, qa, ks[j], d);
             float mx[2] = {m[0], m[1]};
+            int hi[2];
+            keys_seen(hi, r0, k0, tk, causal, KT, g);
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    i64 row = r0 + g + 8 * (i >> 1), col = k0 + nt * 8 + 2 * t + (i & 1);
-                    float x = col < tk && (!causal || col <= row) ? s[nt][i] * (scale * LOG2E) : NEG_INF;
+                    int col = nt * 8 + 2 * t + (i & 1);
+                    float x = col < hi[i >> 1] ? s[nt][i] * (scale * LOG2E) : NEG_INF;
                     s[nt][i] = x;
                     mx[i >> 1] = fmaxf(mx[i >> 1], x);
                 }
@@ -253,14 +278,14 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
             float p[KT / 8][4], dp[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(p, qa, ks[j], d);
             rows_dot_tile<S, DMAX, KT>(dp, dya, vs[j], d);
+            int hi[2];
+            keys_seen(hi, r0, k0, tk, causal, KT, g);
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    int h = i >> 1;
-                    i64 row = r0 + g + 8 * h, col = k0 + nt * 8 + 2 * t + (i & 1);
-                    bool seen = col < tk && (!causal || col <= row);
-                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
+                    int h = i >> 1, col = nt * 8 + 2 * t + (i & 1);
+                    float pij = col < hi[h] ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
                     p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
                 }
             acc_times_tile<S, DMAX, KT>(acc, p, ks[j], d);
@@ -313,13 +338,14 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
             float p[KT / 8][4], dp[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(p, ka, qs[j], d);   // scoresᵀ: keys × queries
             rows_dot_tile<S, DMAX, KT>(dp, va, dys[j], d);  // (dy·vᵀ)ᵀ
+            int lo[2], hi;
+            queries_seen(lo, hi, r0, q0, tq, tk, causal, KT, g);
 #pragma unroll
             for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
                     int c = nt * 8 + 2 * t + (i & 1);
-                    i64 key = r0 + g + 8 * (i >> 1), query = q0 + c;
-                    bool seen = query < tq && key < tk && (!causal || query >= key);
+                    bool seen = c >= lo[i >> 1] && c < hi;
                     float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[c]) : 0.f;
                     p[nt][i] = pij;
                     dp[nt][i] = pij * (dp[nt][i] - row_delta[c]);

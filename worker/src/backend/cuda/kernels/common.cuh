@@ -127,6 +127,30 @@ __device__ __forceinline__ Quad ld_quad(const u16* p) { return *(const Quad*)p; 
 __device__ __forceinline__ void st_quad(u16* p, Quad q) { *(Quad*)p = q; }
 #endif
 
+// N adjacent elements of type T as one access of N·sizeof(T) bytes (16 at most), from or to an
+// address aligned to that: the element-wise kernels' contiguous paths, whose per-element loads
+// move too few bytes per instruction to reach the memory's bandwidth.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+    T e[N];
+};
+#ifdef TF_EMULATE
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> ld_vec(const T* p) {
+    Vec<T, N> v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+template <typename T, int N>
+__device__ __forceinline__ void st_vec(T* p, const Vec<T, N>& v) { memcpy(p, &v, sizeof v); }
+#else
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> ld_vec(const T* p) { return *(const Vec<T, N>*)p; }
+template <typename T, int N>
+__device__ __forceinline__ void st_vec(T* p, const Vec<T, N>& v) { *(Vec<T, N>*)p = v; }
+#endif
+__device__ __forceinline__ bool aligned16(const void* p) { return ((u64)p & 15) == 0; }
+
 // Asynchronous 16-byte copies from global to shared memory (sm_80's cp.async), in groups:
 // cp_async_commit closes the group of the copies started since the last, cp_async_wait<n>
 // waits until at most n groups are in flight (for this thread's copies; a barrier after it

@@ -227,11 +227,32 @@ __device__ __forceinline__ bool compare_f(int op, C a, C b) {
     }
 }
 
+// The contiguous case with every operand 16-byte aligned (as the executor's values are): 16
+// bytes of each operand per access.
+template <class S>
+__device__ void binary_vectors(int op, i64 n, const typename S::T* a, const typename S::T* b, typename S::T* out) {
+    typedef typename S::T T;
+    const int N = 16 / sizeof(T);
+    i64 vectors = n / N;
+    for (i64 v = first_index(); v < vectors; v += grid_stride()) {
+        Vec<T, N> x = ld_vec<T, N>(a + v * N), y = ld_vec<T, N>(b + v * N), z;
+#pragma unroll
+        for (int k = 0; k < N; ++k) z.e[k] = S::store(arith_f(op, S::load(x.e[k]), S::load(y.e[k])));
+        st_vec<T, N>(out + v * N, z);
+    }
+    for (i64 i = vectors * N + first_index(); i < n; i += grid_stride())
+        out[i] = S::store(arith_f(op, S::load(a[i]), S::load(b[i])));
+}
+
 // out[i] = a[·] op b[·] over the output's shape `d`; `sa`, `sb` are the operands' strides
 // broadcast to it. `contiguous` says both operands have the output's layout (no index math).
 template <class S>
 __device__ void binary(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
                        const typename S::T* b, const Strides& sb, int contiguous, typename S::T* out) {
+    if (contiguous && aligned16(a) && aligned16(b) && aligned16(out)) {
+        binary_vectors<S>(op, n, a, b, out);
+        return;
+    }
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         typename S::C x = S::load(contiguous ? a[i] : a[offset_of(i, d, sa)]);
         typename S::C y = S::load(contiguous ? b[i] : b[offset_of(i, d, sb)]);
@@ -627,6 +648,30 @@ __device__ __forceinline__ i64 trunc_i64(double v) {
 
 __device__ __forceinline__ bool is_float_type(int t) { return t == TY_F32 || t == TY_F16 || t == TY_BF16 || t == TY_F64; }
 
+// Between f32, f16 and bf16 (mixed precision's casts of every step), four elements per access,
+// from and to 16-byte-aligned addresses; the conversions are the general loop's.
+template <class A, class B>
+__device__ void cast_vectors(i64 n, const typename A::T* x, typename B::T* y) {
+    i64 vectors = n / 4;
+    for (i64 v = first_index(); v < vectors; v += grid_stride()) {
+        Vec<typename A::T, 4> in = ld_vec<typename A::T, 4>(x + v * 4);
+        Vec<typename B::T, 4> out;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) out.e[k] = B::store(A::load(in.e[k]));
+        st_vec<typename B::T, 4>(y + v * 4, out);
+    }
+    for (i64 i = vectors * 4 + first_index(); i < n; i += grid_stride()) y[i] = B::store(A::load(x[i]));
+}
+template <class A>
+__device__ void cast_vectors_from(int to, i64 n, const void* x, void* y) {
+    const typename A::T* from = (const typename A::T*)x;
+    switch (to) {
+    case TY_F32: cast_vectors<A, F32>(n, from, (float*)y); break;
+    case TY_F16: cast_vectors<A, F16>(n, from, (u16*)y); break;
+    default: cast_vectors<A, BF16>(n, from, (u16*)y); break;
+    }
+}
+
 // Cast (ONNX semantics, as the CPU backend's cast.rs): between any two element types. Floats
 // meet through f64 (f32, f16 and bf16 through f32, exactly); f16 and bf16 are rounded from f32
 // (from f64 and wide integers that is two roundings, as on the CPU backend and in PyTorch);
@@ -634,6 +679,14 @@ __device__ __forceinline__ bool is_float_type(int t) { return t == TY_F32 || t =
 // bool is x ≠ 0.
 extern "C" __global__ void cast(int from, int to, i64 n, const void* x, void* y) {
     bool halves = from == TY_F32 || from == TY_F16 || from == TY_BF16;
+    if (halves && (to == TY_F32 || to == TY_F16 || to == TY_BF16) && aligned16(x) && aligned16(y)) {
+        switch (from) {
+        case TY_F32: cast_vectors_from<F32>(to, n, x, y); break;
+        case TY_F16: cast_vectors_from<F16>(to, n, x, y); break;
+        default: cast_vectors_from<BF16>(to, n, x, y); break;
+        }
+        return;
+    }
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         if (to == TY_F64) {
             ((double*)y)[i] = load_f64(from, x, i);
