@@ -13,7 +13,9 @@ started=${EPOCHREALTIME//[!0-9]/}  # microseconds
 # openssh-server, openssh-client, iproute2: the local cluster's pods (e2e/cluster/): sshd in the
 # worker pods, ssh under the launcher's mpirun, and the pods' network namespaces and bridge.
 APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev openssl
-    openssh-server openssh-client iproute2)
+    openssh-server openssh-client iproute2
+    # The real nodes' parts (e2e/nodes/) and the images' tools (e2e/images/, e2e/nodes/images.sh).
+    containerd runc containernetworking-plugins iptables nftables busybox-static buildah mmdebstrap)
 
 REQUIREMENTS=.ci/requirements.txt
 # ptxas, CUDA 13.0's PTX assembler: `make test` assembles the CUDA kernels' PTX for sm_80 and

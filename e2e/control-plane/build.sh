@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds a pinned Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl), etcd and helm from their Go module sources, and caches the binaries.
+# kubectl), the nodes' kubelet, kube-proxy, CoreDNS and local-path-provisioner, etcd and helm
+# from their Go module sources, and caches the binaries.
 #
-#   BIN=$(e2e/control-plane/build.sh | tail -1)
+#   BIN=$(e2e/control-plane/build.sh | tail -1)            # the control plane, etcd, helm
+#   BIN=$(e2e/control-plane/build.sh --nodes | tail -1)    # and the nodes' parts (e2e/nodes/)
 #
 # The last line of stdout is the bin dir; progress goes to stderr. When every binary is cached
 # for the pinned versions it returns at once. Cache root: $TENSORFLEET_CACHE, else
@@ -13,6 +15,8 @@ set -euo pipefail
 K8S_VERSION=v1.34.4    # k8s.io/kubernetes; staging modules are replaced by their v0.34.4 tags
 ETCD_VERSION=v3.6.16   # newest v3.6 patch (go list -m -versions go.etcd.io/etcd/server/v3)
 HELM_VERSION=v3.22.0   # newest v3 stable (go list -m -versions helm.sh/helm/v3)
+COREDNS_VERSION=v1.15.0  # the nodes' cluster DNS (go list -m -versions github.com/coredns/coredns)
+LOCAL_PATH_VERSION=v0.0.30  # the nodes' claims (github.com/rancher/local-path-provisioner; the proxy's newest)
 
 K8S_MINOR=${K8S_VERSION#v1.}; K8S_MINOR=${K8S_MINOR%%.*}
 STAGING_VERSION=v0.${K8S_VERSION#v1.}
@@ -21,6 +25,8 @@ CACHE_ROOT=${TENSORFLEET_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tensorfleet}
 BIN=$CACHE_ROOT/k8s/$K8S_VERSION/bin
 
 K8S_BINS=(kube-apiserver kube-controller-manager kube-scheduler kubectl)
+# The nodes' parts (e2e/nodes/), from the same module and version, cached under their own stamp.
+NODE_BINS=(kubelet kube-proxy)
 
 # A component is cached when its binaries exist and its stamp names the pinned version.
 # The stamp is written only after the binaries are in place.
@@ -29,9 +35,15 @@ stamp_ok() { # component version
     [[ -f $f ]] && read -r line <"$f" && [[ $line == "$2" ]]
 }
 k8s_cached()  { local b; for b in "${K8S_BINS[@]}"; do [[ -x $BIN/$b ]] || return 1; done; stamp_ok k8s "$K8S_VERSION"; }
+node_cached() { local b; for b in "${NODE_BINS[@]}"; do [[ -x $BIN/$b ]] || return 1; done; stamp_ok node "$K8S_VERSION"; }
 etcd_cached() { [[ -x $BIN/etcd ]] && stamp_ok etcd "$ETCD_VERSION"; }
 helm_cached() { [[ -x $BIN/helm ]] && stamp_ok helm "$HELM_VERSION"; }
-all_cached()  { k8s_cached && etcd_cached && helm_cached; }
+coredns_cached() { [[ -x $BIN/coredns ]] && stamp_ok coredns "$COREDNS_VERSION"; }
+local_path_cached() { [[ -x $BIN/local-path-provisioner ]] && stamp_ok local-path "$LOCAL_PATH_VERSION"; }
+NODES=0
+[[ ${1:-} == --nodes ]] && NODES=1
+nodes_cached() { (( ! NODES )) || { node_cached && coredns_cached && local_path_cached; }; }
+all_cached()  { k8s_cached && etcd_cached && helm_cached && nodes_cached; }
 
 if all_cached; then
     echo "$BIN"
@@ -83,9 +95,13 @@ write_stamp() { # component version
     mv -f "$tmp" "$BIN/.stamp-$1"
 }
 
+# build_k8s STAMP BINARY...: the named commands of k8s.io/kubernetes at the pinned version.
 build_k8s() {
-    log "kubernetes $K8S_VERSION: preparing wrapper module"
-    local mod=$WORK/k8s gomod
+    local component=$1; shift
+    local bins=("$@")
+    log "kubernetes $K8S_VERSION (${bins[*]}): preparing wrapper module"
+    local mod=$WORK/k8s-$component gomod
+    rm -rf "$WORK/k8s-out"
     mkdir -p "$mod" "$WORK/k8s-out"
     cd "$mod"
     go mod init tensorfleet.local/k8s-build >/dev/null 2>&1
@@ -103,7 +119,7 @@ build_k8s() {
     godebug=$(awk '/^godebug \(/ {b=1; next} b && /^\)/ {b=0; next} b {print $1} /^godebug [^(]/ {print $2}' "$gomod")
     for m in $godebug; do go mod edit -godebug="$m"; done
     local pkgs=() b
-    for b in "${K8S_BINS[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
+    for b in "${bins[@]}"; do pkgs+=("k8s.io/kubernetes/cmd/$b"); done
     log "resolving dependencies (go get)"
     quiet go get "${pkgs[@]/%/@$K8S_VERSION}"
     # go get may not leave the godebug lines alone; re-apply them.
@@ -113,11 +129,11 @@ build_k8s() {
         ld+=("-X $p.gitVersion=$K8S_VERSION" "-X $p.gitMajor=1" "-X $p.gitMinor=$K8S_MINOR"
              "-X $p.gitTreeState=clean" "-X $p.buildDate=$BUILD_DATE")
     done
-    log "compiling ${K8S_BINS[*]} (the slow part)"
+    log "compiling ${bins[*]} (the slow part)"
     go build -trimpath -ldflags "-s -w ${ld[*]}" -o "$WORK/k8s-out/" "${pkgs[@]}"
-    for b in "${K8S_BINS[@]}"; do install_bin "$WORK/k8s-out/$b" "$b"; done
-    write_stamp k8s "$K8S_VERSION"
-    log "kubernetes $K8S_VERSION done ($((SECONDS - T0))s elapsed)"
+    for b in "${bins[@]}"; do install_bin "$WORK/k8s-out/$b" "$b"; done
+    write_stamp "$component" "$K8S_VERSION"
+    log "kubernetes $K8S_VERSION (${bins[*]}) done ($((SECONDS - T0))s elapsed)"
 }
 
 build_etcd() {
@@ -166,9 +182,25 @@ build_helm() {
     log "helm $HELM_VERSION done ($((SECONDS - T0))s elapsed)"
 }
 
-k8s_cached  || build_k8s
+# go_install STAMP VERSION MODULE BINARY: a module's main package, by go install.
+go_install() {
+    log "$1 $2: go install $3"
+    mkdir -p "$WORK/$1-gobin"
+    (cd "$WORK" && GOFLAGS= GOBIN=$WORK/$1-gobin quiet go install -trimpath -ldflags "-s -w" "$3@$2")
+    install_bin "$WORK/$1-gobin/$4" "$4"
+    write_stamp "$1" "$2"
+    log "$1 $2 done ($((SECONDS - T0))s elapsed)"
+}
+
+k8s_cached  || build_k8s k8s "${K8S_BINS[@]}"
 etcd_cached || build_etcd
 helm_cached || build_helm
+if (( NODES )); then
+    node_cached || build_k8s node "${NODE_BINS[@]}"
+    coredns_cached || go_install coredns "$COREDNS_VERSION" github.com/coredns/coredns coredns
+    local_path_cached ||
+        go_install local-path "$LOCAL_PATH_VERSION" github.com/rancher/local-path-provisioner local-path-provisioner
+fi
 
 log "all binaries in $BIN ($((SECONDS - T0))s)"
 echo "$BIN"

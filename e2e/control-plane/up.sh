@@ -8,7 +8,11 @@
 # Writes DIR/kubeconfig (admin, certs embedded), DIR/env (KEY=value lines: KUBECONFIG, ports,
 # pids, bin dir; `set -a; . DIR/env; set +a`), DIR/pids (one pid per line), DIR/logs/*.log.
 # Binaries: $TENSORFLEET_K8S_BIN, else the output of build.sh next to this script.
-# Env: UP_TIMEOUT (seconds to wait for readiness, default 180).
+# Env: UP_TIMEOUT (seconds to wait for readiness, default 180). CP_REAL_NODES=1 readies it for
+# real kubelets (e2e/nodes/): the API server binds and advertises CP_ADDRESS (default: the
+# host's address of its default route), which pods reach through the `kubernetes` Service;
+# the controller-manager hands each node a /24 of 10.244.0.0/16; the API server checks the
+# kubelets' serving certificates against the CA and authorizes them as nodes.
 # The processes run in their own session and outlive this script; stop them with down.sh.
 # On failure the processes started so far are stopped and the failing component's log is shown.
 set -euo pipefail
@@ -18,6 +22,13 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 mkdir -p "$1"
 DIR=$(cd "$1" && pwd)
 TIMEOUT=${UP_TIMEOUT:-180}
+REAL_NODES=${CP_REAL_NODES:-0}
+if (( REAL_NODES )); then
+    ADDRESS=${CP_ADDRESS:-$(ip -4 route get 1.1.1.1 | sed -n 's/.* src \([0-9.]*\).*/\1/p')}
+else
+    ADDRESS=${CP_ADDRESS:-127.0.0.1}
+fi
+CLUSTER_CIDR=10.244.0.0/16
 
 log() { echo "[up.sh $(date +%H:%M:%S)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -107,17 +118,19 @@ sign() {
 CLIENT_EXT=$'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth'
 sign apiserver "/CN=kube-apiserver" "$(printf '%s\n' 'basicConstraints=CA:FALSE' \
     'keyUsage=critical,digitalSignature' 'extendedKeyUsage=serverAuth' \
-    'subjectAltName=IP:127.0.0.1,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local')"
+    "subjectAltName=IP:127.0.0.1,IP:$ADDRESS,IP:10.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")"
 sign admin "/O=system:masters/CN=tensorfleet-admin" "$CLIENT_EXT"
 sign kube-controller-manager "/CN=system:kube-controller-manager" "$CLIENT_EXT"
 sign kube-scheduler "/CN=system:kube-scheduler" "$CLIENT_EXT"
+# The API server's client certificate towards the kubelets (logs, exec, port-forward).
+sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$CLIENT_EXT"
 ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
 ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 rm -f "$PKI/ca.srl"
 chmod 0600 "$PKI"/*.key
 
 # ---- kubeconfigs -----------------------------------------------------------------------------
-SERVER=https://127.0.0.1:$APISERVER_PORT
+SERVER=https://$ADDRESS:$APISERVER_PORT
 b64() { base64 -w0 <"$1"; }
 kubeconfig() { # FILE USER
     cat >"$1.tmp" <<EOF
@@ -213,14 +226,23 @@ start etcd "$BIN/etcd" \
     --log-level=warn
 wait_for etcd "etcd /health" curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
+# Towards real kubelets: their serving certificates are checked, and they are authorized as nodes.
+NODE_ARGS=()
+if (( REAL_NODES )); then
+    NODE_ARGS=(--authorization-mode=Node,RBAC --kubelet-certificate-authority="$PKI/ca.crt"
+        --kubelet-preferred-address-types=InternalIP)
+else
+    NODE_ARGS=(--authorization-mode=RBAC)
+fi
 log "kube-apiserver on $SERVER"
 start kube-apiserver "$BIN/kube-apiserver" \
     --etcd-servers="http://127.0.0.1:$ETCD_PORT" \
-    --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port="$APISERVER_PORT" \
+    --bind-address="$ADDRESS" --advertise-address="$ADDRESS" --secure-port="$APISERVER_PORT" \
     --cert-dir="$PKI/apiserver" \
     --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
-    --client-ca-file="$PKI/ca.crt" \
-    --authorization-mode=RBAC \
+    --client-ca-file="$PKI/ca.crt" "${NODE_ARGS[@]}" \
+    --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
+    --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --service-account-issuer="$SERVER/" \
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
     --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
@@ -230,7 +252,10 @@ wait_for kube-apiserver "kube-apiserver /readyz" "${CURL_ADMIN[@]}" "$SERVER/rea
 
 log "kube-controller-manager on 127.0.0.1:$KCM_PORT, kube-scheduler on 127.0.0.1:$SCHEDULER_PORT"
 KCM_KC=$DIR/kube-controller-manager.kubeconfig
-start kube-controller-manager "$BIN/kube-controller-manager" \
+KCM_ARGS=()
+(( REAL_NODES )) && KCM_ARGS=(--allocate-node-cidrs --cluster-cidr="$CLUSTER_CIDR" --node-cidr-mask-size=24)
+start kube-controller-manager "$BIN/kube-controller-manager" "${KCM_ARGS[@]}" \
+    --flex-volume-plugin-dir="$DIR/flexvolume" \
     --kubeconfig="$KCM_KC" --authentication-kubeconfig="$KCM_KC" --authorization-kubeconfig="$KCM_KC" \
     --bind-address=127.0.0.1 --secure-port="$KCM_PORT" --cert-dir="$PKI/kube-controller-manager" \
     --leader-elect=false \
@@ -256,6 +281,8 @@ wait_for kube-controller-manager "ServiceAccount default/default" \
         KUBECONFIG "$DIR/kubeconfig" \
         TENSORFLEET_K8S_BIN "$BIN" \
         APISERVER_URL "$SERVER" \
+        APISERVER_ADDRESS "$ADDRESS" \
+        CLUSTER_CIDR "$CLUSTER_CIDR" \
         APISERVER_PORT "$APISERVER_PORT" \
         ETCD_PORT "$ETCD_PORT" \
         ETCD_PEER_PORT "$ETCD_PEER_PORT" \

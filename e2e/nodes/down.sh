@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Stops the cluster e2e/nodes/up.sh started in DIR and leaves the host as it found it: the
+# kubelets and kube-proxy first (so nothing restarts a container), then every node's containers
+# through its containerd, the pods' network namespaces, the control plane and the containerds
+# (e2e/control-plane/down.sh), what is still mounted under DIR, the nodes' cgroups, and last
+# the sysctls, rule sets, bridge and fixed paths (e2e/nodes/host.sh restore), then checks that
+# the host matches the snapshot taken before the start (exit 1 naming each difference).
+# Idempotent; logs stay in DIR.
+set -uo pipefail
+export PATH=$PATH:/usr/sbin:/sbin
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/../.." && pwd)
+[[ $# -eq 1 ]] || { echo "usage: $0 DIR" >&2; exit 2; }
+[[ -d $1 ]] || exit 0
+DIR=$(cd "$1" && pwd)
+T0=$SECONDS
+log() { echo "[nodes/down.sh $(date +%H:%M:%S) +$((SECONDS - T0))s] $*" >&2; }
+
+# The kubelets and kube-proxy of this DIR.
+for pid in $(pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" || true); do kill -TERM "$pid" 2>/dev/null; done
+for _ in $(seq 50); do pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" >/dev/null || break; sleep 0.2; done
+for pid in $(pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" || true); do kill -KILL "$pid" 2>/dev/null; done
+
+# Every container and sandbox, through each node's containerd.
+for sock in "$DIR"/nodes/*/containerd.sock; do
+    [[ -S $sock ]] || continue
+    ctr=(ctr -a "$sock" -n k8s.io)
+    tasks=$("${ctr[@]}" tasks ls -q 2>/dev/null || true)
+    for id in $tasks; do "${ctr[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1; done
+    for id in $tasks; do
+        for _ in $(seq 25); do "${ctr[@]}" tasks delete "$id" >/dev/null 2>&1 && break; sleep 0.2; done
+    done
+    for id in $("${ctr[@]}" containers ls -q 2>/dev/null || true); do "${ctr[@]}" containers rm "$id" >/dev/null 2>&1; done
+done
+# The pods' network namespaces (their veths go with them).
+for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^cni-' || true); do ip netns delete "$ns" 2>/dev/null; done
+
+log "control plane and containerd"
+"$ROOT/e2e/control-plane/down.sh" "$DIR" || true
+# A shim outlives its containerd when a task could not be deleted.
+pkill -KILL -f -- "containerd-shim-runc-v2 .*-address $DIR/nodes/" 2>/dev/null || true
+
+# What is still mounted under DIR (volumes, root file systems), deepest first.
+awk '{print $5}' /proc/self/mountinfo | grep "^$DIR/" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+# The nodes' cgroup subtrees, deepest first (a cgroup goes once it has no processes).
+for hierarchy in /sys/fs/cgroup/*/; do
+    for root in "$hierarchy"tensorfleet-*; do
+        [[ -d $root ]] || continue
+        find "$root" -depth -type d -exec rmdir {} + 2>/dev/null
+    done
+done
+
+"$HERE/host.sh" restore "$DIR" || log "could not restore everything (see above)"
+if "$HERE/host.sh" compare "$DIR"; then
+    log "stopped; the host is as found"
+else
+    log "stopped; the host differs from before (see above)"
+    exit 1
+fi
