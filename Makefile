@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images nodes-check clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images clean
 
 deps:
 	bash .ci/deps.sh
@@ -112,24 +112,27 @@ test: deps k8s
 	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one did not run"; fi
 	$(MAKE) --no-print-directory e2e
 
-# The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): a control
-# plane, the node agent playing the kubelet for three nodes, and the operator installed with
-# helm, all started here (as root) and stopped at the end. When a scenario fails, the pods'
-# files and logs stay in the cluster's directory, which is printed. One scenario at a time:
-# they share the machine.
-e2e: deps k8s
-	$(CARGO) build --workspace --release
+# The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): real nodes on
+# this host (e2e/nodes/: kubelets, containerd, CNI, kube-proxy, CoreDNS, local-path claims)
+# running the images `make images` built, and the operator installed with helm from its image,
+# all started here (as root) and stopped at the end, the host checked to be as found. When a
+# scenario fails, the cluster's logs stay in its directory, which is printed. Each stage's time
+# is printed. One scenario at a time: they share the machine.
+e2e: deps images
+	start=$$(date +%s); stage() { echo "== e2e: $$(( $$(date +%s) - start )) s: $$*"; }; \
+	stage "the nodes' binaries (e2e/control-plane/build.sh --nodes)"; \
+	bin="$$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"; \
 	cluster="$$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"; \
-	trap 'rc=$$?; bash e2e/cluster/down.sh "$$cluster"; \
-		if [ $$rc -eq 0 ]; then rm -rf "$$cluster"; else echo "e2e: logs of the cluster are in $$cluster" >&2; fi' EXIT; \
-	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
-	TENSORFLEET_E2E_CLUSTER="$$cluster" $(CARGO) test --release -p tensorfleet-e2e -- --test-threads 1
+	trap 'rc=$$?; stage "down"; bash e2e/cluster/down.sh "$$cluster" || rc=1; \
+		if [ $$rc -eq 0 ]; then rm -rf "$$cluster"; else echo "e2e: logs of the cluster are in $$cluster" >&2; fi; exit $$rc' EXIT; \
+	stage "up"; TENSORFLEET_K8S_BIN="$$bin" bash e2e/cluster/up.sh "$$cluster" && \
+	stage "the nodes from outside (e2e/nodes/check.sh)" && bash e2e/nodes/check.sh "$$cluster" && \
+	stage "scenarios" && TENSORFLEET_E2E_CLUSTER="$$cluster" $(CARGO) test --release -p tensorfleet-e2e -- --test-threads 1
 
 # The local cluster left running with the CPU quickstart training on it, for a person to
 # look at with kubectl (the command to use is printed); `make demo-cluster-down` stops it.
 DEMO_CLUSTER := /tmp/tensorfleet-demo-cluster
-demo-cluster: deps k8s
-	$(CARGO) build --workspace --release
+demo-cluster: deps images
 	bash e2e/cluster/demo.sh $(DEMO_CLUSTER)
 
 demo-cluster-down:
@@ -214,17 +217,6 @@ gpu-bundle: deps
 # answers, else with buildah on local bases (e2e/images/build.sh says how; needs root here).
 images: deps
 	IMAGE_PREFIX=$(IMAGE_PREFIX) IMAGE_TAG=$(IMAGE_TAG) bash e2e/images/build.sh
-
-# A cluster of real nodes (e2e/nodes/: kubelets, containerd, CNI bridge, kube-proxy, CoreDNS,
-# local-path-provisioner) from the images above, checked from outside (e2e/nodes/check.sh) and
-# stopped, the host left as found. Needs root. Not yet the one `make e2e` runs (issue 21).
-nodes-check: images
-	bin="$$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"; \
-	cluster="$$(mktemp -d /tmp/tensorfleet-nodes.XXXXXX)"; \
-	trap 'rc=$$?; bash e2e/nodes/down.sh "$$cluster" || rc=1; \
-		if [ $$rc -eq 0 ]; then rm -rf "$$cluster"; else echo "nodes-check: logs of the cluster are in $$cluster" >&2; fi; exit $$rc' EXIT; \
-	TENSORFLEET_K8S_BIN="$$bin" IMAGES="$$(ls target/images/*-$(IMAGE_TAG).tar | tr '\n' ' ')" bash e2e/nodes/up.sh "$$cluster" && \
-	bash e2e/nodes/check.sh "$$cluster"
 
 # Build outputs and run outputs; the venv and the demos' data are rebuilt by the next make.
 clean:

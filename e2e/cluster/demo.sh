@@ -26,8 +26,8 @@ The local cluster runs in $DIR; the CPU quickstart is training on it. Try:
   kubectl get trainingjobs -w              # phase, workers, progress
   kubectl get nodes,pods -A -o wide
   kubectl describe trainingjob cpu-quickstart
-  ls $DIR/agent/pods/*/logs/*/             # container logs (one file per start)
-  ls $DIR/agent/volumes/                   # the claims: checkpoints, events, model.onnx
+  kubectl logs cpu-quickstart-launcher     # the training log
+  ls $DIR/volumes/                         # the claims: checkpoints, events, model.onnx
 
 Stop it with: make demo-cluster-down   (or e2e/cluster/down.sh $DIR)
 EOT

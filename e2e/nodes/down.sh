@@ -28,9 +28,11 @@ for sock in "$DIR"/nodes/*/containerd.sock; do
     ctr=(ctr -a "$sock" -n k8s.io)
     tasks=$("${ctr[@]}" tasks ls -q 2>/dev/null || true)
     for id in $tasks; do "${ctr[@]}" tasks kill -s SIGKILL "$id" >/dev/null 2>&1; done
-    for id in $tasks; do
-        for _ in $(seq 25); do "${ctr[@]}" tasks delete "$id" >/dev/null 2>&1 && break; sleep 0.2; done
+    for _ in $(seq 50); do
+        "${ctr[@]}" tasks ls 2>/dev/null | awk 'NR > 1 && $3 != "STOPPED" {found = 1} END {exit !found}' || break
+        sleep 0.1
     done
+    for id in $tasks; do "${ctr[@]}" tasks delete "$id" >/dev/null 2>&1; done
     for id in $("${ctr[@]}" containers ls -q 2>/dev/null || true); do "${ctr[@]}" containers rm "$id" >/dev/null 2>&1; done
 done
 # The pods' network namespaces (their veths go with them).

@@ -2,7 +2,7 @@
 //! next to Kubeflow's MPI Operator given 50 MPIJobs on the same cluster in the same run.
 //!
 //! Measured for both: the time from submission until every job's worker pods (2 per job, 100
-//! in all) run and are Ready — the operator's reconciles, the scheduler and the node agent's pod
+//! in all) run and are Ready — the operator's reconciles, the scheduler and the kubelets' pod
 //! starts together — and the operator's peak resident memory (VmHWM) at the end. tensorfleet's
 //! workers run sshd with a readiness probe on its port; the MPIJobs' workers run `sleep`, which
 //! is Ready as soon as it starts (the MPI Operator's example image is not available here), so
@@ -39,7 +39,7 @@ fn tensorfleet_job(name: &str) -> Value {
         }),
     );
     job["spec"]["slotsPerWorker"] = json!(1);
-    job["spec"]["resources"] = json!({"requests": {"cpu": "100m", "memory": "64Mi"}});
+    job["spec"]["resources"] = json!({"requests": {"cpu": "10m", "memory": "64Mi"}});
     job["spec"]["storage"]["size"] = json!("10Mi");
     job
 }
@@ -47,7 +47,7 @@ fn tensorfleet_job(name: &str) -> Value {
 fn mpi_job(name: &str) -> Value {
     let container = |role: &str| {
         json!({"name": role, "image": "tensorfleet/worker:0.1.0", "command": ["sleep", "3600"],
-               "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}}})
+               "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}}})
     };
     json!({
         "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": name},
@@ -208,14 +208,13 @@ async fn all_workers_ready(cluster: &Cluster, ns: &str, selector: &str, started:
     started.elapsed().as_secs_f64()
 }
 
-/// The host pid of the operator pod's process (the node agent records it).
+/// The host pid of the operator pod's process (its node's runtime knows it).
 async fn operator_pid(cluster: &Cluster) -> u32 {
     let pods = Api::<Pod>::namespaced(cluster.client.clone(), "tensorfleet-system");
     let list =
         pods.list(&ListParams::default().labels("app.kubernetes.io/name=tensorfleet")).await.expect("the operator pod");
     let pod = list.items.first().expect("an operator pod");
-    let dir = cluster.pod_dirs("tensorfleet-system", &pod.name_any()).pop().expect("the operator pod's directory");
-    std::fs::read_to_string(dir.join("operator.pid")).expect("the operator's pid").trim().parse().expect("a pid")
+    cluster.container("tensorfleet-system", &pod.name_any()).await.pid
 }
 
 /// Peak resident memory (VmHWM) of a process, in MiB.

@@ -1,9 +1,10 @@
-//! The harness of the end-to-end scenarios: a local cluster brought up by `e2e/cluster/up.sh`
-//! (control plane, node agent, the operator installed with helm) and reached through
-//! TENSORFLEET_E2E_CLUSTER, its directory. `make e2e` (and so `make test`) brings it up, runs
-//! the scenarios and takes it down. Everything a scenario does goes through the API server or
-//! kubectl, as a user's would; it reads results from the claim's directory on the host, which is
-//! where the provisioner keeps the volume.
+//! The harness of the end-to-end scenarios: a local cluster of real nodes brought up by
+//! `e2e/cluster/up.sh` (control plane, kubelets and containerd on this host, e2e/nodes/; the
+//! operator installed with helm from its image) and reached through TENSORFLEET_E2E_CLUSTER, its
+//! directory. `make e2e` (and so `make test`) brings it up, runs the scenarios and takes it down.
+//! Everything a scenario does goes through the API server, kubectl or a node's container runtime,
+//! as a user's or an operator's would; it reads results from the claim's directory on the host,
+//! which is where the provisioner keeps the volume.
 
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -26,6 +27,17 @@ pub struct Cluster {
     pub client: kube::Client,
     pub dir: PathBuf,
     kubectl: PathBuf,
+    /// DIR/env's settings (KEY=value lines): the nodes' containerd sockets among them.
+    env: std::collections::BTreeMap<String, String>,
+}
+
+/// A running container as its node's runtime knows it.
+pub struct Container {
+    /// The node's containerd socket.
+    pub socket: PathBuf,
+    pub id: String,
+    /// Its first process, on the host.
+    pub pid: u32,
 }
 
 impl Cluster {
@@ -35,18 +47,24 @@ impl Cluster {
         let dir = std::env::var_os(CLUSTER_VAR).map(PathBuf::from).unwrap_or_else(|| {
             panic!("{CLUSTER_VAR} is not set: run the scenarios with `make e2e` (as root), which brings up the local cluster")
         });
-        let env = std::fs::read_to_string(dir.join("env")).unwrap_or_else(|e| panic!("{}/env: {e}", dir.display()));
-        let bin = env
+        let text = std::fs::read_to_string(dir.join("env")).unwrap_or_else(|e| panic!("{}/env: {e}", dir.display()));
+        // Values are written with printf %q; the cluster's paths and names need no unquoting.
+        let env: std::collections::BTreeMap<String, String> = text
             .lines()
-            .find_map(|l| l.strip_prefix("TENSORFLEET_K8S_BIN="))
-            .unwrap_or_else(|| panic!("{}/env names no TENSORFLEET_K8S_BIN", dir.display()));
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.trim_matches('\'').to_string()))
+            .collect();
+        let bin = env
+            .get("TENSORFLEET_K8S_BIN")
+            .unwrap_or_else(|| panic!("{}/env names no TENSORFLEET_K8S_BIN", dir.display()))
+            .clone();
         let kubeconfig_path = dir.join("kubeconfig");
         let kubeconfig = Kubeconfig::read_from(&kubeconfig_path).expect("the cluster's kubeconfig");
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
             .expect("a client configuration");
         let client = kube::Client::try_from(config).expect("a client");
-        Cluster { client, kubectl: PathBuf::from(bin).join("kubectl"), dir }
+        Cluster { client, kubectl: PathBuf::from(bin).join("kubectl"), dir, env }
     }
 
     /// Runs kubectl against the cluster with `stdin`.
@@ -161,61 +179,73 @@ impl Cluster {
         PathBuf::from(pv.spec.and_then(|s| s.host_path).expect("a hostPath volume").path)
     }
 
-    /// The agent's directories of pod `name` in `ns`, oldest first (one per incarnation).
-    pub fn pod_dirs(&self, ns: &str, name: &str) -> Vec<PathBuf> {
-        let prefix = format!("{ns}_{name}_");
-        let mut dirs: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(self.dir.join("agent/pods"))
-            .map(|entries| {
-                entries
-                    .flatten()
-                    .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-                    .map(|e| (e.metadata().and_then(|m| m.modified()).unwrap_or(std::time::UNIX_EPOCH), e.path()))
-                    .collect()
+    /// Pod `name`'s first container as its node's containerd runs it.
+    pub async fn container(&self, ns: &str, name: &str) -> Container {
+        let pod = Api::<Pod>::namespaced(self.client.clone(), ns).get(name).await.expect("the pod");
+        let node = pod.spec.as_ref().and_then(|s| s.node_name.clone()).expect("a scheduled pod");
+        let id = pod
+            .status
+            .and_then(|s| s.container_statuses)
+            .and_then(|c| c.into_iter().next())
+            .and_then(|c| c.container_id)
+            .and_then(|id| id.strip_prefix("containerd://").map(str::to_string))
+            .unwrap_or_else(|| panic!("{ns}/{name} has no running container"));
+        let key = format!("CONTAINERD_{}", node.to_uppercase().replace('-', "_"));
+        let socket = PathBuf::from(self.env.get(&key).unwrap_or_else(|| panic!("no {key} in the cluster's env")));
+        let out =
+            Command::new("ctr").arg("-a").arg(&socket).args(["-n", "k8s.io", "tasks", "ls"]).output().expect("ctr");
+        let listing = String::from_utf8_lossy(&out.stdout);
+        let pid = listing
+            .lines()
+            .find_map(|l| {
+                let mut fields = l.split_whitespace();
+                (fields.next() == Some(&id)).then(|| fields.next()?.parse().ok())?
             })
-            .unwrap_or_default();
-        dirs.sort();
-        dirs.into_iter().map(|(_, p)| p).collect()
+            .unwrap_or_else(|| panic!("{node}'s containerd has no task {id}:\n{listing}"));
+        Container { socket, id, pid }
     }
 
-    /// Everything logged by the containers of pod `name` (all incarnations, all starts).
+    /// What pod `name`'s containers logged, its previous start's first where it restarted
+    /// (`kubectl logs`; a pod deleted and made again under the same name starts a new log).
     pub fn pod_logs(&self, ns: &str, name: &str) -> String {
         let mut text = String::new();
-        for dir in self.pod_dirs(ns, name) {
-            let Ok(containers) = std::fs::read_dir(dir.join("logs")) else { continue };
-            for c in containers.flatten() {
-                let Ok(files) = std::fs::read_dir(c.path()) else { continue };
-                let mut files: Vec<PathBuf> = files.flatten().map(|f| f.path()).collect();
-                files.sort();
-                for f in files {
-                    text.push_str(&std::fs::read_to_string(&f).unwrap_or_default());
-                }
+        for previous in [true, false] {
+            let mut args = vec!["logs", "-n", ns, name, "--all-containers"];
+            if previous {
+                args.push("--previous");
+            }
+            let out = self.kubectl(&args, None);
+            if out.status.success() {
+                text.push_str(&String::from_utf8_lossy(&out.stdout));
             }
         }
         text
     }
 
     /// What to look at when a scenario fails: the jobs, the pods and their logs' tails, and the
-    /// node agent's log.
+    /// kubelets' logs' tails.
     pub async fn diagnostics(&self, ns: &str) -> String {
         let text = |o: Output| format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         let mut out = text(self.kubectl(&["get", "trainingjobs,pods,pvc", "-n", ns, "-o", "wide"], None));
         out.push_str(&text(self.kubectl(&["get", "trainingjobs", "-n", ns, "-o", "yaml"], None)));
+        let tail = |text: &str, n: usize| {
+            text.lines().rev().take(n).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n")
+        };
         if let Ok(pods) = Api::<Pod>::namespaced(self.client.clone(), ns).list(&ListParams::default()).await {
             for p in pods {
-                let logs = self.pod_logs(ns, &p.name_any());
-                let tail: Vec<&str> = logs.lines().rev().take(25).collect();
-                out.push_str(&format!("--- logs of {}:\n", p.name_any()));
-                for line in tail.into_iter().rev() {
-                    out.push_str(line);
-                    out.push('\n');
-                }
+                out.push_str(&format!(
+                    "--- logs of {}:\n{}\n",
+                    p.name_any(),
+                    tail(&self.pod_logs(ns, &p.name_any()), 25)
+                ));
             }
         }
-        let agent = std::fs::read_to_string(self.dir.join("logs/node-agent.log")).unwrap_or_default();
-        out.push_str("--- node agent (tail):\n");
-        for line in agent.lines().rev().take(15).collect::<Vec<_>>().into_iter().rev() {
-            out.push_str(line);
-            out.push('\n');
+        let logs = std::fs::read_dir(self.dir.join("logs"))
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_else(|_| Vec::new());
+        for log in logs.iter().filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("kubelet-"))) {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            out.push_str(&format!("--- {} (tail):\n{}\n", log.display(), tail(&text, 10)));
         }
         out
     }
@@ -227,10 +257,15 @@ impl Cluster {
 
 /// examples/cpu-quickstart.yaml as a JSON value, renamed, with `training` merged over its
 /// spec.training (a JSON merge patch: objects merge, anything else replaces).
+///
+/// Each node of the local cluster is this whole host (2 CPUs on the development machines), so
+/// the example's request of 2 CPUs per worker pod would leave one of its pods unschedulable:
+/// the scenarios ask for half a CPU.
 pub fn quickstart(name: &str, training: Value) -> Value {
     let text = std::fs::read_to_string(repo().join("examples/cpu-quickstart.yaml")).expect("the quickstart example");
     let mut manifest: Value = serde_yaml::from_str(&text).expect("the quickstart example parses");
     manifest["metadata"]["name"] = json!(name);
+    manifest["spec"]["resources"]["requests"]["cpu"] = json!("500m");
     merge(&mut manifest["spec"]["training"], training);
     manifest
 }

@@ -211,9 +211,7 @@ async fn a_killed_worker_restarts_the_gang_which_resumes_to_the_uninterrupted_lo
     wait_for_path(&claim.join("out/checkpoints/checkpoint_10"), TRAINING).await;
     // What a crashed node or an OOM kill does: every process of the pod dies at once (the
     // container's first process is sshd; the kernel takes its PID namespace, ranks included).
-    let dirs = cluster.pod_dirs(&ns, "crash-worker-1");
-    let pid_file = dirs.last().expect("the worker pod's directory").join("worker.pid");
-    let pid = std::fs::read_to_string(&pid_file).expect("the container's pid").trim().to_string();
+    let pid = cluster.container(&ns, "crash-worker-1").await.pid.to_string();
     let killed = std::process::Command::new("kill").args(["-KILL", &pid]).status().expect("kill");
     assert!(killed.success(), "kill -KILL {pid} failed");
 
@@ -353,11 +351,9 @@ async fn a_worker_killed_while_writing_a_checkpoint_never_has_that_checkpoint_lo
     cluster.apply_job(&ns, &long_quickstart("torn")).await.expect("applying the job");
     cluster.wait_job(&ns, "torn", TRAINING, "the job to run", |j| phase(j) == "Running").await;
     let checkpoints = cluster.claim_dir(&ns, "torn-ckpt").await.join("out/checkpoints");
-    let dirs = cluster.pod_dirs(&ns, "torn-worker-0");
-    let pid = std::fs::read_to_string(dirs.last().expect("the rank-0 pod's directory").join("worker.pid"))
-        .expect("the container's pid")
-        .trim()
-        .to_string();
+    // Its first process's host pid from the runtime, so that the kill below takes no longer
+    // than a signal.
+    let pid = cluster.container(&ns, "torn-worker-0").await.pid.to_string();
     // Watch for a checkpoint being written (its temporary directory, holding rank 0's tensors but
     // no manifest yet) after the first complete one, and kill rank 0's pod right then.
     let deadline = std::time::Instant::now() + TRAINING;
