@@ -785,8 +785,10 @@ impl TrainingConfig {
 
     /// Reads a configuration file; relative paths inside it become relative to its directory.
     pub fn load(path: &Path, overrides: &[String]) -> Result<TrainingConfig> {
-        let text = std::fs::read_to_string(path)
+        let bytes = crate::files::read_input(path)
             .map_err(|e| Error::Config(format!("configuration file {}: {e}", path.display())))?;
+        let text = String::from_utf8(bytes)
+            .map_err(|e| Error::Config(format!("configuration file {}: not UTF-8 text: {e}", path.display())))?;
         let mut cfg = TrainingConfig::parse(&text, &path.display().to_string(), overrides)?;
         let base = path.parent().unwrap_or(Path::new("."));
         cfg.resolve_paths(base, base);

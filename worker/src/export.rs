@@ -106,7 +106,8 @@ pub fn loss_graph(model: &Model) -> Result<Graph> {
     Ok(g)
 }
 
-/// Writes the inference model to `path` (atomically: a temporary file, then a rename).
+/// Writes the inference model to `path` (atomically: a new file, then a rename; only a regular
+/// file is replaced).
 pub fn write(model: &Model, weights: &BTreeMap<String, Tensor>, path: &Path) -> Result<()> {
     write_graph(&inference_graph(model, weights)?, path)
 }
@@ -114,11 +115,5 @@ pub fn write(model: &Model, weights: &BTreeMap<String, Tensor>, path: &Path) -> 
 /// Writes any graph as an ONNX model (atomically), e.g. the model with its loss or the
 /// training graph for inspection; internal ops are in the tensorfleet domain.
 pub fn write_graph(g: &Graph, path: &Path) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).map_err(|e| Error::Runtime(format!("{}: {e}", dir.display())))?;
-    }
-    let proto = to_model(g, "tensorfleet");
-    let tmp = path.with_extension("onnx.tmp");
-    crate::onnx::save_model(&proto, &tmp)?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))
+    crate::onnx::save_model(&to_model(g, "tensorfleet"), path)
 }

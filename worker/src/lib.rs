@@ -1,11 +1,12 @@
 //! tensorfleet-worker: the training engine.
 //!
-//! `config` and `error` build everywhere (the operator embeds the configuration type); the
+//! `config`, `error` and `files` build everywhere (the operator embeds the configuration type); the
 //! engine needs the `engine` feature.
 pub mod config;
 #[cfg(feature = "engine")]
 pub mod data;
 pub mod error;
+pub mod files;
 
 #[cfg(feature = "engine")]
 pub mod autodiff;

@@ -251,3 +251,108 @@ fn a_closed_pipe_ends_inspect_quietly() {
     use std::os::unix::process::ExitStatusExt;
     assert!(o.status.success() || o.status.signal() == Some(13), "{:?}", o.status);
 }
+
+/// `worker` with a limit: a run still going after `secs` seconds is killed and fails the test
+/// (an input that blocks, such as a FIFO no one writes to, must not hang the worker).
+fn worker_within(args: &[&str], dir: &Path, secs: u64) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+        .args(args)
+        .current_dir(dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed().as_secs() > secs {
+            child.kill().ok();
+            panic!("{args:?} was still running after {secs} s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// A FIFO at `path` (mkfifo(1)).
+fn fifo(path: &Path) {
+    let o = Command::new("mkfifo").arg(path).output().unwrap();
+    assert!(o.status.success(), "mkfifo {}: {}", path.display(), stderr(&o));
+}
+
+fn is_fifo(path: &Path) -> bool {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_fifo())
+}
+
+/// A tiny builtin GPT-2 over a 64-token shard in `dir/tokens`, for `steps` steps, with `extra`
+/// YAML lines; written to `dir/name`.
+fn tiny(dir: &Path, name: &str, steps: u64, extra: &str) -> PathBuf {
+    std::fs::create_dir_all(dir.join("tokens")).unwrap();
+    write_token_shard(&dir.join("tokens/a.bin"), &(0..64u16).collect::<Vec<_>>()).unwrap();
+    let path = dir.join(name);
+    std::fs::write(
+        &path,
+        format!(
+            "model: {{gpt2: {{layers: 1, heads: 2, embed: 16, seqLen: 4, vocab: 64}}}}\n\
+             data: {{train: {{path: tokens, format: tokens}}}}\nbatchSize: 2\nsteps: {steps}\n{extra}"
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// A FIFO blocks its reader until a writer comes: as the config, the model, or a shard the
+/// worker hung. Only regular files are read as inputs: exit 2 naming the path.
+#[test]
+fn a_fifo_is_never_read_as_an_input() {
+    let dir = scratch("bad-input-fifo-in");
+    fifo(&dir.join("config.yaml"));
+    let o = worker_within(&["train", "--quiet", "--config", "config.yaml"], &dir, 60);
+    assert_refused("a FIFO as --config", &o, 2, "config.yaml");
+
+    fifo(&dir.join("model.onnx"));
+    let model = config(&dir, &dir.join("model.onnx"), 1, "model");
+    let o = worker_within(&["train", "--quiet", "--config", model.to_str().unwrap()], &dir, 60);
+    assert_refused("a FIFO as the model", &o, 2, "model.onnx");
+
+    fifo(&dir.join("shard.bin"));
+    let o = worker_within(&["inspect", "shard.bin"], &dir, 60);
+    assert_refused("a FIFO as a shard to inspect", &o, 2, "shard.bin");
+
+    let cfg = tiny(&dir, "tokens.yaml", 1, "");
+    fifo(&dir.join("tokens/b.bin"));
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 60);
+    assert_refused("a FIFO among the shards", &o, 2, "b.bin");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Outputs went to `<path>.tmp` and were renamed over whatever the path was: a device node or
+/// FIFO became a regular file. They replace only regular files: exit 2 naming the path, the
+/// FIFO left as it was.
+#[test]
+fn an_output_never_replaces_a_fifo() {
+    let dir = scratch("bad-input-fifo-out");
+    let cfg = tiny(&dir, "t.yaml", 1, "checkpoint: {every: 1}\noutput: {dir: out}\n");
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+
+    fifo(&dir.join("exported.onnx"));
+    let o = worker_within(
+        &["export", "--checkpoint", "out/checkpoints/checkpoint_1", "--output", "exported.onnx"],
+        &dir,
+        60,
+    );
+    assert_refused("export onto a FIFO", &o, 2, "exported.onnx");
+    assert!(is_fifo(&dir.join("exported.onnx")), "export replaced the FIFO");
+
+    for key in ["trainingGraph", "modelWithLoss"] {
+        let target = dir.join(format!("{key}.onnx"));
+        fifo(&target);
+        let set = format!("output.{key}={}", target.display());
+        let args = ["train", "--quiet", "--config", cfg.to_str().unwrap(), "--set", &set, "--set", "output.dir=o2"];
+        let o = worker_within(&args, &dir, 120);
+        assert_refused(&format!("output.{key} onto a FIFO"), &o, 2, &format!("{key}.onnx"));
+        assert!(is_fifo(&target), "output.{key} replaced the FIFO");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -194,7 +194,8 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
 /// state (pieces `<name>@<start>` joined into a flat `<name>`).
 pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
     let corrupt = |what: String| Error::Corrupt(format!("checkpoint {}: {what}", dir.display()));
-    let text = std::fs::read(dir.join("manifest.json")).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    let text =
+        crate::files::read_input(&dir.join("manifest.json")).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     if m.files.is_empty() {
         return Err(corrupt("manifest.json lists no files".into()));
@@ -202,7 +203,7 @@ pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
     let mut whole = BTreeMap::new();
     let mut pieces: BTreeMap<String, Vec<(usize, Tensor, String)>> = BTreeMap::new();
     for (file, sum) in &m.files {
-        let bytes = std::fs::read(dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
+        let bytes = crate::files::read_input(&dir.join(file)).map_err(|e| corrupt(format!("{file}: {e}")))?;
         if *sum != checksum(&bytes) {
             return Err(corrupt(format!("{file}: the checksum does not match the manifest")));
         }

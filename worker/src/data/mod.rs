@@ -42,19 +42,26 @@ pub struct Feeds {
 }
 
 /// Shard files of a source: the file itself, or every file with `ext` in the directory,
-/// sorted by name. A missing path or an empty directory is a configuration error.
+/// sorted by name. A missing path, an empty directory, or a shard that is not a regular file
+/// (a FIFO would block its reader) is a configuration error.
 pub fn shard_files(path: &Path, ext: &str, key: &str) -> Result<Vec<PathBuf>> {
-    if path.is_file() {
+    let regular =
+        |p: &Path| crate::files::open_input(p).map_err(|e| Error::Config(format!("{key}: {}: {e}", p.display())));
+    if !path.is_dir() {
+        regular(path)?;
         return Ok(vec![path.to_path_buf()]);
     }
     let rd = std::fs::read_dir(path).map_err(|e| Error::Config(format!("{key}: {}: {e}", path.display())))?;
     let mut files: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.is_file() && p.extension().and_then(|x| x.to_str()) == Some(ext))
+        .filter(|p| p.extension().and_then(|x| x.to_str()) == Some(ext))
         .collect();
     files.sort();
     if files.is_empty() {
         return Err(Error::Config(format!("{key}: {} holds no *.{ext} shards", path.display())));
+    }
+    for f in &files {
+        regular(f)?;
     }
     Ok(files)
 }

@@ -23,7 +23,8 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 
 /// Parses every sample of one shard; errors name the file and byte offset.
 pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
-    let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("sample shard {}: {e}", path.display())))?;
+    let bytes =
+        crate::files::read_input(path).map_err(|e| Error::Config(format!("sample shard {}: {e}", path.display())))?;
     let corrupt =
         |at: usize, what: String| Error::Corrupt(format!("sample shard {} at offset {at}: {what}", path.display()));
     let mut samples = Vec::new();
@@ -72,7 +73,7 @@ pub fn write_shard(path: &Path, samples: &[Sample]) -> Result<()> {
         out.extend_from_slice(&(body.len() as u32).to_le_bytes());
         out.extend_from_slice(&body);
     }
-    std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
+    crate::files::write_atomically(path, &out)
 }
 
 /// A sample's tensors as `name: dtype[shape]`, for messages.

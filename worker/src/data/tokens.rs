@@ -28,7 +28,8 @@ pub struct ShardInfo {
 pub fn read_header(path: &Path) -> Result<ShardInfo> {
     use std::io::Read;
     let corrupt = |what: String| Error::Corrupt(format!("token shard {}: {what}", path.display()));
-    let mut f = std::fs::File::open(path).map_err(|e| Error::Config(format!("token shard {}: {e}", path.display())))?;
+    let mut f =
+        crate::files::open_input(path).map_err(|e| Error::Config(format!("token shard {}: {e}", path.display())))?;
     let len = f.metadata().map_err(|e| corrupt(e.to_string()))?.len() as usize;
     let mut h = [0u8; HEADER_BYTES];
     f.read_exact(&mut h)
@@ -110,7 +111,7 @@ pub fn write_shard<T: ShardToken>(path: &Path, tokens: &[T]) -> Result<()> {
     for &t in tokens {
         t.put(&mut out);
     }
-    std::fs::write(path, out).map_err(|e| Error::Runtime(format!("writing {}: {e}", path.display())))
+    crate::files::write_atomically(path, &out)
 }
 
 pub struct TokenLoader {
@@ -190,7 +191,7 @@ impl Loader for TokenLoader {
         let (shard, window) = self.order[self.pos.batch as usize];
         let info = &self.shards[shard];
         if self.files[shard].is_none() {
-            let f = std::fs::File::open(&info.path)
+            let f = crate::files::open_input(&info.path)
                 .map_err(|e| Error::Corrupt(format!("token shard {}: {e}", info.path.display())))?;
             self.files[shard] = Some(f);
         }

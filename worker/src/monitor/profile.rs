@@ -69,6 +69,6 @@ impl Trace {
         events.extend(self.events.iter().cloned());
         let doc = json!({"traceEvents": events, "displayTimeUnit": "ms"});
         let text = serde_json::to_string(&doc).map_err(|e| Error::Runtime(format!("profile: {e}")))?;
-        std::fs::write(path, text).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))
+        crate::files::write_atomically(path, text.as_bytes())
     }
 }

@@ -18,13 +18,14 @@ pub use proto::*;
 pub use tensor::{data_type_name, tensor_from_proto, tensor_to_proto};
 
 use crate::error::Error;
+use crate::files::NewFile;
 use crate::{config_err, corrupt_err};
 use prost::Message;
 use proto::tensor_proto::DataLocation;
-use std::fs::{self, File};
+
 use std::io::{self, BufWriter, Read, Seek, SeekFrom, Write};
 use std::ops::RangeInclusive;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Component, Path};
 
 /// IR versions this module reads: 3 (the first with `opset_import`) through 11 (onnx 1.18).
 pub const IR_VERSIONS: RangeInclusive<i64> = 3..=11;
@@ -43,7 +44,7 @@ const MAX_PROTO_BYTES: usize = i32::MAX as usize;
 /// external data, is [`Error::Corrupt`].
 pub fn load_model(path: &Path) -> Result<ModelProto, Error> {
     let origin = path.display().to_string();
-    let bytes = fs::read(path).map_err(|e| io_error(&origin, "cannot read it", e))?;
+    let bytes = crate::files::read_input(path).map_err(|e| io_error(&origin, "cannot read it", e))?;
     let mut model = decode_model(&bytes, &origin)?;
     drop(bytes);
     let dir = match path.parent() {
@@ -99,8 +100,9 @@ pub fn resolve_external_data(model: &mut ModelProto, dir: &Path, origin: &str) -
     })
 }
 
-/// Writes a model as one protobuf file (written to a temporary name, then renamed, so a crash
-/// never leaves half a model). Fails on models of 2 GiB or more: use
+/// Writes a model as one protobuf file (written to a new file, then renamed, so a crash never
+/// leaves half a model; only a regular file is replaced, see [`crate::files`]). Fails on models
+/// of 2 GiB or more: use
 /// [`save_model_with_external_data`] for those.
 pub fn save_model(model: &ModelProto, path: &Path) -> Result<(), Error> {
     let origin = path.display().to_string();
@@ -111,7 +113,7 @@ pub fn save_model(model: &ModelProto, path: &Path) -> Result<(), Error> {
              with external data"
         ));
     }
-    write_atomically(path, &model.encode_to_vec(), &origin)
+    crate::files::write_atomically(path, &model.encode_to_vec())
 }
 
 /// Writes a model whose initializers of `threshold_bytes` or more (in `raw_data`) live in one
@@ -136,36 +138,29 @@ pub fn save_model_with_external_data(model: &ModelProto, path: &Path, threshold_
             && t.raw_data.as_ref().is_some_and(|r| !r.is_empty() && r.len() >= threshold_bytes)
     };
     let mut out = clone_model_without(model, &moves);
-    let tmp_data = temporary_name(&data_path);
-    match write_external_data(model, &mut out, &moves, &location, &tmp_data, &data_origin) {
-        Ok(false) => {}
-        Ok(true) => fs::rename(&tmp_data, &data_path).map_err(|e| io_error(&data_origin, "cannot write it", e))?,
-        Err(e) => {
-            let _ = fs::remove_file(&tmp_data);
-            return Err(e);
-        }
+    if let Some(data) = write_external_data(model, &mut out, &moves, &location, &data_path, &data_origin)? {
+        data.commit()?;
     }
     save_model(&out, path)
 }
 
-/// Writes the tensors that `moves` picks to `tmp_data`, one after another, pointing their
-/// copies in `out` there; returns whether there were any (like onnx, no side file otherwise).
+/// Writes the tensors that `moves` picks to a new file that will replace `data_path`, one after
+/// another, pointing their copies in `out` there; returns that file, to commit, if there were
+/// any (like onnx, no side file otherwise).
 fn write_external_data(
     model: &ModelProto,
     out: &mut ModelProto,
     moves: &dyn Fn(&TensorProto) -> bool,
     location: &str,
-    tmp_data: &Path,
+    data_path: &Path,
     data_origin: &str,
-) -> Result<bool, Error> {
-    let mut data: Option<BufWriter<File>> = None;
+) -> Result<Option<NewFile>, Error> {
+    let mut data: Option<BufWriter<NewFile>> = None;
     let mut offset = 0u64;
     let mut put = |t: &mut TensorProto, raw: &[u8]| -> Result<(), Error> {
         let file = match &mut data {
             Some(f) => f,
-            None => data.insert(BufWriter::new(
-                File::create(tmp_data).map_err(|e| io_error(data_origin, "cannot create it", e))?,
-            )),
+            None => data.insert(BufWriter::new(NewFile::create(data_path)?)),
         };
         file.write_all(raw).map_err(|e| io_error(data_origin, "cannot write it", e))?;
         set_external_data(t, location, offset, raw.len());
@@ -188,10 +183,9 @@ fn write_external_data(
             Ok(())
         })?;
     }
-    let Some(file) = data else { return Ok(false) };
-    let file = file.into_inner().map_err(|e| e.into_error());
-    file.and_then(|f| f.sync_all()).map_err(|e| io_error(data_origin, "cannot write it", e))?;
-    Ok(true)
+    let Some(file) = data else { return Ok(None) };
+    let file = file.into_inner().map_err(|e| io_error(data_origin, "cannot write it", e.into_error()))?;
+    Ok(Some(file))
 }
 
 /// The opset version of the default domain ("" or "ai.onnx"), or 0 when the model imports none
@@ -291,13 +285,10 @@ fn read_external(t: &TensorProto, dir: &Path, at: &str) -> Result<(Vec<u8>, Stri
             real.display()
         ));
     }
-    let mut file =
-        File::open(&real).map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
+    let mut file = crate::files::open_input(&real)
+        .map_err(|e| corrupt_err!("{at}: cannot open its external data file {shown}: {e}"))?;
     let metadata =
         file.metadata().map_err(|e| corrupt_err!("{at}: cannot read its external data file {shown}: {e}"))?;
-    if !metadata.is_file() {
-        return Err(corrupt_err!("{at}: its external data {shown} is not a file"));
-    }
     let size = metadata.len();
     let length = length.unwrap_or(size.saturating_sub(offset));
     let end = offset.checked_add(length).filter(|&end| end <= size).ok_or_else(|| {
@@ -524,34 +515,8 @@ fn for_each_tensor_in_sparse(s: &mut SparseTensorProto, at: &str, f: &mut Visit)
     Ok(())
 }
 
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
-fn write_atomically(path: &Path, bytes: &[u8], origin: &str) -> Result<(), Error> {
-    let tmp = temporary_name(path);
-    let write = || -> io::Result<()> {
-        let mut file = File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        fs::rename(&tmp, path)
-    };
-    write().map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        io_error(origin, "cannot write it", e)
-    })
-}
-
-fn temporary_name(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".tmp");
-    path.with_file_name(name)
-}
-
-/// A missing file or directory, or one we may not open, is the user's to fix (exit 2); other
-/// I/O failures may pass on a retry (exit 1).
+/// A missing file or directory, one we may not open, or one that is not a regular file, is the
+/// user's to fix (exit 2); other I/O failures may pass on a retry (exit 1).
 fn io_error(origin: &str, what: &str, e: io::Error) -> Error {
-    use io::ErrorKind::*;
-    let message = format!("{origin}: {what}: {e}");
-    match e.kind() {
-        NotFound | PermissionDenied | IsADirectory | NotADirectory => Error::Config(message),
-        _ => Error::Runtime(message),
-    }
+    crate::files::io_failure(&e, format!("{origin}: {what}: {e}"))
 }

@@ -312,8 +312,7 @@ pub fn prepare_images(folder: &Path, output: &Path, opts: &ImageOptions) -> Resu
 
     let classes_path = output.join("classes.json");
     let classes = serde_json::to_string_pretty(&found.classes).expect("strings serialize");
-    std::fs::write(&classes_path, classes + "\n")
-        .map_err(|e| Error::Runtime(format!("writing {}: {e}", classes_path.display())))?;
+    crate::files::write_atomically(&classes_path, (classes + "\n").as_bytes())?;
 
     println!("classes: {} (names by label in {})", found.classes.len(), classes_path.display());
     println!("train: {} images in {train_shards} shard(s) under {}", train.len(), train_dir.display());

@@ -58,7 +58,8 @@ impl Tokenizer {
             let bpe = tiktoken_rs::r50k_base().map_err(|e| Error::Runtime(format!("loading the GPT-2 BPE: {e}")))?;
             return Ok(Tokenizer::Gpt2(bpe));
         }
-        let bytes = std::fs::read(spec).map_err(|e| Error::Config(format!("--tokenizer {spec}: {e}")))?;
+        let bytes =
+            crate::files::read_input(Path::new(spec)).map_err(|e| Error::Config(format!("--tokenizer {spec}: {e}")))?;
         let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| Error::Corrupt(format!("--tokenizer {spec}: not a Hugging Face tokenizer.json: {e}")))?;
         inner
@@ -156,7 +157,10 @@ pub fn prepare_text(inputs: &[PathBuf], output: &Path, opts: &TextOptions) -> Re
     let sizes = inputs
         .iter()
         .map(|p| {
-            std::fs::metadata(p).map(|m| m.len()).map_err(|e| Error::Config(format!("--input {}: {e}", p.display())))
+            let file = crate::files::open_input(p);
+            file.and_then(|f| f.metadata())
+                .map(|m| m.len())
+                .map_err(|e| Error::Config(format!("--input {}: {e}", p.display())))
         })
         .collect::<Result<Vec<u64>>>()?;
     let bar = progress(sizes.iter().sum(), "bytes");
@@ -217,7 +221,8 @@ fn read_documents(path: &Path, field: &str, stream: &mut Stream) -> Result<()> {
         Some("jsonl" | "ndjson" | "json") => json_lines(path, field, stream),
         Some("parquet") => parquet_rows(path, field, stream),
         _ => {
-            let bytes = std::fs::read(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
+            let bytes = crate::files::read_input(path)
+                .map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
             let text = String::from_utf8(bytes).map_err(|e| {
                 let at = e.utf8_error().valid_up_to();
                 Error::Corrupt(format!("{}: not UTF-8 text (byte offset {at})", path.display()))
@@ -228,7 +233,7 @@ fn read_documents(path: &Path, field: &str, stream: &mut Stream) -> Result<()> {
 }
 
 fn json_lines(path: &Path, field: &str, stream: &mut Stream) -> Result<()> {
-    let file = std::fs::File::open(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
+    let file = crate::files::open_input(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
     let mut reader = std::io::BufReader::new(file);
     let mut line = String::new();
     for number in 1.. {
@@ -283,7 +288,7 @@ fn parquet_rows(path: &Path, column: &str, stream: &mut Stream) -> Result<()> {
     use parquet::basic::{ConvertedType, LogicalType, Type as Physical};
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
-    let file = std::fs::File::open(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
+    let file = crate::files::open_input(path).map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
     let corrupt = |what: String| Error::Corrupt(format!("{}: {what}", path.display()));
     let reader = SerializedFileReader::new(file).map_err(|e| corrupt(format!("not a Parquet file: {e}")))?;
     let schema = reader.metadata().file_metadata().schema();
