@@ -150,3 +150,60 @@ pub fn write_atomically(target: &Path, bytes: &[u8]) -> Result<()> {
     new.write_all(bytes).map_err(|e| io_error(target, e))?;
     new.commit()
 }
+
+/// This machine's host name ("localhost" where the kernel has none).
+pub fn hostname() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+    if host.is_empty() {
+        "localhost".to_string()
+    } else {
+        host
+    }
+}
+
+/// One run at a time writes an output directory: two runs mixed one's manifest with the other's
+/// rank files, tore each other's `metrics.jsonl` lines, and a later start resumed the other
+/// run. The lock is an exclusive `flock` on `<dir>/.lock`, which names its holder (process id
+/// and host); the kernel releases it when the holder ends, however it ends, so a crash leaves
+/// nothing to clean up. Held until dropped.
+pub struct OutputLock {
+    _file: File,
+}
+
+impl OutputLock {
+    /// Takes the lock of `dir` (made if missing), the directory of the configuration's `key`;
+    /// another run holding it is a configuration error (exit 2) naming the directory and holder.
+    pub fn acquire(dir: &Path, key: &str) -> Result<OutputLock> {
+        std::fs::create_dir_all(dir).map_err(|e| io_error(dir, e))?;
+        let path = dir.join(".lock");
+        check_replaceable(&path)?;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| io_error(&path, e))?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let mut holder = String::new();
+                file.read_to_string(&mut holder).ok();
+                let holder = match holder.trim() {
+                    "" => "a process that has not written its name yet".to_string(),
+                    named => named.to_string(),
+                };
+                return Err(Error::Config(format!(
+                    "{key} {}: another run is writing there ({holder}, per {}); stop it, or give this run \
+                     another {key}",
+                    dir.display(),
+                    path.display()
+                )));
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(io_error(&path, e)),
+        }
+        let holder = format!("pid {} host {}\n", std::process::id(), hostname());
+        file.set_len(0).and_then(|()| file.write_all(holder.as_bytes())).map_err(|e| io_error(&path, e))?;
+        Ok(OutputLock { _file: file })
+    }
+}

@@ -9,6 +9,7 @@ use crate::comm::{CommOptions, Layout, World};
 use crate::config::{ModelConfig, OptimizerName, Precision, TrainingConfig};
 use crate::data::{self, Batch, Batching, Feeds, Partition};
 use crate::error::{Error, Result};
+use crate::files::OutputLock;
 use crate::graph::ir::Dim;
 use crate::models::{self, Model};
 use crate::monitor::console::{Console, ConsoleMode, StepLine};
@@ -246,6 +247,8 @@ fn train_on<B: Backend>(
     let p = &cfg.parallelism;
     let groups = world.parallel_groups(layout)?;
     let leader = world.rank() == 0;
+    // Before anything is written, and held to the end of the run.
+    let _lock = leader.then(|| OutputLock::acquire(&cfg.output.dir, "output.dir")).transpose()?;
     let model = models::load(&cfg.model, cfg.seed)?;
     if let Some(path) = cfg.output.model_with_loss.as_ref().filter(|_| leader) {
         crate::export::write_graph(&crate::export::loss_graph(&model)?, path)?;

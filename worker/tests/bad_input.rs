@@ -273,6 +273,16 @@ fn worker_within(args: &[&str], dir: &Path, secs: u64) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// A child process killed (and reaped) when the test ends, passed or not.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        self.0.kill().ok();
+        self.0.wait().ok();
+    }
+}
+
 /// A FIFO at `path` (mkfifo(1)).
 fn fifo(path: &Path) {
     let o = Command::new("mkfifo").arg(path).output().unwrap();
@@ -354,5 +364,42 @@ fn an_output_never_replaces_a_fifo() {
         assert_refused(&format!("output.{key} onto a FIFO"), &o, 2, &format!("{key}.onnx"));
         assert!(is_fifo(&target), "output.{key} replaced the FIFO");
     }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Two trainers on one output directory mixed their checkpoints and metrics. The first holds a
+/// lock on `output.dir/.lock` (released by the kernel when it ends); a second exits 2 naming
+/// the directory and the holder.
+#[test]
+fn a_second_trainer_on_one_output_directory_is_refused() {
+    let dir = scratch("bad-input-lock");
+    let cfg = tiny(&dir, "t.yaml", 1_000_000, "output: {dir: out}\nlogging: {tensorboard: false}\n");
+    let mut first = KilledOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+            .args(["train", "--quiet", "--config", cfg.to_str().unwrap()])
+            .current_dir(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let start = std::time::Instant::now();
+    // The first is training once its metrics have a line.
+    while std::fs::read_to_string(dir.join("out/metrics.jsonl")).map_or(true, |m| !m.contains('\n')) {
+        if let Some(status) = first.0.try_wait().unwrap() {
+            panic!("the first trainer ended: {status}");
+        }
+        assert!(start.elapsed().as_secs() < 120, "the first trainer logged no step in 120 s");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    let holder = first.0.id();
+    drop(first);
+    assert_refused("a second trainer", &o, 2, &dir.join("out").display().to_string());
+    assert!(stderr(&o).contains(&format!("pid {holder}")), "names the holder: {}", stderr(&o));
+
+    // Once the holder is gone, the directory is free again.
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap(), "--set", "steps=1"], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -121,10 +121,7 @@ impl EventWriter {
     /// Creates a new event file in `dir`.
     pub fn create(dir: &Path) -> Result<EventWriter> {
         std::fs::create_dir_all(dir).map_err(|e| Error::Runtime(format!("{}: {e}", dir.display())))?;
-        let host =
-            std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
-        let host = if host.is_empty() { "localhost".to_string() } else { host };
-        let path = dir.join(format!("events.out.tfevents.{:010}.{host}", now() as u64));
+        let path = dir.join(format!("events.out.tfevents.{:010}.{}", now() as u64, crate::files::hostname()));
         let file = std::fs::File::create(&path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
         let mut w = EventWriter { path, file: std::io::BufWriter::new(file) };
         w.write(&Event { wall_time: now(), step: 0, file_version: Some("brain.Event:2".into()), summary: None })?;
