@@ -403,3 +403,30 @@ fn a_second_trainer_on_one_output_directory_is_refused() {
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A crash leaves a torn last line in metrics.jsonl, and the lines after the checkpoint a run
+/// resumes from are redone: the resumed file holds every step once, every line whole.
+#[test]
+fn a_resumed_run_cuts_its_metrics_back_to_the_checkpoint() {
+    let dir = scratch("bad-input-metrics");
+    let cfg = tiny(&dir, "t.yaml", 4, "checkpoint: {every: 2, keep: 5}\noutput: {dir: out}\n");
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // As if the run had crashed writing step 5's line after checkpoint 4 was lost.
+    let metrics = dir.join("out/metrics.jsonl");
+    let mut log = std::fs::read_to_string(&metrics).unwrap();
+    log.push_str("{\"step\":5,\"loss\":1.2");
+    std::fs::write(&metrics, log).unwrap();
+    std::fs::remove_dir_all(dir.join("out/checkpoints/checkpoint_4")).unwrap();
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("resumed at step 2"), "{}", stderr(&o));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("a torn line {l:?}: {e}")))
+        .collect();
+    let steps: Vec<u64> = lines.iter().map(|v| v["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [1, 2, 3, 4]);
+    std::fs::remove_dir_all(&dir).ok();
+}

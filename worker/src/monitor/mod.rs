@@ -11,6 +11,14 @@ use crate::error::{Error, Result};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+/// One record as one line, in one write: a reader never sees part of a line, and a crash can
+/// tear only the last one.
+fn write_record(out: &mut impl Write, v: &serde_json::Value) -> std::io::Result<()> {
+    let mut line = v.to_string();
+    line.push('\n');
+    out.write_all(line.as_bytes())
+}
+
 /// What one logged weight update reports.
 pub struct StepLog<'a> {
     /// The weight update, counting from 1.
@@ -52,7 +60,17 @@ pub struct Metrics {
 impl Metrics {
     /// Starts a fresh metrics file.
     pub fn create(path: &Path) -> Result<Metrics> {
-        let file = std::fs::File::create(path).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
+        Metrics::start(path, "")
+    }
+
+    /// Replaces the file at `path` with `kept` (atomically, and only if it is a regular file)
+    /// and appends to it from there.
+    fn start(path: &Path, kept: &str) -> Result<Metrics> {
+        crate::files::write_atomically(path, kept.as_bytes())?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
         Ok(Metrics { path: path.to_path_buf(), file, events: None })
     }
 
@@ -62,10 +80,15 @@ impl Metrics {
         Ok(self)
     }
 
-    /// Continues a run resumed after update `step`: lines of later steps (written before the
-    /// run stopped, and about to be redone) are dropped.
+    /// Continues a run resumed after update `step`: the file is first cut back to it, so that
+    /// no step appears twice: lines of later steps (written before the run stopped, and about to
+    /// be redone) are dropped, and so is a line a crash tore (it does not parse).
     pub fn resume(path: &Path, step: u64) -> Result<Metrics> {
-        let old = std::fs::read_to_string(path).unwrap_or_default();
+        let old = match crate::files::read_input(path) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(crate::files::io_error(path, e)),
+        };
         let kept: String = old
             .lines()
             .filter(|l| {
@@ -76,16 +99,11 @@ impl Metrics {
             })
             .map(|l| format!("{l}\n"))
             .collect();
-        std::fs::write(path, kept).map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(path)
-            .map_err(|e| Error::Runtime(format!("{}: {e}", path.display())))?;
-        Ok(Metrics { path: path.to_path_buf(), file, events: None })
+        Metrics::start(path, &kept)
     }
 
     fn line(&mut self, v: serde_json::Value) -> Result<()> {
-        writeln!(self.file, "{v}").map_err(|e| Error::Runtime(format!("{}: {e}", self.path.display())))
+        write_record(&mut self.file, &v).map_err(|e| Error::Runtime(format!("{}: {e}", self.path.display())))
     }
 
     /// One logged weight update: `metrics.jsonl` gets a line, TensorBoard the scalars.
@@ -162,5 +180,34 @@ impl Metrics {
             ev.scalars(step, &[("eval/loss", eval_loss)])?;
         }
         self.line(serde_json::json!({"step": step, "evalLoss": eval_loss}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records each `write` call it gets.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl Write for Writes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.push(buf.to_vec());
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A line written in pieces interleaves with another writer's and tears where a crash
+    /// stops it; each record must reach the file in one write.
+    #[test]
+    fn a_record_is_one_write_of_one_whole_line() {
+        let mut out = Writes::default();
+        let v = serde_json::json!({"step": 7, "loss": 2.5, "lr": 0.001, "scalars": {"a": 1.0}});
+        write_record(&mut out, &v).unwrap();
+        assert_eq!(out.0, vec![format!("{v}\n").into_bytes()]);
     }
 }
