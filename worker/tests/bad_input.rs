@@ -430,3 +430,99 @@ fn a_resumed_run_cuts_its_metrics_back_to_the_checkpoint() {
     assert_eq!(steps, [1, 2, 3, 4]);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A copy of checkpoint `ckpt` in `dir/name`, its manifest and rank 0's safetensors header
+/// (entries in file order, repeats allowed) changed by `fault`; the manifest's checksum of the
+/// rank file is made to match, so that only the strict readers can tell.
+fn damaged(
+    ckpt: &Path,
+    dir: &Path,
+    name: &str,
+    fault: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, serde_json::Value)>),
+) -> PathBuf {
+    let copy = dir.join(name);
+    std::fs::create_dir_all(&copy).unwrap();
+    let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let mut entries: Vec<(String, serde_json::Value)> = header.into_iter().collect();
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
+    fault(&mut manifest, &mut entries);
+    let fields: Vec<String> = entries.iter().map(|(k, v)| format!("{}:{v}", serde_json::json!(k))).collect();
+    let mut text = format!("{{{}}}", fields.join(",")).into_bytes();
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&bytes[8 + n..]);
+    manifest["files"]["rank_0.safetensors"] = tensorfleet_worker::checkpoint::checksum(&out).into();
+    std::fs::write(copy.join("rank_0.safetensors"), out).unwrap();
+    std::fs::write(copy.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    copy
+}
+
+/// The tensor whose data comes last in the header's entries, and its offsets.
+fn last_tensor(entries: &[(String, serde_json::Value)]) -> (usize, u64, u64) {
+    let offsets =
+        |v: &serde_json::Value| (v["data_offsets"][0].as_u64().unwrap(), v["data_offsets"][1].as_u64().unwrap());
+    let (i, (_, v)) = entries.iter().enumerate().max_by_key(|(_, (_, v))| offsets(v).0).unwrap();
+    (i, offsets(v).0, offsets(v).1)
+}
+
+/// Checkpoints whose manifest or safetensors header is damaged (checksums made to match) were
+/// loaded: an offset one byte off decoded the tensor shifted, a repeated name or an overlap
+/// went unseen, a foreign format or a world size its layout denies was read as ours, and an
+/// element count that overflows aborted. Each is refused: exit 3 naming the file and the
+/// tensor or field.
+#[test]
+fn a_damaged_checkpoint_is_refused_naming_the_file_and_tensor() {
+    let dir = scratch("bad-input-checkpoint");
+    let cfg = tiny(&dir, "t.yaml", 1, "checkpoint: {every: 1}\noutput: {dir: out}\n");
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = dir.join("out/checkpoints/checkpoint_1");
+    let inspect = |copy: &Path| worker_within(&["inspect", copy.to_str().unwrap()], &dir, 60);
+
+    let mut shifted = String::new();
+    let copy = damaged(&ckpt, &dir, "shifted", |_, entries| {
+        let (i, begin, end) = last_tensor(entries);
+        entries[i].1["data_offsets"] = serde_json::json!([begin - 1, end - 1]);
+        shifted = entries[i].0.clone();
+    });
+    let o = inspect(&copy);
+    assert_refused("an offset one byte off", &o, 3, "rank_0.safetensors: tensor '");
+    assert!(stderr(&o).contains(&format!("'{shifted}'")), "names {shifted}: {}", stderr(&o));
+
+    let mut repeated = String::new();
+    let copy = damaged(&ckpt, &dir, "repeated", |_, entries| {
+        let (i, ..) = last_tensor(entries);
+        repeated = entries[i].0.clone();
+        entries.push(entries[i].clone());
+    });
+    assert_refused("a repeated name", &inspect(&copy), 3, &format!("tensor '{repeated}' appears twice"));
+
+    let copy = damaged(&ckpt, &dir, "overlap", |_, entries| {
+        // Another tensor of the same size moved onto the last one's bytes.
+        let (i, begin, end) = last_tensor(entries);
+        let size =
+            |v: &serde_json::Value| v["data_offsets"][1].as_u64().unwrap() - v["data_offsets"][0].as_u64().unwrap();
+        let j = (0..entries.len()).find(|&j| j != i && size(&entries[j].1) == end - begin).expect("two of a size");
+        entries[j].1["data_offsets"] = serde_json::json!([begin, end]);
+    });
+    assert_refused("overlapping tensors", &inspect(&copy), 3, "rank_0.safetensors: tensor '");
+
+    let copy = damaged(&ckpt, &dir, "overflow", |_, entries| {
+        let (i, ..) = last_tensor(entries);
+        entries[i].1["shape"] = serde_json::json!([1u64 << 40, 1u64 << 40]);
+    });
+    assert_refused("an element count that overflows", &inspect(&copy), 3, "more bytes than memory can address");
+
+    let copy = damaged(&ckpt, &dir, "format", |m, _| m["format"] = "tensorfleet-checkpoint-v9".into());
+    assert_refused("a foreign format", &inspect(&copy), 3, "manifest.json: format 'tensorfleet-checkpoint-v9'");
+
+    let copy = damaged(&ckpt, &dir, "world", |m, _| m["worldSize"] = 4.into());
+    assert_refused("a world size its layout denies", &inspect(&copy), 3, "manifest.json: worldSize 4");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -55,6 +55,40 @@ pub struct Manifest {
     pub tensor_splits: BTreeMap<String, TensorSplit>,
 }
 
+/// The manifest format this worker writes and reads.
+pub const FORMAT: &str = "tensorfleet-checkpoint-v2";
+
+/// The manifest's own consistency: a format this worker reads, and a `worldSize` that agrees
+/// with the layout that wrote it and with the rank files it lists. (Another world size than
+/// this run's is fine: loading reshards.)
+fn check_manifest(m: &Manifest) -> Result<(), String> {
+    if m.format != FORMAT {
+        return Err(format!("format '{}' is not one this worker reads ({FORMAT})", m.format));
+    }
+    let l = &m.layout;
+    // A layout of zeros: written before layouts were recorded.
+    let ranks = l.data.checked_mul(l.tensor).and_then(|n| n.checked_mul(l.pipeline));
+    if *l != LayoutRecord::default() && ranks != Some(m.world_size) {
+        return Err(format!(
+            "worldSize {} does not match its layout (data {} × tensor {} × pipeline {})",
+            m.world_size, l.data, l.tensor, l.pipeline
+        ));
+    }
+    if !m.files.contains_key("rank_0.safetensors") {
+        return Err("files does not list rank_0.safetensors, which rank 0 always writes".into());
+    }
+    for file in m.files.keys() {
+        let rank: Option<usize> =
+            file.strip_prefix("rank_").and_then(|f| f.strip_suffix(".safetensors")).and_then(|r| r.parse().ok());
+        match rank {
+            Some(r) if r < m.world_size => {}
+            Some(_) => return Err(format!("files lists {file}, but worldSize is {}", m.world_size)),
+            None => return Err(format!("files lists {file}, which is not a rank file (rank_<r>.safetensors)")),
+        }
+    }
+    Ok(())
+}
+
 /// Marks a tensor-parallel rank's slice in a tensor's name: `<name>#tp<rank>`.
 pub const SLICE_MARK: &str = "#tp";
 
@@ -133,7 +167,7 @@ pub fn save(
             .collect();
         let p = &config.parallelism;
         let manifest = Manifest {
-            format: "tensorfleet-checkpoint-v2".into(),
+            format: FORMAT.into(),
             step,
             data,
             seed: config.seed,
@@ -190,16 +224,15 @@ fn prune(dir: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
-/// Reads and verifies a checkpoint: its manifest, and every rank's tensors joined into one
+/// Reads and verifies a checkpoint: its manifest (`check_manifest`), each rank file against its
+/// checksum and the strict safetensors reader, and every rank's tensors joined into one
 /// state (pieces `<name>@<start>` joined into a flat `<name>`).
 pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
     let corrupt = |what: String| Error::Corrupt(format!("checkpoint {}: {what}", dir.display()));
     let text =
         crate::files::read_input(&dir.join("manifest.json")).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
-    if m.files.is_empty() {
-        return Err(corrupt("manifest.json lists no files".into()));
-    }
+    check_manifest(&m).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     let mut whole = BTreeMap::new();
     let mut pieces: BTreeMap<String, Vec<(usize, Tensor, String)>> = BTreeMap::new();
     for (file, sum) in &m.files {

@@ -67,38 +67,117 @@ pub fn encode(tensors: &BTreeMap<String, Tensor>) -> Vec<u8> {
     out
 }
 
+/// The most header bytes a file may declare (the `safetensors` crate's limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor's entry in the header.
+#[derive(serde::Deserialize)]
+struct Entry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// The header's entries in file order, a repeated name kept (a JSON object read into a map
+/// keeps only the last of two).
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Entries, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensors")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Entries, A::Error> {
+                let mut entries = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    entries.push(entry);
+                }
+                Ok(Entries(entries))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// Reads a safetensors file with the checks of the `safetensors` crate's reader, whose errors do
+/// not name the tensor, and one it lacks (a repeated name, which it keeps the last of): the
+/// header fits the file and the format's 100 MB; every tensor has a known dtype, a shape whose
+/// element count and byte size do not overflow, and `data_offsets` exactly that many bytes long;
+/// in offset order the tensors tile the data exactly, with no gap, no overlap and nothing past
+/// the end or left over. A file that passes decodes to what was written, never shifted bytes.
 pub fn decode(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>, String> {
-    let n =
-        u64::from_le_bytes(bytes.get(..8).ok_or("shorter than the 8-byte header length")?.try_into().expect("8 bytes"))
-            as usize;
-    let header = bytes.get(8..8 + n).ok_or("the header runs past the end of the file")?;
-    let data = &bytes[8 + n..];
-    let map: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(header).map_err(|e| format!("header: {e}"))?;
-    let mut out = BTreeMap::new();
-    for (name, v) in map {
+    let n = u64::from_le_bytes(bytes.get(..8).ok_or("shorter than the 8-byte header length")?.try_into().expect("8"));
+    if n > MAX_HEADER_BYTES {
+        return Err(format!("a header of {n} bytes, over the format's {MAX_HEADER_BYTES}"));
+    }
+    let header = bytes.get(8..8 + n as usize).ok_or("the header runs past the end of the file")?;
+    let data = &bytes[8 + n as usize..];
+    let Entries(entries) = serde_json::from_slice(header).map_err(|e| format!("header: {e}"))?;
+    let mut seen = std::collections::BTreeSet::new();
+    // (begin, end, name, dtype, shape), to tile in offset order.
+    let mut spans = Vec::with_capacity(entries.len());
+    for (name, value) in entries {
         if name == "__metadata__" {
             continue;
         }
-        let dtype = v["dtype"].as_str().and_then(dtype_of).ok_or_else(|| format!("tensor '{name}': unknown dtype"))?;
-        let shape: Vec<usize> = v["shape"]
-            .as_array()
-            .ok_or_else(|| format!("tensor '{name}': no shape"))?
-            .iter()
-            .map(|d| d.as_u64().unwrap_or(0) as usize)
-            .collect();
-        let offs = v["data_offsets"]
-            .as_array()
-            .filter(|o| o.len() == 2)
-            .ok_or_else(|| format!("tensor '{name}': no data_offsets"))?;
-        let (a, b) = (offs[0].as_u64().unwrap_or(u64::MAX) as usize, offs[1].as_u64().unwrap_or(0) as usize);
-        let slice =
-            data.get(a..b).ok_or_else(|| format!("tensor '{name}': data_offsets [{a}, {b}] are outside the data"))?;
-        let t = Tensor::from_bytes(dtype, &shape, slice)
-            .ok_or_else(|| format!("tensor '{name}': {} bytes do not fill shape {shape:?}", slice.len()))?;
-        out.insert(name, t);
+        if !seen.insert(name.clone()) {
+            return Err(format!("tensor '{name}' appears twice in the header"));
+        }
+        let e: Entry = serde_json::from_value(value).map_err(|e| format!("tensor '{name}': {e}"))?;
+        let dtype = dtype_of(&e.dtype).ok_or_else(|| format!("tensor '{name}': unknown dtype '{}'", e.dtype))?;
+        let shape: Option<Vec<usize>> = e.shape.iter().map(|&d| usize::try_from(d).ok()).collect();
+        let need = shape
+            .as_ref()
+            .and_then(|s| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d)))
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .ok_or_else(|| format!("tensor '{name}': shape {:?} has more bytes than memory can address", e.shape))?;
+        let (begin, end) = e.data_offsets;
+        if begin > end || end > data.len() as u64 {
+            return Err(format!(
+                "tensor '{name}': data_offsets [{begin}, {end}] are outside the data ({} bytes)",
+                data.len()
+            ));
+        }
+        if end - begin != need as u64 {
+            return Err(format!(
+                "tensor '{name}': data_offsets [{begin}, {end}] hold {} bytes; {} {:?} needs {need}",
+                end - begin,
+                e.dtype,
+                e.shape
+            ));
+        }
+        spans.push((begin as usize, end as usize, name, dtype, shape.expect("checked above")));
     }
-    Ok(out)
+    spans.sort_by_key(|s| (s.0, s.1));
+    let mut tiled = 0;
+    let mut previous: Option<&str> = None;
+    for (begin, end, name, ..) in &spans {
+        if *begin < tiled {
+            let before = previous.expect("a tensor ends after 0");
+            return Err(format!(
+                "tensor '{name}': data_offsets [{begin}, {end}] overlap tensor '{before}', which ends at {tiled}"
+            ));
+        }
+        if *begin > tiled {
+            return Err(format!("tensor '{name}': data_offsets [{begin}, {end}] leave bytes {tiled}..{begin} unused"));
+        }
+        tiled = *end;
+        previous = Some(name);
+    }
+    if tiled != data.len() {
+        let after = previous.map(|p| format!(", after tensor '{p}'")).unwrap_or_default();
+        return Err(format!("bytes {tiled}..{} of the data belong to no tensor{after}", data.len()));
+    }
+    Ok(spans
+        .into_iter()
+        .map(|(begin, end, name, dtype, shape)| {
+            let t = Tensor::from_bytes(dtype, &shape, &data[begin..end]).expect("sized above");
+            (name, t)
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -113,5 +192,15 @@ mod tests {
         let b = encode(&m);
         assert_eq!(decode(&b).unwrap(), m);
         assert!(decode(&b[..b.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn empty_and_zero_sized_tensors_tile() {
+        let mut m = BTreeMap::new();
+        assert_eq!(decode(&encode(&m)).unwrap(), m);
+        m.insert("a".to_string(), Tensor::from_vec(&[0], Vec::<f32>::new()));
+        m.insert("b".to_string(), Tensor::from_vec(&[2], vec![1.0f32, 2.0]));
+        m.insert("c".to_string(), Tensor::from_vec(&[0, 3], Vec::<f32>::new()));
+        assert_eq!(decode(&encode(&m)).unwrap(), m);
     }
 }
