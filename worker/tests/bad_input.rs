@@ -1,7 +1,9 @@
 //! Inputs that made the worker panic (exit 101) before (issue 22), each made again here from a
 //! committed model or shard with the one fault a fuzzer found: the worker must answer with the
 //! documented exit code (2 bad input, 3 corrupt) and a message naming the node or file, or, where
-//! the input is valid ONNX, train it as the unmodified model trains.
+//! the input is valid ONNX, train it as the unmodified model trains. And the files a run meets:
+//! FIFOs as inputs or outputs, a second trainer on one output directory, a torn metrics line,
+//! damaged checkpoints whose checksums match.
 
 mod common;
 
@@ -172,21 +174,7 @@ fn a_recurrent_layer_too_long_to_unroll_is_refused_at_once() {
     let time = &mut tensor_type.shape.as_mut().unwrap().dim[1];
     time.value = Some(tensorfleet_worker::onnx::proto::tensor_shape_proto::dimension::Value::DimValue(1 << 31));
     std::fs::write(&long, model.encode_to_vec()).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
-        .args(["inspect", long.to_str().unwrap()])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let start = std::time::Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed().as_secs() > 60 {
-            child.kill().ok();
-            panic!("inspect was still unrolling after 60 s");
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    let o = child.wait_with_output().unwrap();
+    let o = worker_within(&["inspect", long.to_str().unwrap()], &dir, 60);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("(LSTM): a sequence of 2147483648 steps"), "{out}{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
