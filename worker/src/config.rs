@@ -869,11 +869,16 @@ impl TrainingConfig {
                 return bad(k, format!("must be in [0, 1), not {v}"));
             }
         }
-        if self.optimizer.epsilon <= 0.0 {
-            return bad("optimizer.epsilon", "must be positive".into());
+        // Written as what a value must be, so that NaN (for which every comparison is false)
+        // fails each check rather than passing it.
+        if !(self.optimizer.epsilon > 0.0 && self.optimizer.epsilon.is_finite()) {
+            return bad("optimizer.epsilon", format!("must be a positive number, not {}", self.optimizer.epsilon));
         }
-        if self.optimizer.weight_decay < 0.0 {
-            return bad("optimizer.weightDecay", "must not be negative".into());
+        if !(self.optimizer.weight_decay >= 0.0 && self.optimizer.weight_decay.is_finite()) {
+            return bad(
+                "optimizer.weightDecay",
+                format!("must be a non-negative number, not {}", self.optimizer.weight_decay),
+            );
         }
         if self.optimizer.nesterov && (self.optimizer.name != OptimizerName::Sgd || self.optimizer.momentum == 0.0) {
             return bad("optimizer.nesterov", "needs optimizer.name sgd with a momentum".into());
@@ -893,8 +898,8 @@ impl TrainingConfig {
                     return bad(&key(k), format!("must be a non-negative number, not {v}"));
                 }
             }
-            if let Some(e) = g.epsilon.filter(|e| *e <= 0.0) {
-                return bad(&key("epsilon"), format!("must be positive, not {e}"));
+            if let Some(e) = g.epsilon.filter(|e| !(*e > 0.0 && e.is_finite())) {
+                return bad(&key("epsilon"), format!("must be a positive number, not {e}"));
             }
         }
         if let Some(w) = self.weights_to_train.iter().find(|w| self.frozen_weights.contains(w)) {
@@ -916,11 +921,14 @@ impl TrainingConfig {
         if !(self.logging.peak_tflops >= 0.0 && self.logging.peak_tflops.is_finite()) {
             return bad("logging.peakTflops", "must be a non-negative number (0 = the GPU's known peak)".into());
         }
-        if self.grad_clip_norm < 0.0 {
-            return bad("gradClipNorm", "must not be negative (0 switches clipping off)".into());
+        if !(self.grad_clip_norm >= 0.0 && self.grad_clip_norm.is_finite()) {
+            return bad(
+                "gradClipNorm",
+                format!("must be a non-negative number (0 switches clipping off), not {}", self.grad_clip_norm),
+            );
         }
         if let Some(m) = self.lr_schedule.min_lr {
-            if m < 0.0 || m > self.optimizer.lr {
+            if !(m >= 0.0 && m <= self.optimizer.lr) {
                 return bad("lrSchedule.minLr", format!("must be in [0, optimizer.lr], not {m}"));
             }
         }
@@ -1024,7 +1032,7 @@ impl TrainingConfig {
                 if l.heads % l.kv_heads != 0 {
                     return bad("model.llama.kvHeads", format!("{} does not divide heads ({})", l.kv_heads, l.heads));
                 }
-                if !(l.rope_theta > 1.0 && l.norm_eps > 0.0) {
+                if !(l.rope_theta > 1.0 && l.rope_theta.is_finite() && l.norm_eps > 0.0 && l.norm_eps.is_finite()) {
                     return bad("model.llama", "ropeTheta must exceed 1 and normEps be positive".into());
                 }
                 if self.data.train.format != DataFormat::Tokens {
@@ -1066,6 +1074,24 @@ mod tests {
         assert_eq!(c.optimizer.lr, 0.01);
         assert_eq!(c.optimizer.name, OptimizerName::Adamw);
         assert!(matches!(c.model.kind().unwrap(), ModelConfig::Gpt2(Gpt2Config { vocab: 50257, .. })));
+    }
+
+    /// NaN and infinities fail every range check (each is written as what a value must be).
+    #[test]
+    fn non_finite_numbers_are_refused_naming_the_key() {
+        for (key, yaml) in [
+            ("gradClipNorm", "gradClipNorm: .nan"),
+            ("gradClipNorm", "gradClipNorm: .inf"),
+            ("optimizer.epsilon", "optimizer: {lr: 0.1, epsilon: .nan}"),
+            ("optimizer.weightDecay", "optimizer: {lr: 0.1, weightDecay: .nan}"),
+            ("optimizer.lr", "optimizer: {lr: .nan}"),
+            ("lrSchedule.minLr", "optimizer: {lr: 0.1}\nlrSchedule: {name: cosine, minLr: .nan}"),
+            ("optimizer.groups[0].epsilon", "optimizer: {lr: 0.1, groups: [{weights: ['*'], epsilon: .nan}]}"),
+        ] {
+            let e = TrainingConfig::parse(&format!("{BASE}{yaml}\n"), "t.yaml", &[]).unwrap_err();
+            assert!(e.to_string().contains(&format!("key '{key}'")), "{yaml}: {e}");
+            assert_eq!(e.exit_code(), 2, "{yaml}: {e}");
+        }
     }
 
     #[test]

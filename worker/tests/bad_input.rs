@@ -514,3 +514,23 @@ fn a_damaged_checkpoint_is_refused_naming_the_file_and_tensor() {
     assert_refused("a world size its layout denies", &inspect(&copy), 3, "manifest.json: worldSize 4");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `loss: {output: logits}` without a `type` names the model's own loss; the logits are not one:
+/// exit 2 naming the key, instead of training the sum of the logits.
+#[test]
+fn a_loss_output_that_is_not_one_number_is_refused() {
+    let dir = scratch("bad-input-loss-output");
+    std::fs::write(
+        dir.join("t.yaml"),
+        format!(
+            "model: {{onnx: {{path: {}, loss: {{output: logits}}}}}}\n\
+             data: {{train: {{path: {}, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\n",
+            cnn("resnet18_dynamo.onnx").display(),
+            cnn("batches.pb").display()
+        ),
+    )
+    .unwrap();
+    let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
+    assert_refused("logits as the loss", &o, 2, "model.onnx.loss.output: 'logits'");
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -389,6 +389,7 @@ impl<B: Backend> Session<B> {
         // says), each dropout with its own seed (so that a recomputed clone, or a pipeline
         // stage's second forward pass, draws the same mask).
         let mut bound = bind(&buffers::training_form(g, &tracked), &bindings, true)?;
+        check_loss(&bound, model.loss)?;
         let running = buffers::running_statistics(&bound, &tracked)?;
         autodiff::recompute::pin_dropout_seeds(&mut bound);
         let all_weights: Vec<(String, Meta)> =
@@ -1204,4 +1205,21 @@ fn optimizer_state(
         )));
     }
     Ok(Tensor::from_vec(&meta.shape, t.as_slice::<f32>().to_vec()))
+}
+
+/// The backward pass starts from the loss with a gradient of 1, so the loss must be one float
+/// number: a tensor there (a model's logits named as its loss, without a `type` to attach one)
+/// would train the sum of its elements, silently.
+fn check_loss(bound: &Graph, loss: ValueId) -> Result<()> {
+    let meta = bound.meta(loss).expect("bound graphs give every value a meta");
+    if meta.dtype.is_float() && meta.shape.iter().product::<usize>() == 1 {
+        return Ok(());
+    }
+    Err(Error::Config(format!(
+        "model.onnx.loss.output: '{}' is {} {:?}, not one number: name the output that is the model's loss, \
+         or give loss.type (softmaxCrossEntropy, mse) to attach a loss to this one",
+        bound.name_of(loss),
+        meta.dtype,
+        meta.shape
+    )))
 }
