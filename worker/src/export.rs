@@ -38,6 +38,25 @@ pub fn inference_graph(model: &Model, weights: &BTreeMap<String, Tensor>) -> Res
     Ok(g)
 }
 
+/// Refuses `weights` (a checkpoint's, from `origin`) that lack a parameter training updates
+/// (chosen by the run's weightsToTrain `trainable` and frozenWeights `frozen`): the export would
+/// hold that weight's untrained initial value.
+pub fn check_trained(
+    model: &Model,
+    weights: &BTreeMap<String, Tensor>,
+    trainable: &[String],
+    frozen: &[String],
+    origin: &str,
+) -> Result<()> {
+    let (params, _) = crate::session::trained_weights(&model.graph, trainable, frozen)?;
+    match params.iter().map(|&v| model.graph.name_of(v)).find(|name| !weights.contains_key(*name)) {
+        Some(name) => Err(Error::Corrupt(format!(
+            "{origin}: the trained weight '{name}' is missing (the export would hold its untrained initial value)"
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// Dropout is the identity in inference: its readers read its input instead.
 fn remove_dropout(g: &mut Graph) {
     let mut replace: BTreeMap<ValueId, ValueId> = BTreeMap::new();

@@ -126,6 +126,9 @@ fn run(cli: Cli) -> Result<()> {
         Command::Export { checkpoint: dir, output } => {
             let (manifest, weights) = checkpoint::load(&dir)?;
             let model = models::load(&manifest.config.model, manifest.config.seed)?;
+            let c = &manifest.config;
+            let origin = format!("checkpoint {}", dir.display());
+            export::check_trained(&model, &weights, &c.weights_to_train, &c.frozen_weights, &origin)?;
             export::write(&model, &weights, &output)?;
             println!("exported step {} of {} to {}", manifest.step, dir.display(), output.display());
             Ok(())

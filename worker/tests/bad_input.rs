@@ -14,6 +14,7 @@ use std::process::{Command, Output, Stdio};
 use tensorfleet_worker::data::samples::write_shard;
 use tensorfleet_worker::data::tokens::write_shard as write_token_shard;
 use tensorfleet_worker::onnx::proto::{ModelProto, NodeProto};
+use tensorfleet_worker::session::OPTIMIZER_PREFIX;
 use tensorfleet_worker::tensor::Tensor;
 
 fn worker(args: &[&str], dir: &Path) -> Output {
@@ -532,5 +533,52 @@ fn a_loss_output_that_is_not_one_number_is_refused() {
     .unwrap();
     let o = worker(&["train", "--quiet", "--config", "t.yaml"], &dir);
     assert_refused("logits as the loss", &o, 2, "model.onnx.loss.output: 'logits'");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// `export` of a checkpoint that lacks a weight the run trained wrote the model's untrained
+/// initial value for it, exit 0; it is refused: exit 3 naming the weight.
+#[test]
+fn export_refuses_a_checkpoint_missing_a_trained_weight() {
+    let dir = scratch("bad-input-export-missing");
+    let cfg = tiny(&dir, "t.yaml", 1, "checkpoint: {every: 1}\noutput: {dir: out}\n");
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = dir.join("out/checkpoints/checkpoint_1");
+    // The checkpoint again without one weight: its entry and its bytes gone, the others moved up,
+    // the checksum made to match (a well-formed checkpoint that is merely incomplete).
+    let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let dropped =
+        header.keys().find(|k| !k.starts_with(OPTIMIZER_PREFIX) && *k != "__metadata__").expect("a weight").clone();
+    let (mut kept, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, mut entry) in header.into_iter().filter(|(k, _)| *k != dropped) {
+        if let Some(offsets) = entry.get("data_offsets").cloned() {
+            let (begin, end) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
+            let start = data.len();
+            data.extend_from_slice(&bytes[8 + n + begin..8 + n + end]);
+            entry["data_offsets"] = serde_json::json!([start, data.len()]);
+        }
+        kept.insert(name, entry);
+    }
+    let mut text = serde_json::to_vec(&kept).unwrap();
+    while text.len() % 8 != 0 {
+        text.push(b' ');
+    }
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&text);
+    out.extend_from_slice(&data);
+    let copy = dir.join("incomplete");
+    std::fs::create_dir_all(&copy).unwrap();
+    let mut manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
+    manifest["files"]["rank_0.safetensors"] = tensorfleet_worker::checkpoint::checksum(&out).into();
+    std::fs::write(copy.join("rank_0.safetensors"), out).unwrap();
+    std::fs::write(copy.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+
+    let o = worker_within(&["export", "--checkpoint", copy.to_str().unwrap(), "--output", "m.onnx"], &dir, 60);
+    assert_refused("a missing weight", &o, 3, &format!("the trained weight '{dropped}' is missing"));
+    assert!(!dir.join("m.onnx").exists(), "a model was written");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -314,41 +314,7 @@ impl<B: Backend> Session<B> {
         opts: &SessionOptions,
     ) -> Result<Session<B>> {
         let g = &model.graph;
-        for (key, names) in [("frozenWeights", &opts.frozen), ("weightsToTrain", &opts.trainable)] {
-            for f in names {
-                if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
-                    return Err(Error::Config(format!("{key}: '{f}' is not a weight (initializer) of the model")));
-                }
-            }
-        }
-        // What trains: the float32 initializers that are parameters by how the graph reads them
-        // (`buffers::roles`: not BatchNormalization's running statistics, not constants an
-        // exporter lifted into initializers), unless frozenWeights lists them; weightsToTrain,
-        // when given, names exactly what trains. Other float types (a float64 constant, say)
-        // stay as they are. The running statistics no list names are updated by every training
-        // forward pass, as PyTorch's are.
-        let roles = buffers::roles(g);
-        let role = |v: ValueId| roles.get(&v).copied();
-        let listed = |names: &[String], v: ValueId| names.iter().any(|f| f == g.name_of(v));
-        let f32_initializers =
-            || g.float_initializers().into_iter().filter(|v| g.initializers[v].dtype() == DType::F32);
-        let params: Vec<ValueId> = f32_initializers()
-            .filter(|&v| {
-                let chosen = if opts.trainable.is_empty() {
-                    role(v) == Some(buffers::Role::Parameter)
-                } else {
-                    listed(&opts.trainable, v)
-                };
-                chosen && !listed(&opts.frozen, v)
-            })
-            .collect();
-        let tracked: HashSet<ValueId> = f32_initializers()
-            .filter(|&v| {
-                role(v) == Some(buffers::Role::RunningStatistic)
-                    && !listed(&opts.frozen, v)
-                    && !listed(&opts.trainable, v)
-            })
-            .collect();
+        let (params, tracked) = trained_weights(g, &opts.trainable, &opts.frozen)?;
         if !tracked.is_empty() && opts.pipeline.is_some() {
             return Err(Error::Config(format!(
                 "parallelism.pipeline: the model's {} BatchNormalization running statistics are not updated across \
@@ -357,12 +323,6 @@ impl<B: Backend> Session<B> {
                 tracked.len()
             )));
         }
-        tracing::debug!(
-            parameters = params.len(),
-            running_statistics = tracked.len(),
-            constants = roles.values().filter(|&&r| r == buffers::Role::Constant).count(),
-            "float initializers by role"
-        );
         if params.is_empty() {
             return Err(Error::Config(
                 "the model has no trainable weights: no float32 initializer that a gradient reaches (running \
@@ -1222,4 +1182,44 @@ fn check_loss(bound: &Graph, loss: ValueId) -> Result<()> {
         meta.dtype,
         meta.shape
     )))
+}
+
+/// What trains in `g`, by the weightsToTrain (`trainable`) and frozenWeights (`frozen`) lists:
+/// the parameters, and the running statistics that training forward passes update. Training
+/// and `export` (which needs every parameter from the checkpoint) choose alike here.
+pub fn trained_weights(g: &Graph, trainable: &[String], frozen: &[String]) -> Result<(Vec<ValueId>, HashSet<ValueId>)> {
+    for (key, names) in [("frozenWeights", frozen), ("weightsToTrain", trainable)] {
+        for f in names {
+            if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
+                return Err(Error::Config(format!("{key}: '{f}' is not a weight (initializer) of the model")));
+            }
+        }
+    }
+    // What trains: the float32 initializers that are parameters by how the graph reads them
+    // (`buffers::roles`: not BatchNormalization's running statistics, not constants an
+    // exporter lifted into initializers), unless frozenWeights lists them; weightsToTrain,
+    // when given, names exactly what trains. Other float types (a float64 constant, say)
+    // stay as they are. The running statistics no list names are updated by every training
+    // forward pass, as PyTorch's are.
+    let roles = buffers::roles(g);
+    let role = |v: ValueId| roles.get(&v).copied();
+    let listed = |names: &[String], v: ValueId| names.iter().any(|f| f == g.name_of(v));
+    let f32_initializers = || g.float_initializers().into_iter().filter(|v| g.initializers[v].dtype() == DType::F32);
+    let params: Vec<ValueId> = f32_initializers()
+        .filter(|&v| {
+            let chosen =
+                if trainable.is_empty() { role(v) == Some(buffers::Role::Parameter) } else { listed(trainable, v) };
+            chosen && !listed(frozen, v)
+        })
+        .collect();
+    let tracked: HashSet<ValueId> = f32_initializers()
+        .filter(|&v| role(v) == Some(buffers::Role::RunningStatistic) && !listed(frozen, v) && !listed(trainable, v))
+        .collect();
+    tracing::debug!(
+        parameters = params.len(),
+        running_statistics = tracked.len(),
+        constants = roles.values().filter(|&&r| r == buffers::Role::Constant).count(),
+        "float initializers by role"
+    );
+    Ok((params, tracked))
 }
