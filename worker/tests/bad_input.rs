@@ -582,3 +582,23 @@ fn export_refuses_a_checkpoint_missing_a_trained_weight() {
     assert!(!dir.join("m.onnx").exists(), "a model was written");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A model whose weights hold a NaN trained NaN losses and exported them, exit 0; it is refused
+/// before training: exit 3 naming the weight.
+#[test]
+fn a_nan_weight_is_refused_naming_it() {
+    let dir = scratch("bad-input-nan-weight");
+    let mut model = ModelProto::decode(std::fs::read(cnn("resnet18_dynamo.onnx")).unwrap().as_slice()).unwrap();
+    let graph = model.graph.as_mut().unwrap();
+    let w = graph.initializer.iter_mut().find(|t| t.dims.len() == 4 && t.data_type == Some(1)).expect("a conv weight");
+    match w.raw_data.as_mut().filter(|r| !r.is_empty()) {
+        Some(raw) => raw[..4].copy_from_slice(&f32::NAN.to_le_bytes()),
+        None => w.float_data[0] = f32::NAN,
+    }
+    let name = w.name.clone().unwrap();
+    let path = dir.join("nan.onnx");
+    std::fs::write(&path, model.encode_to_vec()).unwrap();
+    let o = worker(&["train", "--quiet", "--config", cnn_config(&dir, &path).to_str().unwrap()], &dir);
+    assert_refused("a NaN weight", &o, 3, &format!("weight '{name}' holds NaN"));
+    std::fs::remove_dir_all(&dir).ok();
+}

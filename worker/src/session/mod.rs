@@ -315,6 +315,12 @@ impl<B: Backend> Session<B> {
     ) -> Result<Session<B>> {
         let g = &model.graph;
         let (params, tracked) = trained_weights(g, &opts.trainable, &opts.frozen)?;
+        // A NaN or infinite weight makes every loss NaN from the first step on: damaged data.
+        // (Constants may hold infinities, as attention masks do; they are not weights.)
+        if let Some(&v) = params.iter().find(|&&v| !g.initializers[&v].as_slice::<f32>().iter().all(|x| x.is_finite()))
+        {
+            return Err(Error::Corrupt(format!("the model's weight '{}' holds NaN or infinite values", g.name_of(v))));
+        }
         if !tracked.is_empty() && opts.pipeline.is_some() {
             return Err(Error::Config(format!(
                 "parallelism.pipeline: the model's {} BatchNormalization running statistics are not updated across \
