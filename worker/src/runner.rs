@@ -6,7 +6,7 @@ use crate::backend::device::{self, Device};
 use crate::backend::Backend;
 use crate::checkpoint;
 use crate::comm::{CommOptions, Layout, World};
-use crate::config::{ModelConfig, OptimizerName, Precision, TrainingConfig};
+use crate::config::{ModelConfig, ModelSpec, OptimizerName, Precision, TrainingConfig};
 use crate::data::{self, Batch, Batching, Feeds, Partition};
 use crate::error::{Error, Result};
 use crate::files::OutputLock;
@@ -109,9 +109,25 @@ fn check_supported(cfg: &TrainingConfig) -> Result<()> {
     Ok(())
 }
 
-/// A checkpoint continues this run only if its global batch is this run's: its data position
-/// counts global batches. (The layout may differ: another data-parallel size reshards.)
+/// A checkpoint continues this run only if it trained the same model with the same optimizer
+/// (else its weights would be dropped or read as other ones, its moments lost) and the same
+/// global batch (its data position counts global batches). The layout may differ: another
+/// data-parallel, tensor or pipeline size reshards.
 fn check_resumable(cfg: &TrainingConfig, m: &checkpoint::Manifest, path: &std::path::Path) -> Result<()> {
+    let mismatch = |key: String, was: String, is: String| {
+        Err(Error::Config(format!(
+            "checkpoint.resume: {} was trained with {key} {was}, this run has {is}; resume under the same {key} \
+             (or start in another output.dir)",
+            path.display()
+        )))
+    };
+    if let Some((key, was, is)) = model_difference(&m.config.model, &cfg.model) {
+        return mismatch(key, was, is);
+    }
+    if m.config.optimizer.name != cfg.optimizer.name {
+        let name = |c: &TrainingConfig| format!("{:?}", c.optimizer.name).to_lowercase();
+        return mismatch("optimizer.name".into(), name(&m.config), name(cfg));
+    }
     let global = |c: &TrainingConfig| c.batch_size * c.parallelism.data * c.gradient_accumulation_steps;
     if global(&m.config) != global(cfg) {
         return Err(Error::Config(format!(
@@ -126,6 +142,37 @@ fn check_resumable(cfg: &TrainingConfig, m: &checkpoint::Manifest, path: &std::p
         )));
     }
     Ok(())
+}
+
+/// The first key (`model.gpt2.heads`, …) whose value defines the model's weights differently in
+/// `was` and `is`, with both values. Dropout defines none; an ONNX model's weights are checked
+/// against the checkpoint's by name and shape when they load (its file may have moved).
+fn model_difference(was: &ModelSpec, is: &ModelSpec) -> Option<(String, String, String)> {
+    if was.onnx.is_some() && is.onnx.is_some() {
+        return None;
+    }
+    let shape_defining = |spec: &ModelSpec| {
+        let mut v = serde_json::to_value(spec).expect("a model spec serializes");
+        if let Some(gpt2) = v.get_mut("gpt2").and_then(|g| g.as_object_mut()) {
+            gpt2.remove("dropout");
+        }
+        v
+    };
+    first_difference("model", &shape_defining(was), &shape_defining(is))
+}
+
+fn first_difference(key: &str, a: &serde_json::Value, b: &serde_json::Value) -> Option<(String, String, String)> {
+    match (a, b) {
+        (serde_json::Value::Object(x), serde_json::Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let null = serde_json::Value::Null;
+                first_difference(&format!("{key}.{k}"), x.get(k).unwrap_or(&null), y.get(k).unwrap_or(&null))
+            })
+        }
+        _ if a == b => None,
+        _ => Some((key.to_string(), a.to_string(), b.to_string())),
+    }
 }
 
 /// A checkpoint's manifest, tensors and path.

@@ -602,3 +602,29 @@ fn a_nan_weight_is_refused_naming_it() {
     assert_refused("a NaN weight", &o, 3, &format!("weight '{name}' holds NaN"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Resuming under another model or optimizer read the checkpoint's weights as other ones (other
+/// heads), dropped some (fewer layers) or lost the moments (another optimizer), exit 0; each is
+/// refused: exit 2 naming the key, with both values.
+#[test]
+fn resuming_under_another_model_or_optimizer_is_refused() {
+    let dir = scratch("bad-input-resume-mismatch");
+    let cfg = tiny(&dir, "t.yaml", 2, "checkpoint: {every: 1}\noutput: {dir: out}\n");
+    let o = worker_within(&["train", "--quiet", "--config", cfg.to_str().unwrap()], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(&cfg).unwrap().replace("steps: 2", "steps: 4");
+    for (what, from, to, key) in [
+        ("other heads", "heads: 2", "heads: 4", "model.gpt2.heads 2, this run has 4"),
+        ("fewer layers", "layers: 1", "layers: 2", "model.gpt2.layers 1, this run has 2"),
+        ("another optimizer", "output:", "optimizer: {name: sgd, lr: 0.1}\noutput:", "optimizer.name adamw"),
+    ] {
+        std::fs::write(dir.join("r.yaml"), text.replace(from, to)).unwrap();
+        let o = worker_within(&["train", "--quiet", "--config", "r.yaml"], &dir, 120);
+        assert_refused(what, &o, 2, key);
+    }
+    // Dropout defines no weight: a resume under another rate continues.
+    std::fs::write(dir.join("r.yaml"), text.replace("vocab: 64", "vocab: 64, dropout: 0.1")).unwrap();
+    let o = worker_within(&["train", "--quiet", "--config", "r.yaml"], &dir, 120);
+    assert!(o.status.success(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
