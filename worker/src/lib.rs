@@ -23,6 +23,8 @@ pub mod export;
 #[cfg(feature = "engine")]
 pub mod graph;
 #[cfg(feature = "engine")]
+pub mod host;
+#[cfg(feature = "engine")]
 pub mod inspect;
 #[cfg(feature = "engine")]
 pub mod models;

@@ -628,3 +628,22 @@ fn resuming_under_another_model_or_optimizer_is_refused() {
     assert!(o.status.success(), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A builtin model larger than any machine (10^12 positions, or 10^12 layers) aborted when an
+/// allocation failed, or built for minutes first; it is refused before it is built: exit 2
+/// naming the model's keys and the bytes.
+#[test]
+fn a_model_larger_than_the_machine_is_refused_before_it_is_built() {
+    let dir = scratch("bad-input-model-size");
+    for (what, from, to) in [
+        ("10^12 positions", "seqLen: 4", "seqLen: 1000000000000"),
+        ("10^12 layers", "layers: 1", "layers: 1000000000000"),
+    ] {
+        let text = std::fs::read_to_string(tiny(&dir, "t.yaml", 1, "")).unwrap();
+        std::fs::write(dir.join("big.yaml"), text.replace(from, to)).unwrap();
+        let o = worker_within(&["train", "--quiet", "--config", "big.yaml"], &dir, 30);
+        assert_refused(what, &o, 2, "model.gpt2 (layers, embed, seqLen, vocab): the model's");
+        assert!(stderr(&o).contains("this machine has"), "{what}: {}", stderr(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

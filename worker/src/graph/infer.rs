@@ -99,19 +99,9 @@ fn addressable(node: &Node, m: &Meta) -> Result<()> {
 /// aborting the process when the allocation fails. Exit 2: the model asks more than the
 /// machine has, which a larger machine may give.
 fn fits_in_memory(node: &Node, m: &Meta) -> Result<()> {
-    static TOTAL: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    // The machine's memory, or the container's limit where one is lower (cgroup v2, then v1).
-    let total = TOTAL.get_or_init(|| {
-        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let kib: usize = info.lines().find(|l| l.starts_with("MemTotal:"))?.split_whitespace().nth(1)?.parse().ok()?;
-        let limit = ["/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]
-            .iter()
-            .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse::<usize>().ok());
-        let machine = kib.checked_mul(1024)?;
-        Some(limit.map_or(machine, |l| l.min(machine)))
-    });
+    let total = crate::host::memory_bytes();
     match total {
-        Some(total) if m.bytes() > *total => Err(Error::Config(format!(
+        Some(total) if m.bytes() > total => Err(Error::Config(format!(
             "{}: folding its constant output {}{:?} needs {} bytes; this machine has {total}",
             node.describe(),
             m.dtype,

@@ -99,9 +99,10 @@ pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
     Ok(g)
 }
 
-/// Parameters of a GPT-2 of this shape (tied embeddings counted once).
-pub fn parameter_count(c: &Gpt2Config) -> usize {
-    let (l, e, t, v) = (c.layers, c.embed, c.seq_len, c.vocab);
+/// Parameters of a GPT-2 of this shape (tied embeddings counted once), counted in u128 so that
+/// no configuration overflows it.
+pub fn parameter_count(c: &Gpt2Config) -> u128 {
+    let (l, e, t, v) = (c.layers as u128, c.embed as u128, c.seq_len as u128, c.vocab as u128);
     v * e + t * e + l * (12 * e * e + 13 * e) + 2 * e
 }
 
@@ -116,6 +117,6 @@ mod tests {
         let small = Gpt2Config { layers: 2, heads: 2, embed: 16, seq_len: 8, vocab: 32, dropout: 0.0 };
         let g = build(&small, 1).unwrap();
         let n: usize = g.float_initializers().iter().map(|&v| g.initializers[&v].numel()).sum();
-        assert_eq!(n, parameter_count(&small));
+        assert_eq!(n as u128, parameter_count(&small));
     }
 }

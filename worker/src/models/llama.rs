@@ -154,12 +154,12 @@ pub fn build(c: &LlamaConfig, seed: u64) -> Result<Graph> {
     Ok(g)
 }
 
-/// Parameters of a Llama of this shape.
-pub fn parameter_count(c: &LlamaConfig) -> usize {
-    let (e, f, v) = (c.embed, c.ffn, c.vocab);
-    let kv = c.kv_heads * (e / c.heads);
+/// Parameters of a Llama of this shape, counted in u128 so that no configuration overflows it.
+pub fn parameter_count(c: &LlamaConfig) -> u128 {
+    let (e, f, v) = (c.embed as u128, c.ffn as u128, c.vocab as u128);
+    let kv = c.kv_heads as u128 * (e / (c.heads as u128).max(1));
     let block = 2 * e + e * e + 2 * e * kv + e * e + 3 * e * f;
-    2 * v * e + c.layers * block + e
+    2 * v * e + c.layers as u128 * block + e
 }
 
 #[cfg(test)]
@@ -183,6 +183,6 @@ mod tests {
         let small = LlamaConfig { layers: 2, heads: 4, kv_heads: 2, embed: 16, ffn: 32, vocab: 64, ..c };
         let g = build(&small, 1).unwrap();
         let n: usize = g.float_initializers().iter().map(|&v| g.initializers[&v].numel()).sum();
-        assert_eq!(n, parameter_count(&small));
+        assert_eq!(n as u128, parameter_count(&small));
     }
 }

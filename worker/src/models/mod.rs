@@ -27,6 +27,7 @@ pub struct Model {
 
 /// Builds or loads the configured model and attaches its loss.
 pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
+    check_size(cfg)?;
     let (graph, loss_cfg) = match cfg.kind()? {
         ModelConfig::Gpt2(c) => (gpt2::build(c, seed)?, builtin_loss()),
         ModelConfig::Llama(c) => (llama::build(c, seed)?, builtin_loss()),
@@ -43,6 +44,34 @@ pub fn load(cfg: &ModelSpec, seed: u64) -> Result<Model> {
     let mut graph = graph;
     inference_batch_norm(&mut graph);
     with_loss(graph, &loss_cfg)
+}
+
+/// A builtin model whose weights and their gradients pass this machine's memory is refused before
+/// it is built (building it would abort when an allocation fails, or run for minutes first):
+/// exit 2 naming the model's keys, with the bytes needed and the bytes there are. Training needs
+/// more still (optimizer moments, activations); the memory plan reports that later.
+fn check_size(cfg: &ModelSpec) -> Result<()> {
+    let (key, params) = match cfg.kind()? {
+        ModelConfig::Gpt2(c) => ("model.gpt2 (layers, embed, seqLen, vocab)", gpt2::parameter_count(c)),
+        ModelConfig::Llama(c) => ("model.llama (layers, embed, ffn, vocab)", llama::parameter_count(c)),
+        ModelConfig::Mlp(c) => {
+            let widths: Vec<u128> = std::iter::once(c.inputs)
+                .chain(c.hidden.iter().copied())
+                .chain([c.classes])
+                .map(|w| w as u128)
+                .collect();
+            ("model.mlp (inputs, hidden, classes)", widths.windows(2).map(|w| (w[0] + 1) * w[1]).sum())
+        }
+        ModelConfig::Squeezenet(_) | ModelConfig::Onnx(_) => return Ok(()),
+    };
+    let bytes = params.saturating_mul(8);
+    match crate::host::memory_bytes() {
+        Some(memory) if bytes > memory as u128 => Err(Error::Config(format!(
+            "{key}: the model's {params} parameters need {bytes} bytes for their f32 weights and gradients alone; \
+             this machine has {memory}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// Marks the lookups of each configured embedding (`model.onnx.paddingIdx`): every Gather on
