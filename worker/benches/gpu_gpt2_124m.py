@@ -15,6 +15,8 @@ betas (0.9, 0.95), weight decay 0.1), on random tokens. For each of
   - tensorfleet (the worker binary, `precision: bf16`, `device: cuda`, fused attention),
   - tensorfleet with TENSORFLEET_CUDA_ATTENTION=warp (attention on the warp kernels rather than
     the tensor cores),
+  - and in fp16 with dynamic loss scaling (the `_fp16` rows): tensorfleet `precision: fp16`,
+    PyTorch eager and compiled under fp16 autocast with a GradScaler,
 
 (--rows picks some, in the order given; the tensorfleet rows come first by default, so that a run
 cut short has them) it takes the largest micro-batch of --micro-batches that trains without
@@ -74,8 +76,11 @@ def peak_tflops(name, override):
     return None
 
 
-def torch_run(compiled, micro_batch, steps, warmup):
+def torch_run(compiled, micro_batch, steps, warmup, dtype=torch.bfloat16):
+    """One timed PyTorch run; fp16 scales the loss as torch.amp does (GradScaler: the gradients
+    unscaled before clipping, a step skipped where they overflow)."""
     torch.manual_seed(0)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     model = Gpt2(LAYERS, EMBED, HEADS, SEQ, VOCAB).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
     step_fn = torch.compile(model) if compiled else model
@@ -86,11 +91,13 @@ def torch_run(compiled, micro_batch, steps, warmup):
     for k in range(warmup + steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=dtype):
             loss = step_fn(idx, labels)
-        loss.backward()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         if k >= warmup:
@@ -117,7 +124,7 @@ def failure(stderr, code):
     return stderr.strip().splitlines()[-1] if stderr.strip() else f"exit {code}"
 
 
-def worker_config(micro_batch, steps, out, peak, run_dir):
+def worker_config(micro_batch, steps, out, peak, run_dir, precision="bf16"):
     """The worker's config for `steps` steps of `micro_batch` rows, and its token shard."""
     os.makedirs(f"{out}/tokens", exist_ok=True)
     shard = f"{out}/tokens/train_000000.bin"
@@ -132,7 +139,7 @@ def worker_config(micro_batch, steps, out, peak, run_dir):
         "steps": steps,
         "optimizer": {"name": "adamw", "lr": 6e-4, "beta1": 0.9, "beta2": 0.95, "weightDecay": 0.1},
         "gradClipNorm": 1.0,
-        "precision": "bf16",
+        "precision": precision,
         "device": DEVICE,
         "logging": {"every": 1, "tensorboard": False, "peakTflops": peak or 0},
         "output": {"dir": run_dir},
@@ -171,11 +178,12 @@ def wait_worker(proc, cfg_path, timeout, log):
     return err
 
 
-def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto", timeout=240):
+def worker_run(worker, micro_batch, steps, warmup, out, peak, attention="auto", timeout=240, precision="bf16"):
     """One timed worker run; `attention` is TENSORFLEET_CUDA_ATTENTION's value (warp: the warp
-    kernels in place of the tensor-core ones)."""
-    run_dir = f"{out}/tensorfleet-{attention}-mb{micro_batch}"
-    config = worker_config(micro_batch, warmup + steps, out, peak, run_dir)
+    kernels in place of the tensor-core ones); `precision` the worker's (bf16, or fp16 with its
+    dynamic loss scale)."""
+    run_dir = f"{out}/tensorfleet-{attention}-{precision}-mb{micro_batch}"
+    config = worker_config(micro_batch, warmup + steps, out, peak, run_dir, precision)
     cfg_path = f"{run_dir}.json"
     started = time.perf_counter()
     proc = start_worker(worker, config, cfg_path, attention)
@@ -261,11 +269,22 @@ def largest_that_fits(run, sizes):
     return {"error": f"no micro-batch of {sizes} fits"}
 
 
-ROWS = ["tensorfleet", "tensorfleet_warp_attn", "pytorch_eager", "pytorch_compile"]
+ROWS = [
+    "tensorfleet",
+    "tensorfleet_warp_attn",
+    "pytorch_eager",
+    "pytorch_compile",
+    "tensorfleet_fp16",
+    "pytorch_eager_fp16",
+    "pytorch_compile_fp16",
+]
 
 
 def print_table(summary):
-    print(f"GPT-2 124M, seq {SEQ}, bf16, on {summary['gpu']} (dense bf16 peak {summary['peak_bf16_tflops']} TFLOP/s)")
+    print(
+        f"GPT-2 124M, seq {SEQ}, bf16 (the _fp16 rows: fp16, dynamic loss scaling), on {summary['gpu']} "
+        f"(dense bf16 and fp16 peak {summary['peak_bf16_tflops']} TFLOP/s)"
+    )
     print(f"{'':22} {'micro-batch':>11} {'tokens/s':>10} {'MFU':>6} {'peak GiB':>9}")
     for label in ROWS:
         r = summary["results"].get(label)
@@ -333,6 +352,11 @@ def main():
         # What the tensor-core attention is worth (and a measurement should it fail).
         "tensorfleet_warp_attn": lambda mb: worker_run(
             a.worker, mb, a.steps, a.warmup, a.out, peak, "warp", a.run_timeout
+        ),
+        "pytorch_eager_fp16": lambda mb: torch_run(False, mb, a.steps, a.warmup, torch.float16),
+        "pytorch_compile_fp16": lambda mb: torch_run(True, mb, a.steps, a.warmup, torch.float16),
+        "tensorfleet_fp16": lambda mb: worker_run(
+            a.worker, mb, a.steps, a.warmup, a.out, peak, "auto", a.run_timeout, "fp16"
         ),
     }
     for label in rows:
