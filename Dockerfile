@@ -60,9 +60,14 @@ FROM ${CUDA_IMAGE} AS worker
 # openmpi-bin: mpirun on the launcher and the OpenMPI libraries every rank links (libmpi.so.40,
 # the same soname as bookworm's, which the builder linked against).
 # openssh-server / openssh-client: mpirun starts the ranks on the worker pods over ssh.
+# The host keys openssh-server's install makes are removed: an image's keys would be every pod's
+# (of every job, of every user of the image). The worker pods' sshd takes its host key from the
+# job's Secret (the operator makes one per job); `ssh-keygen -A` makes keys where sshd is run by
+# hand.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends openmpi-bin openssh-server openssh-client ca-certificates \
  && rm -rf /var/lib/apt/lists/* \
+ && rm -f /etc/ssh/ssh_host_*_key /etc/ssh/ssh_host_*_key.pub \
  && mkdir -p /run/sshd
 # The pods' ssh keys come from a per-job Secret mounted by Kubernetes, whose file modes and
 # owners sshd's StrictModes would reject; the hosts are the job's own pods, whose host keys are

@@ -129,6 +129,12 @@ buildah run --user 65532:65532 "$c" -- /usr/local/bin/tensorfleet-operator --ver
 buildah rm "$c" >/dev/null
 c=$(buildah from "$prefix/worker:$tag")
 buildah run "$c" -- tensorfleet-worker --version
+# No host key is baked into the image (the pods' come from each job's Secret).
+if buildah run "$c" -- sh -c 'ls /etc/ssh/ssh_host_* 2>/dev/null || true' | grep -q .; then
+    echo "images: the worker image holds ssh host keys (/etc/ssh/ssh_host_*): they would be every pod's" >&2
+    exit 1
+fi
+echo "ssh host keys: none in the image"
 buildah run "$c" -- sh -c 'mpirun --version | head -n 1; ssh-keygen -A >/dev/null && /usr/sbin/sshd -t && echo "sshd: configuration valid"'
 for lib in libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
     buildah run "$c" -- sh -c "ldconfig -p | grep -q '$lib '" || { echo "images: $lib is not in the worker's ld cache" >&2; exit 1; }
