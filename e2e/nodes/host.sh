@@ -19,14 +19,17 @@ SYSCTLS=(vm.overcommit_memory kernel.panic kernel.panic_on_oops net.ipv4.ip_forw
 PATHS=(/var/lib/kubelet /var/log/containers /var/log/pods /var/lib/cni /run/netns /run/containerd /opt/containerd)
 BRIDGE=tf-br0
 
+# A rule set as iptables-save (or ip6tables-save) prints it, without comments and counters.
+rules() { "$1" 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//' || true; }
+
 # What is compared: the sysctls' values, the rule sets (counters dropped), the links and
 # mount points, and which fixed paths exist.
 state() { # OUT
     mkdir -p "$1"
     local s
     for s in "${SYSCTLS[@]}"; do echo "$s = $(sysctl -n "$s")"; done >"$1/sysctls"
-    iptables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//' >"$1/iptables" || true
-    ip6tables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//' >"$1/ip6tables" || true
+    rules iptables-save >"$1/iptables"
+    rules ip6tables-save >"$1/ip6tables"
     ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort >"$1/links"
     awk '{print $5}' /proc/self/mountinfo | sort >"$1/mounts"
     local p
@@ -46,10 +49,10 @@ restore)
     done <"$before/sysctls"
     ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE"
     # The rule sets as found: kube-proxy's and the kubelet's chains go with the rest.
-    if ! diff -q <(iptables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//') "$before/iptables" >/dev/null; then
+    if ! diff -q <(rules iptables-save) "$before/iptables" >/dev/null; then
         if [[ -s $before/iptables ]]; then iptables-restore <"$before/iptables"; fi
     fi
-    if ! diff -q <(ip6tables-save 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//') "$before/ip6tables" >/dev/null; then
+    if ! diff -q <(rules ip6tables-save) "$before/ip6tables" >/dev/null; then
         if [[ -s $before/ip6tables ]]; then ip6tables-restore <"$before/ip6tables"; fi
     fi
     # iptables-nft leaves the tables it made (empty) behind; nft removes those not there before.

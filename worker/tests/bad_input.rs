@@ -420,24 +420,27 @@ fn a_resumed_run_cuts_its_metrics_back_to_the_checkpoint() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// A copy of checkpoint `ckpt` in `dir/name`, its manifest and rank 0's safetensors header
-/// (entries in file order, repeats allowed) changed by `fault`; the manifest's checksum of the
-/// rank file is made to match, so that only the strict readers can tell.
-fn damaged(
-    ckpt: &Path,
-    dir: &Path,
-    name: &str,
-    fault: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, serde_json::Value)>),
-) -> PathBuf {
-    let copy = dir.join(name);
-    std::fs::create_dir_all(&copy).unwrap();
+/// Rank 0's file of checkpoint `ckpt` taken apart: the manifest, the safetensors header's
+/// entries in order, and the data after the header.
+fn rank0(ckpt: &Path) -> (serde_json::Value, Vec<(String, serde_json::Value)>, Vec<u8>) {
     let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
     let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let mut entries: Vec<(String, serde_json::Value)> = header.into_iter().collect();
-    let mut manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
-    fault(&mut manifest, &mut entries);
+    let manifest = serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
+    (manifest, header.into_iter().collect(), bytes[8 + n..].to_vec())
+}
+
+/// A checkpoint at `dir/name` put together from `rank0`'s parts, its checksum made to match:
+/// well-formed to the checksum, whatever the parts say.
+fn assemble(
+    dir: &Path,
+    name: &str,
+    mut manifest: serde_json::Value,
+    entries: &[(String, serde_json::Value)],
+    data: &[u8],
+) -> PathBuf {
+    let copy = dir.join(name);
+    std::fs::create_dir_all(&copy).unwrap();
     let fields: Vec<String> = entries.iter().map(|(k, v)| format!("{}:{v}", serde_json::json!(k))).collect();
     let mut text = format!("{{{}}}", fields.join(",")).into_bytes();
     while text.len() % 8 != 0 {
@@ -445,11 +448,24 @@ fn damaged(
     }
     let mut out = (text.len() as u64).to_le_bytes().to_vec();
     out.extend_from_slice(&text);
-    out.extend_from_slice(&bytes[8 + n..]);
+    out.extend_from_slice(data);
     manifest["files"]["rank_0.safetensors"] = tensorfleet_worker::checkpoint::checksum(&out).into();
     std::fs::write(copy.join("rank_0.safetensors"), out).unwrap();
     std::fs::write(copy.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
     copy
+}
+
+/// A copy of checkpoint `ckpt` at `dir/name` with `fault` applied to its manifest and to rank
+/// 0's header entries (the data as it was).
+fn damaged(
+    ckpt: &Path,
+    dir: &Path,
+    name: &str,
+    fault: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, serde_json::Value)>),
+) -> PathBuf {
+    let (mut manifest, mut entries, data) = rank0(ckpt);
+    fault(&mut manifest, &mut entries);
+    assemble(dir, name, manifest, &entries, &data)
 }
 
 /// The tensor whose data comes last in the header's entries, and its offsets.
@@ -547,35 +563,24 @@ fn export_refuses_a_checkpoint_missing_a_trained_weight() {
     let ckpt = dir.join("out/checkpoints/checkpoint_1");
     // The checkpoint again without one weight: its entry and its bytes gone, the others moved up,
     // the checksum made to match (a well-formed checkpoint that is merely incomplete).
-    let bytes = std::fs::read(ckpt.join("rank_0.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let dropped =
-        header.keys().find(|k| !k.starts_with(OPTIMIZER_PREFIX) && *k != "__metadata__").expect("a weight").clone();
-    let (mut kept, mut data) = (serde_json::Map::new(), Vec::new());
-    for (name, mut entry) in header.into_iter().filter(|(k, _)| *k != dropped) {
+    let (manifest, entries, bytes) = rank0(&ckpt);
+    let dropped = entries
+        .iter()
+        .map(|(k, _)| k)
+        .find(|k| !k.starts_with(OPTIMIZER_PREFIX) && *k != "__metadata__")
+        .expect("a weight")
+        .clone();
+    let (mut kept, mut data) = (Vec::new(), Vec::new());
+    for (name, mut entry) in entries.into_iter().filter(|(k, _)| *k != dropped) {
         if let Some(offsets) = entry.get("data_offsets").cloned() {
             let (begin, end) = (offsets[0].as_u64().unwrap() as usize, offsets[1].as_u64().unwrap() as usize);
             let start = data.len();
-            data.extend_from_slice(&bytes[8 + n + begin..8 + n + end]);
+            data.extend_from_slice(&bytes[begin..end]);
             entry["data_offsets"] = serde_json::json!([start, data.len()]);
         }
-        kept.insert(name, entry);
+        kept.push((name, entry));
     }
-    let mut text = serde_json::to_vec(&kept).unwrap();
-    while text.len() % 8 != 0 {
-        text.push(b' ');
-    }
-    let mut out = (text.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&text);
-    out.extend_from_slice(&data);
-    let copy = dir.join("incomplete");
-    std::fs::create_dir_all(&copy).unwrap();
-    let mut manifest: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(ckpt.join("manifest.json")).unwrap()).unwrap();
-    manifest["files"]["rank_0.safetensors"] = tensorfleet_worker::checkpoint::checksum(&out).into();
-    std::fs::write(copy.join("rank_0.safetensors"), out).unwrap();
-    std::fs::write(copy.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    let copy = assemble(&dir, "incomplete", manifest, &kept, &data);
 
     let o = worker_within(&["export", "--checkpoint", copy.to_str().unwrap(), "--output", "m.onnx"], &dir, 60);
     assert_refused("a missing weight", &o, 3, &format!("the trained weight '{dropped}' is missing"));
