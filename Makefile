@@ -99,7 +99,7 @@ test: deps k8s
 	node_tests="$$($(VENV_PYTHON) .ci/onnx_node_tests_dir.py)"; \
 	cuda_libs="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/{cu13,nccl}/lib | tr ' ' :)"; \
 	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
-	trap 'bash e2e/control-plane/down.sh "$$cluster"' EXIT; \
+	trap 'bash e2e/control-plane/down.sh "$$cluster" && rm -rf "$$cluster"' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
 	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \

@@ -18,7 +18,14 @@ version=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/Cargo.toml" | head -n 1)
 IMAGE=${WORKER_IMAGE:-docker.io/tensorfleet/worker:$version}
 T0=$SECONDS
 log() { echo "[nodes/check.sh +$((SECONDS - T0))s] $*" >&2; }
-fail() { log "FAILED: $*"; kubectl -n tf-check get pods -o wide >&2 || true; exit 1; }
+fail() {
+    log "FAILED: $*"
+    kubectl -n tf-check get pods -o wide >&2 || true
+    # Why a pod stopped (Evicted, OOMKilled, ...) is in its status and the namespace's events.
+    kubectl -n tf-check get pods -o jsonpath='{range .items[*]}{.metadata.name}: {.status.phase} {.status.reason} {.status.message}{"\n"}{end}' >&2 || true
+    kubectl -n tf-check get events --sort-by=.lastTimestamp >&2 || true
+    exit 1
+}
 
 read -r -a nodes <<<"$NODE_NAMES"
 cpu_nodes=()

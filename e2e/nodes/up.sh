@@ -41,6 +41,15 @@ ARCHIVES=$("$HERE/images.sh" "$BIN" | tail -n 1)
 # shellcheck source=/dev/null
 . "$ARCHIVES/names"
 
+# Disk: each node keeps its own copy of every image, compressed and unpacked (about 2.5 times
+# the archives), and the kubelets' eviction thresholds are set low (below), so a disk that
+# fills during a run would fail its pods in ways far from the cause: say it here instead.
+archive_mib=$(du -cm "$ARCHIVES"/{pause,coredns,local-path,busybox}.tar ${IMAGES:-} | tail -n 1 | cut -f 1)
+need_mib=$(( ${#NODE_NAMES[@]} * archive_mib * 5 / 2 + 1024 ))
+free_mib=$(df -Pm "$DIR" | awk 'NR == 2 {print $4}')
+(( free_mib >= need_mib )) ||
+    die "$DIR's filesystem has ${free_mib} MiB free; ${#NODE_NAMES[@]} nodes with these images (${archive_mib} MiB of archives) need about ${need_mib} MiB"
+
 "$HERE/host.sh" snapshot "$DIR"
 failed=1
 trap '(( failed )) && { log "stopping what was started (logs in $DIR/logs)"; "$HERE/down.sh" "$DIR" >&2 || true; }' EXIT
@@ -165,7 +174,10 @@ volumePluginDir: "$N/volume-plugins"
 serializeImagePulls: false
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
-evictionHard: {memory.available: 50Mi, nodefs.available: 1%, imagefs.available: 1%, nodefs.inodesFree: 1%}
+# Every node measures the host's one disk and memory, which the rest of the host shares: a
+# percentage of a large disk (1% of 250 GB) evicted pods while gigabytes were free. Absolute
+# floors keep eviction for a truly full disk; up.sh checks the space it needs before starting.
+evictionHard: {memory.available: 50Mi, nodefs.available: 256Mi, imagefs.available: 256Mi, nodefs.inodesFree: "1000"}
 EOF
     start "kubelet-$name" "$BIN/kubelet" --config="$N/kubelet.yaml" --kubeconfig="$N/kubelet.kubeconfig" \
         --root-dir="$N/kubelet" --hostname-override="$name" --node-ip="$ADDRESS" --v=1 >/dev/null
