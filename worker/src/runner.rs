@@ -59,6 +59,25 @@ pub fn update_of(cfg: &TrainingConfig) -> Update {
 }
 
 /// What feeds token data into this model, and the sequence length of its windows.
+/// The environment variable naming fusion passes to leave out, comma-separated (as ONNX
+/// Runtime's disabled optimizers): for measuring a pass, or working round one suspected of a
+/// fault, without a rebuild.
+pub const DISABLED_PASSES_ENV: &str = "TENSORFLEET_DISABLED_PASSES";
+
+/// The passes `TENSORFLEET_DISABLED_PASSES` names; a name that is no pass is a config error.
+fn disabled_passes() -> Result<Vec<String>> {
+    let Ok(list) = std::env::var(DISABLED_PASSES_ENV) else { return Ok(vec![]) };
+    let known: Vec<&str> =
+        crate::graph::fuse::FORWARD_PASSES.iter().chain(crate::graph::fuse::PASSES).copied().collect();
+    let names: Vec<String> = list.split(',').map(str::trim).filter(|n| !n.is_empty()).map(String::from).collect();
+    match names.iter().find(|n| !known.contains(&n.as_str())) {
+        Some(n) => {
+            Err(Error::Config(format!("{DISABLED_PASSES_ENV}: '{n}' is not a fusion pass (the passes: {known:?})")))
+        }
+        None => Ok(names),
+    }
+}
+
 fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
     let g = &model.graph;
     let kind = cfg.model.kind()?;
@@ -325,7 +344,7 @@ fn train_on<B: Backend>(
     let first: Batch = train_data.next_batch()?;
     let opts = SessionOptions {
         update: update_of(cfg),
-        disabled_passes: vec![],
+        disabled_passes: disabled_passes()?,
         frozen: cfg.frozen_weights.clone(),
         trainable: cfg.weights_to_train.clone(),
         no_decay: cfg.optimizer.no_decay.clone(),

@@ -96,6 +96,40 @@ fn bad_configuration_exits_2_and_names_the_key() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// TENSORFLEET_DISABLED_PASSES leaves fusion passes out (the same losses: each pass is exact on
+/// this model); a name that is no pass exits 2 naming the variable and the passes.
+#[test]
+fn disabled_fusion_passes_train_the_same_and_unknown_ones_exit_2() {
+    let dir = scratch("passes");
+    setup(&dir);
+    let losses = |passes: &str, out: &str| {
+        let o = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+            .args(["train", "--config", "train.yaml", "--quiet", "--set", &format!("output.dir={out}")])
+            .env("TENSORFLEET_DISABLED_PASSES", passes)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{passes}: {}", stderr(&o));
+        let metrics = std::fs::read_to_string(dir.join(out).join("metrics.jsonl")).unwrap();
+        let v: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        v.iter().filter_map(|v| v["loss"].as_f64()).collect::<Vec<_>>()
+    };
+    assert_eq!(losses("", "all"), losses("loss_lse, matmul_bias", "some"));
+    let o = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+        .args(["train", "--config", "train.yaml"])
+        .env("TENSORFLEET_DISABLED_PASSES", "loss_lse,no_such_pass")
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains("TENSORFLEET_DISABLED_PASSES") && err.contains("no_such_pass") && err.contains("loss_lse"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn corrupt_inputs_exit_3_and_name_the_file() {
     let dir = scratch("corrupt");

@@ -1009,6 +1009,55 @@ fn cross_entropy_reads_half_scores_and_masked_classes_like_the_cpu_backend() {
     }
 }
 
+/// The log-sum-exp form of the loss (fuse::loss_lse) against the log-probability form, on each
+/// backend, for each float type, reduction, class weights and an ignored label: the same loss
+/// and the same gradient, bit for bit (both compute exp(x − lse) from the same lse), and the GPU's
+/// within rounding of the CPU's.
+#[test]
+fn cross_entropy_keeping_log_sum_exp_gives_the_same_bits_on_both_backends() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let (rows, cols) = (4, 300);
+    let scores: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 / 20.0) - 2.5).collect();
+    let labels = Tensor::from_vec(&[rows], vec![5i64, -1, 299, 0]);
+    let weights = Tensor::from_vec(&[cols], (0..cols).map(|j| 0.5 + (j % 4) as f32 / 4.0).collect());
+    for t in [DType::F32, DType::BF16, DType::F16] {
+        let scores = Tensor::from_vec(&[rows, cols], scores.clone()).cast(t);
+        for reduction in [LossReduction::Mean, LossReduction::Sum, LossReduction::None] {
+            let what = format!("{t}, {reduction:?}");
+            let loss_shape = if reduction == LossReduction::None { vec![rows] } else { vec![] };
+            let (ignore_index, f32_of) = (Some(-1), |s: &[usize]| Meta::new(DType::F32, s));
+            let inputs = [scores.clone(), labels.clone(), weights.clone()];
+            let logp_form = Op::SoftmaxCrossEntropyLoss { reduction, ignore_index };
+            let lse_form = Op::SoftmaxCrossEntropyLse { reduction, ignore_index };
+            let logp_outs = [f32_of(&loss_shape), f32_of(&[rows, cols])];
+            let lse_outs = [f32_of(&loss_shape), f32_of(&[rows])];
+            let dloss = Tensor::from_vec(&loss_shape, values(loss_shape.iter().product(), 15));
+            let on_gpu = |o: &Op, i: &[Tensor], m: &[Meta]| run_typed(&gpu, o, i, m);
+            let on_cpu = |o: &Op, i: &[Tensor], m: &[Meta]| run_typed(&cpu, o, i, m);
+            let mut grads = Vec::new();
+            for backend in [&on_gpu as &dyn Fn(&Op, &[Tensor], &[Meta]) -> Vec<Tensor>, &on_cpu] {
+                let by_logp = backend(&logp_form, &inputs, &logp_outs);
+                let by_lse = backend(&lse_form, &inputs, &lse_outs);
+                assert_eq!(by_logp[0], by_lse[0], "{what}: the loss");
+                let g_logp = Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index };
+                let ins = [dloss.clone(), by_logp[1].clone(), labels.clone(), weights.clone()];
+                let by_logp = backend(&g_logp, &ins, &[Meta::new(t, &[rows, cols])]);
+                let g_lse = Op::SoftmaxCrossEntropyLseGrad { reduction, ignore_index };
+                let ins = [dloss.clone(), scores.clone(), by_lse[1].clone(), labels.clone(), weights.clone()];
+                let by_lse = backend(&g_lse, &ins, &[Meta::new(t, &[rows, cols])]);
+                assert_eq!(by_logp, by_lse, "{what}: the gradient");
+                grads.push(by_lse);
+            }
+            close_as_f32(
+                &format!("{what}: the gradient"),
+                &grads[0],
+                &grads[1],
+                if t == DType::F32 { 1e-6 } else { 1e-2 },
+            );
+        }
+    }
+}
+
 /// Sizes that make the kernels' loops go round more than once: rows wider than a block's 256
 /// threads, and an elementwise op over more than the 4096 × 256 threads of its largest grid;
 /// and an empty batch, for which nothing is launched.

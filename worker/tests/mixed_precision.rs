@@ -70,8 +70,8 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
             Op::MatMul | Op::FusedMatMul { .. } => "product",
             Op::LayerNorm { .. } | Op::Softmax { .. } => "full",
             // The loss reads the bf16 logits and widens them itself (the loss_casts fusion), and
-            // writes its results, the log-probabilities and the loss, in f32.
-            Op::SoftmaxCrossEntropyLoss { .. } => {
+            // writes its results, the loss and each row's log-sum-exp (loss_lse), in f32.
+            Op::SoftmaxCrossEntropyLse { .. } => {
                 assert_eq!(inputs, [DType::BF16], "{} reads {inputs:?}", node.describe());
                 for &o in node.outputs.iter().flatten() {
                     assert_eq!(dtype(o), DType::F32, "{} writes {}", node.describe(), g.name_of(o));
@@ -90,7 +90,7 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
     }
     assert!(seen["product"] >= 8 && seen["full"] >= 5 && seen["loss"] == 1, "{seen:?}");
     // Its gradient is written in bf16, not in f32 and cast down.
-    let grad = g.nodes.iter().find(|n| matches!(n.op, Op::SoftmaxCrossEntropyLossGrad { .. })).unwrap();
+    let grad = g.nodes.iter().find(|n| matches!(n.op, Op::SoftmaxCrossEntropyLseGrad { .. })).unwrap();
     assert_eq!(dtype(grad.output(0).unwrap()), DType::BF16, "{}", grad.describe());
     // The residual stream stays f32: what each LayerNorm reads is computed in f32, not cast up
     // from a half value.
@@ -124,7 +124,7 @@ fn the_loss_reading_half_logits_changes_no_bit() {
             let opts = SessionOptions { half: Some(half), disabled_passes, ..SessionOptions::new(ADAMW) };
             let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap();
             let fused = s.train.graph.nodes.iter().any(|n| {
-                matches!(n.op, Op::SoftmaxCrossEntropyLoss { .. })
+                matches!(n.op, Op::SoftmaxCrossEntropyLoss { .. } | Op::SoftmaxCrossEntropyLse { .. })
                     && s.train.graph.meta(n.input(0).unwrap()).unwrap().dtype == half
             });
             (fused, losses(&mut s, 3), s.weights().unwrap())
@@ -134,6 +134,38 @@ fn the_loss_reading_half_logits_changes_no_bit() {
         assert!(fused && !unfused, "{half}: the pass did not run, or ran while disabled");
         assert_eq!(with, without, "{half}: losses");
         assert!(w_with == w_without, "{half}: weights differ");
+    }
+}
+
+/// The loss_lse fusion (the loss keeps each row's log-sum-exp, its gradient recomputes the
+/// softmax from the logits) is exact in f32, bf16 and fp16: the same losses and weights, bit for
+/// bit, as the log-probabilities it no longer stores; and no [N, V] f32 value is left.
+#[test]
+fn the_loss_keeping_only_log_sum_exp_changes_no_bit() {
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let run = |disabled: &[&str]| {
+            let spec = ModelSpec {
+                gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
+                ..Default::default()
+            };
+            let model = models::load(&spec, 5).unwrap();
+            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+            let opts = SessionOptions { half, disabled_passes, ..SessionOptions::new(ADAMW) };
+            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap();
+            let g = &s.train.graph;
+            let fused = g.nodes.iter().filter(|n| matches!(n.op, Op::SoftmaxCrossEntropyLse { .. })).count();
+            let wide_rows = g.nodes.iter().flat_map(|n| n.outputs.iter().flatten()).any(|&v| {
+                let m = g.meta(v).unwrap();
+                m.dtype == DType::F32 && m.shape[..] == [4 * 16, 64]
+            });
+            (fused, wide_rows, losses(&mut s, 3), s.weights().unwrap())
+        };
+        let (fused, wide_rows, with, w_with) = run(&[]);
+        let (unfused, _, without, w_without) = run(&["loss_lse"]);
+        assert!(fused == 1 && unfused == 0, "{half:?}: the pass did not run, or ran while disabled");
+        assert!(half.is_none() || !wide_rows, "{half:?}: an f32 [N, V] value is left");
+        assert_eq!(with, without, "{half:?}: losses");
+        assert!(w_with == w_without, "{half:?}: weights differ");
     }
 }
 

@@ -913,6 +913,20 @@ pub fn infer_node(
         Op::SoftmaxGrad { .. } | Op::LogSoftmaxGrad { .. } => (op, same(0)?),
         Op::LayerNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
         Op::SoftmaxCrossEntropyLossGrad { .. } => (op, vec![m(1)?.clone()]),
+        // The fused loss (`fuse::loss_lse`) over rows [N, C]: an f32 loss and log-sum-exp, as
+        // its kernels write whatever the scores' type; its gradient is the scores' shape.
+        Op::SoftmaxCrossEntropyLse { reduction, .. } => {
+            let (s, l) = (m(0)?, m(1)?);
+            if s.shape.len() != 2 || l.shape != s.shape[..1] {
+                return Err(err(node, format!("scores {:?} and labels {:?} are not [N, C] and [N]", s.shape, l.shape)));
+            }
+            let loss = match reduction {
+                LossReduction::None => Meta::new(DType::F32, &l.shape),
+                _ => Meta::new(DType::F32, &[]),
+            };
+            (op, vec![loss, Meta::new(DType::F32, &l.shape)])
+        }
+        Op::SoftmaxCrossEntropyLseGrad { .. } => (op, vec![m(1)?.clone()]),
         Op::GatherGrad { data_shape, .. } | Op::GatherElementsGrad { data_shape, .. } => {
             (op.clone(), vec![Meta::new(m(0)?.dtype, data_shape)])
         }

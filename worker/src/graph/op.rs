@@ -1044,6 +1044,20 @@ pub enum Op {
         trans_b: bool,
         activation: Unary,
     },
+    /// scores [N, C], labels [N] (, weights [C]) -> loss, each row's log-sum-exp [N] (f32):
+    /// SoftmaxCrossEntropyLoss keeping the rows' log-sum-exp instead of the log-probabilities
+    /// [N, C]; emitted by `fuse::loss_lse` when only the gradient reads them.
+    SoftmaxCrossEntropyLse {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
+    /// dLoss, scores [N, C], log-sum-exp [N], labels (, weights) -> dScores: the softmax
+    /// recomputed from the scores, exp(x − lse), less the one-hot, scaled as
+    /// SoftmaxCrossEntropyLossGrad's.
+    SoftmaxCrossEntropyLseGrad {
+        reduction: LossReduction,
+        ignore_index: Option<i64>,
+    },
     /// X -> the indices (i64) along `axis` of its `k` largest (or smallest) elements, largest
     /// (smallest) first: equal elements in index order (ONNX's rule), and a NaN above every
     /// number (numpy's sort, PyTorch's topk). TopK's first half.
@@ -1747,6 +1761,8 @@ impl Op {
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
             Op::MatMulUnaryGrad { .. } => internal("MatMulUnaryGrad"),
+            Op::SoftmaxCrossEntropyLse { .. } => internal("SoftmaxCrossEntropyLse"),
+            Op::SoftmaxCrossEntropyLseGrad { .. } => internal("SoftmaxCrossEntropyLseGrad"),
             Op::Attention { .. } => internal("Attention"),
             Op::AttentionGrad { .. } => internal("AttentionGrad"),
             Op::AllReduce { .. } => internal("AllReduce"),
@@ -1887,7 +1903,10 @@ impl Op {
             | Op::NegativeLogLikelihoodLoss { reduction, ignore_index }
             | Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, .. }
             | Op::VocabParallelLoss { reduction, ignore_index }
-            | Op::VocabParallelLossGrad { reduction, ignore_index } => {
+            | Op::VocabParallelLossGrad { reduction, ignore_index }
+            | Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index }
+            | Op::SoftmaxCrossEntropyLse { reduction, ignore_index }
+            | Op::SoftmaxCrossEntropyLseGrad { reduction, ignore_index } => {
                 let r = match reduction {
                     LossReduction::Mean => "mean",
                     LossReduction::Sum => "sum",

@@ -1197,24 +1197,32 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let scratch = dev.scratch(4 * (2 * l.moved() + 2 * l.rows + 2))?;
             let (rows_x, rows_logp) = (scratch, at_f32(scratch, l.moved()));
             let (w, nll) = (at_f32(scratch, 2 * l.moved()), at_f32(scratch, 2 * l.moved() + l.rows));
-            let (total, den) = (at_f32(nll, l.rows), at_f32(nll, l.rows + 1));
             let x_rows = l.gather_rows(dev, scores.at, rows_x, scores.dtype().size())?;
             let wide = label_weights(dev, l.rows, l.cols, labels, *ignore_index, weights, w)?;
             let logp = outs.get(1).map_or(NULL, |o| if l.spatial() { rows_logp } else { o.at });
-            dev.kernel(&kernel, per_row(l.rows), &mut params![l.cols as i64, x_rows, labels.at, wide, w, logp, nll])?;
+            let mut p = params![l.cols as i64, x_rows, labels.at, wide, w, logp, NULL, nll];
+            dev.kernel(&kernel, per_row(l.rows), &mut p)?;
             if let Some(o) = outs.get(1).filter(|_| l.spatial()) {
                 l.scatter_rows(dev, rows_logp, o.at, 4)?;
             }
-            match reduction {
-                LossReduction::None => dev.copy(y.at, nll, l.rows * 4),
-                _ => {
-                    let one = per_row(1);
-                    dev.kernel("sum_one_block", one, &mut params![l.rows as i64, nll, total])?;
-                    dev.kernel("sum_one_block", one, &mut params![l.rows as i64, w, den])?;
-                    let mean = (*reduction == LossReduction::Mean) as i32;
-                    dev.kernel("loss_finish", one, &mut params![mean, total, den, y.at])
-                }
-            }
+            finish_loss(dev, *reduction, l.rows, nll, w, at_f32(nll, l.rows), y.at)
+        }
+        Op::SoftmaxCrossEntropyLse { reduction, ignore_index } => {
+            // Rows [N, C] only (fuse::loss_lse): no log-probabilities, each row's log-sum-exp.
+            let (scores, labels) = (x(0)?, x(1)?);
+            let kernel = typed("cross_entropy_rows", scores.dtype())?;
+            let [loss, lse] = outs else { return Err("SoftmaxCrossEntropyLse has 2 outputs (loss, lse)".into()) };
+            need_f32(loss, "the loss")?;
+            need_f32(lse, "the log-sum-exp")?;
+            let (rows, cols) = scores_rows(&scores)?;
+            let weights = ins.get(2).copied().flatten().map_or(NULL, |w| w.at);
+            // Scratch: each row's weight and loss, then the total and the denominator.
+            let w = dev.scratch(4 * (2 * rows + 2))?;
+            let nll = at_f32(w, rows);
+            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
+            let mut p = params![cols as i64, scores.at, labels.at, wide, w, NULL, lse.at, nll];
+            dev.kernel(&kernel, per_row(rows), &mut p)?;
+            finish_loss(dev, *reduction, rows, nll, w, at_f32(nll, rows), loss.at)
         }
         Op::SoftmaxCrossEntropyLossGrad { reduction, ignore_index } => {
             let (dloss, logp, labels) = (x(0)?, x(1)?, x(2)?);
@@ -1231,11 +1239,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let logp_rows = l.gather_rows(dev, logp.at, rows_logp, 4)?;
             let wide = label_weights(dev, l.rows, l.cols, labels, *ignore_index, weights, w)?;
             dev.kernel("sum_one_block", per_row(1), &mut params![l.rows as i64, w, den])?;
-            let code = match reduction {
-                LossReduction::None => 0,
-                LossReduction::Mean => 1,
-                LossReduction::Sum => 2,
-            };
+            let code = reduction_code(*reduction);
             let dx = if l.spatial() { rows_dx } else { y.at };
             dev.kernel(
                 &kernel,
@@ -1246,6 +1250,24 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 l.scatter_rows(dev, rows_dx, y.at, y.dtype().size())?;
             }
             Ok(())
+        }
+        Op::SoftmaxCrossEntropyLseGrad { reduction, ignore_index } => {
+            let (dloss, scores, lse, labels) = (x(0)?, x(1)?, x(2)?, x(3)?);
+            need_f32(&lse, "the log-sum-exp")?;
+            if y.dtype() != scores.dtype() {
+                return Err(format!("the gradient ({}) is not of the scores' type ({})", y.dtype(), scores.dtype()));
+            }
+            let kernel = typed("cross_entropy_lse_grad_rows", y.dtype())?;
+            let (rows, cols) = scores_rows(&scores)?;
+            let weights = ins.get(4).copied().flatten().map_or(NULL, |w| w.at);
+            // Scratch: each row's weight, then the denominator.
+            let w = dev.scratch(4 * (rows + 1))?;
+            let den = at_f32(w, rows);
+            let wide = label_weights(dev, rows, cols, labels, *ignore_index, weights, w)?;
+            dev.kernel("sum_one_block", per_row(1), &mut params![rows as i64, w, den])?;
+            let code = reduction_code(*reduction);
+            let mut p = params![cols as i64, code, dloss.at, scores.at, lse.at, labels.at, wide, w, den, y.at];
+            dev.kernel(&kernel, per_row(rows), &mut p)
         }
         Op::Conv { window, group } => window::conv(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y),
         Op::ConvGrad { window, group } => {
@@ -1562,6 +1584,46 @@ impl LossRows {
     fn scatter_rows(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<(), String> {
         let (n, c, d) = (self.n, self.cols as i64, self.d as i64);
         strided_move(dev, Strided::Source, &[n, self.cols, self.d], &[d * c, 1, c], esize, from, to)
+    }
+}
+
+/// The loss from each row's `nll` and weight `w` (both f32 [rows], on the device) into `loss`:
+/// copied as they are, or summed (and divided by the summed weights for a mean) in one block,
+/// in a fixed order, the sums kept in the two f32 at `sums` (the caller's scratch).
+fn finish_loss(
+    dev: Dev,
+    reduction: LossReduction,
+    rows: usize,
+    nll: Ptr,
+    w: Ptr,
+    sums: Ptr,
+    loss: Ptr,
+) -> Result<(), String> {
+    if reduction == LossReduction::None {
+        return dev.copy(loss, nll, rows * 4);
+    }
+    let (total, den) = (sums, at_f32(sums, 1));
+    let one = per_row(1);
+    dev.kernel("sum_one_block", one, &mut params![rows as i64, nll, total])?;
+    dev.kernel("sum_one_block", one, &mut params![rows as i64, w, den])?;
+    let mean = (reduction == LossReduction::Mean) as i32;
+    dev.kernel("loss_finish", one, &mut params![mean, total, den, loss])
+}
+
+/// A loss reduction as the cross-entropy gradient kernels take it.
+fn reduction_code(r: LossReduction) -> i32 {
+    match r {
+        LossReduction::None => 0,
+        LossReduction::Mean => 1,
+        LossReduction::Sum => 2,
+    }
+}
+
+/// Scores [N, C] as N rows of C classes (the fused loss' only layout).
+fn scores_rows(scores: &V) -> Result<(usize, usize), String> {
+    match scores.shape() {
+        &[rows, cols] => Ok((rows, cols)),
+        s => Err(format!("the fused loss takes scores [N, C], not {s:?}")),
     }
 }
 

@@ -1,5 +1,7 @@
 //! SoftmaxCrossEntropyLoss, fused: one pass computes log-softmax, the loss and the saved
-//! log-probabilities; the gradient reads them back (softmax − one-hot, weighted, scaled).
+//! log-probabilities; the gradient reads them back (softmax − one-hot, weighted, scaled). The
+//! log-sum-exp form (`fuse::loss_lse`) saves each row's log-sum-exp instead, and its gradient
+//! recomputes the softmax from the scores.
 
 use super::{fastmath, KResult, SharedSlice};
 use crate::graph::op::LossReduction;
@@ -58,30 +60,8 @@ pub fn softmax_cross_entropy(
     let lab = labels_of(labels, c, ignore)?;
     let w = weights.map(|w| w.as_slice::<f32>());
     let nll: Vec<f32> = if d == 1 {
-        // Classes contiguous (scores [N, C], the language-model case): one row per position,
-        // log-probabilities written straight into the output when it is wanted.
-        let mut scratch = Vec::new();
-        let logp: &mut [f32] = match outs.get_mut(1) {
-            Some(lp) => lp.as_mut_slice::<f32>(),
-            None => {
-                scratch.resize(x.len(), 0.0);
-                &mut scratch
-            }
-        };
-        let mut per = vec![0f32; n];
-        per.par_iter_mut().zip(logp.par_chunks_mut(c)).enumerate().for_each(|(p, (out, lrow))| {
-            let row = &x[p * c..(p + 1) * c];
-            let max = fastmath::max(row);
-            let lse = max + fastmath::sum_exp(row, max).ln();
-            for (l, &v) in lrow.iter_mut().zip(row) {
-                *l = v - lse;
-            }
-            *out = match lab[p] {
-                Some(l) => -(row[l] - lse) * w.map_or(1.0, |w| w[l]),
-                None => 0.0,
-            };
-        });
-        per
+        // Classes contiguous (scores [N, C], the language-model case): one row per position.
+        rows_nll(x, c, &lab, w, outs.get_mut(1).map(|lp| lp.as_mut_slice::<f32>())).0
     } else {
         // Per position (n, k): log-softmax over the strided class lane.
         let mut logp = vec![0f32; x.len()];
@@ -108,17 +88,148 @@ pub fn softmax_cross_entropy(
         }
         per
     };
-    let loss = &mut outs[0];
+    write_loss(reduction, &nll, &lab, w, &mut outs[0]);
+    Ok(())
+}
+
+/// Rows of classes [N, C]: each row's weighted negative log-likelihood and log-sum-exp, the
+/// log-probabilities written into `logp` when it is given.
+fn rows_nll(
+    x: &[f32],
+    c: usize,
+    lab: &[Option<usize>],
+    w: Option<&[f32]>,
+    logp: Option<&mut [f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let row_lse = |row: &[f32]| {
+        let max = fastmath::max(row);
+        max + fastmath::sum_exp(row, max).ln()
+    };
+    let lse: Vec<f32> = match logp {
+        Some(logp) => logp
+            .par_chunks_mut(c)
+            .zip(x.par_chunks(c))
+            .map(|(lrow, row)| {
+                let lse = row_lse(row);
+                for (l, &v) in lrow.iter_mut().zip(row) {
+                    *l = v - lse;
+                }
+                lse
+            })
+            .collect(),
+        None => x.par_chunks(c).map(row_lse).collect(),
+    };
+    let nll = lab
+        .iter()
+        .enumerate()
+        .map(|(p, l)| l.map_or(0.0, |l| -(x[p * c + l] - lse[p]) * w.map_or(1.0, |w| w[l])))
+        .collect();
+    (nll, lse)
+}
+
+/// The loss from the positions' negative log-likelihoods: as they are, summed, or averaged
+/// over the summed weights of the positions that count.
+fn write_loss(
+    reduction: LossReduction,
+    nll: &[f32],
+    lab: &[Option<usize>],
+    w: Option<&[f32]>,
+    loss: &mut TensorViewMut,
+) {
     match reduction {
-        LossReduction::None => loss.as_mut_slice::<f32>().copy_from_slice(&nll),
+        LossReduction::None => loss.as_mut_slice::<f32>().copy_from_slice(nll),
         _ => {
             let total: f64 = nll.iter().map(|&v| v as f64).sum();
             // A mean over no counted position is 0/0: NaN, as in ONNX's reference and PyTorch.
-            let den = denominator(reduction, &lab, w) as f64;
+            let den = denominator(reduction, lab, w) as f64;
             loss.as_mut_slice::<f32>()[0] = (total / den) as f32;
         }
     }
+}
+
+/// Scores in f32: as they are, or half ones widened exactly (as the cast the loss_casts fusion
+/// removed did).
+fn wide_scores(scores: &TensorView) -> Result<Tensor, String> {
+    match scores.dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {
+            let mut wide = Tensor::zeros(DType::F32, scores.shape);
+            super::cast::cast_into(scores, &mut wide.view_mut());
+            Ok(wide)
+        }
+        t => Err(format!("the fused loss takes f32, f16 or bf16 scores, not {t}")),
+    }
+}
+
+/// SoftmaxCrossEntropyLse: the loss of scores [N, C] as SoftmaxCrossEntropyLoss's, and each
+/// row's log-sum-exp (outs[1], f32 [N]) for the gradient to recompute the softmax from.
+pub fn softmax_cross_entropy_lse(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    scores: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let wide = wide_scores(scores)?;
+    let c = scores.shape[1];
+    let lab = labels_of(labels, c, ignore)?;
+    let w = weights.as_ref().map(|w| w.as_slice::<f32>());
+    let (nll, lse) = rows_nll(wide.as_slice::<f32>(), c, &lab, w, None);
+    outs[1].as_mut_slice::<f32>().copy_from_slice(&lse);
+    write_loss(reduction, &nll, &lab, w, &mut outs[0]);
     Ok(())
+}
+
+/// dLoss, scores [N, C], lse [N], labels (, weights) → dScores = (exp(x − lse) − onehot) ·
+/// w[label] · dLoss / den: SoftmaxCrossEntropyLossGrad with the softmax recomputed.
+#[allow(clippy::too_many_arguments)]
+pub fn softmax_cross_entropy_lse_grad(
+    reduction: LossReduction,
+    ignore: Option<i64>,
+    dloss: &TensorView,
+    scores: &TensorView,
+    lse: &TensorView,
+    labels: &TensorView,
+    weights: Option<TensorView>,
+    dx: &mut TensorViewMut,
+) -> KResult {
+    if dx.dtype != DType::F32 {
+        // A half gradient: computed in f32 and rounded once, as the cast loss_casts removed did.
+        let mut wide = Tensor::zeros(DType::F32, dx.shape);
+        softmax_cross_entropy_lse_grad(reduction, ignore, dloss, scores, lse, labels, weights, &mut wide.view_mut())?;
+        super::cast::cast_into(&wide.view(), dx);
+        return Ok(());
+    }
+    let wide = wide_scores(scores)?;
+    let (x, c) = (wide.as_slice::<f32>(), scores.shape[1]);
+    let lab = labels_of(labels, c, ignore)?;
+    let scales = row_scales(reduction, &lab, weights.as_ref().map(|w| w.as_slice::<f32>()), dloss.as_slice::<f32>());
+    let lse = lse.as_slice::<f32>();
+    dx.as_mut_slice::<f32>().par_chunks_mut(c).enumerate().for_each(|(p, row)| {
+        let (scale, m) = (scales[p], lse[p]);
+        for (o, &v) in row.iter_mut().zip(&x[p * c..(p + 1) * c]) {
+            *o = fastmath::exp(v - m) * scale;
+        }
+        if let Some(l) = lab[p] {
+            row[l] -= scale;
+        }
+    });
+    Ok(())
+}
+
+/// What each position's gradient is scaled by: dLoss (its own, for reduction none) times its
+/// label's weight, over the mean's denominator; 0 where the label is ignored.
+fn row_scales(reduction: LossReduction, lab: &[Option<usize>], w: Option<&[f32]>, g: &[f32]) -> Vec<f32> {
+    let den = denominator(reduction, lab, w);
+    let den = if den == 0.0 { 1.0 } else { den };
+    lab.iter()
+        .enumerate()
+        .map(|(p, l)| match (l, reduction) {
+            (None, _) => 0.0,
+            (Some(l), LossReduction::None) => g[p] * w.map_or(1.0, |w| w[*l]),
+            (Some(l), _) => g[0] * w.map_or(1.0, |w| w[*l]) / den,
+        })
+        .collect()
 }
 
 /// SoftmaxCrossEntropyLoss of the element types off the f32 path (f64, f16, bf16), computed
@@ -182,17 +293,11 @@ pub fn softmax_cross_entropy_grad(
     let lp = log_prob.as_slice::<f32>();
     let lab = labels_of(labels, c, ignore)?;
     let w = weights.map(|w| w.as_slice::<f32>());
-    let g = dloss.as_slice::<f32>();
-    let den = denominator(reduction, &lab, w);
-    let scale_of = |p: usize| match (lab[p], reduction) {
-        (None, _) => 0.0,
-        (Some(l), LossReduction::None) => g[p] * w.map_or(1.0, |w| w[l]),
-        (Some(l), _) => g[0] * w.map_or(1.0, |w| w[l]) / if den == 0.0 { 1.0 } else { den },
-    };
+    let scales = row_scales(reduction, &lab, w, dloss.as_slice::<f32>());
     if d == 1 {
         // Contiguous rows: softmax − one-hot, vectorized, then the label's element fixed up.
         dx.as_mut_slice::<f32>().par_chunks_mut(c).enumerate().for_each(|(p, row)| {
-            let scale = scale_of(p);
+            let scale = scales[p];
             for (o, &l) in row.iter_mut().zip(&lp[p * c..(p + 1) * c]) {
                 *o = fastmath::exp(l) * scale;
             }
@@ -206,7 +311,7 @@ pub fn softmax_cross_entropy_grad(
     (0..n * d).into_par_iter().for_each(|p| {
         let (i, k) = (p / d, p % d);
         let at = |j: usize| i * c * d + j * d + k;
-        let scale = scale_of(p);
+        let scale = scales[p];
         for j in 0..c {
             let onehot = (lab[p] == Some(j)) as u8 as f32;
             unsafe { out.write(at(j), (lp[at(j)].exp() - onehot) * scale) };

@@ -173,6 +173,24 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             inputs.get(3).copied().flatten(),
             &mut outputs[0],
         ),
+        Op::SoftmaxCrossEntropyLse { reduction, ignore_index } => loss::softmax_cross_entropy_lse(
+            *reduction,
+            *ignore_index,
+            &x(0)?,
+            &x(1)?,
+            inputs.get(2).copied().flatten(),
+            outputs,
+        ),
+        Op::SoftmaxCrossEntropyLseGrad { reduction, ignore_index } => loss::softmax_cross_entropy_lse_grad(
+            *reduction,
+            *ignore_index,
+            &x(0)?,
+            &x(1)?,
+            &x(2)?,
+            &x(3)?,
+            inputs.get(4).copied().flatten(),
+            &mut outputs[0],
+        ),
         Op::Conv { window, group } => {
             conv::conv(window, *group, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), &mut outputs[0])
         }

@@ -256,10 +256,11 @@ extern "C" __global__ void label_weights(i64 rows, i64 cols, const void* labels,
 // from scores of any float type (mixed precision's bf16 logits are read as they are, not cast to
 // an f32 copy first), in f32. The row's maximum and its sum of exponentials are taken in one
 // pass (each thread rescales its sum when its maximum grows, the block then rescales each
-// thread's to the row's), so the scores are read twice: there and for the log-probabilities.
+// thread's to the row's), so the scores are read twice when the log-probabilities are wanted,
+// once when only the row's log-sum-exp is kept (lse not null: the loss_lse fusion).
 template <class S>
 __device__ void cross_entropy_row(i64 cols, const typename S::T* x, const void* labels, int labels_i64, const float* w,
-                                  float* logp, float* nll) {
+                                  float* logp, float* lse_out, float* nll) {
     i64 r = blockIdx.x;
     const typename S::T* xr = x + r * cols;
     float m = NEG_INF, s = 0.f;
@@ -279,19 +280,20 @@ __device__ void cross_entropy_row(i64 cols, const typename S::T* x, const void* 
     if (threadIdx.x == 0) {
         i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
         nll[r] = w[r] != 0.f ? -(S::load(xr[l]) - lse) * w[r] : 0.f;
+        if (lse_out) lse_out[r] = lse;
     }
 }
 extern "C" __global__ void cross_entropy_rows_f32(i64 cols, const float* x, const void* labels, int labels_i64,
-                                                  const float* w, float* logp, float* nll) {
-    cross_entropy_row<F32>(cols, x, labels, labels_i64, w, logp, nll);
+    const float* w, float* logp, float* lse, float* nll) {
+    cross_entropy_row<F32>(cols, x, labels, labels_i64, w, logp, lse, nll);
 }
 extern "C" __global__ void cross_entropy_rows_f16(i64 cols, const u16* x, const void* labels, int labels_i64,
-                                                  const float* w, float* logp, float* nll) {
-    cross_entropy_row<F16>(cols, x, labels, labels_i64, w, logp, nll);
+    const float* w, float* logp, float* lse, float* nll) {
+    cross_entropy_row<F16>(cols, x, labels, labels_i64, w, logp, lse, nll);
 }
 extern "C" __global__ void cross_entropy_rows_bf16(i64 cols, const u16* x, const void* labels, int labels_i64,
-                                                   const float* w, float* logp, float* nll) {
-    cross_entropy_row<BF16>(cols, x, labels, labels_i64, w, logp, nll);
+    const float* w, float* logp, float* lse, float* nll) {
+    cross_entropy_row<BF16>(cols, x, labels, labels_i64, w, logp, lse, nll);
 }
 
 // One block sums n values in a fixed order (thread-strided, then the block tree): the same
@@ -312,15 +314,18 @@ extern "C" __global__ void loss_finish(int mean, const float* total, const float
 // dX = (softmax − one-hot)·scale per row, scale = dLoss·w[r] (reduction none: dLoss[r]·w[r]),
 // divided by the denominator for a mean; computed in f32 and stored in dX's type (mixed
 // precision's bf16 logits get a bf16 gradient, rounded once).
+__device__ __forceinline__ float cross_entropy_scale(i64 r, int reduction, const float* dloss, const float* w,
+                                                     const float* den) {
+    if (reduction == 0) return dloss[r] * w[r];
+    if (reduction == 1) return dloss[0] * w[r] / (*den == 0.f ? 1.f : *den);
+    return dloss[0] * w[r];
+}
 template <class S>
 __device__ void cross_entropy_grad_row(i64 cols, int reduction, const float* dloss, const float* logp,
                                        const void* labels, int labels_i64, const float* w, const float* den,
                                        typename S::T* dx) {
     i64 r = blockIdx.x;
-    float scale;
-    if (reduction == 0) scale = dloss[r] * w[r];
-    else if (reduction == 1) scale = dloss[0] * w[r] / (*den == 0.f ? 1.f : *den);
-    else scale = dloss[0] * w[r];
+    float scale = cross_entropy_scale(r, reduction, dloss, w, den);
     i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float g = expf(logp[r * cols + j]) * scale;
@@ -341,6 +346,37 @@ extern "C" __global__ void cross_entropy_grad_rows_bf16(i64 cols, int reduction,
                                                         const float* logp, const void* labels, int labels_i64,
                                                         const float* w, const float* den, u16* dx) {
     cross_entropy_grad_row<BF16>(cols, reduction, dloss, logp, labels, labels_i64, w, den, dx);
+}
+
+// The same gradient from the scores and each row's log-sum-exp (the loss_lse fusion): the
+// softmax recomputed as exp(x − lse), the same f32 the log-probabilities held, so the same bits;
+// one read of the scores and one write of dX, in the scores' type.
+template <class S>
+__device__ void cross_entropy_lse_grad_row(i64 cols, int reduction, const float* dloss, const typename S::T* x,
+                                           const float* lse, const void* labels, int labels_i64, const float* w,
+                                           const float* den, typename S::T* dx) {
+    i64 r = blockIdx.x;
+    float scale = cross_entropy_scale(r, reduction, dloss, w, den), m = lse[r];
+    i64 l = labels_i64 ? ((const i64*)labels)[r] : (i64)((const int*)labels)[r];
+    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+        float g = expf(S::load(x[r * cols + j]) - m) * scale;
+        dx[r * cols + j] = S::store((j == l && w[r] != 0.f) ? g - scale : g);
+    }
+}
+extern "C" __global__ void cross_entropy_lse_grad_rows_f32(i64 cols, int reduction, const float* dloss, const float* x,
+                                                           const float* lse, const void* labels, int labels_i64,
+                                                           const float* w, const float* den, float* dx) {
+    cross_entropy_lse_grad_row<F32>(cols, reduction, dloss, x, lse, labels, labels_i64, w, den, dx);
+}
+extern "C" __global__ void cross_entropy_lse_grad_rows_f16(i64 cols, int reduction, const float* dloss, const u16* x,
+                                                           const float* lse, const void* labels, int labels_i64,
+                                                           const float* w, const float* den, u16* dx) {
+    cross_entropy_lse_grad_row<F16>(cols, reduction, dloss, x, lse, labels, labels_i64, w, den, dx);
+}
+extern "C" __global__ void cross_entropy_lse_grad_rows_bf16(i64 cols, int reduction, const float* dloss, const u16* x,
+                                                            const float* lse, const void* labels, int labels_i64,
+                                                            const float* w, const float* den, u16* dx) {
+    cross_entropy_lse_grad_row<BF16>(cols, reduction, dloss, x, lse, labels, labels_i64, w, den, dx);
 }
 
 // ---- NegativeLogLikelihoodLoss, and its gradient ----
