@@ -75,6 +75,20 @@ RUN apt-get update \
 RUN sed -i 's/^#\?StrictModes.*/StrictModes no/' /etc/ssh/sshd_config \
  && printf 'Host *\n    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n' \
       >> /etc/ssh/ssh_config
+# The user the operator runs the pods as by default (spec.mpi.runAsUser: 1000), as the MPI
+# Operator's images do: sshd then runs as this user on an unprivileged port, with no
+# capabilities, and logs in only this user. Its password is "*" (no password, not locked: sshd
+# refuses locked accounts when it can read /etc/shadow, as root can). Ubuntu's images have a
+# user 1000 of their own ("ubuntu"), which gives the id up.
+# No file keeps a setuid or setgid bit (su, mount, passwd, ssh-keysign...): nothing in a pod
+# should become another user than the one it was started as.
+RUN if u=$(getent passwd 1000); then userdel --remove "${u%%:*}" 2>/dev/null || true; fi \
+ && if g=$(getent group 1000); then groupdel "${g%%:*}"; fi \
+ && useradd --create-home --uid 1000 --user-group --shell /bin/bash mpiuser \
+ && usermod --password '*' mpiuser \
+ && find / -xdev -type f -perm /6000 -exec chmod ug-s {} +
 COPY --from=binaries /out/tensorfleet-worker /usr/local/bin/tensorfleet-worker
+# Not root unless asked (runAsUser: 0); numeric, so that the kubelet can tell runAsNonRoot holds.
+USER 1000:1000
 # The operator sets each pod's command (sshd on workers, mpirun on the launcher).
 CMD ["tensorfleet-worker", "--help"]

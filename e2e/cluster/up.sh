@@ -38,7 +38,10 @@ export KUBECONFIG=$DIR/kubeconfig
 kubectl() { "$BIN/kubectl" "$@"; }
 
 log "helm install tensorfleet (charts/tensorfleet, image tensorfleet/operator:$version) into tensorfleet-system"
-"$BIN/helm" install tensorfleet "$ROOT/charts/tensorfleet" --namespace tensorfleet-system --create-namespace \
+# The operator's namespace admits only pods that meet the "restricted" Pod Security Standard.
+kubectl create namespace tensorfleet-system >/dev/null
+kubectl label namespace tensorfleet-system pod-security.kubernetes.io/enforce=restricted >/dev/null
+"$BIN/helm" install tensorfleet "$ROOT/charts/tensorfleet" --namespace tensorfleet-system \
     --set logFormat=text --set image.pullPolicy=Never --wait --timeout 180s >"$DIR/logs/helm.log" 2>&1 || {
     cat "$DIR/logs/helm.log" >&2
     kubectl -n tensorfleet-system get pods -o wide >&2 || true

@@ -135,7 +135,14 @@ if buildah run "$c" -- sh -c 'ls /etc/ssh/ssh_host_* 2>/dev/null || true' | grep
     exit 1
 fi
 echo "ssh host keys: none in the image"
-buildah run "$c" -- sh -c 'mpirun --version | head -n 1; ssh-keygen -A >/dev/null && /usr/sbin/sshd -t && echo "sshd: configuration valid"'
+# As the image's own user (mpiuser, 1000), as the pods run it by default: sshd takes a host key
+# made here and checks its configuration; no file can make anyone another user.
+[[ $(buildah run "$c" -- id -u) == 1000 ]] || { echo "images: the worker image does not run as user 1000" >&2; exit 1; }
+buildah run "$c" -- sh -c 'mpirun --version | head -n 1; ssh-keygen -q -t ed25519 -N "" -f /tmp/hostkey &&
+    /usr/sbin/sshd -t -h /tmp/hostkey && echo "sshd: configuration valid, as $(id -un)"'
+setuid=$(buildah run --user 0:0 "$c" -- find / -xdev -type f -perm /6000)
+[[ -z $setuid ]] || { echo "images: setuid or setgid files in the worker image: $setuid" >&2; exit 1; }
+echo "setuid/setgid files: none"
 for lib in libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
     buildah run "$c" -- sh -c "ldconfig -p | grep -q '$lib '" || { echo "images: $lib is not in the worker's ld cache" >&2; exit 1; }
     echo "$lib: in the ld cache"

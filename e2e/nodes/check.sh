@@ -78,7 +78,9 @@ resolved=$(kubectl -n tf-check exec a -- getent hosts "$name" | awk '{print $1}'
 log "DNS: $name -> $resolved"
 # A TCP connection from a to b by name, across nodes: sshd in b (as mpirun uses it), its banner
 # read in a through bash's /dev/tcp.
-kubectl -n tf-check exec b -- sh -c 'ssh-keygen -A >/dev/null && /usr/sbin/sshd -p 2222' || fail "sshd did not start in b"
+# As the image's user, not root: a host key of its own, no pid file.
+kubectl -n tf-check exec b -- sh -c 'ssh-keygen -q -t ed25519 -N "" -f /tmp/hostkey &&
+    /usr/sbin/sshd -p 2222 -h /tmp/hostkey -o PidFile=none' || fail "sshd did not start in b"
 banner=$(kubectl -n tf-check exec a -- bash -c "exec 3<>/dev/tcp/$name/2222; head -c 7 <&3") ||
     fail "a cannot connect to $name:2222"
 [[ $banner == SSH-2.0 ]] || fail "a read '$banner' from $name:2222, not sshd's banner"

@@ -287,6 +287,13 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     } else if st.phase() == "Running" {
         // The launcher is gone without an outcome (deleted by hand): the gang starts over.
         st.set_phase("Created", "LauncherRecreated", "waiting for workers to start the launcher again".into());
+    } else if let Some(problem) = pods.workers.iter().chain(pods.launcher.iter()).find_map(status::image_problem) {
+        // The job waits, as the kubelet retries; its condition says for what, once.
+        let phase = st.phase().to_string();
+        if st.condition(&phase).is_none_or(|c| c.message != problem) {
+            publish(ctx, job, EventType::Warning, "ImageUnavailable", problem.clone()).await;
+            st.set_phase(&phase, "ImageUnavailable", problem);
+        }
     }
     write_status(ctx, job, &st, &old).await?;
 

@@ -112,13 +112,26 @@ pub struct MpiSpec {
     /// The port sshd listens on in worker pods.
     #[serde(default = "d_ssh_port")]
     pub ssh_port: i32,
+    /// The user id sshd, mpirun and the ranks run as in the launcher and worker pods: 1000 (the
+    /// worker image's `mpiuser`) by default, which meets the "restricted" Pod Security Standard;
+    /// 0 runs them as root, which meets "baseline". The image needs a user of this id: ssh logs
+    /// in by its name.
+    #[serde(default = "d_run_as_user")]
+    #[x_kube(validation = Rule::new("self >= 0").message("spec.mpi.runAsUser must not be negative"))]
+    pub run_as_user: i64,
     /// Extra mpirun arguments, placed before the program.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub extra_args: Vec<String>,
 }
 
+/// Outside any home directory, so that root and other users alike reach it (ssh and sshd are
+/// given its files by path, never by ~/.ssh).
 fn d_ssh_path() -> String {
-    "/root/.ssh".into()
+    "/etc/ssh/tensorfleet".into()
+}
+
+fn d_run_as_user() -> i64 {
+    1000
 }
 
 fn d_ssh_port() -> i32 {
@@ -132,6 +145,7 @@ impl Default for MpiSpec {
             launcher_creation_policy: LauncherCreationPolicy::default(),
             ssh_auth_mount_path: d_ssh_path(),
             ssh_port: d_ssh_port(),
+            run_as_user: d_run_as_user(),
             extra_args: Vec::new(),
         }
     }

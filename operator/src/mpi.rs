@@ -89,7 +89,8 @@ pub fn launcher_env(job: &TrainingJob) -> Vec<(String, String)> {
     let mut env = vec![("TENSORFLEET_JOB".to_string(), format!("{}/{}", names::namespace(job), names::job(job)))];
     match job.spec.mpi.implementation {
         MpiImplementation::OpenMPI => {
-            // Containers commonly run as root; OpenMPI refuses that without both variables.
+            // For jobs that run as root (spec.mpi.runAsUser: 0); OpenMPI refuses that without
+            // both variables.
             env.push(("OMPI_ALLOW_RUN_AS_ROOT".into(), "1".into()));
             env.push(("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM".into(), "1".into()));
             env.push(("OMPI_MCA_plm_rsh_args".into(), ssh_args));

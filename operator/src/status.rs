@@ -62,6 +62,23 @@ pub fn failure(pod: &Pod, any_exit_fails: bool) -> Option<FailureCause> {
     Some(cause)
 }
 
+/// The kubelet's reasons for a container that waits because its image cannot be had. It keeps
+/// trying (a missing image may be loaded later, a registry may come back), so these do not
+/// fail the job; they are what its status says it waits for.
+const IMAGE_REASONS: [&str; 4] = ["ErrImageNeverPull", "ErrImagePull", "ImagePullBackOff", "InvalidImageName"];
+
+/// Why the pod's containers cannot start, if the kubelet says it is their image: the pod, the
+/// image, the kubelet's reason and message.
+pub fn image_problem(pod: &Pod) -> Option<String> {
+    let statuses = pod.status.as_ref()?.container_statuses.as_ref()?;
+    statuses.iter().find_map(|cs| {
+        let waiting = cs.state.as_ref()?.waiting.as_ref()?;
+        let reason = waiting.reason.as_deref().filter(|r| IMAGE_REASONS.contains(r))?;
+        let message = waiting.message.as_deref().unwrap_or("").trim();
+        Some(format!("pod {} cannot start: image {} ({reason}): {message}", pod.name_any(), cs.image))
+    })
+}
+
 /// Whether the launcher finished successfully.
 pub fn succeeded(pod: &Pod) -> bool {
     phase(pod) == "Succeeded"
@@ -176,6 +193,35 @@ mod tests {
         assert!(failure(&pod_with("Running", None, None), false).is_none());
         assert!(failure(&pod_with("Succeeded", Some((0, "Completed")), None), false).is_none());
         assert!(failure(&pod_with("Running", Some((0, "Completed")), None), true).is_some());
+    }
+
+    #[test]
+    fn a_container_waiting_for_its_image_names_the_image_and_the_kubelets_reason() {
+        use k8s_openapi::api::core::v1::ContainerStateWaiting;
+        let waiting = |reason: &str| {
+            let mut pod = pod_with("Pending", None, None);
+            pod.status.as_mut().unwrap().container_statuses = Some(vec![ContainerStatus {
+                name: "launcher".into(),
+                image: "tensorfleet/worker:nope".into(),
+                state: Some(ContainerState {
+                    waiting: Some(ContainerStateWaiting {
+                        reason: Some(reason.into()),
+                        message: Some("Container image \"tensorfleet/worker:nope\" is not present".into()),
+                    }),
+                    ..ContainerState::default()
+                }),
+                ..ContainerStatus::default()
+            }]);
+            pod
+        };
+        assert_eq!(
+            image_problem(&waiting("ErrImageNeverPull")).unwrap(),
+            "pod llm-launcher cannot start: image tensorfleet/worker:nope (ErrImageNeverPull): \
+             Container image \"tensorfleet/worker:nope\" is not present"
+        );
+        assert!(image_problem(&waiting("ImagePullBackOff")).is_some());
+        assert!(image_problem(&waiting("ContainerCreating")).is_none());
+        assert!(image_problem(&pod_with("Running", None, None)).is_none());
     }
 
     #[test]

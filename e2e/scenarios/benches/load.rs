@@ -46,8 +46,11 @@ fn tensorfleet_job(name: &str) -> Value {
 
 fn mpi_job(name: &str) -> Value {
     let container = |role: &str| {
+        // The namespace admits "restricted" pods only, as the TrainingJobs' pods are.
+        let restricted = json!({"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]},
+                                "runAsNonRoot": true, "seccompProfile": {"type": "RuntimeDefault"}});
         json!({"name": role, "image": "tensorfleet/worker:0.1.0", "command": ["sleep", "3600"],
-               "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}}})
+               "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}}, "securityContext": restricted})
     };
     json!({
         "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": {"name": name},

@@ -87,10 +87,12 @@ impl Cluster {
         child.wait_with_output().expect("kubectl's output")
     }
 
-    /// A fresh namespace for one scenario.
+    /// A fresh namespace for one scenario, where the API server admits only pods that meet the
+    /// "restricted" Pod Security Standard (the operator's pods do, by default).
     pub async fn namespace(&self, scenario: &str) -> String {
         let name = format!("{scenario}-{}", std::process::id());
-        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+        let labels = json!({"pod-security.kubernetes.io/enforce": "restricted"});
+        let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": name, "labels": labels}})).unwrap();
         Api::<Namespace>::all(self.client.clone())
             .create(&PostParams::default(), &ns)
             .await
@@ -248,6 +250,55 @@ impl Cluster {
             out.push_str(&format!("--- {} (tail):\n{}\n", log.display(), tail(&text, 10)));
         }
         out
+    }
+
+    /// Restarts the API server as a crash and its supervisor would: SIGKILL, then the same
+    /// command line again (its log appended to), until it answers. The new process joins
+    /// DIR/pids, where down.sh finds what to stop.
+    pub async fn restart_api_server(&self) {
+        let pids = std::fs::read_to_string(self.dir.join("pids")).expect("the cluster's pids");
+        let (pid, argv) = pids
+            .lines()
+            .filter_map(|l| l.trim().parse::<u32>().ok())
+            .find_map(|pid| {
+                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let argv: Vec<String> = cmdline
+                    .split(|&b| b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                argv.first()?.ends_with("/kube-apiserver").then_some((pid, argv))
+            })
+            .expect("a running kube-apiserver among the cluster's pids");
+        let killed = Command::new("kill").args(["-KILL", &pid.to_string()]).status().expect("kill");
+        assert!(killed.success(), "kill -KILL {pid} (kube-apiserver) failed");
+        // Gone, or a zombie (whose command line reads empty) until its parent reaps it.
+        let cmdline = format!("/proc/{pid}/cmdline");
+        wait_for(Duration::from_secs(30), "the killed kube-apiserver to exit", || async {
+            std::fs::read(&cmdline).map_or(true, |c| c.is_empty()).then_some(())
+        })
+        .await;
+        let log = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.dir.join("logs/kube-apiserver.log"))
+            .expect("the API server's log");
+        // setsid execs without forking (a child is no group leader), so the pid is the server's.
+        let mut child = Command::new("setsid")
+            .args(&argv)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("the log"))
+            .stderr(log)
+            .spawn()
+            .expect("starting kube-apiserver again");
+        let mut file = std::fs::OpenOptions::new().append(true).open(self.dir.join("pids")).expect("the pids");
+        std::io::Write::write_all(&mut file, format!("{}\n", child.id()).as_bytes()).expect("recording the pid");
+        // It outlives the scenario (down.sh stops it); should it exit before, it is reaped here.
+        std::thread::spawn(move || child.wait());
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while self.client.apiserver_version().await.is_err() {
+            assert!(Instant::now() < deadline, "kube-apiserver did not answer within 90 s of its restart");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     pub async fn delete_namespace(&self, ns: &str) {

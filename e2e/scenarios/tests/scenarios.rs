@@ -4,6 +4,7 @@
 
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
 use kube::api::{Api, DeleteParams, ListParams};
+use kube::ResourceExt;
 use serde_json::json;
 use std::time::Duration;
 use tensorfleet_e2e::{losses, metrics, phase, quickstart, wait_for_path, Cluster};
@@ -47,13 +48,16 @@ async fn cpu_quickstart_trains_to_succeeded_with_progress_and_outputs_on_the_cla
     assert_eq!(status.restart_count, 0, "{status:?}");
     assert!(status.latest_checkpoint.is_some(), "no checkpoint was reported: {status:?}");
 
-    // mpirun reached both worker pods over ssh with the job's key, and started 4 ranks.
+    // mpirun reached both worker pods over ssh with the job's key, as the image's user (the
+    // pods run as mpiuser, not root), and started 4 ranks, whose training log `kubectl logs`
+    // of the launcher shows (mpirun forwards the ranks' output).
     for worker in ["cpu-quickstart-worker-0", "cpu-quickstart-worker-1"] {
         let log = cluster.pod_logs(&ns, worker);
-        assert!(log.contains("Accepted publickey for root"), "{worker} saw no ssh login:\n{log}");
+        assert!(log.contains("Accepted publickey for mpiuser"), "{worker} saw no ssh login as mpiuser:\n{log}");
     }
     let launcher = cluster.pod_logs(&ns, "cpu-quickstart-launcher");
     assert!(launcher.contains("starting 4 ranks"), "{launcher}");
+    assert!(launcher.contains("step=60 total=60 loss="), "the launcher's log has no training log:\n{launcher}");
 
     // The claim: checkpoints (the newest 2 kept), metrics, TensorBoard events, the model.
     let out_dir = cluster.claim_dir(&ns, "cpu-quickstart-ckpt").await.join("out");
@@ -209,6 +213,14 @@ async fn a_killed_worker_restarts_the_gang_which_resumes_to_the_uninterrupted_lo
     cluster.wait_job(&ns, "crash", TRAINING, "the job to run", |j| phase(j) == "Running").await;
     let claim = cluster.claim_dir(&ns, "crash-ckpt").await;
     wait_for_path(&claim.join("out/checkpoints/checkpoint_10"), TRAINING).await;
+    // `kubectl exec` reaches a worker while it trains, as the pods' user.
+    let out = cluster.kubectl(&["exec", "-n", &ns, "crash-worker-0", "--", "id", "-un"], None);
+    let user = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && user.trim() == "mpiuser",
+        "kubectl exec: {user}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // What a crashed node or an OOM kill does: every process of the pod dies at once (the
     // container's first process is sshd; the kernel takes its PID namespace, ranks included).
     let pid = cluster.container(&ns, "crash-worker-1").await.pid.to_string();
@@ -283,6 +295,40 @@ async fn restarting_the_operator_mid_job_duplicates_nothing_and_the_job_complete
     assert!(after.iter().all(|uid| before.contains(uid)), "worker pods were recreated: {before:?} → {after:?}");
     let launchers = cluster.pods(&ns, "launcher").await;
     assert_eq!(launchers.len(), 1, "{} launcher pods", launchers.len());
+    cluster.delete_namespace(&ns).await;
+}
+
+/// The API server killed and started again mid-job: the operator's watches come back, no pod
+/// is duplicated, recreated or orphaned, and the job completes without a restart.
+#[tokio::test]
+async fn restarting_the_api_server_mid_job_duplicates_nothing_and_the_job_completes() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("apiserver-restart").await;
+    cluster.prepare_data(&ns).await;
+    cluster.apply_job(&ns, &long_quickstart("steady")).await.expect("applying the job");
+    cluster.wait_job(&ns, "steady", TRAINING, "the job to run", |j| phase(j) == "Running").await;
+    let claim = cluster.claim_dir(&ns, "steady-ckpt").await;
+    wait_for_path(&claim.join("out/checkpoints/checkpoint_10"), TRAINING).await;
+    let uids = |pods: Vec<Pod>| pods.iter().map(|p| p.metadata.uid.clone().unwrap()).collect::<Vec<_>>();
+    let workers = uids(cluster.pods(&ns, "worker").await);
+    let launcher = uids(cluster.pods(&ns, "launcher").await);
+    cluster.restart_api_server().await;
+
+    let job = cluster
+        .wait_job(&ns, "steady", TRAINING, "the job to succeed across the API server's restart", |j| {
+            assert_ne!(phase(j), "Failed", "{:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    let status = job.status.unwrap();
+    assert_eq!(status.restart_count, 0, "the API server's restart restarted the job: {status:?}");
+    assert_eq!(uids(cluster.pods(&ns, "worker").await), workers, "worker pods were recreated or duplicated");
+    assert_eq!(uids(cluster.pods(&ns, "launcher").await), launcher, "the launcher was recreated or duplicated");
+    // Nothing in the namespace without the job as its owner but the data's pod.
+    let all = Api::<Pod>::namespaced(cluster.client.clone(), &ns).list(&ListParams::default()).await.unwrap();
+    for p in all.items.iter().filter(|p| p.metadata.name.as_deref() != Some("prepare-data")) {
+        assert!(p.metadata.owner_references.as_ref().is_some_and(|o| !o.is_empty()), "orphan pod {}", p.name_any());
+    }
     cluster.delete_namespace(&ns).await;
 }
 
@@ -459,5 +505,30 @@ async fn a_3d_parallel_job_trains_to_the_losses_of_its_single_process_run() {
         assert_eq!(s1, s2);
         assert!((l1 - l2).abs() <= 1e-5 * l2.abs(), "evalLoss at step {s1}: 3D {l1} vs single {l2}");
     }
+    cluster.delete_namespace(&ns).await;
+}
+
+/// A job whose image is not on the nodes (pull policy Never, as in this cluster) waits, as the
+/// kubelet keeps trying; its status names the image and the kubelet's reason.
+#[tokio::test]
+async fn a_missing_image_is_named_in_the_jobs_status() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("missing-image").await;
+    let mut manifest = quickstart("no-image", json!({"steps": 2}));
+    manifest["spec"]["image"] = json!("tensorfleet/worker:not-built");
+    manifest["spec"]["imagePullPolicy"] = json!("Never");
+    cluster.apply_job(&ns, &manifest).await.expect("applying the job");
+    let job = cluster
+        .wait_job(&ns, "no-image", Duration::from_secs(120), "the status to name the missing image", |j| {
+            let st = j.status.as_ref();
+            let condition = st.and_then(|s| s.condition(phase(j))).map(|c| (c.reason.clone(), c.message.clone()));
+            condition.is_some_and(|(reason, message)| {
+                reason == "ImageUnavailable" && message.contains("tensorfleet/worker:not-built")
+            })
+        })
+        .await;
+    let message = &job.status.as_ref().unwrap().condition(phase(&job)).unwrap().message;
+    assert!(message.contains("ErrImageNeverPull"), "{message}");
+    assert_eq!(phase(&job), "Created", "{message}");
     cluster.delete_namespace(&ns).await;
 }

@@ -5,8 +5,8 @@ use super::{job_labels, labels, names, owner_reference, podgroup, ssh};
 use crate::crd::{PodOverrides, TrainingJob};
 use crate::mpi;
 use k8s_openapi::api::core::v1::{
-    ConfigMapVolumeSource, Container, ContainerPort, EnvVar, PersistentVolumeClaimVolumeSource, Pod, PodSpec, Probe,
-    TCPSocketAction, Volume, VolumeMount,
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EnvVar, PersistentVolumeClaimVolumeSource, Pod,
+    PodSecurityContext, PodSpec, Probe, SeccompProfile, SecurityContext, TCPSocketAction, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
@@ -22,11 +22,15 @@ pub fn worker(job: &TrainingJob, index: i32, attempt: i32) -> Pod {
         name: "worker".into(),
         image: Some(job.spec.image.clone()),
         image_pull_policy: job.spec.image_pull_policy.clone(),
-        // sshd needs its privilege-separation directory; -e logs to stderr, -D stays in front.
+        // -e logs to stderr, -D stays in front. Run as root, sshd needs its privilege-separation
+        // directory (the image has it; images that lack it get it made); as another user it
+        // needs none, and can log in only that user.
         command: Some(vec![
             "/bin/sh".into(),
             "-c".into(),
-            format!("mkdir -p /run/sshd && exec /usr/sbin/sshd -D -e -f {ssh_dir}/sshd_config"),
+            format!(
+                "{{ [ \"$(id -u)\" != 0 ] || mkdir -p /run/sshd; }} && exec /usr/sbin/sshd -D -e -f {ssh_dir}/sshd_config"
+            ),
         ]),
         env: Some(env),
         ports: Some(vec![port("ssh", ssh_port), port("progress", job.spec.progress_port)]),
@@ -37,6 +41,7 @@ pub fn worker(job: &TrainingJob, index: i32, attempt: i32) -> Pod {
         }),
         resources: job.spec.resources.clone().or_else(|| overrides.resources.clone()),
         volume_mounts: Some(mounts(job, overrides, true)),
+        security_context: Some(container_security(job)),
         ..Container::default()
     };
     let mut pod = pod(job, labels::WORKER, names::worker(job, index), attempt, overrides, container, true);
@@ -62,9 +67,38 @@ pub fn launcher(job: &TrainingJob, attempt: i32) -> Pod {
         // The kubelet copies the tail of the log (the failed rank's error) into the
         // termination message, from where the operator puts it in status.failure.
         termination_message_policy: Some("FallbackToLogsOnError".into()),
+        security_context: Some(container_security(job)),
         ..Container::default()
     };
     pod(job, labels::LAUNCHER, names::launcher(job), attempt, overrides, container, false)
+}
+
+/// The pods' user (`spec.mpi.runAsUser`) and the default seccomp profile. Another user than root
+/// also owns the pods' volumes as its group (fsGroup): the Secret's keys become readable to it
+/// while staying root's files, which ssh and sshd accept.
+fn pod_security(job: &TrainingJob) -> PodSecurityContext {
+    let user = job.spec.mpi.run_as_user;
+    let non_root = user != 0;
+    PodSecurityContext {
+        run_as_user: Some(user),
+        run_as_group: non_root.then_some(user),
+        fs_group: non_root.then_some(user),
+        run_as_non_root: non_root.then_some(true),
+        seccomp_profile: Some(SeccompProfile { type_: "RuntimeDefault".into(), localhost_profile: None }),
+        ..PodSecurityContext::default()
+    }
+}
+
+/// Not root: no capabilities and no way to gain privileges ("restricted"). Root keeps the
+/// runtime's default capabilities, which its sshd needs to change to the logged-in user
+/// ("baseline").
+fn container_security(job: &TrainingJob) -> SecurityContext {
+    let non_root = job.spec.mpi.run_as_user != 0;
+    SecurityContext {
+        allow_privilege_escalation: non_root.then_some(false),
+        capabilities: non_root.then(|| Capabilities { drop: Some(vec!["ALL".into()]), add: None }),
+        ..SecurityContext::default()
+    }
 }
 
 /// What both pods share: metadata, volumes, scheduling, restart policy.
@@ -134,6 +168,7 @@ fn pod(
             service_account_name: overrides.service_account_name.clone(),
             image_pull_secrets: (!overrides.image_pull_secrets.is_empty())
                 .then(|| overrides.image_pull_secrets.clone()),
+            security_context: Some(pod_security(job)),
             ..PodSpec::default()
         }),
         ..Pod::default()
@@ -186,8 +221,35 @@ mod tests {
         assert_eq!(spec.node_selector.as_ref().unwrap().len(), 2);
         let mounts = spec.containers[0].volume_mounts.as_ref().unwrap();
         let paths: Vec<&str> = mounts.iter().map(|m| m.mount_path.as_str()).collect();
-        assert_eq!(paths, ["/etc/tensorfleet", "/root/.ssh", "/var/lib/tensorfleet"]);
+        assert_eq!(paths, ["/etc/tensorfleet", "/etc/ssh/tensorfleet", "/var/lib/tensorfleet"]);
         assert_eq!(spec.restart_policy.as_deref(), Some("Never"));
+    }
+
+    /// The fields the "restricted" Pod Security Standard checks, on both pods by default; with
+    /// runAsUser 0 the pods run as root with the runtime's default capabilities ("baseline").
+    /// The API server's PodSecurity admission enforces them in the e2e namespaces.
+    #[test]
+    fn pods_run_as_the_image_user_without_privileges_unless_root_is_asked_for() {
+        let mut j = job("llm", 2);
+        for p in [worker(&j, 0, 0), launcher(&j, 0)] {
+            let spec = p.spec.unwrap();
+            let pod = spec.security_context.unwrap();
+            assert_eq!((pod.run_as_user, pod.run_as_group, pod.fs_group), (Some(1000), Some(1000), Some(1000)));
+            assert_eq!(pod.run_as_non_root, Some(true));
+            assert_eq!(pod.seccomp_profile.unwrap().type_, "RuntimeDefault");
+            let c = spec.containers[0].security_context.clone().unwrap();
+            assert_eq!(c.allow_privilege_escalation, Some(false));
+            assert_eq!(c.capabilities.unwrap().drop.unwrap(), ["ALL"]);
+            assert!(c.privileged.is_none() && c.run_as_user.is_none());
+        }
+        j.spec.mpi.run_as_user = 0;
+        for p in [worker(&j, 0, 0), launcher(&j, 0)] {
+            let spec = p.spec.unwrap();
+            let pod = spec.security_context.unwrap();
+            assert_eq!((pod.run_as_user, pod.run_as_non_root, pod.fs_group), (Some(0), None, None));
+            let c = spec.containers[0].security_context.clone().unwrap();
+            assert!(c.capabilities.is_none() && c.allow_privilege_escalation.is_none() && c.privileged.is_none());
+        }
     }
 
     #[test]

@@ -91,7 +91,7 @@ mod tests {
         let user = PrivateKey::from_openssh(text("id_ed25519")).unwrap();
         assert_eq!(format!("{}\n", user.public_key().to_openssh().unwrap()), text("authorized_keys"));
         PrivateKey::from_openssh(text("ssh_host_ed25519_key")).unwrap();
-        assert!(text("config").contains("IdentityFile /root/.ssh/id_ed25519"));
+        assert!(text("config").contains("IdentityFile /etc/ssh/tensorfleet/id_ed25519"));
         assert!(text("sshd_config").contains("Port 2222"));
         for (key, _) in FILES {
             assert!(data.contains_key(key), "{key}");
