@@ -41,7 +41,11 @@ log "helm install tensorfleet (charts/tensorfleet, image tensorfleet/operator:$v
 # The operator's namespace admits only pods that meet the "restricted" Pod Security Standard.
 kubectl create namespace tensorfleet-system >/dev/null
 kubectl label namespace tensorfleet-system pod-security.kubernetes.io/enforce=restricted >/dev/null
+# On the node that keeps the cluster's services (CoreDNS, the provisioner), which no scenario
+# loses.
+system_node=$(sed -n 's/^SYSTEM_NODE=//p' "$DIR/env")
 "$BIN/helm" install tensorfleet "$ROOT/charts/tensorfleet" --namespace tensorfleet-system \
+    --set-string "nodeSelector.kubernetes\.io/hostname=$system_node" \
     --set logFormat=text --set image.pullPolicy=Never --wait --timeout 180s >"$DIR/logs/helm.log" 2>&1 || {
     cat "$DIR/logs/helm.log" >&2
     kubectl -n tensorfleet-system get pods -o wide >&2 || true

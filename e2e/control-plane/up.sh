@@ -253,7 +253,10 @@ wait_for kube-apiserver "kube-apiserver /readyz" "${CURL_ADMIN[@]}" "$SERVER/rea
 log "kube-controller-manager on 127.0.0.1:$KCM_PORT, kube-scheduler on 127.0.0.1:$SCHEDULER_PORT"
 KCM_KC=$DIR/kube-controller-manager.kubeconfig
 KCM_ARGS=()
-(( REAL_NODES )) && KCM_ARGS=(--allocate-node-cidrs --cluster-cidr="$CLUSTER_CIDR" --node-cidr-mask-size=24)
+# A node whose kubelet is silent for 20 s is not Ready (Unknown); 50 s by default, shorter here
+# so that the node-loss scenario takes less time (kubelets renew their Lease every 10 s).
+(( REAL_NODES )) && KCM_ARGS=(--allocate-node-cidrs --cluster-cidr="$CLUSTER_CIDR" --node-cidr-mask-size=24
+    --node-monitor-grace-period=20s)
 start kube-controller-manager "$BIN/kube-controller-manager" "${KCM_ARGS[@]}" \
     --flex-volume-plugin-dir="$DIR/flexvolume" \
     --kubeconfig="$KCM_KC" --authentication-kubeconfig="$KCM_KC" --authorization-kubeconfig="$KCM_KC" \

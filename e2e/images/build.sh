@@ -16,7 +16,9 @@
 # Then each image runs its binary once (`buildah run`), and sshd checks its configuration.
 #
 # Environment: IMAGE_PREFIX (tensorfleet), IMAGE_TAG (the version), TENSORFLEET_IMAGES_OUT
-# (target/images), TENSORFLEET_IMAGES_REBASE=1 makes the local bases again.
+# (target/images), TENSORFLEET_IMAGES_REBASE=1 makes the local bases again,
+# TENSORFLEET_CUDA_IMAGE another CUDA 13 base for the worker (with Docker: the Dockerfile's
+# CUDA_IMAGE).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 
@@ -35,7 +37,8 @@ CUDA_WHEELS=(nvidia-cuda-nvrtc==13.0.88 nvidia-nccl-cu13==2.28.9 nvidia-cublas==
 if docker info >/dev/null 2>&1; then
     for target in operator worker; do
         stage "docker build --target $target"
-        docker build --target "$target" --tag "$prefix/$target:$tag" .
+        docker build --target "$target" ${TENSORFLEET_CUDA_IMAGE:+--build-arg "CUDA_IMAGE=$TENSORFLEET_CUDA_IMAGE"} \
+            --tag "$prefix/$target:$tag" .
         docker save --output "$out/$target-$tag.tar" "$prefix/$target:$tag"
     done
     ls -l "$out"/*-"$tag".tar

@@ -6,14 +6,16 @@
 #   2. creates the cluster from kind-config.yaml (reuses it when it exists);
 #   3. installs the NVIDIA Container Toolkit inside each worker node and makes its runtime the
 #      default of the node's containerd, so that pods can be given GPUs;
-#   4. builds the operator and worker images from the Dockerfile and loads them into the nodes;
+#   4. builds the operator and worker images from the Dockerfile (make images) and loads their
+#      archives into the nodes (kind load image-archive);
 #   5. applies the device plugin (device-plugin.yaml) and waits until every worker advertises
 #      nvidia.com/gpu, then runs one GPU pod (manifests/gpu-smoke.yaml);
 #   6. installs the chart (charts/tensorfleet, values-kind.yaml) and waits for the operator.
 #
 #   e2e/kind/up.sh && e2e/kind/run-scenarios.sh && e2e/kind/down.sh
 #
-# Env: TENSORFLEET_KIND_SKIP_BUILD=1 uses images already built (e.g. by `make images`);
+# Env: TENSORFLEET_KIND_SKIP_BUILD=1 uses the archives already built (target/images/, by `make
+# images`);
 # TENSORFLEET_CUDA_IMAGE=nvidia/cuda:<tag> builds the worker on another CUDA 13 base (the
 # Dockerfile's CUDA_IMAGE; CUDA 13 needs a driver of 580 or newer);
 # TENSORFLEET_KIND_CLUSTER renames the cluster.
@@ -96,20 +98,22 @@ k wait --for=condition=Ready node --all --timeout=180s >/dev/null ||
     die "the nodes are not Ready after containerd restarted: kubectl --context $CONTEXT describe nodes"
 
 # ---- 4. the images ----------------------------------------------------------------------------
+# The archives `make images` writes (e2e/images/build.sh: docker build of both targets, then
+# docker save), loaded as the local cluster imports them.
+ARCHIVES=("$ROOT/target/images/operator-$VERSION.tar" "$ROOT/target/images/worker-$VERSION.tar")
 if [[ ${TENSORFLEET_KIND_SKIP_BUILD:-0} == 1 ]]; then
-    log "TENSORFLEET_KIND_SKIP_BUILD=1: using the images already built"
+    log "TENSORFLEET_KIND_SKIP_BUILD=1: using the archives already built"
 else
-    log "building $OPERATOR_IMAGE and $WORKER_IMAGE (Dockerfile; the first build takes a while)"
-    build_args=()
-    [[ -n ${TENSORFLEET_CUDA_IMAGE:-} ]] && build_args+=(--build-arg "CUDA_IMAGE=$TENSORFLEET_CUDA_IMAGE")
-    DOCKER_BUILDKIT=1 docker build --target operator --tag "$OPERATOR_IMAGE" "$ROOT"
-    DOCKER_BUILDKIT=1 docker build --target worker ${build_args[@]+"${build_args[@]}"} --tag "$WORKER_IMAGE" "$ROOT"
+    log "building $OPERATOR_IMAGE and $WORKER_IMAGE (make images; the first build takes a while)"
+    IMAGE_PREFIX=$IMAGE_PREFIX IMAGE_TAG=$VERSION bash "$ROOT/e2e/images/build.sh"
 fi
-for image in "$OPERATOR_IMAGE" "$WORKER_IMAGE"; do
-    docker image inspect "$image" >/dev/null 2>&1 || die "image $image does not exist: run without TENSORFLEET_KIND_SKIP_BUILD, or 'make images'"
+for archive in "${ARCHIVES[@]}"; do
+    [[ -f $archive ]] || die "$archive does not exist: run without TENSORFLEET_KIND_SKIP_BUILD, or 'make images'"
 done
-log "loading the images into the nodes"
-kind load docker-image --name "$CLUSTER_NAME" "$OPERATOR_IMAGE" "$WORKER_IMAGE"
+log "loading the images into the nodes (kind load image-archive)"
+for archive in "${ARCHIVES[@]}"; do
+    kind load image-archive --name "$CLUSTER_NAME" "$archive"
+done
 
 # ---- 5. the device plugin ---------------------------------------------------------------------
 log "applying the NVIDIA device plugin (device-plugin.yaml)"

@@ -245,19 +245,20 @@ EOF
 start kube-proxy "$BIN/kube-proxy" --config="$DIR/kube-proxy.yaml" >/dev/null
 
 log "CoreDNS"
-sed -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|" -e "s|@DNS_IP@|$DNS_IP|" "$HERE/coredns.yaml" | kubectl apply -f - >/dev/null
+sed -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|" -e "s|@DNS_IP@|$DNS_IP|" -e "s|@SYSTEM_NODE@|${NODE_NAMES[0]}|" \
+    "$HERE/coredns.yaml" | kubectl apply -f - >/dev/null
 wait_until "CoreDNS" "$DIR/logs/kubelet-${NODE_NAMES[0]}.log" \
     kubectl -n kube-system wait --for=condition=Available deployment/coredns --timeout=1s
 
 log "local-path-provisioner (StorageClass tensorfleet-local, volumes in $DIR/volumes)"
 mkdir -p "$DIR/volumes"
-sed -e "s|@PROVISIONER_IMAGE@|$LOCAL_PATH_IMAGE|" -e "s|@HELPER_IMAGE@|$BUSYBOX_IMAGE|" \
+sed -e "s|@PROVISIONER_IMAGE@|$LOCAL_PATH_IMAGE|" -e "s|@HELPER_IMAGE@|$BUSYBOX_IMAGE|" -e "s|@SYSTEM_NODE@|${NODE_NAMES[0]}|" \
     -e "s|@VOLUMES@|$DIR/volumes|" "$HERE/local-path.yaml" | kubectl apply -f - >/dev/null
 wait_until "local-path-provisioner" "$DIR/logs/kubelet-${NODE_NAMES[0]}.log" \
     kubectl -n local-path-storage wait --for=condition=Available deployment/local-path-provisioner --timeout=1s
 
 {
-    printf '%s=%q\n' NODE_NAMES "${NODE_NAMES[*]}" DNS_IP "$DNS_IP" NODE_IMAGES "$ARCHIVES"
+    printf '%s=%q\n' NODE_NAMES "${NODE_NAMES[*]}" DNS_IP "$DNS_IP" NODE_IMAGES "$ARCHIVES" SYSTEM_NODE "${NODE_NAMES[0]}"
     for name in "${NODE_NAMES[@]}"; do
         printf 'CONTAINERD_%s=%q\n' "$(tr a-z- A-Z_ <<<"$name")" "$DIR/nodes/$name/containerd.sock"
     done

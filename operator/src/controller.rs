@@ -3,7 +3,7 @@
 //! One pass: finished jobs are cleaned up (cleanPodPolicy, ttlSecondsAfterFinished); suspended
 //! jobs lose their pods; a job past its deadline fails; otherwise the children are applied, the
 //! pods of the current attempt are checked for failure (a failed rank restarts the whole gang,
-//! exit code 2 or 3 fails the job), missing workers are created, and the launcher is created
+//! exit code 2, 3 or 4 fails the job), missing workers are created, and the launcher is created
 //! once every worker is ready. The status is written last, with the job's resourceVersion as a
 //! precondition, so a pass that acted on a stale view fails with a conflict and runs again
 //! instead of counting a restart twice.
@@ -11,14 +11,15 @@
 use crate::crd::{CleanPodPolicy, FailureCause, LauncherCreationPolicy, TrainingJob, TrainingJobStatus};
 use crate::metrics::Metrics;
 use crate::resources::{self, labels, names, FIELD_MANAGER};
-use crate::status::{self, PERMANENT_EXIT_CODES};
+use crate::status;
 use crate::{progress, Error, Result};
-use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolumeClaim, Pod, Secret, Service};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,18 +82,29 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
 }
 
-/// The pods of one job, split by role and attempt.
+/// The pods of one job, split by role and attempt, and the lost nodes under them.
 struct Pods {
     workers: Vec<Pod>,
     launcher: Option<Pod>,
     /// Pods of earlier attempts (or marked for deletion): they must be gone before new pods
     /// with the same names are created.
     stale: Vec<Pod>,
+    /// The pods' nodes that are lost (status::node_lost), with why: their pods will not report
+    /// again, nor end when deleted.
+    lost_nodes: BTreeMap<String, String>,
+    /// Seconds until a node of the pods that is not Ready now would count as lost.
+    next_node_check: Option<u64>,
 }
 
 impl Pods {
     fn split(all: Vec<Pod>, attempt: i32) -> Pods {
-        let mut pods = Pods { workers: Vec::new(), launcher: None, stale: Vec::new() };
+        let mut pods = Pods {
+            workers: Vec::new(),
+            launcher: None,
+            stale: Vec::new(),
+            lost_nodes: BTreeMap::new(),
+            next_node_check: None,
+        };
         for pod in all {
             let l = pod.labels();
             let current = l.get(labels::ATTEMPT).is_some_and(|a| *a == attempt.to_string());
@@ -113,6 +125,38 @@ impl Pods {
 
     fn all(&self) -> impl Iterator<Item = &Pod> {
         self.workers.iter().chain(self.launcher.iter()).chain(self.stale.iter())
+    }
+
+    /// Reads the pods' nodes into `lost_nodes` and `next_node_check`. Without the right to read
+    /// nodes it finds none lost, and says so in the log.
+    async fn check_nodes(&mut self, job: &TrainingJob, ctx: &Context) {
+        let api: Api<Node> = Api::all(ctx.client.clone());
+        let names: BTreeSet<String> = self.all().filter_map(status::node_of).map(str::to_string).collect();
+        let now = status::now();
+        for name in names {
+            let node = match api.get_opt(&name).await {
+                Ok(node) => node,
+                Err(e) => {
+                    tracing::warn!(node = %name, "cannot read the node, so cannot tell whether it is lost: {e}");
+                    continue;
+                }
+            };
+            match status::node_lost(&name, node.as_ref(), job.spec.run_policy.node_lost_after_seconds, &now) {
+                Ok(Some(why)) => {
+                    self.lost_nodes.insert(name, why);
+                }
+                Ok(None) => {}
+                Err(left) => self.next_node_check = Some(self.next_node_check.map_or(left, |n| n.min(left))),
+            }
+        }
+    }
+
+    /// A current pod on a lost node, and why the node is lost.
+    fn on_lost_node(&self) -> Option<(&Pod, &String)> {
+        self.workers
+            .iter()
+            .chain(self.launcher.iter())
+            .find_map(|p| Some((p, self.lost_nodes.get(status::node_of(p)?)?)))
     }
 }
 
@@ -145,7 +189,8 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     st.observed_generation = job.metadata.generation;
     let selector = format!("{}={}", labels::JOB, job.name_any());
     let all = pods_api.list(&ListParams::default().labels(&selector)).await?.items;
-    let pods = Pods::split(all, st.restart_count);
+    let mut pods = Pods::split(all, st.restart_count);
+    pods.check_nodes(job, ctx).await;
 
     if st.is_finished() {
         return finish(job, ctx, &pods_api, &pods, st, &old).await;
@@ -165,7 +210,7 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     }
 
     if job.spec.run_policy.suspend {
-        delete_pods(&pods_api, pods.all()).await?;
+        delete_pods(&pods_api, pods.all(), &pods.lost_nodes).await?;
         if st.phase() != "Suspended" {
             st.set_phase("Suspended", "JobSuspended", "spec.runPolicy.suspend is true: pods deleted".into());
             publish(ctx, job, EventType::Normal, "Suspended", "pods deleted".into()).await;
@@ -225,6 +270,13 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
             return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await;
         }
     }
+    // A pod on a lost node will not report again: the gang restarts without the node (whose
+    // taints keep the scheduler from it).
+    if let Some((pod, why)) = pods.on_lost_node() {
+        let cause =
+            FailureCause { pod: pod.name_any(), reason: "NodeLost".into(), message: why.clone(), ..Default::default() };
+        return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await;
+    }
     for pod in &pods.workers {
         if let Some(cause) = status::failure(pod, true) {
             return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await;
@@ -244,7 +296,7 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     }
 
     // Pods of an old attempt hold the names the new ones need.
-    delete_pods(&pods_api, pods.stale.iter()).await?;
+    delete_pods(&pods_api, pods.stale.iter(), &pods.lost_nodes).await?;
     let waiting_for_stale = !pods.stale.is_empty();
     let mut created = 0;
     if !waiting_for_stale {
@@ -301,6 +353,9 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
         return Ok(Action::requeue(TERMINATING_PERIOD));
     }
     let mut next = if running { PROGRESS_PERIOD } else { Duration::from_secs(60) };
+    if let Some(left) = pods.next_node_check {
+        next = next.min(Duration::from_secs(left + 1));
+    }
     if let Some(deadline) = job.spec.run_policy.active_deadline_seconds {
         let active = status::now().0.duration_since(active_since.0).as_secs();
         next = next.min(Duration::from_secs_f64((deadline as f64 - active as f64).max(0.0) + 0.5));
@@ -325,7 +380,8 @@ fn check_spec(job: &TrainingJob) -> std::result::Result<(), String> {
 }
 
 /// A rank failed: restart the gang from the newest checkpoint, or fail the job when the
-/// worker said its input is bad (exit 2 or 3) or the restarts are used up.
+/// worker said its input is bad or the training diverged (exit 2, 3 or 4) or the restarts are
+/// used up.
 async fn restart_or_fail(
     job: &TrainingJob,
     ctx: &Context,
@@ -336,15 +392,11 @@ async fn restart_or_fail(
     cause: FailureCause,
 ) -> Result<Action> {
     let what = status::describe(&cause);
-    let permanent = cause.exit_code.is_some_and(|c| PERMANENT_EXIT_CODES.contains(&c));
+    let permanent = cause.exit_code.and_then(status::permanent_failure);
     st.failure = Some(cause.clone());
-    if permanent || st.restart_count >= job.spec.run_policy.backoff_limit {
-        let reason = match cause.exit_code {
-            Some(2) => "InvalidConfiguration",
-            Some(3) => "CorruptInput",
-            _ => "BackoffLimitExceeded",
-        };
-        let message = if permanent {
+    if permanent.is_some() || st.restart_count >= job.spec.run_policy.backoff_limit {
+        let reason = permanent.unwrap_or("BackoffLimitExceeded");
+        let message = if permanent.is_some() {
             format!("{what}; not retried (exit code {})", cause.exit_code.unwrap_or_default())
         } else {
             format!("{what}; {} restarts used (spec.runPolicy.backoffLimit)", st.restart_count)
@@ -368,7 +420,7 @@ async fn restart_or_fail(
     publish(ctx, job, EventType::Warning, "Restarting", message).await;
     write_status(ctx, job, &st, old).await?;
     ctx.metrics.restarted();
-    delete_pods(pods_api, pods.all()).await?;
+    delete_pods(pods_api, pods.all(), &pods.lost_nodes).await?;
     Ok(Action::requeue(TERMINATING_PERIOD))
 }
 
@@ -407,7 +459,7 @@ async fn finish(
         CleanPodPolicy::All => pods.all().collect(),
         CleanPodPolicy::Running => pods.all().filter(|p| matches!(status::phase(p), "Running" | "Pending")).collect(),
     };
-    delete_pods(pods_api, doomed.into_iter()).await?;
+    delete_pods(pods_api, doomed.into_iter(), &pods.lost_nodes).await?;
     if st != *old {
         write_status(ctx, job, &st, old).await?;
     }
@@ -497,12 +549,20 @@ async fn create_pod(api: &Api<Pod>, pod: Pod) -> Result<()> {
     }
 }
 
-async fn delete_pods<'a>(api: &Api<Pod>, pods: impl Iterator<Item = &'a Pod>) -> Result<()> {
+async fn delete_pods<'a>(
+    api: &Api<Pod>,
+    pods: impl Iterator<Item = &'a Pod>,
+    lost_nodes: &BTreeMap<String, String>,
+) -> Result<()> {
     for pod in pods {
-        if pod.metadata.deletion_timestamp.is_some() {
+        // A lost node's kubelet will never confirm a pod's end: such pods are removed at once
+        // (what `kubectl delete --force --grace-period=0` does), so that their names are free.
+        let on_lost_node = status::node_of(pod).is_some_and(|n| lost_nodes.contains_key(n));
+        if pod.metadata.deletion_timestamp.is_some() && !on_lost_node {
             continue;
         }
-        match api.delete(&pod.name_any(), &DeleteParams::default()).await {
+        let dp = DeleteParams { grace_period_seconds: on_lost_node.then_some(0), ..DeleteParams::default() };
+        match api.delete(&pod.name_any(), &dp).await {
             Ok(_) => {}
             Err(kube::Error::Api(e)) if e.code == 404 => {}
             Err(e) => return Err(e.into()),

@@ -271,10 +271,21 @@ pub struct RunPolicy {
     /// the newest checkpoint.
     #[serde(default)]
     pub suspend: bool,
+    /// Seconds a pod's node may be not Ready (its kubelet silent: the control plane says Unknown
+    /// after its node-monitor grace period) before the node counts as lost: the gang restarts
+    /// without it from the newest checkpoint, its pods there removed at once (as `kubectl delete
+    /// --force` would: a node that was only cut off may still run them).
+    #[serde(default = "d_node_lost_after")]
+    #[x_kube(validation = Rule::new("self >= 0").message("spec.runPolicy.nodeLostAfterSeconds must not be negative"))]
+    pub node_lost_after_seconds: i64,
 }
 
 fn d_backoff() -> i32 {
     3
+}
+
+fn d_node_lost_after() -> i64 {
+    60
 }
 
 impl Default for RunPolicy {
@@ -285,6 +296,7 @@ impl Default for RunPolicy {
             ttl_seconds_after_finished: None,
             clean_pod_policy: CleanPodPolicy::default(),
             suspend: false,
+            node_lost_after_seconds: d_node_lost_after(),
         }
     }
 }

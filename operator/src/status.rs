@@ -2,14 +2,22 @@
 //! the phase, one condition per phase, and the root cause of a failure.
 
 use crate::crd::{Condition, FailureCause, TrainingJobStatus, PHASES};
-use k8s_openapi::api::core::v1::{ContainerStateTerminated, Pod};
+use k8s_openapi::api::core::v1::{ContainerStateTerminated, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 
-/// Worker exit codes that mean "do not retry" (DESIGN.md: 2 bad configuration or unsupported
-/// model, 3 corrupt input).
-pub const PERMANENT_EXIT_CODES: [i32; 2] = [2, 3];
+/// The reason a job fails with at once, for the worker exit codes that mean "do not retry"
+/// (DESIGN.md: 2 bad configuration or unsupported model, 3 corrupt input, 4 diverged: a restart
+/// from the same checkpoint on the same data would diverge again); `None` for the others.
+pub fn permanent_failure(exit_code: i32) -> Option<&'static str> {
+    match exit_code {
+        2 => Some("InvalidConfiguration"),
+        3 => Some("CorruptInput"),
+        4 => Some("Diverged"),
+        _ => None,
+    }
+}
 
 pub fn now() -> Time {
     Time(Timestamp::now())
@@ -77,6 +85,28 @@ pub fn image_problem(pod: &Pod) -> Option<String> {
         let message = waiting.message.as_deref().unwrap_or("").trim();
         Some(format!("pod {} cannot start: image {} ({reason}): {message}", pod.name_any(), cs.image))
     })
+}
+
+/// The node a pod was scheduled to.
+pub fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+/// Whether node `name` (as the API has it, `None` when it has none) is lost: gone, or not Ready
+/// for at least `after` seconds by `now`; with why. A node not Ready for less is `Err` with the
+/// seconds left, so that the caller looks again then.
+pub fn node_lost(name: &str, node: Option<&Node>, after: i64, now: &Time) -> Result<Option<String>, u64> {
+    let Some(node) = node else { return Ok(Some(format!("node {name} is gone from the API"))) };
+    let conditions = node.status.as_ref().and_then(|s| s.conditions.as_ref());
+    let ready = conditions.and_then(|cs| cs.iter().find(|c| c.type_ == "Ready"));
+    let Some(ready) = ready.filter(|c| c.status != "True") else { return Ok(None) };
+    let since = ready.last_transition_time.as_ref().map_or(now.0, |t| t.0);
+    let down = now.0.duration_since(since).as_secs();
+    if down < after {
+        return Err((after - down) as u64);
+    }
+    let why = ready.message.as_deref().or(ready.reason.as_deref()).unwrap_or("");
+    Ok(Some(format!("node {name} not Ready ({}) for {down} s: {why}", ready.status)))
 }
 
 /// Whether the launcher finished successfully.
@@ -222,6 +252,43 @@ mod tests {
         assert!(image_problem(&waiting("ImagePullBackOff")).is_some());
         assert!(image_problem(&waiting("ContainerCreating")).is_none());
         assert!(image_problem(&pod_with("Running", None, None)).is_none());
+    }
+
+    #[test]
+    fn a_node_is_lost_when_gone_or_not_ready_for_the_jobs_seconds() {
+        use k8s_openapi::api::core::v1::{NodeCondition, NodeStatus};
+        let at = |s: i64| Time(Timestamp::from_second(1_800_000_000 + s).unwrap());
+        let node = |status: &str| Node {
+            status: Some(NodeStatus {
+                conditions: Some(vec![NodeCondition {
+                    type_: "Ready".into(),
+                    status: status.into(),
+                    reason: Some("NodeStatusUnknown".into()),
+                    message: Some("Kubelet stopped posting node status.".into()),
+                    last_transition_time: Some(at(0)),
+                    ..NodeCondition::default()
+                }]),
+                ..NodeStatus::default()
+            }),
+            ..Node::default()
+        };
+        assert_eq!(node_lost("n", Some(&node("True")), 60, &at(600)), Ok(None));
+        assert_eq!(node_lost("n", Some(&node("Unknown")), 60, &at(45)), Err(15));
+        assert_eq!(
+            node_lost("n", Some(&node("Unknown")), 60, &at(61)),
+            Ok(Some("node n not Ready (Unknown) for 61 s: Kubelet stopped posting node status.".into()))
+        );
+        assert_eq!(node_lost("n", None, 60, &at(0)), Ok(Some("node n is gone from the API".into())));
+    }
+
+    #[test]
+    fn exit_codes_2_3_and_4_are_not_retried() {
+        assert_eq!(permanent_failure(2), Some("InvalidConfiguration"));
+        assert_eq!(permanent_failure(3), Some("CorruptInput"));
+        assert_eq!(permanent_failure(4), Some("Diverged"));
+        for retried in [1, 137, 143, 0] {
+            assert_eq!(permanent_failure(retried), None);
+        }
     }
 
     #[test]

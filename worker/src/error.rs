@@ -1,7 +1,7 @@
 //! The worker's one error type. Its variants map to the exit codes of the command-line contract
 //! (DESIGN.md): 2 bad configuration or input, or a model that uses operators the engine does
-//! not run; 3 unreadable or corrupt data/model/checkpoint; 1 anything else. Every message names
-//! the file, field, node or rank it is about.
+//! not run; 3 unreadable or corrupt data/model/checkpoint; 4 the training diverged; 1 anything
+//! else. Every message names the file, field, node or rank it is about.
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -15,6 +15,10 @@ pub enum Error {
     /// bad configuration, retrying will not help; the message lists every such operator at once.
     #[error("{0}")]
     Unsupported(String),
+    /// The loss is not finite (outside fp16's skipped steps): resuming from the newest checkpoint
+    /// on the same data would diverge again, so it is not worth retrying as it is.
+    #[error("{0}")]
+    Diverged(String),
     /// Anything else: I/O failures, resource exhaustion. Worth retrying.
     #[error("{0}")]
     Runtime(String),
@@ -25,6 +29,7 @@ impl Error {
         match self {
             Error::Config(_) | Error::Unsupported(_) => 2,
             Error::Corrupt(_) => 3,
+            Error::Diverged(_) => 4,
             Error::Runtime(_) => 1,
         }
     }

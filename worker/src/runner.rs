@@ -477,7 +477,7 @@ fn train_on<B: Backend>(
             }
         }
         if !r.loss.is_finite() {
-            return Err(Error::Runtime(format!(
+            return Err(Error::Diverged(format!(
                 "step {}: the loss is {} (diverged); lower optimizer.lr or set gradClipNorm",
                 step + 1,
                 r.loss

@@ -1,6 +1,6 @@
 //! The command-line contract: exit codes and messages that name what is wrong.
 //! 0 done; 2 bad configuration or input, or a model with operators the engine does not run;
-//! 3 unreadable or corrupt data, model or checkpoint.
+//! 3 unreadable or corrupt data, model or checkpoint; 4 the training diverged.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -93,6 +93,21 @@ fn bad_configuration_exits_2_and_names_the_key() {
     let o = worker(&["train", "--config", "nope.yaml"], &dir);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("nope.yaml"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A loss that stops being finite ends the run with exit 4 (diverged: the operator does not
+/// retry it, as a restart from the checkpoint on the same data would diverge again), naming the
+/// step and what to change.
+#[test]
+fn a_diverging_run_exits_4_naming_the_step() {
+    let dir = scratch("diverge");
+    setup(&dir);
+    let o =
+        worker(&["train", "--config", "train.yaml", "--set", "optimizer.lr=1e30", "--set", "checkpoint.every=0"], &dir);
+    assert_eq!(o.status.code(), Some(4), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("diverged") && err.contains("step ") && err.contains("optimizer.lr"), "{err}");
     std::fs::remove_dir_all(&dir).ok();
 }
 

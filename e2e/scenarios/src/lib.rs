@@ -40,6 +40,93 @@ pub struct Container {
     pub pid: u32,
 }
 
+/// A node `Cluster::stop_node` stopped: the command lines that start it again. Dropped without
+/// `Cluster::restart_node` (a scenario that failed first), it starts the node again all the same,
+/// so that the scenarios after it have every node.
+pub struct StoppedNode {
+    pub name: String,
+    dir: PathBuf,
+    kubelet: Vec<String>,
+    containerd: Vec<String>,
+    started: bool,
+}
+
+impl StoppedNode {
+    /// containerd, and once it answers, the kubelet (which exits when its runtime does not).
+    fn start(&mut self) {
+        if std::mem::replace(&mut self.started, true) {
+            return;
+        }
+        start_again(&self.dir, &self.containerd, &format!("containerd-{}", self.name));
+        let socket = self.dir.join("nodes").join(&self.name).join("containerd.sock");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !Command::new("ctr").arg("-a").arg(&socket).arg("version").output().is_ok_and(|o| o.status.success()) {
+            if Instant::now() > deadline {
+                eprintln!("node {}: containerd did not answer within 60 s of its restart", self.name);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        start_again(&self.dir, &self.kubelet, &format!("kubelet-{}", self.name));
+    }
+}
+
+impl Drop for StoppedNode {
+    fn drop(&mut self) {
+        self.start();
+    }
+}
+
+/// Starts `argv` again in its own session, logging to DIR/logs/`log`.log (appended), and adds it
+/// to DIR/pids, where down.sh finds what to stop. It outlives the scenario; should it exit
+/// before, it is reaped.
+fn start_again(dir: &Path, argv: &[String], log: &str) {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("logs").join(format!("{log}.log")))
+        .expect("the component's log");
+    // setsid execs without forking (a child is no group leader), so the pid is the program's.
+    let mut child = Command::new("setsid")
+        .args(argv)
+        .stdin(Stdio::null())
+        .stdout(file.try_clone().expect("the log"))
+        .stderr(file)
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {} again: {e}", argv[0]));
+    let mut pids = std::fs::OpenOptions::new().append(true).open(dir.join("pids")).expect("the pids");
+    std::io::Write::write_all(&mut pids, format!("{}\n", child.id()).as_bytes()).expect("recording the pid");
+    std::thread::spawn(move || child.wait());
+}
+
+/// Whether process `pid` has exited with all its threads, so that its files and sockets are
+/// closed: gone, or a zombie left alone in its thread group (a killed multithreaded process's
+/// first thread turns zombie while the others still hold its listening socket).
+fn exited(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return true };
+    let state = stat.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next());
+    let threads = std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count());
+    matches!(state, Some('Z' | 'X') | None) && threads <= 1
+}
+
+/// Every process of the host with its command line (those that have one).
+fn processes() -> Vec<(u32, Vec<String>)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            let argv: Vec<String> = cmdline
+                .split(|&b| b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            (!argv.is_empty()).then_some((pid, argv))
+        })
+        .collect()
+}
+
 impl Cluster {
     /// The cluster `make e2e` started. Panics with what to do when there is none: these tests
     /// cannot run without it and must not pass without it.
@@ -65,6 +152,12 @@ impl Cluster {
             .expect("a client configuration");
         let client = kube::Client::try_from(config).expect("a client");
         Cluster { client, kubectl: PathBuf::from(bin).join("kubectl"), dir, env }
+    }
+
+    /// The node that keeps the cluster's services (CoreDNS, the provisioner, the operator),
+    /// which no scenario may lose.
+    pub fn system_node(&self) -> String {
+        self.env.get("SYSTEM_NODE").expect("SYSTEM_NODE in the cluster's env").clone()
     }
 
     /// Runs kubectl against the cluster with `stdin`.
@@ -256,49 +349,71 @@ impl Cluster {
     /// command line again (its log appended to), until it answers. The new process joins
     /// DIR/pids, where down.sh finds what to stop.
     pub async fn restart_api_server(&self) {
-        let pids = std::fs::read_to_string(self.dir.join("pids")).expect("the cluster's pids");
-        let (pid, argv) = pids
-            .lines()
-            .filter_map(|l| l.trim().parse::<u32>().ok())
-            .find_map(|pid| {
-                let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-                let argv: Vec<String> = cmdline
-                    .split(|&b| b == 0)
-                    .filter(|a| !a.is_empty())
-                    .map(|a| String::from_utf8_lossy(a).into_owned())
-                    .collect();
-                argv.first()?.ends_with("/kube-apiserver").then_some((pid, argv))
+        let (pid, argv) = processes()
+            .into_iter()
+            .find(|(_, argv)| {
+                argv[0].ends_with("/kube-apiserver") && argv.iter().any(|a| a.contains(&*self.dir.to_string_lossy()))
             })
-            .expect("a running kube-apiserver among the cluster's pids");
+            .expect("this cluster's kube-apiserver among the host's processes");
         let killed = Command::new("kill").args(["-KILL", &pid.to_string()]).status().expect("kill");
         assert!(killed.success(), "kill -KILL {pid} (kube-apiserver) failed");
-        // Gone, or a zombie (whose command line reads empty) until its parent reaps it.
-        let cmdline = format!("/proc/{pid}/cmdline");
-        wait_for(Duration::from_secs(30), "the killed kube-apiserver to exit", || async {
-            std::fs::read(&cmdline).map_or(true, |c| c.is_empty()).then_some(())
-        })
-        .await;
-        let log = std::fs::OpenOptions::new()
-            .append(true)
-            .open(self.dir.join("logs/kube-apiserver.log"))
-            .expect("the API server's log");
-        // setsid execs without forking (a child is no group leader), so the pid is the server's.
-        let mut child = Command::new("setsid")
-            .args(&argv)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("the log"))
-            .stderr(log)
-            .spawn()
-            .expect("starting kube-apiserver again");
-        let mut file = std::fs::OpenOptions::new().append(true).open(self.dir.join("pids")).expect("the pids");
-        std::io::Write::write_all(&mut file, format!("{}\n", child.id()).as_bytes()).expect("recording the pid");
-        // It outlives the scenario (down.sh stops it); should it exit before, it is reaped here.
-        std::thread::spawn(move || child.wait());
+        wait_for(Duration::from_secs(30), "the killed kube-apiserver to exit", || async { exited(pid).then_some(()) })
+            .await;
+        start_again(&self.dir, &argv, "kube-apiserver");
         let deadline = Instant::now() + Duration::from_secs(90);
         while self.client.apiserver_version().await.is_err() {
             assert!(Instant::now() < deadline, "kube-apiserver did not answer within 90 s of its restart");
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+
+    /// Stops node `name` as a power cut would: every container killed through its runtime, then
+    /// its kubelet, containerd and the runtime's shims killed. Returns how to start it again
+    /// (`restart_node`).
+    pub async fn stop_node(&self, name: &str) -> StoppedNode {
+        let key = format!("CONTAINERD_{}", name.to_uppercase().replace('-', "_"));
+        let socket = self.env.get(&key).unwrap_or_else(|| panic!("no {key} in the cluster's env")).clone();
+        let ctr = |args: &[&str]| Command::new("ctr").args(["-a", &socket, "-n", "k8s.io"]).args(args).output();
+        let tasks = ctr(&["tasks", "ls", "-q"]).expect("ctr tasks ls");
+        for id in String::from_utf8_lossy(&tasks.stdout).split_whitespace() {
+            let _ = ctr(&["tasks", "kill", "--all", "--signal", "SIGKILL", id]);
+        }
+        // The node's own processes all name its folder: kubelet, containerd and the shims.
+        let folder = format!("{}/", self.dir.join("nodes").join(name).display());
+        let mut stopped = StoppedNode {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+            kubelet: Vec::new(),
+            containerd: Vec::new(),
+            started: false,
+        };
+        for (pid, argv) in processes().into_iter().filter(|(_, argv)| argv.iter().any(|a| a.contains(&folder))) {
+            let program = argv[0].rsplit('/').next().unwrap_or_default().to_string();
+            match program.as_str() {
+                "kubelet" => stopped.kubelet = argv,
+                "containerd" => stopped.containerd = argv,
+                _ => {}
+            }
+            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
+        assert!(
+            !stopped.kubelet.is_empty() && !stopped.containerd.is_empty(),
+            "node {name}: no kubelet or containerd among the processes naming {folder}"
+        );
+        stopped
+    }
+
+    /// Starts a node `stop_node` stopped (containerd, then its kubelet, with the same command
+    /// lines, their logs appended to) and waits until the API says it is Ready.
+    pub async fn restart_node(&self, mut node: StoppedNode) {
+        node.start();
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.client.clone());
+        wait_for(Duration::from_secs(120), &format!("node {} to be Ready again", node.name), || async {
+            let n = nodes.get(&node.name).await.ok()?;
+            let ready = n.status?.conditions?.into_iter().any(|c| c.type_ == "Ready" && c.status == "True");
+            ready.then_some(())
+        })
+        .await;
     }
 
     pub async fn delete_namespace(&self, ns: &str) {

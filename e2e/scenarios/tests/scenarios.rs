@@ -332,6 +332,52 @@ async fn restarting_the_api_server_mid_job_duplicates_nothing_and_the_job_comple
     cluster.delete_namespace(&ns).await;
 }
 
+/// A node lost mid-job (its containers, kubelet and runtime stopped at once, as a power cut
+/// would): once it has been not Ready for spec.runPolicy.nodeLostAfterSeconds, the gang restarts
+/// on the other nodes (its pods there removed at once, their kubelet being gone) and resumes from
+/// the newest checkpoint to the end. The node comes back afterwards.
+#[tokio::test]
+async fn a_lost_node_restarts_the_gang_on_the_other_nodes_which_resumes() {
+    let cluster = Cluster::connect().await;
+    let ns = cluster.namespace("lost-node").await;
+    cluster.prepare_data(&ns).await;
+    let mut manifest = long_quickstart("lost");
+    manifest["spec"]["runPolicy"]["nodeLostAfterSeconds"] = json!(10);
+    // Off the node that keeps the cluster's services, which must not be the one lost.
+    let not_there = json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [cluster.system_node()]});
+    manifest["spec"]["scheduling"]["affinity"] = json!({"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [not_there]}]}}});
+    cluster.apply_job(&ns, &manifest).await.expect("applying the job");
+    cluster.wait_job(&ns, "lost", TRAINING, "the job to run", |j| phase(j) == "Running").await;
+    let claim = cluster.claim_dir(&ns, "lost-ckpt").await;
+    wait_for_path(&claim.join("out/checkpoints/checkpoint_10"), TRAINING).await;
+    let pods: Api<Pod> = Api::namespaced(cluster.client.clone(), &ns);
+    let node_of = |p: &Pod| p.spec.as_ref().and_then(|s| s.node_name.clone()).unwrap_or_default();
+    // The launcher's node: with it go mpirun and every rank's daemon, the other pods keep
+    // running their sshd, so only the node's loss tells the operator (and a worker may be there).
+    let victim = node_of(&pods.get("lost-launcher").await.expect("the launcher"));
+    let stopped = cluster.stop_node(&victim).await;
+
+    let job = cluster
+        .wait_job(&ns, "lost", TRAINING, &format!("the job to succeed without node {victim}"), |j| {
+            assert_ne!(phase(j), "Failed", "{:?}", j.status);
+            phase(j) == "Succeeded"
+        })
+        .await;
+    cluster.restart_node(stopped).await;
+    let status = job.status.unwrap();
+    assert!(status.restart_count >= 1, "the gang did not restart: {status:?}");
+    for p in pods.list(&ListParams::default().labels("tensorfleet.dev/job-name=lost")).await.unwrap() {
+        assert_ne!(node_of(&p), victim, "{} ran on the lost node after the restart", p.name_any());
+    }
+    let steps = losses(&metrics(&claim.join("out/metrics.jsonl")));
+    assert_eq!(steps.keys().copied().collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "{status:?}");
+    let failure = status.failure.expect("the cause of the restart");
+    assert_eq!(failure.reason, "NodeLost", "{failure:?}");
+    assert!(failure.message.contains(&victim), "{failure:?}");
+    cluster.delete_namespace(&ns).await;
+}
+
 /// Scenario 6: suspending a running job deletes its pods; resuming brings them back, the
 /// active-deadline clock starts again, and the job completes.
 #[tokio::test]
@@ -514,9 +560,11 @@ async fn a_3d_parallel_job_trains_to_the_losses_of_its_single_process_run() {
 async fn a_missing_image_is_named_in_the_jobs_status() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("missing-image").await;
-    let mut manifest = quickstart("no-image", json!({"steps": 2}));
+    let mut manifest = quickstart("no-image", json!({}));
     manifest["spec"]["image"] = json!("tensorfleet/worker:not-built");
     manifest["spec"]["imagePullPolicy"] = json!("Never");
+    // No data claim in this namespace: without the volume the pods get as far as the image.
+    manifest["spec"].as_object_mut().unwrap().remove("data");
     cluster.apply_job(&ns, &manifest).await.expect("applying the job");
     let job = cluster
         .wait_job(&ns, "no-image", Duration::from_secs(120), "the status to name the missing image", |j| {
