@@ -87,7 +87,8 @@ $(DEMO_CNN):
 	$(VENV_PYTHON) examples/local/data/make_cnn.py --output $(DEMO_CNN)
 
 # The node tests are the ONNX backend suite shipped inside the venv's onnx package. The
-# operator's tests run against a real control plane started here for the duration of the run.
+# operator's tests run against a real control plane started here for the duration of the run
+# (a plain `cargo test` ignores them: they need it).
 test: deps k8s
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -101,11 +102,12 @@ test: deps k8s
 	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
 	trap 'bash e2e/control-plane/down.sh "$$cluster" && rm -rf "$$cluster"' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
-	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
 	LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
 	TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)" \
 		$(CARGO) test --workspace --release --exclude tensorfleet-e2e && \
+	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
+		$(CARGO) test --release -p tensorfleet-operator --test reconcile -- --ignored && \
 	if nvidia-smi -L >/dev/null 2>&1; then \
 		LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
 			$(CARGO) test --release -p tensorfleet-worker --test cuda_backend -- --ignored; \

@@ -18,20 +18,19 @@ use tensorfleet_operator::crd::TrainingJob;
 
 pub const KUBECONFIG_VAR: &str = "TENSORFLEET_TEST_KUBECONFIG";
 
-/// A client of the test API server, or None (the test prints that it is skipped) when
-/// TENSORFLEET_TEST_KUBECONFIG is unset; `make test` always sets it.
-pub async fn client() -> Option<kube::Client> {
-    let Ok(path) = std::env::var(KUBECONFIG_VAR) else {
-        eprintln!("skipped: {KUBECONFIG_VAR} is not set (make test starts an API server and sets it)");
-        return None;
-    };
+/// A client of the test API server (TENSORFLEET_TEST_KUBECONFIG), with the CRD installed. The
+/// tests that call it are `#[ignore]`d in a plain `cargo test`; `make test` starts an API server
+/// and runs them with `--ignored`. Run without the variable, it says what to do.
+pub async fn client() -> kube::Client {
+    let path = std::env::var(KUBECONFIG_VAR)
+        .unwrap_or_else(|_| panic!("{KUBECONFIG_VAR} is not set: `make test` starts an API server and sets it"));
     let kubeconfig = Kubeconfig::read_from(&path).unwrap_or_else(|e| panic!("{KUBECONFIG_VAR}={path}: {e}"));
     let config = kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
         .await
         .unwrap_or_else(|e| panic!("{path}: {e}"));
     let client = kube::Client::try_from(config).expect("client from kubeconfig");
     install_crd(&client).await;
-    Some(client)
+    client
 }
 
 /// Applies the CRD as generated from the Rust types, and waits until it is served.
