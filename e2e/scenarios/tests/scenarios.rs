@@ -21,10 +21,13 @@ async fn cpu_quickstart_trains_to_succeeded_with_progress_and_outputs_on_the_cla
     let ns = cluster.namespace("quickstart").await;
     cluster.prepare_data(&ns).await;
     // The example as shipped, with fewer steps (and periods to match) to fit CI's time.
-    let manifest = quickstart(
+    let mut manifest = quickstart(
         "cpu-quickstart",
         json!({"steps": 60, "checkpoint": {"every": 10, "keep": 2}, "evaluation": {"every": 20, "batches": 2}, "logging": {"every": 1}}),
     );
+    // The worker pods stay after the job succeeds, so that their logs (sshd's) can be read: with
+    // the default (Running) they are deleted then, and their logs with them.
+    manifest["spec"]["runPolicy"]["cleanPodPolicy"] = json!("None");
     let out = cluster.kubectl(&["apply", "-n", &ns, "-f", "-"], Some(&manifest.to_string()));
     assert!(out.status.success(), "kubectl apply: {}", String::from_utf8_lossy(&out.stderr));
 
