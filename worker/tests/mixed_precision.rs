@@ -24,13 +24,23 @@ fn session(half: Option<DType>, scaler: Option<LossScaler>) -> Session<CpuBacken
 }
 
 fn session_accumulating(half: Option<DType>, scaler: Option<LossScaler>, micro_batches: usize) -> Session<CpuBackend> {
+    build(&SessionOptions { half, loss_scaler: scaler, ..SessionOptions::new(ADAMW) }, micro_batches)
+}
+
+/// The test model with the fusion passes `disabled` left out.
+fn session_without(half: Option<DType>, disabled: &[&str]) -> Session<CpuBackend> {
+    let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+    build(&SessionOptions { half, disabled_passes, ..SessionOptions::new(ADAMW) }, 1)
+}
+
+/// A 2-layer GPT-2 (vocabulary 64, 16 tokens) on the CPU, batches of 4.
+fn build(opts: &SessionOptions, micro_batches: usize) -> Session<CpuBackend> {
     let spec = ModelSpec {
         gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
         ..Default::default()
     };
     let model = models::load(&spec, 5).unwrap();
-    let opts = SessionOptions { half, loss_scaler: scaler, ..SessionOptions::new(ADAMW) };
-    Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), micro_batches, &opts).unwrap()
+    Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), micro_batches, opts).unwrap()
 }
 
 fn losses(s: &mut Session<CpuBackend>, steps: usize) -> Vec<f64> {
@@ -115,14 +125,7 @@ fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_sta
 fn the_loss_reading_half_logits_changes_no_bit() {
     for half in [DType::BF16, DType::F16] {
         let run = |disabled: &[&str]| {
-            let spec = ModelSpec {
-                gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
-                ..Default::default()
-            };
-            let model = models::load(&spec, 5).unwrap();
-            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
-            let opts = SessionOptions { half: Some(half), disabled_passes, ..SessionOptions::new(ADAMW) };
-            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap();
+            let mut s = session_without(Some(half), disabled);
             let fused = s.train.graph.nodes.iter().any(|n| {
                 matches!(n.op, Op::SoftmaxCrossEntropyLoss { .. } | Op::SoftmaxCrossEntropyLse { .. })
                     && s.train.graph.meta(n.input(0).unwrap()).unwrap().dtype == half
@@ -144,14 +147,7 @@ fn the_loss_reading_half_logits_changes_no_bit() {
 fn the_loss_keeping_only_log_sum_exp_changes_no_bit() {
     for half in [None, Some(DType::BF16), Some(DType::F16)] {
         let run = |disabled: &[&str]| {
-            let spec = ModelSpec {
-                gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
-                ..Default::default()
-            };
-            let model = models::load(&spec, 5).unwrap();
-            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
-            let opts = SessionOptions { half, disabled_passes, ..SessionOptions::new(ADAMW) };
-            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batch(4, 16, 64, 0), 1, &opts).unwrap();
+            let mut s = session_without(half, disabled);
             let g = &s.train.graph;
             let fused = g.nodes.iter().filter(|n| matches!(n.op, Op::SoftmaxCrossEntropyLse { .. })).count();
             let wide_rows = g.nodes.iter().flat_map(|n| n.outputs.iter().flatten()).any(|&v| {
