@@ -350,9 +350,10 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
 }
 
 /// Fused attention at GPT-2 124M's shape (heads of 64 over 1024 positions, causal) against the
-/// CPU's kernel: f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the
-/// emulator holds them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`).
-/// The first place to look when GPT-2 does not train on a GPU.
+/// CPU's kernel, in both layouts ([groups, T, D], and token-major [B, T, H, D] as GPT-2 runs it):
+/// f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the emulator holds
+/// them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`). The first place
+/// to look when GPT-2 does not train on a GPU.
 #[test]
 fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
     if let Err(why) = probe::gpu_count() {
@@ -360,27 +361,31 @@ fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
         return;
     }
     let (gpu, cpu) = (CudaBackend::new(0).unwrap(), CpuBackend::new());
-    let (groups, t, d) = (4, 1024, 64);
-    let (shape, lse_shape) = (vec![groups, t, d], vec![groups, t]);
+    let (b, h, t, d) = (2, 2, 1024, 64);
     let scale = 1.0 / (d as f32).sqrt();
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let x = |salt: usize| Tensor::from_vec(&shape, values(groups * t * d, salt)).cast(dtype);
-        let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
-        let op = Op::Attention { scale, causal: true };
-        let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
-        let ins = [q.clone(), k.clone(), v.clone()];
-        let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
-        let (fwd, bwd) = match dtype {
-            DType::F32 => (1e-4, 1e-4),
-            DType::BF16 => (2.0 * 2f32.powi(-8), 4.0 * 2f32.powi(-8)),
-            _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
-        };
-        close_as_f32(&format!("Attention, {dtype}"), &g, &c, fwd);
-        let grad = Op::AttentionGrad { scale, causal: true };
-        let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
-        let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
-        let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
-        close_as_f32(&format!("AttentionGrad, {dtype}"), &g, &c, bwd);
+    for token_major in [false, true] {
+        let shape = if token_major { vec![b, t, h, d] } else { vec![b * h, t, d] };
+        let lse_shape = if token_major { vec![b, h, t] } else { vec![b * h, t] };
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let what = format!("{dtype}, token-major {token_major}");
+            let x = |salt: usize| Tensor::from_vec(&shape, values(b * h * t * d, salt)).cast(dtype);
+            let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
+            let op = Op::Attention { scale, causal: true, token_major };
+            let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
+            let ins = [q.clone(), k.clone(), v.clone()];
+            let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
+            let (fwd, bwd) = match dtype {
+                DType::F32 => (1e-4, 1e-4),
+                DType::BF16 => (2.0 * 2f32.powi(-8), 4.0 * 2f32.powi(-8)),
+                _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
+            };
+            close_as_f32(&format!("Attention, {what}"), &g, &c, fwd);
+            let grad = Op::AttentionGrad { scale, causal: true, token_major };
+            let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
+            let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
+            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            close_as_f32(&format!("AttentionGrad, {what}"), &g, &c, bwd);
+        }
     }
 }
 

@@ -512,6 +512,8 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
 /// inside a tile, several key tiles, more tiles than one block, and fewer queries than keys.
 /// Those round the probabilities (and the scores' gradient) to the half type before their
 /// products, as FlashAttention does, so they are held to a few of its units rather than one.
+/// Each case runs in both layouts: [groups, T, D], and token-major [B, T, H, D], whose results
+/// on the CPU are the first layout's, transposed, bit for bit.
 #[test]
 fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
@@ -520,7 +522,9 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
     let cases = [(3, 11, 11, 40), (2, 75, 75, 64), (3, 9, 9, 16), (1, 37, 37, 128), (2, 70, 70, 96), (2, 21, 50, 64)];
     for (groups, tq, tk, d) in cases {
         let (q_shape, k_shape) = (vec![groups, tq, d], vec![groups, tk, d]);
-        let lse_shape = vec![groups, tq];
+        // Token-major: two batch elements of groups / 2 heads, or one of all.
+        let (b, h) = if groups % 2 == 0 { (2, groups / 2) } else { (1, groups) };
+        let tokens = |x: &Tensor| heads_to_tokens(&cpu, x, b, h);
         for causal in [true, false].into_iter().filter(|&c| !c || tq == tk) {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let x = |shape: &[usize], salt: usize| {
@@ -528,14 +532,6 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                     Tensor::from_vec(shape, values(n, salt).iter().map(|v| v * 1.7).collect()).cast(dtype)
                 };
                 let (q, k, v, dy) = (x(&q_shape, 1), x(&k_shape, 2), x(&k_shape, 3), x(&q_shape, 4));
-                let scale = 1.0 / (d as f32).sqrt();
-                let op = Op::Attention { scale, causal };
-                let outs = [Meta::new(dtype, &q_shape), Meta::new(DType::F32, &lse_shape)];
-                let before = tensor_core_launches(&gpu);
-                let (g, c) = (
-                    run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-                    run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-                );
                 let tensor_cores = dtype != DType::F32 && d % 16 == 0;
                 let what = format!("Attention over heads of {d}, {tq} queries, {tk} keys, causal {causal}, {dtype}");
                 let unit = match dtype {
@@ -544,20 +540,85 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                     _ => 2f32.powi(-11),
                 };
                 let (fwd, bwd) = if tensor_cores { (2.0 * unit, 4.0 * unit) } else { (unit, 2.0 * unit) };
-                close_as_f32(&what, &g, &c, if dtype == DType::F32 { 1e-5 } else { fwd });
-                let grad = Op::AttentionGrad { scale, causal };
-                let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
-                let outs = [Meta::new(dtype, &q_shape), Meta::new(dtype, &k_shape), Meta::new(dtype, &k_shape)];
-                let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
-                close_as_f32(&format!("{what}: gradient"), &g, &c, if dtype == DType::F32 { 1e-5 } else { bwd });
-                // The forward kernel, dq's and dk's and dv's; none for the warp kernels' cases.
-                let expected = if tensor_cores { 3 } else { 0 };
-                assert_eq!(tensor_core_launches(&gpu) - before, expected, "{what}: tensor-core launches");
-                ran_on_tensor_cores += tensor_cores as usize;
+                let (fwd, bwd) = if dtype == DType::F32 { (1e-5, 1e-5) } else { (fwd, bwd) };
+                let scale = 1.0 / (d as f32).sqrt();
+                let mut heads_first = Vec::new();
+                for token_major in [false, true] {
+                    let what = format!("{what}, token-major {token_major}");
+                    let layout = |x: &Tensor| if token_major { tokens(x) } else { x.clone() };
+                    let lse_shape = if token_major { vec![b, h, tq] } else { vec![groups, tq] };
+                    let (q, k, v, dy) = (layout(&q), layout(&k), layout(&v), layout(&dy));
+                    let op = Op::Attention { scale, causal, token_major };
+                    let outs = [Meta::new(dtype, q.shape()), Meta::new(DType::F32, &lse_shape)];
+                    let before = tensor_core_launches(&gpu);
+                    let (g, c) = (
+                        run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+                        run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
+                    );
+                    close_as_f32(&what, &g, &c, fwd);
+                    let grad = Op::AttentionGrad { scale, causal, token_major };
+                    let ins = [dy, q.clone(), k.clone(), v.clone(), c[0].clone(), c[1].clone()];
+                    let outs = [Meta::new(dtype, q.shape()), Meta::new(dtype, k.shape()), Meta::new(dtype, k.shape())];
+                    let (g, cg) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+                    close_as_f32(&format!("{what}: gradient"), &g, &cg, bwd);
+                    // The forward kernel, dq's and dk's and dv's; none for the warp kernels' cases.
+                    let expected = if tensor_cores { 3 } else { 0 };
+                    assert_eq!(tensor_core_launches(&gpu) - before, expected, "{what}: tensor-core launches");
+                    ran_on_tensor_cores += tensor_cores as usize;
+                    let results: Vec<Tensor> = c.iter().chain(&cg).cloned().collect();
+                    if !token_major {
+                        heads_first = results;
+                        continue;
+                    }
+                    // y, lse (the same layout in both), dq, dk, dv.
+                    for (i, (tm, hf)) in results.iter().zip(&heads_first).enumerate() {
+                        let hf = if i == 1 { hf.clone().reshaped(&lse_shape) } else { tokens(hf) };
+                        assert!(
+                            tm.bytes() == hf.bytes(),
+                            "{what}: the CPU's output {i} differs from the heads-first one"
+                        );
+                    }
+                }
             }
         }
     }
-    assert_eq!(ran_on_tensor_cores, 18);
+    assert_eq!(ran_on_tensor_cores, 36);
+}
+
+/// [B·H, T, D] → [B, T, H, D], by the CPU's Transpose.
+fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
+    let (t, d) = (x.shape()[1], x.shape()[2]);
+    let op = Op::Transpose { perm: Some(vec![0, 2, 1, 3]) };
+    run_typed(cpu, &op, &[x.clone().reshaped(&[b, h, t, d])], &[Meta::new(x.dtype(), &[b, t, h, d])]).remove(0)
+}
+
+/// LayerNorm forward and backward against the CPU's, with Y written and dY read in f32, bf16
+/// and f16 (`layer_norm_casts`), over rows of a few columns to more than a block's threads.
+#[test]
+fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    for (rows, cols) in [(130, 48), (3, 768), (2, 4096 + 40)] {
+        let x = |shape: &[usize], salt: usize| Tensor::from_vec(shape, values(shape.iter().product(), salt));
+        let (a, scale, bias, dy) = (x(&[rows, cols], 1), x(&[cols], 2), x(&[cols], 3), x(&[rows, cols], 4));
+        let stat = Meta::new(DType::F32, &[rows, 1]);
+        for half in [DType::F32, DType::BF16, DType::F16] {
+            let what = format!("LayerNorm of [{rows}, {cols}], {half} Y and dY");
+            let ln = Op::LayerNorm { axis: -1, epsilon: 1e-5 };
+            let outs = [Meta::new(half, &[rows, cols]), stat.clone(), stat.clone()];
+            let ins = [a.clone(), scale.clone(), bias.clone()];
+            let (g, c) = (run_typed(&gpu, &ln, &ins, &outs), run_typed(&cpu, &ln, &ins, &outs));
+            close_as_f32(&what, &g, &c, if half == DType::F32 { 1e-5 } else { 2f32.powi(-8) });
+            let ins = [dy.cast(half), a.clone(), scale.clone(), c[1].clone(), c[2].clone()];
+            let grad = Op::LayerNormGrad { axis: -1 };
+            let f32s = |shape: &[usize]| Meta::new(DType::F32, shape);
+            let outs = [f32s(&[rows, cols]), f32s(&[cols]), f32s(&[cols])];
+            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            close_as_f32(&format!("{what}: gradient"), &g, &c, 1e-5);
+        }
+    }
+    let launches = launches_of(&gpu, &["layer_norm"]);
+    let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
+    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(3); 3], [Some(3); 3]));
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core
@@ -576,10 +637,11 @@ fn attention_kernels_stride_past_their_grid_on_the_emulated_kernels() {
         let run = |limit: usize| {
             gpu.attention_grid_limit.store(limit, Ordering::Relaxed);
             let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &[groups, t])];
-            let mut all = run_typed(&gpu, &Op::Attention { scale, causal }, &[q.clone(), k.clone(), v.clone()], &outs);
+            let op = Op::Attention { scale, causal, token_major: false };
+            let mut all = run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs);
             let ins = [dy.clone(), q.clone(), k.clone(), v.clone(), all[0].clone(), all[1].clone()];
             let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
-            all.extend(run_typed(&gpu, &Op::AttentionGrad { scale, causal }, &ins, &outs));
+            all.extend(run_typed(&gpu, &Op::AttentionGrad { scale, causal, token_major: false }, &ins, &outs));
             all
         };
         let (wide, narrow) = (run(1 << 20), run(2));

@@ -1,6 +1,8 @@
 //! The attention fusion (`graph::fuse`'s forward pass `attention`): GPT-2's causal attention
 //! becomes one Attention node whose backward recomputes the probabilities, and training with it
-//! follows training without it (`disabled_passes: ["attention"]`) while planning less memory.
+//! follows training without it (`disabled_passes: ["attention"]`) while planning less memory;
+//! `attention_token_major` then runs it on the heads as the projections lay them out, without
+//! the heads' transposes, to the same bits.
 
 mod common;
 use std::sync::Arc;
@@ -15,13 +17,17 @@ use tensorfleet_worker::tensor::DType;
 use common::token_batch as batch;
 
 fn session(fused: bool, half: Option<DType>) -> Session<CpuBackend> {
+    session_without(if fused { &[] } else { &["attention"] }, half)
+}
+
+fn session_without(disabled: &[&str], half: Option<DType>) -> Session<CpuBackend> {
     let spec = ModelSpec {
         gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 32, vocab: 64, dropout: 0.1 }),
         ..Default::default()
     };
     let model = models::load(&spec, 3).unwrap();
     let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
-    let disabled = if fused { vec![] } else { vec!["attention".to_string()] };
+    let disabled = disabled.iter().map(|p| p.to_string()).collect();
     let opts = SessionOptions { disabled_passes: disabled, half, ..SessionOptions::new(adamw) };
     Session::new(Arc::new(CpuBackend::new()), &model, &batch(2, 32, 64, 0), 2, &opts).unwrap()
 }
@@ -66,4 +72,32 @@ fn mixed_precision_runs_the_fused_attention_in_half_with_f32_statistics() {
         (dtype(node.input(0)), dtype(node.output(0)), dtype(node.output(1))),
         (DType::BF16, DType::BF16, DType::F32)
     );
+}
+
+/// The heads' transposes (q, k, v and the output's, forward and backward) go: one value fewer
+/// copied each, and training on the token-major attention gives the heads-first one's losses,
+/// gradient norms and weights bit for bit (the kernels take each row in the same order).
+#[test]
+fn token_major_attention_drops_the_heads_transposes_and_trains_to_the_same_bits() {
+    let (mut tm, mut hf) = (session_without(&[], None), session_without(&["attention_token_major"], None));
+    let attention = |s: &Session<CpuBackend>, tm: bool| {
+        count(
+            s,
+            |op| matches!(op, Op::Attention { token_major, .. } | Op::AttentionGrad { token_major, .. } if *token_major == tm),
+        )
+    };
+    assert_eq!((attention(&tm, true), attention(&tm, false)), (4, 0));
+    assert_eq!((attention(&hf, true), attention(&hf, false)), (0, 4));
+    let transposes = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Transpose { .. }));
+    // Per layer: q's, k's, v's and the output's, forward and backward.
+    assert_eq!(transposes(&hf) - transposes(&tm), 2 * 8, "transposes left: {}", transposes(&tm));
+    let batches = [batch(2, 32, 64, 1), batch(2, 32, 64, 2)];
+    for k in 0..3 {
+        let (x, y) = (tm.step(&batches, 3e-3, 1.0, k).unwrap(), hf.step(&batches, 3e-3, 1.0, k).unwrap());
+        assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits()), (y.loss.to_bits(), y.grad_norm.to_bits()), "step {k}");
+    }
+    let (w1, w2) = (tm.weights().unwrap(), hf.weights().unwrap());
+    for (name, t) in &w1 {
+        assert!(t.bytes() == w2[name].bytes(), "{name} differs");
+    }
 }

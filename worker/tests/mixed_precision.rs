@@ -140,6 +140,32 @@ fn the_loss_reading_half_logits_changes_no_bit() {
     }
 }
 
+/// The layer_norm_casts fusion (each LayerNorm writes the half value its product reads, and its
+/// gradient reads the half gradient that product wrote) is exact: the same losses and weights,
+/// bit for bit, as the casts it removes, two per LayerNorm, in bf16 and fp16.
+#[test]
+fn layer_norms_writing_and_reading_half_change_no_bit() {
+    for half in [DType::BF16, DType::F16] {
+        let run = |disabled: &[&str]| {
+            let mut s = session_without(Some(half), disabled);
+            let g = &s.train.graph;
+            let is_half = |v: Option<usize>| g.meta(v.unwrap()).unwrap().dtype == half;
+            let norms = g.nodes.iter().filter(|n| matches!(n.op, Op::LayerNorm { .. }));
+            let writing = norms.clone().filter(|n| is_half(n.output(0))).count();
+            let grads = g.nodes.iter().filter(|n| matches!(n.op, Op::LayerNormGrad { .. }));
+            let reading = grads.filter(|n| is_half(n.input(0))).count();
+            let casts = g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
+            ((norms.count(), writing, reading, casts), losses(&mut s, 3), s.weights().unwrap())
+        };
+        let ((norms, writing, reading, casts), with, w_with) = run(&[]);
+        let ((_, unfused_w, unfused_r, unfused_casts), without, w_without) = run(&["layer_norm_casts"]);
+        assert!(norms > 0 && (writing, reading) == (norms, norms), "{half}: {writing} and {reading} of {norms}");
+        assert_eq!((unfused_w, unfused_r, unfused_casts - casts), (0, 0, 2 * norms), "{half}: unfused");
+        assert_eq!(with, without, "{half}: losses");
+        assert!(w_with == w_without, "{half}: weights differ");
+    }
+}
+
 /// The loss_lse fusion (the loss keeps each row's log-sum-exp, its gradient recomputes the
 /// softmax from the logits) is exact in f32, bf16 and fp16: the same losses and weights, bit for
 /// bit, as the log-probabilities it no longer stores; and no [N, V] f32 value is left.

@@ -406,14 +406,18 @@ fn recurrent_layers() {
 
 #[test]
 fn fused_attention() {
-    // q, k, v [2 groups, T 5, D 3]: causal and full, scaled.
-    for causal in [true, false] {
-        let mut b = CaseBuilder::new(if causal { 31 } else { 32 });
-        let q = b.param("q", &[2, 5, 3], -1.5, 1.5);
-        let k = b.param("k", &[2, 5, 3], -1.5, 1.5);
-        let v = b.param("v", &[2, 5, 3], -1.0, 1.0);
-        let y = b.g.add_node("attn", Op::Attention { scale: 0.6, causal }, &[q, k, v], 2)[0];
-        check(&format!("Attention, causal {causal}"), b.done(y));
+    // q, k, v [2 groups, T 5, D 3], or token-major [B 2, T 5, H 2, D 3]: causal and full, scaled.
+    for token_major in [false, true] {
+        let shape: &[usize] = if token_major { &[2, 5, 2, 3] } else { &[2, 5, 3] };
+        for causal in [true, false] {
+            let mut b = CaseBuilder::new(31 + causal as u64 + 2 * token_major as u64);
+            let q = b.param("q", shape, -1.5, 1.5);
+            let k = b.param("k", shape, -1.5, 1.5);
+            let v = b.param("v", shape, -1.0, 1.0);
+            let op = Op::Attention { scale: 0.6, causal, token_major };
+            let y = b.g.add_node("attn", op, &[q, k, v], 2)[0];
+            check(&format!("Attention, causal {causal}, token-major {token_major}"), b.done(y));
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use super::Builder;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Meta, Node, ValueId};
-use crate::graph::op::{Binary, Op, Reduce, ScatterReduction, Unary};
+use crate::graph::op::{AttentionShape, Binary, Op, Reduce, ScatterReduction, Unary};
 use crate::tensor::DType;
 
 /// Ops through which gradients flow.
@@ -470,13 +470,13 @@ pub fn backward(
             vec![Some(b.emit1(&name, op, &ins)?), None, None]
         }
         Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
-        Op::Attention { scale, causal } => {
+        Op::Attention { scale, causal, token_major } => {
             // The backward pass reads the output and the rows' log-sum-exp, and recomputes the
             // probabilities from them.
             let y = node.output(0).expect("Attention has an output");
-            let q = b.meta(x(0));
-            let lse = b.ensure_output(n, 1, Meta::new(DType::F32, &q.shape[..q.shape.len() - 1]));
-            let op = Op::AttentionGrad { scale: *scale, causal: *causal };
+            let lse_shape = AttentionShape::lse_shape(&b.meta(x(0)).shape, *token_major);
+            let lse = b.ensure_output(n, 1, Meta::new(DType::F32, &lse_shape));
+            let op = Op::AttentionGrad { scale: *scale, causal: *causal, token_major: *token_major };
             let outs = b.emit(&name, op, &[dy, x(0), x(1), x(2), y, lse], 3)?;
             outs.into_iter().map(Some).collect()
         }

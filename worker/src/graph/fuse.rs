@@ -2,25 +2,38 @@
 //! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use super::op::{Binary, Op, Unary};
+use super::op::{AttentionShape, Binary, Op, Unary};
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.
-pub const PASSES: &[&str] =
-    &["matmul_bias", "matmul_bias_gelu", "matmul_transpose", "matmul_gelu_grad", "loss_casts", "loss_lse"];
+pub const PASSES: &[&str] = &[
+    "matmul_bias",
+    "matmul_bias_gelu",
+    "matmul_transpose",
+    "matmul_gelu_grad",
+    "loss_casts",
+    "loss_lse",
+    "layer_norm_casts",
+];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["attention"];
+pub const FORWARD_PASSES: &[&str] = &["attention", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
 pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<(&'static str, usize)> {
     let mut report = Vec::new();
     for &p in FORWARD_PASSES {
-        if !disabled.iter().any(|d| d == p) {
-            report.push((p, attention(g, keep)));
+        if disabled.iter().any(|d| d == p) {
+            continue;
         }
+        let n = match p {
+            "attention" => attention(g, keep),
+            "attention_token_major" => attention_token_major(g, keep),
+            _ => 0,
+        };
+        report.push((p, n));
     }
     report
 }
@@ -39,6 +52,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "matmul_gelu_grad" => matmul_gelu_grad(g),
             "loss_casts" => loss_casts(g),
             "loss_lse" => loss_lse(g),
+            "layer_norm_casts" => layer_norm_casts(g),
             _ => 0,
         };
         report.push((p, n));
@@ -186,6 +200,51 @@ fn loss_casts(g: &mut Graph) -> usize {
                 }
                 g.nodes[p].outputs[0] = Some(h);
                 g.nodes[i].outputs.clear();
+                fused += 1;
+            }
+            _ => {}
+        }
+    }
+    fused
+}
+
+/// LayerNormalization → Cast(f32 → half)  ⇒  the LayerNorm writes the half value, and
+/// Cast(half → f32) → LayerNormGrad's dY  ⇒  the gradient reads the half value: under mixed
+/// precision the residual stream is f32 and the products after each LayerNorm (and their input
+/// gradients, before it) are half, so each LayerNorm had a cast sweep on each side, forward and
+/// backward. The kernels compute in f32 and round (or widen) as the casts did: the same bits.
+/// The statistics stay f32.
+fn layer_norm_casts(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let dtype = |g: &Graph, v: ValueId| g.meta(v).map(|m| m.dtype);
+    let is_half = |g: &Graph, v: ValueId| matches!(dtype(g, v), Some(DType::F16 | DType::BF16));
+    let alone = |v: ValueId| uses[v] == 1 && !g.outputs.contains(&v);
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        match g.nodes[i].op {
+            // A cast down of the LayerNorm's f32 output: the LayerNorm writes the half value.
+            Op::Cast { .. } => {
+                let (Some(y), Some(h)) = (g.nodes[i].input(0), g.nodes[i].output(0)) else { continue };
+                let Some(p) = producers[y] else { continue };
+                let from_norm = matches!(g.nodes[p].op, Op::LayerNorm { .. }) && g.nodes[p].output(0) == Some(y);
+                if !from_norm || !alone(y) || dtype(g, y) != Some(DType::F32) || !is_half(g, h) {
+                    continue;
+                }
+                g.nodes[p].outputs[0] = Some(h);
+                g.nodes[i].outputs.clear();
+                fused += 1;
+            }
+            // The gradient reading a widened dY: it reads the half one.
+            Op::LayerNormGrad { .. } => {
+                let Some(dy) = g.nodes[i].input(0) else { continue };
+                let Some(p) = producers[dy] else { continue };
+                let Some(h) = g.nodes[p].input(0).filter(|&h| is_half(g, h)) else { continue };
+                if g.nodes[p].op != (Op::Cast { to: DType::F32 }) || !alone(dy) {
+                    continue;
+                }
+                g.nodes[i].inputs[0] = Some(h);
+                // The cast is now unread; prune removes it.
                 fused += 1;
             }
             _ => {}
@@ -372,7 +431,7 @@ fn attention(g: &mut Graph, keep: &[ValueId]) -> usize {
         let lse = g.fresh(&format!("{}_lse", g.nodes[c.context].name));
         g.values[lse].meta = Some(Meta::new(DType::F32, &q_shape[..q_shape.len() - 1]));
         let node = &mut g.nodes[c.context];
-        node.op = Op::Attention { scale: c.scale, causal: c.causal };
+        node.op = Op::Attention { scale: c.scale, causal: c.causal, token_major: false };
         node.inputs = vec![Some(c.q), Some(k), Some(c.v)];
         node.outputs.push(Some(lse));
     }
@@ -477,6 +536,90 @@ fn attention_chain(
         && qm.dtype == vm.dtype
         && (!causal || km.shape[r - 1] == qm.shape[r - 2]);
     alike.then_some(AttentionChain { gone, context, q, k_t, v, scale, causal })
+}
+
+/// Attention(q, k, v) whose q, k and v are [.., T, H, D] values made [.., H, T, D] by transposes
+/// (one, or a chain, as nanoGPT's kᵀ), and whose output only a transpose back to [.., T, H, D]
+/// reads  ⇒  the token-major Attention of those values, writing that transpose's output. The
+/// heads' copies go, forward and backward (the gradient keeps the layout): eight per layer of
+/// GPT-2.
+fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        n.inputs.iter().flatten().for_each(|&x| readers[x].push(i));
+    }
+    // A value only its one reader sees.
+    let inner = |x: ValueId| uses[x] == 1 && !keep.contains(&x) && !g.outputs.contains(&x);
+    let mut gone = vec![false; g.nodes.len()];
+    let mut rewrites = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Op::Attention { token_major: false, .. } = node.op else { continue };
+        let Some(rank) = node.input(0).and_then(|q| g.meta(q)).map(|m| m.shape.len()).filter(|&r| r >= 3) else {
+            continue;
+        };
+        let mut swap: Vec<usize> = (0..rank).collect();
+        swap.swap(rank - 3, rank - 2);
+        let sources: Option<Vec<(ValueId, Vec<usize>)>> =
+            node.inputs.iter().map(|x| heads_source(g, &producers, &inner, (*x)?, &swap)).collect();
+        let Some(sources) = sources else { continue };
+        let Some(y) = node.output(0).filter(|&y| inner(y)) else { continue };
+        let merge = readers[y][0];
+        let merges = matches!(&g.nodes[merge].op, Op::Transpose { perm: Some(p) } if same_perm(p, &swap));
+        let shape = |x: ValueId| g.meta(x).map(|m| m.shape.clone()).unwrap_or_default();
+        let (q, k, v) = (sources[0].0, sources[1].0, sources[2].0);
+        let token_major = AttentionShape::of(&shape(q), &shape(k), true).is_some() && shape(k) == shape(v);
+        let Some(merged) = g.nodes[merge].output(0).filter(|_| merges && token_major) else { continue };
+        sources.iter().flat_map(|(_, chain)| chain).for_each(|&n| gone[n] = true);
+        gone[merge] = true;
+        rewrites.push((i, [q, k, v], merged));
+    }
+    for &(i, qkv, merged) in &rewrites {
+        let node = &mut g.nodes[i];
+        if let Op::Attention { token_major, .. } = &mut node.op {
+            *token_major = true;
+        }
+        node.inputs = qkv.iter().map(|&x| Some(x)).collect();
+        node.outputs[0] = Some(merged);
+    }
+    let mut index = 0;
+    g.nodes.retain(|_| {
+        index += 1;
+        !gone[index - 1]
+    });
+    rewrites.len()
+}
+
+/// The value that transposes (each read only by the next) turn into `x` by the permutation
+/// `target`, with those transposes' nodes; None where there is none.
+fn heads_source(
+    g: &Graph,
+    producers: &[Option<usize>],
+    inner: &impl Fn(ValueId) -> bool,
+    x: ValueId,
+    target: &[usize],
+) -> Option<(ValueId, Vec<usize>)> {
+    // x's axis a is the current value's axis `composed[a]`.
+    let mut composed: Vec<usize> = (0..target.len()).collect();
+    let (mut at, mut chain) = (x, Vec::new());
+    while let Some(p) = producers[at].filter(|_| inner(at)) {
+        let Op::Transpose { perm: Some(perm) } = &g.nodes[p].op else { return None };
+        if perm.len() != composed.len() {
+            return None;
+        }
+        composed =
+            composed.iter().map(|&a| perm.get(a).and_then(|&p| usize::try_from(p).ok())).collect::<Option<_>>()?;
+        chain.push(p);
+        at = g.nodes[p].input(0)?;
+        if composed == target {
+            return g.meta(at).is_some().then_some((at, chain));
+        }
+    }
+    None
+}
+
+fn same_perm(perm: &[i64], target: &[usize]) -> bool {
+    perm.len() == target.len() && perm.iter().zip(target).all(|(&p, &t)| p == t as i64)
 }
 
 /// A constant added to [.., T, T] scores that is 0 on and below the diagonal and −10⁴ or less

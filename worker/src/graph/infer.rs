@@ -6,7 +6,7 @@
 //! static, so backends never read shape operands at run time.
 
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
-use super::op::{LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
+use super::op::{AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
@@ -316,21 +316,19 @@ pub fn infer_node(
                 .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
             (op, vec![Meta::new(a.dtype, &shape)])
         }
-        Op::Attention { causal, .. } => {
+        Op::Attention { causal, token_major, .. } => {
             let (q, k, v) = (m(0)?, m(1)?, m(2)?);
             same_dtype(&[0, 1, 2])?;
-            let r = q.shape.len();
-            let lead = |s: &[usize]| s[..s.len() - 2].to_vec();
-            if r < 2 || k.shape.len() != r || k.shape != v.shape || lead(&q.shape) != lead(&k.shape) {
-                return Err(err(
-                    node,
-                    format!("q {:?}, k {:?}, v {:?} are not [.., T, D] alike", q.shape, k.shape, v.shape),
-                ));
+            let layout = if *token_major { "[.., T, H, D]" } else { "[.., T, D]" };
+            let shape = AttentionShape::of(&q.shape, &k.shape, *token_major).filter(|_| k.shape == v.shape);
+            let Some(a) = shape else {
+                let (q, k, v) = (&q.shape, &k.shape, &v.shape);
+                return Err(err(node, format!("q {q:?}, k {k:?}, v {v:?} are not {layout} alike")));
+            };
+            if *causal && a.tq != a.tk {
+                return Err(err(node, format!("a causal mask over q {:?} and k {:?}", q.shape, k.shape)));
             }
-            if q.shape[r - 1] != k.shape[r - 1] || (*causal && q.shape[r - 2] != k.shape[r - 2]) {
-                return Err(err(node, format!("q {:?} against k {:?}", q.shape, k.shape)));
-            }
-            (op, vec![q.clone(), Meta::new(DType::F32, &q.shape[..r - 1])])
+            (op, vec![q.clone(), Meta::new(DType::F32, &AttentionShape::lse_shape(&q.shape, *token_major))])
         }
         Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
         Op::FusedMatMul { trans_a, trans_b, .. } | Op::MatMulUnaryGrad { trans_a, trans_b, .. } => {

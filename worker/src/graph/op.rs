@@ -694,6 +694,53 @@ impl PadMode {
     }
 }
 
+/// Fused attention's operands as both backends walk them: `groups` independent attentions
+/// (batch × heads) of `tq` query and `tk` key rows of `d` elements. A group's rows lie one row
+/// apart ([.., H, T, D]: `interleaved` 1) or, token-major, `interleaved` = H groups' rows side
+/// by side in each token ([.., T, H, D]). The log-sum-exp is [groups, tq] either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttentionShape {
+    pub groups: usize,
+    pub interleaved: usize,
+    pub tq: usize,
+    pub tk: usize,
+    pub d: usize,
+}
+
+impl AttentionShape {
+    /// From q's and k's shapes, None where they are not attention's (ranks, heads or D differ).
+    pub fn of(q: &[usize], k: &[usize], token_major: bool) -> Option<AttentionShape> {
+        let r = q.len();
+        let inner = if token_major { 3 } else { 2 };
+        if r < inner || k.len() != r {
+            return None;
+        }
+        // The rows' axis; every other axis of q and k agrees.
+        let t = r - inner;
+        if q[..t] != k[..t] || q[t + 1..] != k[t + 1..] {
+            return None;
+        }
+        let interleaved = if token_major { q[r - 2] } else { 1 };
+        let groups = q[..t].iter().product::<usize>() * interleaved;
+        Some(AttentionShape { groups, interleaved, tq: q[t], tk: k[t], d: q[r - 1] })
+    }
+
+    /// The log-sum-exp's shape for q of `q`: [.., H, Tq] (token-major) or [.., Tq].
+    pub fn lse_shape(q: &[usize], token_major: bool) -> Vec<usize> {
+        let r = q.len();
+        match token_major {
+            true if r >= 3 => [&q[..r - 3], &[q[r - 2], q[r - 3]]].concat(),
+            _ => q[..r.saturating_sub(1)].to_vec(),
+        }
+    }
+
+    /// Where row `i` of group `g` of an operand of `t` rows starts, in elements.
+    pub fn row(&self, g: usize, i: usize, t: usize) -> usize {
+        let h = self.interleaved;
+        ((g / h * t + i) * h + g % h) * self.d
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LossReduction {
     Mean,
@@ -1019,15 +1066,20 @@ pub enum Op {
     /// Attention over heads without the T×T scores: q [.., Tq, D], k, v [.., Tk, D] →
     /// y = softmax(q·kᵀ·scale, masked above the diagonal when `causal`)·v [.., Tq, D], and each
     /// row's log-sum-exp [.., Tq] in f32, which the backward pass recomputes the
-    /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`.
+    /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`. With
+    /// `token_major`, q, k, v and y are [.., T, H, D] (each token's heads side by side, as the
+    /// projections write them and the output projection reads them; `fuse::attention_token_major`)
+    /// and the log-sum-exp stays [.., H, Tq]. See [`AttentionShape`].
     Attention {
         scale: f32,
         causal: bool,
+        token_major: bool,
     },
-    /// dY, q, k, v, y, lse -> dq, dk, dv.
+    /// dY, q, k, v, y, lse -> dq, dk, dv, in the layout of the Attention they differentiate.
     AttentionGrad {
         scale: f32,
         causal: bool,
+        token_major: bool,
     },
     /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass. With
     /// an activation it may have a second output, the pre-activation, for the gradient to read.
@@ -1940,8 +1992,8 @@ impl Op {
                 }
                 v
             }
-            Op::Attention { scale, causal } | Op::AttentionGrad { scale, causal } => {
-                vec![f("scale", *scale), i("causal", *causal as i64)]
+            Op::Attention { scale, causal, token_major } | Op::AttentionGrad { scale, causal, token_major } => {
+                vec![f("scale", *scale), i("causal", *causal as i64), i("tokenMajor", *token_major as i64)]
             }
             Op::FusedMatMul { trans_a, trans_b, activation } => vec![
                 i("transA", *trans_a as i64),

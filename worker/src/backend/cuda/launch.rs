@@ -858,7 +858,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let bias = ins.get(2).copied().flatten().map_or(NULL, |b| b.at);
             let (mean, inv) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |m| m.at));
             dev.kernel(
-                "layer_norm_rows",
+                &typed("layer_norm_rows", y.dtype())?,
                 per_row(rows),
                 &mut params![cols as i64, *epsilon, a.at, scale.at, bias, y.at, mean, inv],
             )
@@ -867,16 +867,18 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let (dy, a, scale, mean, inv) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
+            let (dscale, dbias) = (outs.get(1).map(|o| o.at), outs.get(2).map(|o| o.at));
             dev.kernel(
-                "layer_norm_grad_rows",
+                &typed("layer_norm_grad_rows", dy.dtype())?,
                 per_row(rows),
                 &mut params![cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
             )?;
-            if let Some(dscale) = outs.get(1) {
-                column_sum(dev, DType::F32, rows, cols, dy.at, Some((a.at, mean.at, inv.at)), dscale.at)?;
+            if let Some(dscale) = dscale {
+                let x_hat = Some((a.at, mean.at, inv.at));
+                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, x_hat, dscale)?;
             }
-            if let Some(dbias) = outs.get(2) {
-                column_sum(dev, DType::F32, rows, cols, dy.at, None, dbias.at)?;
+            if let Some(dbias) = dbias {
+                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, None, dbias)?;
             }
             Ok(())
         }
@@ -1283,13 +1285,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         }
         Op::Resize(r) => resize::resize(dev, r, x(0)?, y),
         Op::ResizeGrad { resize: r, .. } => resize::resize_grad(dev, r, x(0)?, y),
-        Op::Attention { scale, causal } => {
-            attention::forward(dev, *scale, *causal, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
+        Op::Attention { scale, causal, token_major } => {
+            let spec = attention::Spec { scale: *scale, causal: *causal, token_major: *token_major };
+            attention::forward(dev, spec, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
         }
-        Op::AttentionGrad { scale, causal } => {
+        Op::AttentionGrad { scale, causal, token_major } => {
             let [dq, dk, dv] = outs else { return Err("AttentionGrad has 3 outputs".into()) };
+            let spec = attention::Spec { scale: *scale, causal: *causal, token_major: *token_major };
             let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?];
-            attention::backward(dev, *scale, *causal, ins, [*dq, *dk, *dv])
+            attention::backward(dev, spec, ins, [*dq, *dk, *dv])
         }
         Op::Pool { kind, window } => window::pool(dev, *kind, window, x(0)?, y, outs.get(1).copied()),
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),
@@ -1660,9 +1664,10 @@ fn label_weights(
 
 /// Column sums of [rows, cols] at `v` into `out`, optionally of v·x̂ (LayerNorm's dScale):
 /// chunks of rows first, then the chunks in order, so the bits never depend on scheduling.
+/// `v` and `out` of the types `[from, to]`; the sums are f32.
 fn column_sum(
     dev: Dev,
-    t: DType,
+    [from, to]: [DType; 2],
     rows: usize,
     cols: usize,
     v: Ptr,
@@ -1679,11 +1684,11 @@ fn column_sum(
         shared_mem_bytes: 0,
     };
     dev.kernel(
-        &typed("column_sum_partial", t)?,
+        &typed("column_sum_partial", from)?,
         cfg,
         &mut params![rows as i64, cols as i64, ROWS_PER_CHUNK as i64, v, xp, mean, inv, partial],
     )?;
-    let finish = typed("column_sum_finish", t)?;
+    let finish = typed("column_sum_finish", to)?;
     dev.kernel(&finish, elementwise(cols), &mut params![chunks as i64, cols as i64, partial, out])
 }
 
@@ -1698,7 +1703,7 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
     let trailing = to.iter().skip_while(|&&d| d == 1).copied().collect::<Vec<_>>();
     if !trailing.is_empty() && from.ends_with(&trailing) {
         let cols: usize = trailing.iter().product();
-        return column_sum(dev, a.dtype(), a.n() / cols, cols, a.at, None, y.at);
+        return column_sum(dev, [a.dtype(), y.dtype()], a.n() / cols, cols, a.at, None, y.at);
     }
     // Otherwise each output element sums its own set of inputs.
     let mut summed = vec![true; pad];

@@ -2,20 +2,18 @@
 //! scheme): the forward pass keeps each query row's log-sum-exp, and the backward pass
 //! recomputes the probabilities from it instead of reading them back.
 //!
-//! q [.., Tq, D], k and v [.., Tk, D]; the leading dims are groups (batch × heads), each
-//! independent. With `causal`, query i sees keys 0..=i (Tq = Tk).
+//! q [.., Tq, D], k and v [.., Tk, D], or token-major [.., T, H, D]; the groups (batch × heads)
+//! are independent (`AttentionShape`). With `causal`, query i sees keys 0..=i (Tq = Tk).
 
 use super::fastmath::{dot, max};
 use super::{KResult, SharedSlice};
+use crate::graph::op::AttentionShape;
 use crate::tensor::{TensorView, TensorViewMut};
 use rayon::prelude::*;
 
-/// (groups, Tq, Tk, D) of q and k.
-fn dims(q: &TensorView, k: &TensorView) -> (usize, usize, usize, usize) {
-    let r = q.shape.len();
-    let (tq, d) = (q.shape[r - 2], q.shape[r - 1]);
-    let groups = q.shape[..r - 2].iter().product();
-    (groups, tq, k.shape[r - 2], d)
+fn shape_of(q: &TensorView, k: &TensorView, token_major: bool) -> Result<AttentionShape, String> {
+    AttentionShape::of(q.shape, k.shape, token_major)
+        .ok_or_else(|| format!("attention over q {:?} and k {:?}", q.shape, k.shape))
 }
 
 /// y += a·x.
@@ -36,21 +34,22 @@ fn visible(causal: bool, i: usize, tk: usize) -> usize {
 pub fn forward(
     scale: f32,
     causal: bool,
-    q: &TensorView,
-    k: &TensorView,
-    v: &TensorView,
+    token_major: bool,
+    [q, k, v]: [&TensorView; 3],
     outputs: &mut [TensorViewMut],
 ) -> KResult {
-    let (_, tq, tk, d) = dims(q, k);
+    let a = shape_of(q, k, token_major)?;
+    let (h, tq, tk, d) = (a.interleaved, a.tq, a.tk, a.d);
     let (qs, ks, vs) = (q.as_slice::<f32>(), k.as_slice::<f32>(), v.as_slice::<f32>());
     let (y, rest) = outputs.split_first_mut().ok_or("Attention has no output")?;
     let lse = rest.first_mut().map(|l| SharedSlice::new(l.as_mut_slice::<f32>()));
-    // Each worker's row of scores, reused from row to row.
+    // Each worker's row of scores, reused from row to row. Rows of y in memory order: group
+    // g's row i is y's row (g / h · tq + i) · h + g % h.
     let rows = y.as_mut_slice::<f32>().par_chunks_mut(d.max(1)).enumerate();
     rows.for_each_init(Vec::new, |scores: &mut Vec<f32>, (row, yr)| {
-        let (g, i) = (row / tq, row % tq);
+        let (g, i) = (row / (tq * h) * h + row % h, row / h % tq);
         let qr = &qs[row * d..(row + 1) * d];
-        let key = |j: usize| (g * tk + j) * d;
+        let key = |j: usize| a.row(g, j, tk);
         scores.clear();
         scores.extend((0..visible(causal, i, tk)).map(|j| scale * dot(qr, &ks[key(j)..key(j) + d])));
         let top = max(scores);
@@ -65,19 +64,26 @@ pub fn forward(
         yr.iter_mut().for_each(|o| *o *= inv);
         if let Some(lse) = lse {
             // SAFETY: one row per worker; the slice outlives the loop.
-            unsafe { lse.write(row, top + sum.ln()) };
+            unsafe { lse.write(g * tq + i, top + sum.ln()) };
         }
     });
     Ok(())
 }
 
 /// dY, q, k, v, y, lse -> dq, dk, dv. With P = exp(q·kᵀ·scale − lse) and D_i = dY_i·y_i:
-/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each group runs on one
-/// worker, its queries in order, so the sums over queries into dk and dv never depend on
-/// scheduling.
-pub fn backward(scale: f32, causal: bool, ins: [&TensorView; 6], outputs: &mut [TensorViewMut]) -> KResult {
+/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each run of interleaved
+/// groups (one group, or a token-major batch element's heads) runs on one worker, its groups and
+/// their queries in order, so the sums over queries into dk and dv never depend on scheduling.
+pub fn backward(
+    scale: f32,
+    causal: bool,
+    token_major: bool,
+    ins: [&TensorView; 6],
+    outputs: &mut [TensorViewMut],
+) -> KResult {
     let [dy, q, k, v, y, lse] = ins;
-    let (_, tq, tk, d) = dims(q, k);
+    let a = shape_of(q, k, token_major)?;
+    let (h, tq, tk, d) = (a.interleaved, a.tq, a.tk, a.d);
     let (dys, qs, ks, vs, ys, lses) = (
         dy.as_slice::<f32>(),
         q.as_slice::<f32>(),
@@ -87,29 +93,33 @@ pub fn backward(scale: f32, causal: bool, ins: [&TensorView; 6], outputs: &mut [
         lse.as_slice::<f32>(),
     );
     let [dq, dk, dv] = outputs else { return Err("AttentionGrad has three outputs".into()) };
-    let (qlen, klen) = ((tq * d).max(1), (tk * d).max(1));
+    let (qlen, klen) = ((h * tq * d).max(1), (h * tk * d).max(1));
     dq.as_mut_slice::<f32>()
         .par_chunks_mut(qlen)
         .zip(dk.as_mut_slice::<f32>().par_chunks_mut(klen))
         .zip(dv.as_mut_slice::<f32>().par_chunks_mut(klen))
         .enumerate()
-        .for_each(|(g, ((dqg, dkg), dvg))| {
-            dqg.fill(0.0);
-            dkg.fill(0.0);
-            dvg.fill(0.0);
-            let at = |t: usize| t * d..(t + 1) * d;
-            let (qo, ko) = (g * tq * d, g * tk * d);
-            for i in 0..tq {
-                let row = g * tq + i;
-                let (qi, dyi) = (&qs[qo..][at(i)], &dys[qo..][at(i)]);
-                let di = dot(dyi, &ys[qo..][at(i)]);
-                for j in 0..visible(causal, i, tk) {
-                    let (kj, vj) = (&ks[ko..][at(j)], &vs[ko..][at(j)]);
-                    let p = (scale * dot(qi, kj) - lses[row]).exp();
-                    let ds = p * (dot(dyi, vj) - di);
-                    axpy(&mut dqg[at(i)], scale * ds, kj);
-                    axpy(&mut dkg[at(j)], scale * ds, qi);
-                    axpy(&mut dvg[at(j)], p, dyi);
+        .for_each(|(run, ((dqr, dkr), dvr))| {
+            dqr.fill(0.0);
+            dkr.fill(0.0);
+            dvr.fill(0.0);
+            // Offsets within the run's chunks, and (+ the run's start) within the inputs.
+            let (q0, k0) = (run * h * tq * d, run * h * tk * d);
+            for g in run * h..(run + 1) * h {
+                let at_q = |i: usize| a.row(g, i, tq) - q0..a.row(g, i, tq) - q0 + d;
+                let at_k = |j: usize| a.row(g, j, tk) - k0..a.row(g, j, tk) - k0 + d;
+                for i in 0..tq {
+                    let (qi, dyi) = (&qs[q0..][at_q(i)], &dys[q0..][at_q(i)]);
+                    let di = dot(dyi, &ys[q0..][at_q(i)]);
+                    let lse = lses[g * tq + i];
+                    for j in 0..visible(causal, i, tk) {
+                        let (kj, vj) = (&ks[k0..][at_k(j)], &vs[k0..][at_k(j)]);
+                        let p = (scale * dot(qi, kj) - lse).exp();
+                        let ds = p * (dot(dyi, vj) - di);
+                        axpy(&mut dqr[at_q(i)], scale * ds, kj);
+                        axpy(&mut dkr[at_k(j)], scale * ds, qi);
+                        axpy(&mut dvr[at_k(j)], p, dyi);
+                    }
                 }
             }
         });

@@ -5,12 +5,18 @@
 // backward pass recomputes the probabilities from it in two sweeps that never race: one warp
 // per query row for dq, one per key row for dk and dv.
 //
-// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq].
-// With `causal`, query i sees keys 0..=i (tq = tk).
+// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq]. With
+// `inter` over 1, the operands are token-major: [batch, t, inter, d], the groups (batch × inter)
+// interleaved row by row (head_row). With `causal`, query i sees keys 0..=i (tq = tk).
 
 #define MAX_HEAD 256
 #define HEAD_LANES (MAX_HEAD / 32)
 #define WARPS_PER_BLOCK (BLOCK / 32)
+
+// Where row i of group g of a t-row operand starts (op.rs's AttentionShape::row).
+__device__ __forceinline__ i64 head_row(i64 g, i64 i, i64 t, i64 d, i64 inter) {
+    return ((g / inter * t + i) * inter + g % inter) * d;
+}
 
 __device__ __forceinline__ i64 first_warp() { return (i64)blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5); }
 __device__ __forceinline__ i64 warp_stride() { return (i64)gridDim.x * WARPS_PER_BLOCK; }
@@ -41,19 +47,20 @@ __device__ __forceinline__ void hold(float* held, const typename S::T* a, i64 d,
 }
 
 template <class S>
-__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal, const typename S::T* q,
+__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
                               const typename S::T* k, const typename S::T* v, typename S::T* y, float* lse) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tq, i = row % tq;
         float qi[HEAD_LANES], acc[HEAD_LANES];
-        hold<S>(qi, q + row * d, d, lane);
+        i64 at = head_row(g, i, tq, d, inter);
+        hold<S>(qi, q + at, d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         float m = NEG_INF, l = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + (g * tk + j) * d;
-            const typename S::T* vj = v + (g * tk + j) * d;
+            const typename S::T* kj = k + head_row(g, j, tk, d, inter);
+            const typename S::T* vj = v + head_row(g, j, tk, d, inter);
             float s = scale * held_dot<S>(qi, kj, d, lane);
             float m_new = fmaxf(m, s);
             float rescale = expf(m - m_new), e = expf(s - m_new);
@@ -67,60 +74,62 @@ __device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, float scale, int 
         float inv = 1.f / l;
         for (int r = 0; r < HEAD_LANES; ++r) {
             i64 c = lane + 32 * r;
-            if (c < d) y[row * d + c] = S::store(acc[r] * inv);
+            if (c < d) y[at + c] = S::store(acc[r] * inv);
         }
         if (lse && lane == 0) lse[row] = m + logf(l);
     }
 }
-extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal, const float* q,
+extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const float* q,
                                              const float* k, const float* v, float* y, float* lse) {
-    attention_fwd<F32>(rows, tq, tk, d, scale, causal, q, k, v, y, lse);
+    attention_fwd<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal, const u16* q,
+extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const u16* q,
                                              const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<F16>(rows, tq, tk, d, scale, causal, q, k, v, y, lse);
+    attention_fwd<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                               const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<BF16>(rows, tq, tk, d, scale, causal, q, k, v, y, lse);
+    attention_fwd<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
 }
 
 // delta_i = dy_i · y_i, the row term of the softmax's gradient.
 template <class S>
-__device__ void attention_bwd_delta(i64 rows, i64 d, const typename S::T* dy, const typename S::T* y, float* delta) {
+__device__ void attention_bwd_delta(i64 rows, i64 tq, i64 d, i64 inter, const typename S::T* dy, const typename S::T* y, float* delta) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
-        float s = row_dot<S>(dy + row * d, y + row * d, d, lane);
+        i64 at = head_row(row / tq, row % tq, tq, d, inter);
+        float s = row_dot<S>(dy + at, y + at, d, lane);
         if (lane == 0) delta[row] = s;
     }
 }
-extern "C" __global__ void attention_bwd_delta_f32(i64 rows, i64 d, const float* dy, const float* y, float* delta) {
-    attention_bwd_delta<F32>(rows, d, dy, y, delta);
+extern "C" __global__ void attention_bwd_delta_f32(i64 rows, i64 tq, i64 d, i64 inter, const float* dy, const float* y, float* delta) {
+    attention_bwd_delta<F32>(rows, tq, d, inter, dy, y, delta);
 }
-extern "C" __global__ void attention_bwd_delta_f16(i64 rows, i64 d, const u16* dy, const u16* y, float* delta) {
-    attention_bwd_delta<F16>(rows, d, dy, y, delta);
+extern "C" __global__ void attention_bwd_delta_f16(i64 rows, i64 tq, i64 d, i64 inter, const u16* dy, const u16* y, float* delta) {
+    attention_bwd_delta<F16>(rows, tq, d, inter, dy, y, delta);
 }
-extern "C" __global__ void attention_bwd_delta_bf16(i64 rows, i64 d, const u16* dy, const u16* y, float* delta) {
-    attention_bwd_delta<BF16>(rows, d, dy, y, delta);
+extern "C" __global__ void attention_bwd_delta_bf16(i64 rows, i64 tq, i64 d, i64 inter, const u16* dy, const u16* y, float* delta) {
+    attention_bwd_delta<BF16>(rows, tq, d, inter, dy, y, delta);
 }
 
 // dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, one warp per query row.
 template <class S>
-__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal, const typename S::T* q,
+__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
                                  const typename S::T* k, const typename S::T* v, const typename S::T* dy,
                                  const float* lse, const float* delta, typename S::T* dq) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tq, i = row % tq;
         float qi[HEAD_LANES], dyi[HEAD_LANES], acc[HEAD_LANES];
-        hold<S>(qi, q + row * d, d, lane);
-        hold<S>(dyi, dy + row * d, d, lane);
+        i64 at = head_row(g, i, tq, d, inter);
+        hold<S>(qi, q + at, d, lane);
+        hold<S>(dyi, dy + at, d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + (g * tk + j) * d;
+            const typename S::T* kj = k + head_row(g, j, tk, d, inter);
             float p = expf(scale * held_dot<S>(qi, kj, d, lane) - lse[row]);
-            float ds = p * (held_dot<S>(dyi, v + (g * tk + j) * d, d, lane) - delta[row]);
+            float ds = p * (held_dot<S>(dyi, v + head_row(g, j, tk, d, inter), d, lane) - delta[row]);
             for (int r = 0; r < HEAD_LANES; ++r) {
                 i64 c = lane + 32 * r;
                 if (c < d) acc[r] += scale * ds * S::load(kj[c]);
@@ -128,43 +137,44 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, float scale, i
         }
         for (int r = 0; r < HEAD_LANES; ++r) {
             i64 c = lane + 32 * r;
-            if (c < d) dq[row * d + c] = S::store(acc[r]);
+            if (c < d) dq[at + c] = S::store(acc[r]);
         }
     }
 }
-extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                 const float* q, const float* k, const float* v, const float* dy,
                                                 const float* lse, const float* delta, float* dq) {
-    attention_bwd_dq<F32>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                 const u16* q, const u16* k, const u16* v, const u16* dy,
                                                 const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<F16>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<BF16>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
 
 // dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, one warp per key row (the queries
 // that see key j: i ≥ j when causal).
 template <class S>
-__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal, const typename S::T* q,
+__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
                                   const typename S::T* k, const typename S::T* v, const typename S::T* dy,
                                   const float* lse, const float* delta, typename S::T* dk, typename S::T* dv) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tk, j = row % tk;
         float kj[HEAD_LANES], vj[HEAD_LANES], acc_k[HEAD_LANES], acc_v[HEAD_LANES];
-        hold<S>(kj, k + row * d, d, lane);
-        hold<S>(vj, v + row * d, d, lane);
+        i64 at = head_row(g, j, tk, d, inter);
+        hold<S>(kj, k + at, d, lane);
+        hold<S>(vj, v + at, d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc_k[r] = acc_v[r] = 0.f;
         for (i64 i = causal ? j : 0; i < tq; ++i) {
-            i64 qrow = g * tq + i;
-            const typename S::T* qi = q + qrow * d;
-            const typename S::T* dyi = dy + qrow * d;
+            i64 qrow = g * tq + i, qat = head_row(g, i, tq, d, inter);
+            const typename S::T* qi = q + qat;
+            const typename S::T* dyi = dy + qat;
             float p = expf(scale * held_dot<S>(kj, qi, d, lane) - lse[qrow]);
             float ds = p * (held_dot<S>(vj, dyi, d, lane) - delta[qrow]);
             for (int r = 0; r < HEAD_LANES; ++r) {
@@ -178,24 +188,24 @@ __device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, float scale, 
         for (int r = 0; r < HEAD_LANES; ++r) {
             i64 c = lane + 32 * r;
             if (c < d) {
-                dk[row * d + c] = S::store(acc_k[r]);
-                dv[row * d + c] = S::store(acc_v[r]);
+                dk[at + c] = S::store(acc_k[r]);
+                dv[at + c] = S::store(acc_v[r]);
             }
         }
     }
 }
-extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                  const float* q, const float* k, const float* v, const float* dy,
                                                  const float* lse, const float* delta, float* dk, float* dv) {
-    attention_bwd_dkv<F32>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<F16>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                   const u16* q, const u16* k, const u16* v, const u16* dy,
                                                   const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<BF16>(rows, tq, tk, d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }

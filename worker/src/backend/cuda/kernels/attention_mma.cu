@@ -17,7 +17,8 @@
 // tile, each recomputing the probabilities from the forward pass's log-sum-exp; delta (the
 // softmax gradient's row term) comes from attention.cu's attention_bwd_delta.
 //
-// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32.
+// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32;
+// or token-major, as attention.cu says: a group's rows then lie ld = inter · d elements apart.
 // DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 16-byte aligned (d is a
 // multiple of 16 and the dispatch checks the bases), so eight halves move as one access.
 
@@ -29,31 +30,32 @@
 #define LN2 0.6931471805599453f
 
 // The a fragments (one per 16 columns of d) of rows r0..r0+16 of an [n, d] matrix in global
-// memory; zeros past n and past d.
+// memory whose rows lie ld apart; zeros past n and past d.
 template <int DMAX>
-__device__ __forceinline__ void load_rows(u32 (&a)[DMAX / 16][4], const u16* m, i64 n, int d, i64 r0, int g, int t) {
+__device__ __forceinline__ void load_rows(u32 (&a)[DMAX / 16][4], const u16* m, i64 n, int d, i64 ld, i64 r0, int g,
+                                          int t) {
 #pragma unroll
     for (int kt = 0; kt < DMAX / 16; ++kt)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             i64 r = r0 + g + 8 * (j & 1);
             int c = kt * 16 + 2 * t + 8 * (j >> 1);
-            a[kt][j] = r < n && c < d ? ld_pair(m + r * d + c) : 0u;
+            a[kt][j] = r < n && c < d ? ld_pair(m + r * ld + c) : 0u;
         }
 }
 
-// Starts copying rows r0..r0+KT of an [n, d] matrix into a shared tile of row stride DMAX + 8
+// Starts copying rows r0..r0+KT of an [n, d] matrix (rows ld apart) into a shared tile of row stride DMAX + 8
 // halves (zeros past n), by the whole block, 16 bytes per copy; consecutive threads take
 // consecutive bytes. The 8 halves of padding put the eight rows that one ldmatrix reads in
 // different banks, and keep each row 16-byte aligned.
 template <int DMAX, int KT>
-__device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d, i64 r0) {
+__device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d, i64 ld, i64 r0) {
     int quads = d / 8;
     for (int w = threadIdx.x; w < KT * quads; w += blockDim.x) {
         int r = w / quads, c = 8 * (w % quads);
         u16* to = tile + r * (DMAX + 8) + c;
         if (r0 + r < n) {
-            cp_async16(to, m + (r0 + r) * d + c);
+            cp_async16(to, m + (r0 + r) * ld + c);
         } else {
             st_quad(to, Quad{});
         }
@@ -66,15 +68,16 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d,
 // hand is in shared memory for the whole block. After computing on a buffer the block meets
 // (`__syncthreads`) before the buffer is staged again.
 template <int DMAX, int KT>
-__device__ __forceinline__ void stage(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 r0) {
-    load_tile<DMAX, KT>(ta, a, n, d, r0);
-    load_tile<DMAX, KT>(tb, b, n, d, r0);
+__device__ __forceinline__ void stage(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 ld, i64 r0) {
+    load_tile<DMAX, KT>(ta, a, n, d, ld, r0);
+    load_tile<DMAX, KT>(tb, b, n, d, ld, r0);
     cp_async_commit();
 }
 template <int DMAX, int KT>
-__device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 next, i64 end) {
+__device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 ld, i64 next,
+                                       i64 end) {
     if (next < end) {
-        stage<DMAX, KT>(ta, tb, a, b, n, d, next);
+        stage<DMAX, KT>(ta, tb, a, b, n, d, ld, next);
         cp_async_wait<1>();
     } else {
         cp_async_wait<0>();
@@ -127,9 +130,10 @@ __device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const 
     }
 }
 
-// Rows r0 + g and r0 + g + 8 of a 16 × d accumulator, times `by`, stored to an [n, d] matrix.
+// Rows r0 + g and r0 + g + 8 of a 16 × d accumulator, times `by`, stored to an [n, d] matrix
+// whose rows lie ld apart.
 template <class S, int DMAX>
-__device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 r0, const float (&acc)[DMAX / 8][4],
+__device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 ld, i64 r0, const float (&acc)[DMAX / 8][4],
                                            const float* by, int g, int t) {
     for (int h = 0; h < 2; ++h) {
         i64 r = r0 + g + 8 * h;
@@ -137,7 +141,7 @@ __device__ __forceinline__ void store_rows(u16* m, i64 n, int d, i64 r0, const f
 #pragma unroll
         for (int nt = 0; nt < DMAX / 8; ++nt) {
             if (nt * 8 >= d) break;
-            st_pair(m + r * d + nt * 8 + 2 * t, S::pack(acc[nt][2 * h] * by[h], acc[nt][2 * h + 1] * by[h]));
+            st_pair(m + r * ld + nt * 8 + 2 * t, S::pack(acc[nt][2 * h] * by[h], acc[nt][2 * h + 1] * by[h]));
         }
     }
 }
@@ -176,7 +180,7 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 template <class S, int DMAX>
-__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
                                   const u16* k, const u16* v, u16* y, float* lse) {
     const int KT = DMAX <= 64 ? 64 : 32;
     __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
@@ -186,17 +190,18 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
         // The last query tiles first: with a causal mask they see the most keys.
         i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
-        const u16 *kg = k + grp * tk * d, *vg = v + grp * tk * d;
+        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
+        const u16 *kg = k + kat, *vg = v + kat;
         u32 qa[DMAX / 16][4];
-        load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
+        load_rows<DMAX>(qa, q + qat, tq, d, ld, r0, g, t);
         float o[DMAX / 8][4] = {};
         // Each lane holds rows g and g + 8 (h = 0, 1): their running maximum (of the scores
         // times log2(e)) and (partial) sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, ld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
-            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, ld, k0 + KT, keys);
             float s[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(s, qa, ks[j], d);
             float mx[2] = {m[0], m[1]};
@@ -244,13 +249,13 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, float scale
             i64 row = r0 + g + 8 * h;
             if (lse && t == 0 && row < tq) lse[grp * tq + row] = (m[h] + log2f(l[h])) * LN2;
         }
-        store_rows<S, DMAX>(y + grp * tq * d, tq, d, r0, o, inv, g, t);
+        store_rows<S, DMAX>(y + qat, tq, d, ld, r0, o, inv, g, t);
     }
 }
 
 // dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, per tile of query rows.
 template <class S, int DMAX>
-__device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+__device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
                                      const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
                                      u16* dq) {
     const int KT = DMAX <= 64 ? 64 : 32;
@@ -260,10 +265,11 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
     i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
         i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
-        const u16 *kg = k + grp * tk * d, *vg = v + grp * tk * d;
+        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
+        const u16 *kg = k + kat, *vg = v + kat;
         u32 qa[DMAX / 16][4], dya[DMAX / 16][4];
-        load_rows<DMAX>(qa, q + grp * tq * d, tq, d, r0, g, t);
-        load_rows<DMAX>(dya, dy + grp * tq * d, tq, d, r0, g, t);
+        load_rows<DMAX>(qa, q + qat, tq, d, ld, r0, g, t);
+        load_rows<DMAX>(dya, dy + qat, tq, d, ld, r0, g, t);
         float row_lse[2], row_delta[2];  // the log-sum-exp times log2(e)
         for (int h = 0; h < 2; ++h) {
             i64 row = r0 + g + 8 * h;
@@ -272,9 +278,9 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
         }
         float acc[DMAX / 8][4] = {};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, ld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
-            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, k0 + KT, keys);
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, ld, k0 + KT, keys);
             float p[KT / 8][4], dp[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(p, qa, ks[j], d);
             rows_dot_tile<S, DMAX, KT>(dp, dya, vs[j], d);
@@ -292,14 +298,14 @@ __device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, float sc
             __syncthreads();
         }
         float by[2] = {scale, scale};
-        store_rows<S, DMAX>(dq + grp * tq * d, tq, d, r0, acc, by, g, t);
+        store_rows<S, DMAX>(dq + qat, tq, d, ld, r0, acc, by, g, t);
     }
 }
 
 // dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, per tile of key rows (the queries that
 // see key j: i ≥ j when causal). The products run transposed: scores as keys × queries.
 template <class S, int DMAX>
-__device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float scale, int causal, const u16* q,
+__device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
                                       const u16* k, const u16* v, const u16* dy, const float* lse,
                                       const float* delta, u16* dk, u16* dv) {
     // Heads over 64 hold two 16 × 128 accumulators (dk and dv) besides k and v: 16 query rows
@@ -313,10 +319,11 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
         // The first key tiles first: with a causal mask the most queries see them.
         i64 grp = b / tiles, k0 = b % tiles * MMA_ROWS, r0 = k0 + (threadIdx.x >> 5) * 16;
-        const u16 *qg = q + grp * tq * d, *dyg = dy + grp * tq * d;
+        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
+        const u16 *qg = q + qat, *dyg = dy + qat;
         u32 ka[DMAX / 16][4], va[DMAX / 16][4];
-        load_rows<DMAX>(ka, k + grp * tk * d, tk, d, r0, g, t);
-        load_rows<DMAX>(va, v + grp * tk * d, tk, d, r0, g, t);
+        load_rows<DMAX>(ka, k + kat, tk, d, ld, r0, g, t);
+        load_rows<DMAX>(va, v + kat, tk, d, ld, r0, g, t);
         float dk_acc[DMAX / 8][4] = {}, dv_acc[DMAX / 8][4] = {};
         // The query rows' log-sum-exp and delta of the tile at q0 into buffer j (plain loads,
         // made visible by `arrive`'s barrier).
@@ -328,12 +335,12 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
         };
         i64 first = causal ? k0 / KT * KT : 0;
         if (first < tq) {  // else no query sees these keys: dk and dv are 0
-            stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, first);
+            stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, ld, first);
             stage_rows(first, 0);
         }
         for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
             if (q0 + KT < tq) stage_rows(q0 + KT, j ^ 1);
-            arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, q0 + KT, tq);
+            arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, ld, q0 + KT, tq);
             const float *row_lse = tile_lse[j], *row_delta = tile_delta[j];
             float p[KT / 8][4], dp[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(p, ka, qs[j], d);   // scoresᵀ: keys × queries
@@ -355,65 +362,65 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, float s
             __syncthreads();
         }
         float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
-        store_rows<S, DMAX>(dk + grp * tk * d, tk, d, r0, dk_acc, by_k, g, t);
-        store_rows<S, DMAX>(dv + grp * tk * d, tk, d, r0, dv_acc, by_v, g, t);
+        store_rows<S, DMAX>(dk + kat, tk, d, ld, r0, dk_acc, by_k, g, t);
+        store_rows<S, DMAX>(dv + kat, tk, d, ld, r0, dv_acc, by_v, g, t);
     }
 }
 
 // The entry points: f16 and bf16, heads up to 64 and up to 128.
-extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                      const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                        const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_bwd_dq_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dq_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
                                                         const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_mma_bwd_dq<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_mma_bwd_dq_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dq_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
                                                          const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_mma_bwd_dq<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_mma_bwd_dq_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dq_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
                                                          const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_mma_bwd_dq<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_mma_bwd_dq_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dq_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                           const u16* q, const u16* k, const u16* v, const u16* dy,
                                                           const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_mma_bwd_dq<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dkv_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
                                                          const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<F16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_mma_bwd_dkv<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dkv_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                           const u16* q, const u16* k, const u16* v, const u16* dy,
                                                           const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<F16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_mma_bwd_dkv<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dkv_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                           const u16* q, const u16* k, const u16* v, const u16* dy,
                                                           const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<BF16, 64>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_mma_bwd_dkv<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_dkv_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
                                                            const u16* q, const u16* k, const u16* v, const u16* dy,
                                                            const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<BF16, 128>(groups, tq, tk, (int)d, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_mma_bwd_dkv<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }

@@ -66,11 +66,14 @@ extern "C" __global__ void softmax_grad_strided(int log, i64 outer, i64 n, i64 i
 }
 
 // LayerNormalization of each row: Y = (x − μ)·σ⁻¹·scale + bias (bias may be null); the mean
-// and σ⁻¹ are written when their outputs exist (the backward pass reads them).
-extern "C" __global__ void layer_norm_rows(i64 cols, float eps, const float* x, const float* scale,
-                                           const float* bias, float* y, float* mean_out, float* inv_out) {
+// and σ⁻¹ are written when their outputs exist (the backward pass reads them). x, scale and
+// bias are f32; Y is f32, or half where mixed precision's product reads it (fuse.rs's
+// layer_norm_casts), rounded once as a cast after it would round it.
+template <class S>
+__device__ void layer_norm_rows(i64 cols, float eps, const float* x, const float* scale, const float* bias,
+                                typename S::T* y, float* mean_out, float* inv_out) {
     const float* xr = x + blockIdx.x * cols;
-    float* yr = y + blockIdx.x * cols;
+    typename S::T* yr = y + blockIdx.x * cols;
     float s = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
     float mu = block_sum(s) / (float)cols;
@@ -81,25 +84,39 @@ extern "C" __global__ void layer_norm_rows(i64 cols, float eps, const float* x, 
     }
     float inv = rsqrtf(block_sum(v) / (float)cols + eps);
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x)
-        yr[j] = (xr[j] - mu) * inv * scale[j] + (bias ? bias[j] : 0.f);
+        yr[j] = S::store((xr[j] - mu) * inv * scale[j] + (bias ? bias[j] : 0.f));
     if (threadIdx.x == 0) {
         if (mean_out) mean_out[blockIdx.x] = mu;
         if (inv_out) inv_out[blockIdx.x] = inv;
     }
 }
+extern "C" __global__ void layer_norm_rows_f32(i64 cols, float eps, const float* x, const float* scale,
+                                               const float* bias, float* y, float* mean_out, float* inv_out) {
+    layer_norm_rows<F32>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+}
+extern "C" __global__ void layer_norm_rows_f16(i64 cols, float eps, const float* x, const float* scale,
+                                               const float* bias, u16* y, float* mean_out, float* inv_out) {
+    layer_norm_rows<F16>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+}
+extern "C" __global__ void layer_norm_rows_bf16(i64 cols, float eps, const float* x, const float* scale,
+                                                const float* bias, u16* y, float* mean_out, float* inv_out) {
+    layer_norm_rows<BF16>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+}
 
 // dX of LayerNormalization, per row: with x̂ = (x − μ)·σ⁻¹ and g = dY⊙scale,
-// dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)). dScale and dBias are column sums (below).
-extern "C" __global__ void layer_norm_grad_rows(i64 cols, const float* dy, const float* x, const float* scale,
-                                                const float* mean, const float* inv_std, float* dx) {
+// dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)). dScale and dBias are column sums (below). dY is f32,
+// or half where mixed precision's product wrote it (layer_norm_casts), widened on loading.
+template <class S>
+__device__ void layer_norm_grad_rows(i64 cols, const typename S::T* dy, const float* x, const float* scale,
+                                     const float* mean, const float* inv_std, float* dx) {
     i64 r = blockIdx.x;
-    const float* dyr = dy + r * cols;
+    const typename S::T* dyr = dy + r * cols;
     const float* xr = x + r * cols;
     float* dxr = dx + r * cols;
     float mu = mean[r], inv = inv_std[r];
     float sg = 0.f, sgx = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
-        float g = dyr[j] * scale[j];
+        float g = S::load(dyr[j]) * scale[j];
         sg += g;
         sgx += g * (xr[j] - mu) * inv;
     }
@@ -107,8 +124,20 @@ extern "C" __global__ void layer_norm_grad_rows(i64 cols, const float* dy, const
     float mean_gx = block_sum(sgx) / (float)cols;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float xh = (xr[j] - mu) * inv;
-        dxr[j] = inv * (dyr[j] * scale[j] - mean_g - xh * mean_gx);
+        dxr[j] = inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
     }
+}
+extern "C" __global__ void layer_norm_grad_rows_f32(i64 cols, const float* dy, const float* x, const float* scale,
+                                                   const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<F32>(cols, dy, x, scale, mean, inv_std, dx);
+}
+extern "C" __global__ void layer_norm_grad_rows_f16(i64 cols, const u16* dy, const float* x, const float* scale,
+                                                   const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<F16>(cols, dy, x, scale, mean, inv_std, dx);
+}
+extern "C" __global__ void layer_norm_grad_rows_bf16(i64 cols, const u16* dy, const float* x, const float* scale,
+                                                   const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<BF16>(cols, dy, x, scale, mean, inv_std, dx);
 }
 
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and

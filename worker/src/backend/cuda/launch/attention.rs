@@ -5,27 +5,36 @@
 //!
 //! Two kernel families compute it: f16 and bf16 heads of a multiple of 16 elements up to 128
 //! run on the tensor cores in tiles (kernels/attention_mma.cu); everything else (f32, other
-//! head sizes) runs one warp per row (kernels/attention.cu).
+//! head sizes) runs one warp per row (kernels/attention.cu). Both take either layout
+//! (`AttentionShape`): a group's rows one row apart, or token-major.
 
 use super::{elementwise, typed, Dev, Ptr, NULL, V};
+use crate::graph::op::AttentionShape;
 use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;
 
 /// The kernels' largest head (a warp's 32 lanes hold 8 elements each).
 const MAX_HEAD: usize = 256;
 
-/// (groups, tq, tk, d) of q and k, checked against what the kernels take.
-fn dims(q: &V, k: &V, v: &V) -> Result<(usize, usize, usize, usize), String> {
+/// The attributes of the Attention op (and its gradient) that the kernels take.
+#[derive(Clone, Copy)]
+pub struct Spec {
+    pub scale: f32,
+    pub causal: bool,
+    pub token_major: bool,
+}
+
+/// q's and k's groups, rows and head, checked against what the kernels take.
+fn dims(spec: Spec, q: &V, k: &V, v: &V) -> Result<AttentionShape, String> {
     let (qs, ks) = (q.shape(), k.shape());
-    let r = qs.len();
-    if r < 2 || ks.len() != r || v.shape() != ks || k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+    let shape = AttentionShape::of(qs, ks, spec.token_major);
+    let Some(a) = shape.filter(|_| v.shape() == ks && k.dtype() == q.dtype() && v.dtype() == q.dtype()) else {
         return Err(format!("attention over q {qs:?}, k {ks:?}, v {:?} of mixed types or shapes", v.shape()));
+    };
+    if a.d > MAX_HEAD {
+        return Err(format!("attention heads of {} elements; the CUDA kernels take up to {MAX_HEAD}", a.d));
     }
-    let d = qs[r - 1];
-    if d > MAX_HEAD {
-        return Err(format!("attention heads of {d} elements; the CUDA kernels take up to {MAX_HEAD}"));
-    }
-    Ok((qs[..r - 2].iter().product(), qs[r - 2], ks[r - 2], d))
+    Ok(a)
 }
 
 /// One warp per row (striding past the target's grid limit).
@@ -64,71 +73,81 @@ fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, String> {
     Ok(format!("{}_d{tier}", typed(family, t)?))
 }
 
-pub fn forward(dev: Dev, scale: f32, causal: bool, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), String> {
-    let (groups, tq, tk, d) = dims(&q, &k, &v)?;
+pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), String> {
+    let a = dims(spec, &q, &k, &v)?;
     if lse.is_some_and(|l| l.dtype() != DType::F32) {
         return Err("attention's log-sum-exp must be f32".into());
     }
-    let rows = groups * tq;
     let lse = lse.map_or(NULL, |l| l.at);
-    if let Some(tier) = mma_tier(dev, q.dtype(), d, &[q.at, k.at, v.at, y.at]) {
-        let cfg = per_tile(dev, groups, tq);
-        let (groups, tq, tk, d) = (groups as i64, tq as i64, tk as i64, d as i64);
+    let (scale, causal) = (spec.scale, spec.causal as i32);
+    let (tq, tk, d, inter) = (a.tq as i64, a.tk as i64, a.d as i64, a.interleaved as i64);
+    if let Some(tier) = mma_tier(dev, q.dtype(), a.d, &[q.at, k.at, v.at, y.at]) {
         return dev.kernel(
             &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
-            cfg,
-            &mut params![groups, tq, tk, d, scale, causal as i32, q.at, k.at, v.at, y.at, lse],
+            per_tile(dev, a.groups, a.tq),
+            &mut params![a.groups as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, y.at, lse],
         );
     }
+    let rows = a.groups * a.tq;
     dev.kernel(
         &typed("attention_fwd", q.dtype())?,
         per_warp(dev, rows),
-        &mut params![rows as i64, tq as i64, tk as i64, d as i64, scale, causal as i32, q.at, k.at, v.at, y.at, lse],
+        &mut params![rows as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, y.at, lse],
     )
 }
 
-pub fn backward(
-    dev: Dev,
-    scale: f32,
-    causal: bool,
-    [dy, q, k, v, y, lse]: [V; 6],
-    [dq, dk, dv]: [V; 3],
-) -> Result<(), String> {
-    let (groups, tq, tk, d) = dims(&q, &k, &v)?;
+pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv]: [V; 3]) -> Result<(), String> {
+    let a = dims(spec, &q, &k, &v)?;
     if dy.dtype() != q.dtype() || y.dtype() != q.dtype() || lse.dtype() != DType::F32 {
         return Err(format!("attention's gradient of {} for q of {}, lse of {}", dy.dtype(), q.dtype(), lse.dtype()));
     }
     let t = q.dtype();
-    let (qrows, krows) = (groups * tq, groups * tk);
+    let (qrows, krows) = (a.groups * a.tq, a.groups * a.tk);
+    let (scale, causal) = (spec.scale, spec.causal as i32);
+    let (tq, tk, d, inter) = (a.tq as i64, a.tk as i64, a.d as i64, a.interleaved as i64);
     let delta = dev.scratch(qrows * 4)?;
     dev.kernel(
         &typed("attention_bwd_delta", t)?,
         per_warp(dev, qrows),
-        &mut params![qrows as i64, d as i64, dy.at, y.at, delta],
+        &mut params![qrows as i64, tq, d, inter, dy.at, y.at, delta],
     )?;
-    if let Some(tier) = mma_tier(dev, t, d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
-        let g = groups as i64;
-        let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
+    if let Some(tier) = mma_tier(dev, t, a.d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
+        let g = a.groups as i64;
         dev.kernel(
             &mma_kernel("attention_mma_bwd_dq", t, tier)?,
-            per_tile(dev, groups, tq as usize),
-            &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
+            per_tile(dev, a.groups, a.tq),
+            &mut params![g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
         )?;
         return dev.kernel(
             &mma_kernel("attention_mma_bwd_dkv", t, tier)?,
-            per_tile(dev, groups, tk as usize),
-            &mut params![g, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
+            per_tile(dev, a.groups, a.tk),
+            &mut params![g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
         );
     }
-    let (tq, tk, d, causal) = (tq as i64, tk as i64, d as i64, causal as i32);
     dev.kernel(
         &typed("attention_bwd_dq", t)?,
         per_warp(dev, qrows),
-        &mut params![qrows as i64, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
+        &mut params![qrows as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
     )?;
     dev.kernel(
         &typed("attention_bwd_dkv", t)?,
         per_warp(dev, krows),
-        &mut params![krows as i64, tq, tk, d, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
+        &mut params![
+            krows as i64,
+            tq,
+            tk,
+            d,
+            inter,
+            scale,
+            causal,
+            q.at,
+            k.at,
+            v.at,
+            dy.at,
+            lse.at,
+            delta,
+            dk.at,
+            dv.at
+        ],
     )
 }
