@@ -71,9 +71,10 @@ pub fn forward(
 }
 
 /// dY, q, k, v, y, lse -> dq, dk, dv. With P = exp(q·kᵀ·scale − lse) and D_i = dY_i·y_i:
-/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each run of interleaved
-/// groups (one group, or a token-major batch element's heads) runs on one worker, its groups and
-/// their queries in order, so the sums over queries into dk and dv never depend on scheduling.
+/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each group runs on one
+/// worker into rows of its own, its queries in order, so the sums over queries into dk and dv
+/// never depend on scheduling; the rows then go to their places (interleaved with the other
+/// heads' when token-major).
 pub fn backward(
     scale: f32,
     causal: bool,
@@ -83,7 +84,7 @@ pub fn backward(
 ) -> KResult {
     let [dy, q, k, v, y, lse] = ins;
     let a = shape_of(q, k, token_major)?;
-    let (h, tq, tk, d) = (a.interleaved, a.tq, a.tk, a.d);
+    let (tq, tk, d) = (a.tq, a.tk, a.d);
     let (dys, qs, ks, vs, ys, lses) = (
         dy.as_slice::<f32>(),
         q.as_slice::<f32>(),
@@ -93,35 +94,36 @@ pub fn backward(
         lse.as_slice::<f32>(),
     );
     let [dq, dk, dv] = outputs else { return Err("AttentionGrad has three outputs".into()) };
-    let (qlen, klen) = ((h * tq * d).max(1), (h * tk * d).max(1));
-    dq.as_mut_slice::<f32>()
-        .par_chunks_mut(qlen)
-        .zip(dk.as_mut_slice::<f32>().par_chunks_mut(klen))
-        .zip(dv.as_mut_slice::<f32>().par_chunks_mut(klen))
-        .enumerate()
-        .for_each(|(run, ((dqr, dkr), dvr))| {
-            dqr.fill(0.0);
-            dkr.fill(0.0);
-            dvr.fill(0.0);
-            // Offsets within the run's chunks, and (+ the run's start) within the inputs.
-            let (q0, k0) = (run * h * tq * d, run * h * tk * d);
-            for g in run * h..(run + 1) * h {
-                let at_q = |i: usize| a.row(g, i, tq) - q0..a.row(g, i, tq) - q0 + d;
-                let at_k = |j: usize| a.row(g, j, tk) - k0..a.row(g, j, tk) - k0 + d;
-                for i in 0..tq {
-                    let (qi, dyi) = (&qs[q0..][at_q(i)], &dys[q0..][at_q(i)]);
-                    let di = dot(dyi, &ys[q0..][at_q(i)]);
-                    let lse = lses[g * tq + i];
-                    for j in 0..visible(causal, i, tk) {
-                        let (kj, vj) = (&ks[k0..][at_k(j)], &vs[k0..][at_k(j)]);
-                        let p = (scale * dot(qi, kj) - lse).exp();
-                        let ds = p * (dot(dyi, vj) - di);
-                        axpy(&mut dqr[at_q(i)], scale * ds, kj);
-                        axpy(&mut dkr[at_k(j)], scale * ds, qi);
-                        axpy(&mut dvr[at_k(j)], p, dyi);
-                    }
+    let at = |t: usize| t * d..(t + 1) * d;
+    let grads: Vec<[Vec<f32>; 3]> = (0..a.groups)
+        .into_par_iter()
+        .map(|g| {
+            let (mut dqg, mut dkg, mut dvg) = (vec![0f32; tq * d], vec![0f32; tk * d], vec![0f32; tk * d]);
+            let q_row = |i: usize| a.row(g, i, tq)..a.row(g, i, tq) + d;
+            let k_row = |j: usize| a.row(g, j, tk)..a.row(g, j, tk) + d;
+            for i in 0..tq {
+                let (qi, dyi) = (&qs[q_row(i)], &dys[q_row(i)]);
+                let di = dot(dyi, &ys[q_row(i)]);
+                let lse = lses[g * tq + i];
+                for j in 0..visible(causal, i, tk) {
+                    let (kj, vj) = (&ks[k_row(j)], &vs[k_row(j)]);
+                    let p = (scale * dot(qi, kj) - lse).exp();
+                    let ds = p * (dot(dyi, vj) - di);
+                    axpy(&mut dqg[at(i)], scale * ds, kj);
+                    axpy(&mut dkg[at(j)], scale * ds, qi);
+                    axpy(&mut dvg[at(j)], p, dyi);
                 }
             }
-        });
+            [dqg, dkg, dvg]
+        })
+        .collect();
+    for (which, (out, t)) in [(dq, tq), (dk, tk), (dv, tk)].into_iter().enumerate() {
+        let out = out.as_mut_slice::<f32>();
+        for (g, rows) in grads.iter().enumerate() {
+            for i in 0..t {
+                out[a.row(g, i, t)..a.row(g, i, t) + d].copy_from_slice(&rows[which][at(i)]);
+            }
+        }
+    }
     Ok(())
 }
