@@ -102,16 +102,14 @@ test: deps k8s
 	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
 	trap 'bash e2e/control-plane/down.sh "$$cluster" && rm -rf "$$cluster"' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
-	TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
-	LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
-	TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)" \
-		$(CARGO) test --workspace --release --exclude tensorfleet-e2e && \
-	TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
-		$(CARGO) test --release -p tensorfleet-operator --test reconcile -- --ignored && \
+	export TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
+		TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
+		LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
+		TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)"; \
+	$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --include-ignored --skip on_the_gpu && \
 	if nvidia-smi -L >/dev/null 2>&1; then \
-		LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" \
-			$(CARGO) test --release -p tensorfleet-worker --test cuda_backend -- --ignored; \
-	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one did not run"; fi
+		$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --ignored on_the_gpu; \
+	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"; fi
 	$(MAKE) --no-print-directory e2e
 
 # The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): real nodes on

@@ -68,7 +68,7 @@ check)
     export TENSORFLEET_ONNX_NODE_TESTS=$nodes/node TENSORFLEET_REQUIRE_NCCL=1 TENSORFLEET_REQUIRE_NVRTC=1
     status=0
     "$bundle/cuda_backend" --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$out/cuda_backend.log" || status=1
-    "$bundle/onnx_node_tests" --exact onnx_backend_node_tests_on_the_gpu --nocapture 2>&1 \
+    "$bundle/onnx_node_tests" --exact onnx_backend_node_tests_on_the_gpu --include-ignored --nocapture 2>&1 \
         | tee "$out/onnx_node_tests_gpu.log" || status=1
     exit $status
     ;;

@@ -309,21 +309,22 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
     }
 }
 
-/// The project's venv interpreter (`make test` sets TENSORFLEET_PYTHON); None skips, loudly.
-fn python() -> Option<String> {
-    let p = std::env::var("TENSORFLEET_PYTHON").ok().filter(|p| !p.is_empty());
-    if p.is_none() {
-        eprintln!("skipped: TENSORFLEET_PYTHON is not set (make test sets it to the project's venv)");
-    }
-    p
+/// The project's venv interpreter, which `make test` names in TENSORFLEET_PYTHON; the tests that
+/// need it are ignored in a plain `cargo test`.
+fn python() -> String {
+    std::env::var("TENSORFLEET_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .expect("TENSORFLEET_PYTHON names the project's venv interpreter (make test sets it)")
 }
 
 /// TensorBoard's own reader sees the scalars, the weight histograms and norms, and the graph
 /// scalars the configuration asks for; JSON logs carry one object per step; the model with its
 /// loss and the training graph are written as ONNX; evaluation runs at its own batch size.
 #[test]
+#[ignore = "needs TENSORFLEET_PYTHON: make test sets it"]
 fn tensorboard_reads_what_the_run_logged() {
-    let Some(python) = python() else { return };
+    let python = python();
     let dir = scratch("tb");
     setup(&dir);
     let o = worker(
