@@ -2,6 +2,8 @@
 //! 0 done; 2 bad configuration or input, or a model with operators the engine does not run;
 //! 3 unreadable or corrupt data, model or checkpoint; 4 the training diverged.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -309,22 +311,13 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
     }
 }
 
-/// The project's venv interpreter, which `make test` names in TENSORFLEET_PYTHON; the tests that
-/// need it are ignored in a plain `cargo test`.
-fn python() -> String {
-    std::env::var("TENSORFLEET_PYTHON")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .expect("TENSORFLEET_PYTHON names the project's venv interpreter (make test sets it)")
-}
-
 /// TensorBoard's own reader sees the scalars, the weight histograms and norms, and the graph
 /// scalars the configuration asks for; JSON logs carry one object per step; the model with its
 /// loss and the training graph are written as ONNX; evaluation runs at its own batch size.
 #[test]
 #[ignore = "needs TENSORFLEET_PYTHON: make test sets it"]
 fn tensorboard_reads_what_the_run_logged() {
-    let python = python();
+    let python = common::venv_python();
     let dir = scratch("tb");
     setup(&dir);
     let o = worker(

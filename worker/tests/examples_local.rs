@@ -8,19 +8,14 @@
 //! need `TENSORFLEET_PYTHON` (`make test` sets it to the project's venv and runs them), and are
 //! ignored in a plain `cargo test`.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use tensorfleet_worker::config::TrainingConfig;
 
 /// The steps each demo runs here: enough to see an update and an evaluation after it.
 const STEPS: u64 = 2;
-
-fn python() -> String {
-    std::env::var("TENSORFLEET_PYTHON")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .expect("TENSORFLEET_PYTHON names the project's venv interpreter (make test sets it)")
-}
 
 fn examples() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/local")
@@ -50,7 +45,7 @@ fn worker(args: &[&str], dir: &Path) -> Output {
 /// Runs one of examples/local/data's scripts with its default image size and class count (the
 /// ones the configurations are written for), as the Makefile does.
 fn script(name: &str, args: &[&str], dir: &Path) {
-    let python = python();
+    let python = common::venv_python();
     let o = Command::new(&python).arg(examples().join("data").join(name)).args(args).current_dir(dir).output().unwrap();
     check(name, o);
 }

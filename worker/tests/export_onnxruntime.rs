@@ -5,6 +5,7 @@
 //!
 //! Needs `TENSORFLEET_PYTHON` with onnx and onnxruntime (`make test` sets it).
 
+mod common;
 mod torch_oracle;
 
 use std::collections::BTreeMap;
@@ -20,15 +21,6 @@ use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::rng::Rng;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::{DType, Tensor};
-
-/// The project's venv interpreter (with ONNX Runtime), which `make test` names in
-/// TENSORFLEET_PYTHON; the test is ignored in a plain `cargo test`.
-fn python() -> String {
-    std::env::var("TENSORFLEET_PYTHON")
-        .ok()
-        .filter(|p| !p.is_empty())
-        .expect("TENSORFLEET_PYTHON names the project's venv interpreter (make test sets it)")
-}
 
 fn check(name: &str, spec: ModelSpec, batch: BTreeMap<String, Tensor>) {
     let model = models::load(&spec, 9).unwrap();
@@ -72,7 +64,7 @@ fn check(name: &str, spec: ModelSpec, batch: BTreeMap<String, Tensor>) {
 
     std::fs::write(dir.join("inputs.json"), serde_json::Value::Object(inputs).to_string()).unwrap();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/run_onnxruntime.py");
-    let out = Command::new(python())
+    let out = Command::new(common::venv_python())
         .arg(&script)
         .args(["--model", path.to_str().unwrap(), "--inputs"])
         .arg(dir.join("inputs.json"))

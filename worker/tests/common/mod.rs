@@ -12,6 +12,16 @@ use tensorfleet_worker::tensor::{DType, Tensor};
 /// `mpirun -np <np>` as the tests run it: more ranks than cores allowed, no pinning (the ranks
 /// share two cores with each other), and as root, which OpenMPI refuses unless told twice.
 /// Panics with what to do when OpenMPI is not installed.
+/// The project's venv interpreter, which `make test` names in TENSORFLEET_PYTHON; the tests
+/// that call this are ignored in a plain `cargo test` ("needs TENSORFLEET_PYTHON").
+#[allow(dead_code)] // the tests that run Python
+pub fn venv_python() -> String {
+    std::env::var("TENSORFLEET_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .expect("TENSORFLEET_PYTHON names the project's venv interpreter (make test sets it)")
+}
+
 #[allow(dead_code)] // the single-process tests include `common` for the batches
 pub fn mpirun(np: usize) -> Command {
     let path = std::env::var_os("PATH").unwrap_or_default();
