@@ -5,7 +5,7 @@
 
 use super::{fastmath, KResult, SharedSlice};
 use crate::graph::op::LossReduction;
-use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
+use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
 /// Scores [N, C, D...] → per-sample (n, d) positions; the class axis has stride D.
@@ -45,10 +45,6 @@ pub fn softmax_cross_entropy(
     weights: Option<TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    if matches!(scores.dtype, DType::F16 | DType::BF16) && outs.iter().all(|o| o.dtype == DType::F32) {
-        // Half scores with f32 results (the loss_casts fusion): the f32 path on them widened.
-        return softmax_cross_entropy(reduction, ignore, &widen(scores).view(), labels, weights, outs);
-    }
     if scores.dtype != DType::F32 {
         return softmax_cross_entropy_reference(reduction, ignore, scores, labels, weights, outs);
     }
@@ -144,33 +140,12 @@ fn write_loss(
     }
 }
 
-/// Half scores widened to f32 exactly, as the cast the loss_casts fusion removed did.
-fn widen(scores: &TensorView) -> Tensor {
-    let mut wide = Tensor::zeros(DType::F32, scores.shape);
-    super::cast::cast_into(scores, &mut wide.view_mut());
-    wide
-}
-
-/// Whether the fused loss (`fuse::loss_lse`) reads these scores as they are (f32) or widened
-/// (half); other types it refuses.
-fn half_scores(scores: &TensorView) -> Result<bool, String> {
+/// The fused loss (`fuse::loss_lse`) computes in f32; half scores arrive widened (`run`).
+fn f32_scores(scores: &TensorView) -> KResult {
     match scores.dtype {
-        DType::F32 => Ok(false),
-        DType::F16 | DType::BF16 => Ok(true),
+        DType::F32 => Ok(()),
         t => Err(format!("the fused loss takes f32, f16 or bf16 scores, not {t}")),
     }
-}
-
-/// `grad` run into `dx`: directly when it is f32, else into an f32 copy rounded into the half
-/// `dx` once, as the cast the loss_casts fusion removed did.
-fn f32_gradient(dx: &mut TensorViewMut, grad: impl FnOnce(&mut TensorViewMut) -> KResult) -> KResult {
-    if dx.dtype == DType::F32 {
-        return grad(dx);
-    }
-    let mut wide = Tensor::zeros(DType::F32, dx.shape);
-    grad(&mut wide.view_mut())?;
-    super::cast::cast_into(&wide.view(), dx);
-    Ok(())
 }
 
 /// SoftmaxCrossEntropyLse: the loss of scores [N, C] as SoftmaxCrossEntropyLoss's, and each
@@ -183,9 +158,7 @@ pub fn softmax_cross_entropy_lse(
     weights: Option<TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    if half_scores(scores)? {
-        return softmax_cross_entropy_lse(reduction, ignore, &widen(scores).view(), labels, weights, outs);
-    }
+    f32_scores(scores)?;
     let c = scores.shape[1];
     let lab = labels_of(labels, c, ignore)?;
     let w = weights.as_ref().map(|w| w.as_slice::<f32>());
@@ -208,25 +181,7 @@ pub fn softmax_cross_entropy_lse_grad(
     weights: Option<TensorView>,
     dx: &mut TensorViewMut,
 ) -> KResult {
-    if half_scores(scores)? {
-        let wide = widen(scores);
-        return softmax_cross_entropy_lse_grad(reduction, ignore, dloss, &wide.view(), lse, labels, weights, dx);
-    }
-    f32_gradient(dx, |dx| lse_grad_rows(reduction, ignore, dloss, scores, lse, labels, weights, dx))
-}
-
-/// SoftmaxCrossEntropyLseGrad of f32 scores into an f32 dX.
-#[allow(clippy::too_many_arguments)]
-fn lse_grad_rows(
-    reduction: LossReduction,
-    ignore: Option<i64>,
-    dloss: &TensorView,
-    scores: &TensorView,
-    lse: &TensorView,
-    labels: &TensorView,
-    weights: Option<TensorView>,
-    dx: &mut TensorViewMut,
-) -> KResult {
+    f32_scores(scores)?;
     let (x, c) = (scores.as_slice::<f32>(), scores.shape[1]);
     let lab = labels_of(labels, c, ignore)?;
     let scales = row_scales(reduction, &lab, weights.as_ref().map(|w| w.as_slice::<f32>()), dloss.as_slice::<f32>());
@@ -307,12 +262,6 @@ pub fn softmax_cross_entropy_grad(
     weights: Option<TensorView>,
     dx: &mut TensorViewMut,
 ) -> KResult {
-    if dx.dtype != DType::F32 {
-        // A half gradient (the loss_casts fusion).
-        return f32_gradient(dx, |dx| {
-            softmax_cross_entropy_grad(reduction, ignore, dloss, log_prob, labels, weights, dx)
-        });
-    }
     let (n, c, d) = layout(log_prob.shape);
     let lp = log_prob.as_slice::<f32>();
     let lab = labels_of(labels, c, ignore)?;

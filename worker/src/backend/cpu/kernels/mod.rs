@@ -50,7 +50,12 @@ impl<T> SharedSlice<T> {
 /// Runs `op` on `inputs` (omitted optional inputs are `None`) into `outputs`, whose shapes and
 /// types are the ones inference gave.
 pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]) -> KResult {
-    if computes(op) && inputs.iter().flatten().any(|x| is_half(x.dtype)) {
+    let half_in = inputs.iter().flatten().any(|x| is_half(x.dtype));
+    // A half value computed from f32 ones (a fused op that took a cast's place: LayerNorm's
+    // output, the loss's gradient) is computed in f32 and rounded once, as the cast did.
+    let half_from_f32 =
+        outputs.iter().any(|y| is_half(y.dtype)) && inputs.iter().flatten().any(|x| x.dtype == DType::F32);
+    if computes(op) && (half_in || half_from_f32) {
         return run_half_in_f32(op, inputs, outputs);
     }
     let x = |i: usize| inputs.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));

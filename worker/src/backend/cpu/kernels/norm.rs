@@ -2,7 +2,7 @@
 
 use super::{fastmath, KResult, SharedSlice, PAR_MIN};
 use crate::graph::infer::norm_axis;
-use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
+use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
 /// Splits a shape around `axis` into (outer, axis length, inner).
@@ -122,8 +122,7 @@ pub fn softmax_grad(axis: i64, log: bool, dy: &TensorView, y: &TensorView, dx: &
 }
 
 /// LayerNormalization over the dims from `axis` on. Outputs: Y, then optionally the mean and
-/// inverse standard deviation per row (kept for the backward pass). An f32 X may give a half Y
-/// (`fuse::layer_norm_casts`): computed in f32 and rounded once, as the cast it replaces did.
+/// inverse standard deviation per row (kept for the backward pass).
 pub fn layer_norm(
     axis: i64,
     eps: f32,
@@ -146,22 +145,18 @@ pub fn layer_norm(
     }
     let mut stats = vec![(0f32, 0f32); rows];
     let (y, rest) = outs.split_first_mut().ok_or("no output")?;
-    let half = matches!(y.dtype, DType::F16 | DType::BF16);
-    let mut wide = Tensor::zeros(DType::F32, if half { y.shape } else { &[0] });
-    let ys = if half { wide.as_mut_slice::<f32>() } else { y.as_mut_slice::<f32>() };
-    ys.par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(|(r, (yr, st))| {
-        let xr = &xs[r * cols..(r + 1) * cols];
-        let mean = xr.iter().sum::<f32>() / cols as f32;
-        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
-        let inv = 1.0 / (var + eps).sqrt();
-        for j in 0..cols {
-            yr[j] = (xr[j] - mean) * inv * g[j] + b.map_or(0.0, |b| b[j]);
-        }
-        *st = (mean, inv);
-    });
-    if half {
-        super::cast::cast_into(&wide.view(), y);
-    }
+    y.as_mut_slice::<f32>().par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(
+        |(r, (yr, st))| {
+            let xr = &xs[r * cols..(r + 1) * cols];
+            let mean = xr.iter().sum::<f32>() / cols as f32;
+            let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (var + eps).sqrt();
+            for j in 0..cols {
+                yr[j] = (xr[j] - mean) * inv * g[j] + b.map_or(0.0, |b| b[j]);
+            }
+            *st = (mean, inv);
+        },
+    );
     if let Some(m) = rest.get_mut(0) {
         m.as_mut_slice::<f32>().iter_mut().zip(&stats).for_each(|(o, s)| *o = s.0);
     }
