@@ -2,9 +2,10 @@
 # Stops the cluster e2e/nodes/up.sh started in DIR and leaves the host as it found it: the
 # kubelets and kube-proxy first (so nothing restarts a container), then every node's containers
 # through its containerd, the pods' network namespaces, the control plane and the containerds
-# (e2e/control-plane/down.sh), what is still mounted under DIR, the nodes' cgroups, and last
-# the sysctls, rule sets, bridge and fixed paths (e2e/nodes/host.sh restore), then checks that
-# the host matches the snapshot taken before the start (exit 1 naming each difference).
+# (e2e/control-plane/down.sh), what is left in the nodes' cgroups, what is still mounted under
+# DIR, the cgroups themselves, and last the sysctls, rule sets, bridge and fixed paths
+# (e2e/nodes/host.sh restore), then checks that the host matches the snapshot taken before the
+# start (exit 1 naming each difference). Also stops what a cluster whose processes died left.
 # Idempotent; logs stay in DIR.
 set -uo pipefail
 export PATH=$PATH:/usr/sbin:/sbin
@@ -42,6 +43,18 @@ log "control plane and containerd"
 "$ROOT/e2e/control-plane/down.sh" "$DIR" || true
 # A shim outlives its containerd when a task could not be deleted.
 pkill -KILL -f -- "containerd-shim-runc-v2 .*-address $DIR/nodes/" 2>/dev/null || true
+
+# The containers' processes that no containerd could stop (it died with its shims): whatever
+# is still in the nodes' cgroups, unless another cluster's kubelet runs (the names are shared).
+if ! pgrep -f "kubelet --config=.*/nodes/.*/kubelet.yaml" >/dev/null; then
+    for _ in 1 2 3; do
+        pids=$(find /sys/fs/cgroup/*/tensorfleet-* -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
+        [[ -n $pids ]] || break
+        log "killing what is left in the nodes' cgroups: $(echo $pids)"
+        kill -KILL $pids 2>/dev/null
+        sleep 0.5
+    done
+fi
 
 # What is still mounted under DIR (volumes, root file systems), deepest first.
 awk '{print $5}' /proc/self/mountinfo | grep "^$DIR/" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done

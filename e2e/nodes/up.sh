@@ -34,6 +34,18 @@ done
 if other=$(pgrep -f "kubelet --config=.*/nodes/.*/kubelet.yaml" | head -n 1) && [[ -n $other ]]; then
     die "a local cluster's kubelet already runs (pid $other); stop it with e2e/nodes/down.sh"
 fi
+# What a cluster whose processes died without down.sh (its session killed) left behind: its
+# pods' network namespaces stay on the bridge and answer ARP for the addresses the new pods
+# get, so a new pod's probes reach a dead one. Its directory is found by what stays mounted.
+for stale in $(awk '{print $5}' /proc/self/mountinfo | sed -n 's#^\(/.*\)/nodes/[^/]*/\(kubelet\|containerd\)\(/.*\)\?$#\1#p' | sort -u); do
+    [[ -d $stale/host-before ]] || continue
+    log "stopping what a dead cluster left in $stale"
+    "$HERE/down.sh" "$stale" >&2 || log "the host still differs from before $stale's cluster (see above)"
+done
+if ip link show tf-br0 >/dev/null 2>&1; then
+    die "the bridge tf-br0 of a cluster that no longer runs is still up, with its pods' network namespaces" \
+        "(ip netns list: cni-*); remove them (ip link delete tf-br0; ip netns delete NAME) or run e2e/nodes/down.sh on its directory"
+fi
 BIN=${TENSORFLEET_K8S_BIN:-$("$ROOT/e2e/control-plane/build.sh" --nodes | tail -n 1)}
 for b in kubelet kube-proxy coredns; do [[ -x $BIN/$b ]] || die "$BIN/$b is missing: run e2e/control-plane/build.sh --nodes"; done
 export TENSORFLEET_K8S_BIN=$BIN
