@@ -106,10 +106,13 @@ test: deps k8s
 		TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
 		LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
 		TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)"; \
-	$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --include-ignored --skip on_the_gpu && \
+	$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --include-ignored --skip on_the_gpu --skip on_two_gpus && \
 	if nvidia-smi -L >/dev/null 2>&1; then \
 		$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --ignored on_the_gpu; \
-	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"; fi
+	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"; fi && \
+	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then \
+		$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --ignored on_two_gpus; \
+	else echo "test: fewer than 2 GPUs here: the tests ignored as needing 2 (on_two_gpus) did not run"; fi
 	$(MAKE) --no-print-directory e2e
 
 # The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): real nodes on

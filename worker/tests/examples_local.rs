@@ -1,6 +1,6 @@
 //! The local demos (examples/local, docs/EXAMPLES.md) keep working: each configuration, copied
 //! unchanged next to a tiny copy of its data made by the same scripts and commands as `make
-//! demo`, `make demo-squeezenet` and `make demo-onnx`, trains for a few steps and evaluates.
+//! demo`, `make demo-squeezenet` and `make demo-onnx`, trains for a few steps, evaluates and learns.
 //! The copies keep the configurations' relative paths, so a configuration that no longer
 //! matches the layout its data scripts write fails here.
 //!
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use tensorfleet_worker::config::TrainingConfig;
 
-/// The steps each demo runs here: enough to see an update and an evaluation after it.
-const STEPS: u64 = 2;
+/// The steps each demo runs here: enough for the evaluation loss to fall.
+const STEPS: u64 = 6;
 
 fn examples() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/local")
@@ -51,7 +51,9 @@ fn script(name: &str, args: &[&str], dir: &Path) {
 }
 
 /// Copies the example configuration `name` into `dir`, trains it for `STEPS` updates from the
-/// start, and checks that every update logged a finite loss and that the evaluation ran.
+/// start, and checks that every update logged a finite loss, that the evaluation ran after each,
+/// and that it learned: the last evaluation's loss (on the same held-out batch) is below the
+/// first's.
 fn train(name: &str, dir: &Path, extra: &[&str]) {
     std::fs::copy(examples().join(name), dir.join(name)).unwrap();
     let steps = format!("steps={STEPS}");
@@ -77,10 +79,11 @@ fn train(name: &str, dir: &Path, extra: &[&str]) {
         .filter(|(_, loss)| loss.is_finite() && *loss > 0.0)
         .collect();
     assert_eq!(losses.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (1..=STEPS).collect::<Vec<_>>(), "{metrics}");
-    let evals = lines.iter().filter(|v| v.get("evalLoss").and_then(|e| e.as_f64()).is_some_and(f64::is_finite));
-    assert_eq!(evals.count() as u64, STEPS, "one evaluation per update: {metrics}");
+    let evals: Vec<f64> = lines.iter().filter_map(|v| v.get("evalLoss")?.as_f64()).filter(|e| e.is_finite()).collect();
+    assert_eq!(evals.len() as u64, STEPS, "one evaluation per update: {metrics}");
+    assert!(evals[evals.len() - 1] < evals[0], "{name} did not learn: evaluation losses {evals:?}");
     assert!(out.join("model.onnx").exists(), "{name}: no model.onnx exported");
-    eprintln!("{name}: {losses:?}");
+    eprintln!("{name}: {losses:?}, evaluated {evals:?}");
 }
 
 /// The GPT-2 quickstart on token shards of the committed corpus, made by prepare-data.

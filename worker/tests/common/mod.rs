@@ -72,11 +72,14 @@ pub fn values(n: usize, salt: usize) -> Vec<f32> {
     (0..n).map(|i| (((i * 37 + salt * 11) % 101) as f32 / 50.0) - 1.0).collect()
 }
 
-/// Every output within `tol` of the largest finite magnitude of the reference's, compared in
-/// f32; a NaN or an infinity must be matched by the same (f32::max would pass over a NaN).
+/// As many outputs as the reference, each of its shape and within `tol` of its largest finite
+/// magnitude, compared in f32; a NaN or an infinity must be matched by the same (f32::max
+/// would pass over a NaN).
 #[allow(dead_code)] // the backend tests'
 pub fn close_as_f32(what: &str, got: &[Tensor], reference: &[Tensor], tol: f32) {
+    assert_eq!(got.len(), reference.len(), "{what}: {} outputs, the reference has {}", got.len(), reference.len());
     for (k, (g, c)) in got.iter().zip(reference).enumerate() {
+        assert_eq!(g.shape(), c.shape(), "{what}, output {k}: shape differs from the reference's");
         let (g, c) = (g.cast(DType::F32), c.cast(DType::F32));
         let (gs, cs) = (g.as_slice::<f32>(), c.as_slice::<f32>());
         let largest = cs.iter().filter(|v| v.is_finite()).fold(1e-3f32, |m, v| m.max(v.abs()));
