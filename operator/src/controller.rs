@@ -10,10 +10,12 @@
 
 use crate::crd::{CleanPodPolicy, FailureCause, LauncherCreationPolicy, TrainingJob, TrainingJobStatus};
 use crate::metrics::Metrics;
+use crate::resources::network_policy::OperatorPods;
 use crate::resources::{self, labels, names, FIELD_MANAGER};
 use crate::status;
 use crate::{progress, Error, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolumeClaim, Pod, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, PropagationPolicy};
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -80,6 +82,9 @@ pub struct Context {
     pub client: kube::Client,
     pub recorder: Recorder,
     pub metrics: Arc<Metrics>,
+    /// This operator's pods, which the jobs' NetworkPolicies admit to the progress port; `None`
+    /// when it runs outside the cluster.
+    pub operator_pods: Option<OperatorPods>,
 }
 
 /// The pods of one job, split by role and attempt, and the lost nodes under them.
@@ -250,7 +255,8 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
 
     apply_children(job, ctx, pods.launcher.is_some()).await?;
 
-    // The launcher's outcome decides the job; a failed worker restarts the gang.
+    // The launcher's outcome decides the job (with a failed worker's cause when there is one);
+    // a failed worker restarts the gang.
     if let Some(launcher) = &pods.launcher {
         if status::succeeded(launcher) {
             st.set_phase("Succeeded", "LauncherSucceeded", "mpirun finished: every rank exited 0".into());
@@ -266,8 +272,10 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
             write_status(ctx, job, &st, &old).await?;
             return Ok(Action::requeue(Duration::from_secs(1)));
         }
-        if let Some(cause) = status::failure(launcher, false) {
-            return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await;
+        match status::launcher_failure(launcher, &pods.workers, &status::now()) {
+            Some(Ok(cause)) => return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await,
+            Some(Err(wait)) => return Ok(Action::requeue(Duration::from_secs(wait))),
+            None => {}
         }
     }
     // A pod on a lost node will not report again: the gang restarts without the node (whose
@@ -506,6 +514,15 @@ async fn apply_children(job: &TrainingJob, ctx: &Context, launcher_exists: bool)
         if claims.get_opt(&names::claim(job)).await?.is_none() {
             create_if_absent(&claims, &claim).await?;
         }
+    }
+    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
+    match resources::network_policy::network_policy(job, ctx.operator_pods.as_ref()) {
+        Some(policy) => drop(policies.patch(&names::network_policy(job), &pp, &Patch::Apply(&policy)).await?),
+        // Turned off while the job runs, or never on.
+        None => match policies.delete(&names::network_policy(job), &DeleteParams::default()).await {
+            Err(kube::Error::Api(e)) if e.code == 404 => {}
+            other => drop(other?),
+        },
     }
     let members = job.spec.workers + i32::from(launcher_exists);
     if let (Some(group), Some(ar)) =

@@ -5,6 +5,7 @@
 
 use k8s_openapi::api::core::v1::{Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration};
 use k8s_openapi::api::core::v1::{Volume, VolumeMount};
+use k8s_openapi::api::networking::v1::NetworkPolicyIngressRule;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
@@ -78,6 +79,9 @@ pub struct TrainingJobSpec {
     /// Gang scheduling, queue, priority and placement of the pods.
     #[serde(default)]
     pub scheduling: SchedulingSpec,
+    /// Network isolation of the job's pods by a NetworkPolicy.
+    #[serde(default)]
+    pub network_policy: NetworkPolicySpec,
     /// Additions to the launcher pod.
     #[serde(default)]
     pub launcher: PodOverrides,
@@ -307,6 +311,20 @@ pub enum CleanPodPolicy {
     Running,
     All,
     None,
+}
+
+/// Network isolation of the job's pods (resources/network_policy.rs).
+#[derive(KubeSchema, Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkPolicySpec {
+    /// Makes the NetworkPolicy `<job>-isolation`, which admits to the job's pods only the job's
+    /// own pods and the operator's (on the progress port), plus `ingress`. The cluster's network
+    /// plugin enforces it; one that does not implement NetworkPolicy ignores it.
+    #[serde(default)]
+    pub enabled: bool,
+    /// More ingress rules, e.g. a Prometheus in another namespace that scrapes the progress port.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ingress: Vec<NetworkPolicyIngressRule>,
 }
 
 /// Scheduling of the pods: gang scheduling, queue, priority, placement.

@@ -16,6 +16,7 @@ use tensorfleet_operator::controller::{self, Context};
 use tensorfleet_operator::crd::TrainingJob;
 use tensorfleet_operator::leader::LeaderElection;
 use tensorfleet_operator::metrics::Metrics;
+use tensorfleet_operator::resources::network_policy::OperatorPods;
 use tensorfleet_operator::resources::{labels, FIELD_MANAGER};
 use tensorfleet_operator::server::{self, Health};
 
@@ -36,6 +37,10 @@ struct Args {
     /// Namespace of the Lease (the operator's own).
     #[arg(long, env = "POD_NAMESPACE", default_value = "default")]
     lease_namespace: String,
+    /// Labels that select this operator's pods (key=value,…): the jobs' NetworkPolicies admit
+    /// them, in the namespace above, to rank 0's progress port. Unset outside the cluster.
+    #[arg(long, env = "TENSORFLEET_POD_SELECTOR")]
+    pod_selector: Option<String>,
     /// This replica's name in the Lease.
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -81,6 +86,13 @@ fn init_tracing(format: &str) {
 }
 
 async fn run(args: Args) -> Result<(), String> {
+    let operator_pods = match &args.pod_selector {
+        Some(selector) => Some(
+            OperatorPods::parse(&args.lease_namespace, selector)
+                .map_err(|e| format!("--pod-selector (TENSORFLEET_POD_SELECTOR): {e}"))?,
+        ),
+        None => None,
+    };
     let metrics = Arc::new(Metrics::default());
     let config =
         kube::Config::infer().await.map_err(|e| format!("finding the API server (kubeconfig or in-cluster): {e}"))?;
@@ -120,7 +132,12 @@ async fn run(args: Args) -> Result<(), String> {
     }
 
     let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: Some(identity) };
-    let ctx = Arc::new(Context { client: client.clone(), recorder: Recorder::new(client.clone(), reporter), metrics });
+    let ctx = Arc::new(Context {
+        client: client.clone(),
+        recorder: Recorder::new(client.clone(), reporter),
+        metrics,
+        operator_pods,
+    });
     let namespaces: Vec<Option<String>> = if args.namespaces.iter().all(String::is_empty) {
         vec![None]
     } else {

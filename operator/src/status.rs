@@ -70,6 +70,31 @@ pub fn failure(pod: &Pod, any_exit_fails: bool) -> Option<FailureCause> {
     Some(cause)
 }
 
+/// Seconds a retryable launcher failure waits for the workers' statuses (see launcher_failure).
+pub const WORKER_SETTLE_SECONDS: i64 = 5;
+
+/// Why the gang failed, once the launcher has: mpirun's failure is mostly the echo of a rank
+/// that died on a worker, whose pod says why (its container OOM-killed, say) a moment after the
+/// launcher's exit is reported. So a failed worker's cause is the root cause and wins, and a
+/// launcher failure that would be retried waits until WORKER_SETTLE_SECONDS after the launcher
+/// finished for one (`Err` with the seconds left), so that the restart names it. `None` while
+/// the launcher has not failed.
+pub fn launcher_failure(launcher: &Pod, workers: &[Pod], now: &Time) -> Option<Result<FailureCause, u64>> {
+    let cause = failure(launcher, false)?;
+    if let Some(worker) = workers.iter().find_map(|w| failure(w, true)) {
+        return Some(Ok(worker));
+    }
+    let retried = cause.exit_code.and_then(permanent_failure).is_none();
+    let finished = terminated(launcher).and_then(|(_, t)| t.finished_at);
+    if let (true, Some(finished)) = (retried, finished) {
+        let since = now.0.duration_since(finished.0).as_secs();
+        if since < WORKER_SETTLE_SECONDS {
+            return Some(Err((WORKER_SETTLE_SECONDS - since) as u64));
+        }
+    }
+    Some(Ok(cause))
+}
+
 /// The kubelet's reasons for a container that waits because its image cannot be had. It keeps
 /// trying (a missing image may be loaded later, a registry may come back), so these do not
 /// fail the job; they are what its status says it waits for.
@@ -223,6 +248,36 @@ mod tests {
         assert!(failure(&pod_with("Running", None, None), false).is_none());
         assert!(failure(&pod_with("Succeeded", Some((0, "Completed")), None), false).is_none());
         assert!(failure(&pod_with("Running", Some((0, "Completed")), None), true).is_some());
+    }
+
+    /// The launcher's pod, failed with `code` at `finished`.
+    fn launcher_exited(code: i32, finished: Timestamp) -> Pod {
+        let mut pod = pod_with("Failed", Some((code, "Error")), None);
+        let statuses = pod.status.as_mut().and_then(|s| s.container_statuses.as_mut()).unwrap();
+        statuses[0].state.as_mut().unwrap().terminated.as_mut().unwrap().finished_at = Some(Time(finished));
+        pod
+    }
+
+    #[test]
+    fn a_failed_workers_cause_wins_over_the_launchers_echo_of_it() {
+        let finished = Timestamp::from_second(1_000_000).unwrap();
+        let at = |s: i64| Time(Timestamp::from_second(1_000_000 + s).unwrap());
+        let launcher = launcher_exited(137, finished);
+        let mut worker = pod_with("Running", Some((137, "OOMKilled")), None);
+        worker.metadata.name = Some("llm-worker-1".into());
+        let running = [pod_with("Running", None, None)];
+
+        // Both reported: the worker's cause, at once.
+        let cause = launcher_failure(&launcher, &[running[0].clone(), worker.clone()], &at(0)).unwrap().unwrap();
+        assert_eq!((cause.pod.as_str(), cause.reason.as_str()), ("llm-worker-1", "OOMKilled"));
+        // Only the launcher so far: wait for the workers, then take the launcher's.
+        assert_eq!(launcher_failure(&launcher, &running, &at(2)).unwrap(), Err(3));
+        let cause = launcher_failure(&launcher, &running, &at(WORKER_SETTLE_SECONDS)).unwrap().unwrap();
+        assert_eq!(cause.pod, "llm-launcher");
+        // A failure that is not retried decides at once: the restart it would wait for never comes.
+        let permanent = launcher_exited(2, finished);
+        assert_eq!(launcher_failure(&permanent, &running, &at(0)).unwrap().unwrap().exit_code, Some(2));
+        assert!(launcher_failure(&pod_with("Running", None, None), &[worker], &at(0)).is_none());
     }
 
     #[test]

@@ -47,6 +47,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/* The same labels as key=value,… (the operator's TENSORFLEET_POD_SELECTOR). */}}
+{{- define "tensorfleet.selectorList" -}}
+{{- $pairs := list }}
+{{- range $k, $v := include "tensorfleet.selectorLabels" . | fromYaml }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
 {{/* The operator's ServiceAccount. */}}
 {{- define "tensorfleet.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
@@ -131,6 +140,11 @@ Every verb here is one the controller calls (operator/src/controller.rs).
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create"]
+# The NetworkPolicy of a job with spec.networkPolicy.enabled, by server-side apply; deleted
+# when the job turns it off.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch", "delete"]
 # Kubernetes events about jobs (events.k8s.io/v1; patch updates a repeated event's series).
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]

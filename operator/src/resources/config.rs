@@ -1,5 +1,6 @@
-//! `<job>-config`: the hostfile, `discover_hosts.sh`, the launcher's `launch.sh` and the
-//! worker's `train.yaml` (spec.training with its paths placed on the data volume and the claim).
+//! `<job>-config`: the hostfile, `discover_hosts.sh`, the launcher's `launch.sh`, the workers'
+//! `worker.sh` and the ranks' `train.yaml` (spec.training with its paths placed on the data
+//! volume and the claim).
 
 use super::{child_meta, names};
 use crate::crd::TrainingJob;
@@ -28,6 +29,7 @@ pub fn config_map(job: &TrainingJob) -> Result<ConfigMap, serde_yaml::Error> {
             ("hostfile".to_string(), mpi::hostfile(job)),
             ("discover_hosts.sh".to_string(), mpi::discover_hosts(job)),
             ("launch.sh".to_string(), mpi::launch_script(job)),
+            ("worker.sh".to_string(), mpi::worker_script(job)),
             ("train.yaml".to_string(), train),
         ])),
         ..ConfigMap::default()

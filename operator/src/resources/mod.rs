@@ -2,6 +2,7 @@
 //! controller server-side applies it, so building is pure and testable without a cluster.
 
 pub mod config;
+pub mod network_policy;
 pub mod podgroup;
 pub mod pods;
 pub mod service;
@@ -64,6 +65,9 @@ pub mod names {
     }
     pub fn launcher(job: &TrainingJob) -> String {
         format!("{}-launcher", job.name_any())
+    }
+    pub fn network_policy(job: &TrainingJob) -> String {
+        format!("{}-isolation", job.name_any())
     }
     /// The DNS name of a worker pod through the headless Service (hostname.subdomain.namespace.svc).
     pub fn worker_host(job: &TrainingJob, index: i32) -> String {

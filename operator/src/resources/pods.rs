@@ -13,7 +13,6 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use std::collections::BTreeMap;
 
 pub fn worker(job: &TrainingJob, index: i32, attempt: i32) -> Pod {
-    let ssh_dir = &job.spec.mpi.ssh_auth_mount_path;
     let ssh_port = job.spec.mpi.ssh_port;
     let overrides = &job.spec.worker;
     let mut env = vec![env("TENSORFLEET_JOB", format!("{}/{}", names::namespace(job), names::job(job)))];
@@ -22,16 +21,8 @@ pub fn worker(job: &TrainingJob, index: i32, attempt: i32) -> Pod {
         name: "worker".into(),
         image: Some(job.spec.image.clone()),
         image_pull_policy: job.spec.image_pull_policy.clone(),
-        // -e logs to stderr, -D stays in front. Run as root, sshd needs its privilege-separation
-        // directory (the image has it; images that lack it get it made); as another user it
-        // needs none, and can log in only that user.
-        command: Some(vec![
-            "/bin/sh".into(),
-            "-c".into(),
-            format!(
-                "{{ [ \"$(id -u)\" != 0 ] || mkdir -p /run/sshd; }} && exec /usr/sbin/sshd -D -e -f {ssh_dir}/sshd_config"
-            ),
-        ]),
+        // sshd, which stops the container when the kernel OOM-kills any of its processes.
+        command: Some(vec!["/bin/sh".into(), format!("{}/worker.sh", mpi::CONFIG_DIR)]),
         env: Some(env),
         ports: Some(vec![port("ssh", ssh_port), port("progress", job.spec.progress_port)]),
         readiness_probe: Some(Probe {
