@@ -102,19 +102,12 @@ EOF
 # ---- certificates ----------------------------------------------------------------------------
 PKI=$DIR/pki  # TLS keys are ECDSA P-256 (quick to make); the service-account key is RSA
 log "certificates in $PKI"
-ossl() { openssl "$@" 2>>"$DIR/logs/openssl.log" >&2 || die "openssl $1 failed (see $DIR/logs/openssl.log)"; }
+SERVER=https://$ADDRESS:$APISERVER_PORT
+# shellcheck source=e2e/control-plane/pki.sh
+. "$HERE/pki.sh"
 ossl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -sha256 -days 3650 -keyout "$PKI/ca.key" -out "$PKI/ca.crt" \
     -subj "/CN=tensorfleet-e2e-ca" -addext "basicConstraints=critical,CA:TRUE" \
     -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature"
-# sign NAME SUBJECT EXTFILE-CONTENT
-sign() {
-    local name=$1 subj=$2 ext=$3
-    ossl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$PKI/$name.key" -out "$PKI/$name.csr" -subj "$subj"
-    printf '%s\n' "$ext" >"$PKI/$name.ext"
-    ossl x509 -req -sha256 -days 3650 -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" \
-        -CAcreateserial -out "$PKI/$name.crt" -extfile "$PKI/$name.ext"
-    rm -f "$PKI/$name.csr" "$PKI/$name.ext"
-}
 CLIENT_EXT=$'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth'
 sign apiserver "/CN=kube-apiserver" "$(printf '%s\n' 'basicConstraints=CA:FALSE' \
     'keyUsage=critical,digitalSignature' 'extendedKeyUsage=serverAuth' \
@@ -130,32 +123,6 @@ rm -f "$PKI/ca.srl"
 chmod 0600 "$PKI"/*.key
 
 # ---- kubeconfigs -----------------------------------------------------------------------------
-SERVER=https://$ADDRESS:$APISERVER_PORT
-b64() { base64 -w0 <"$1"; }
-kubeconfig() { # FILE USER
-    cat >"$1.tmp" <<EOF
-apiVersion: v1
-kind: Config
-clusters:
-- name: tensorfleet-e2e
-  cluster:
-    server: $SERVER
-    certificate-authority-data: $(b64 "$PKI/ca.crt")
-users:
-- name: $2
-  user:
-    client-certificate-data: $(b64 "$PKI/$2.crt")
-    client-key-data: $(b64 "$PKI/$2.key")
-contexts:
-- name: tensorfleet-e2e
-  context:
-    cluster: tensorfleet-e2e
-    user: $2
-current-context: tensorfleet-e2e
-EOF
-    chmod 0600 "$1.tmp"
-    mv -f "$1.tmp" "$1"
-}
 kubeconfig "$DIR/kubeconfig" admin
 kubeconfig "$DIR/kube-controller-manager.kubeconfig" kube-controller-manager
 kubeconfig "$DIR/kube-scheduler.kubeconfig" kube-scheduler

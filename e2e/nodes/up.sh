@@ -74,28 +74,9 @@ ADDRESS=$APISERVER_ADDRESS
 PKI=$DIR/pki
 DNS_IP=10.0.0.10
 
-ossl() { openssl "$@" 2>>"$DIR/logs/openssl.log" >&2 || die "openssl $1 failed (see $DIR/logs/openssl.log)"; }
-# cert NAME SUBJECT EXT: a key and certificate signed by the cluster's CA.
-cert() {
-    ossl req -new -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout "$PKI/$1.key" -out "$PKI/$1.csr" -subj "$2"
-    printf '%s\n' "$3" >"$PKI/$1.ext"
-    ossl x509 -req -sha256 -days 3650 -in "$PKI/$1.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
-        -out "$PKI/$1.crt" -extfile "$PKI/$1.ext"
-    rm -f "$PKI/$1.csr" "$PKI/$1.ext" "$PKI/ca.srl"
-    chmod 0600 "$PKI/$1.key"
-}
-# kubeconfig FILE NAME: credentials NAME (PKI/NAME.{crt,key}) for the API server.
-kubeconfig() {
-    cat >"$1" <<EOF
-apiVersion: v1
-kind: Config
-clusters: [{name: local, cluster: {server: "$APISERVER_URL", certificate-authority: "$PKI/ca.crt"}}]
-users: [{name: $2, user: {client-certificate: "$PKI/$2.crt", client-key: "$PKI/$2.key"}}]
-contexts: [{name: local, context: {cluster: local, user: $2}}]
-current-context: local
-EOF
-    chmod 0600 "$1"
-}
+SERVER=$APISERVER_URL
+# shellcheck source=e2e/control-plane/pki.sh
+. "$ROOT/e2e/control-plane/pki.sh"
 start() { # NAME ARGS...: in its own session, logged, its pid kept for down.sh
     local name=$1; shift
     setsid "$@" >"$DIR/logs/$name.log" 2>&1 </dev/null &
@@ -151,8 +132,8 @@ EOF
     done
 
     log "$name: kubelet"
-    cert "kubelet-$name" "/O=system:nodes/CN=system:node:$name" "$CLIENT_EXT"
-    cert "kubelet-$name-serving" "/CN=$name" "$SERVING_EXT"$'\n'"subjectAltName=IP:$ADDRESS,DNS:$name"
+    sign "kubelet-$name" "/O=system:nodes/CN=system:node:$name" "$CLIENT_EXT"
+    sign "kubelet-$name-serving" "/CN=$name" "$SERVING_EXT"$'\n'"subjectAltName=IP:$ADDRESS,DNS:$name"
     kubeconfig "$N/kubelet.kubeconfig" "kubelet-$name"
     # Each kubelet its own ports on the host's address, its own cgroup subtree and folders.
     port=$((10250 + 10 * i))
@@ -235,7 +216,7 @@ for name in "${NODE_NAMES[@]}"; do
 done
 
 log "kube-proxy"
-cert kube-proxy "/CN=system:kube-proxy" "$CLIENT_EXT"
+sign kube-proxy "/CN=system:kube-proxy" "$CLIENT_EXT"
 kubeconfig "$DIR/kube-proxy.kubeconfig" kube-proxy
 cat >"$DIR/kube-proxy.yaml" <<EOF
 apiVersion: kubeproxy.config.k8s.io/v1alpha1
