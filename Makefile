@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds check-crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images clean
+.PHONY: deps k8s crds check-crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images fuzz clean
 
 deps:
 	bash .ci/deps.sh
@@ -131,6 +131,14 @@ e2e: deps images
 	stage "up"; TENSORFLEET_K8S_BIN="$$bin" bash e2e/cluster/up.sh "$$cluster" && \
 	stage "the nodes from outside (e2e/nodes/check.sh)" && bash e2e/nodes/check.sh "$$cluster" && \
 	stage "scenarios" && TENSORFLEET_E2E_CLUSTER="$$cluster" $(CARGO) test --release -p tensorfleet-e2e -- --test-threads 1
+
+# A fuzzing campaign (worker/tests/fuzz.rs) over every reader of inputs (token and sample
+# shards, checkpoint manifests, safetensors, ONNX models, configurations): FUZZ_SECONDS per
+# target from a fresh seed, inputs that fail saved under target/fuzz/. `make test` runs a short
+# fixed-seed round of the same targets.
+FUZZ_SECONDS ?= 300
+fuzz:
+	TENSORFLEET_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CARGO) test --release -p tensorfleet-worker --test fuzz -- --test-threads 1 --nocapture
 
 # The local cluster left running with the CPU quickstart training on it, for a person to
 # look at with kubectl (the command to use is printed); `make demo-cluster-down` stops it.

@@ -392,7 +392,7 @@ fn bench_tokens(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &Sizes)
     let shards = files_with(&shard_dir, "bin");
     let bytes: usize = shards.iter().map(|p| p.metadata().map_or(0, |m| m.len() as usize)).sum();
     let per_batch = sizes.batch * sizes.seq;
-    let feeds = Feeds { token_input: FEEDS.0.into(), token_label: FEEDS.1.into() };
+    let feeds = Feeds { token_input: FEEDS.0.into(), token_label: FEEDS.1.into(), vocab: None };
     // Many batches per sample, and the mean over all of them: the rate of a loader whose
     // batches differ (one that now and then reads more than a window) is its rate over many.
     group.warm_up_time(Duration::from_secs(1)).measurement_time(Duration::from_secs(6));
@@ -525,7 +525,7 @@ fn bench_samples(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &Sizes
     let bytes: usize = shards.iter().map(|p| p.metadata().map_or(0, |m| m.len() as usize)).sum();
     let count = sizes.sample_shards * sizes.samples_per_shard;
     let src = source(&shard_dir, DataFormat::OnnxSamples);
-    let feeds = Feeds { token_input: FEEDS.0.into(), token_label: FEEDS.1.into() };
+    let feeds = Feeds { token_input: FEEDS.0.into(), token_label: FEEDS.1.into(), vocab: None };
     let open = || data::open(&src, "io bench", batching(sizes.sample_batch, 0), &feeds).expect("sample loader opens");
 
     group.warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(1));

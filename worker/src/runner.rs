@@ -10,7 +10,8 @@ use crate::config::{ModelConfig, ModelSpec, OptimizerName, Precision, TrainingCo
 use crate::data::{self, Batch, Batching, Feeds, Partition};
 use crate::error::{Error, Result};
 use crate::files::OutputLock;
-use crate::graph::ir::Dim;
+use crate::graph::ir::{Dim, Graph, ValueId};
+use crate::graph::op::Op;
 use crate::models::{self, Model};
 use crate::monitor::console::{Console, ConsoleMode, StepLine};
 use crate::monitor::endpoint::Endpoint;
@@ -105,7 +106,19 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
             )))
         }
     };
-    Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label }, seq))
+    let vocab = embedding_rows(g, input.value);
+    Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label, vocab }, seq))
+}
+
+/// The rows of the table the token ids index: the first input of the Gather on axis 0 that
+/// reads them, where it is an initializer (a table computed at run time has no rows to know).
+fn embedding_rows(g: &Graph, ids: ValueId) -> Option<usize> {
+    g.nodes.iter().find_map(|n| match n.op {
+        Op::Gather { axis: 0, .. } if n.input(1) == Some(ids) => {
+            g.initializers.get(&n.input(0)?)?.shape().first().copied()
+        }
+        _ => None,
+    })
 }
 
 /// What this build can run of the configuration, checked before anything heavy starts.
@@ -322,7 +335,9 @@ fn train_on<B: Backend>(
     }
     let (feeds, seq_len) = match cfg.data.train.format {
         crate::config::DataFormat::Tokens => token_feeds(cfg, &model)?,
-        crate::config::DataFormat::OnnxSamples => (Feeds { token_input: String::new(), token_label: String::new() }, 0),
+        crate::config::DataFormat::OnnxSamples => {
+            (Feeds { token_input: String::new(), token_label: String::new(), vocab: None }, 0)
+        }
     };
     let partition = Partition { index: groups.coords.dp, count: layout.data };
     let batching = Batching { batch: cfg.batch_size, seq_len, shuffle: cfg.data.shuffle, seed: cfg.seed, partition };

@@ -151,6 +151,11 @@ fn disabled_fusion_passes_train_the_same_and_unknown_ones_exit_2() {
 fn corrupt_inputs_exit_3_and_name_the_file() {
     let dir = scratch("corrupt");
     setup(&dir);
+    // Token ids past the model's vocabulary (GPT-2's tokenizer wrote them), caught as the shard
+    // is read, with where.
+    let o = worker(&["train", "--config", "train.yaml", "--set", "model.gpt2.vocab=100"], &dir);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("train_000000.bin") && stderr(&o).contains("vocabulary of 100"), "{}", stderr(&o));
     // A truncated token shard.
     let shard = dir.join("tokens/train/train_000000.bin");
     let bytes = std::fs::read(&shard).unwrap();

@@ -39,6 +39,9 @@ pub struct Feeds {
     /// Token data: the input the token ids feed, and the label input the next tokens feed.
     pub token_input: String,
     pub token_label: String,
+    /// The rows of the embedding the token ids index, where the model says: a token at or past
+    /// it is refused as it is read, naming its shard and offset.
+    pub vocab: Option<usize>,
 }
 
 /// Shard files of a source: the file itself, or every file with `ext` in the directory,

@@ -21,6 +21,19 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
 }
 
+/// The first NaN or infinity of a floating-point tensor, with its index.
+fn first_non_finite(t: &Tensor) -> Option<(usize, f64)> {
+    match t.dtype() {
+        DType::F64 => t.as_slice::<f64>().iter().position(|v| !v.is_finite()).map(|i| (i, t.as_slice::<f64>()[i])),
+        d if d.is_float() => {
+            let wide = t.cast(DType::F32);
+            let values = wide.as_slice::<f32>();
+            values.iter().position(|v| !v.is_finite()).map(|i| (i, f64::from(values[i])))
+        }
+        _ => None,
+    }
+}
+
 /// Parses every sample of one shard; errors name the file and byte offset.
 pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
     let bytes =
@@ -51,6 +64,10 @@ pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
                 .map_err(|e| corrupt(p + 4, format!("not a TensorProto: {e}")))?;
             let name = proto.name().to_string();
             let t = tensor_from_proto(&proto, &format!("sample shard {} at offset {}", path.display(), p + 4))?;
+            if let Some((i, v)) = first_non_finite(&t) {
+                let what = format!("tensor '{name}' of sample {} holds {v} at element {i}", samples.len());
+                return Err(corrupt(p + 4, format!("{what}; input data must be finite")));
+            }
             sample.push((name, t));
             p += 4 + len;
         }
@@ -217,6 +234,13 @@ mod tests {
         assert_eq!(e.exit_code(), 3);
         let msg = e.to_string();
         assert!(msg.contains("part.pb") && msg.contains("offset"), "{msg}");
+
+        // A NaN in the input data is refused where it is, not trained on.
+        let mut poisoned = samples.clone();
+        poisoned[3][0].1 = Tensor::from_vec(&[2], vec![1.0f32, f32::NAN]);
+        write_shard(&path, &poisoned).unwrap();
+        let msg = read_shard(&path).unwrap_err().to_string();
+        assert!(msg.contains("part.pb") && msg.contains("tensor 'x' of sample 3 holds NaN at element 1"), "{msg}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -200,6 +200,16 @@ impl Loader for TokenLoader {
         let start = window * self.span() + self.batching.partition.index * mine;
         let file = self.files[shard].as_ref().expect("opened above");
         let w = read_window(file, info, start, mine + 1)?;
+        if let Some(vocab) = self.feeds.vocab {
+            if let Some(i) = w.iter().position(|&t| t as usize >= vocab) {
+                return Err(Error::Corrupt(format!(
+                    "token shard {}: token {} at offset {} (in tokens) is not below the model's vocabulary of {vocab}",
+                    info.path.display(),
+                    w[i],
+                    start + i
+                )));
+            }
+        }
         let shape = [batch, seq_len];
         let ids = Tensor::from_vec(&shape, w[..mine].iter().map(|&t| t as i64).collect());
         let labels = Tensor::from_vec(&shape, w[1..].iter().map(|&t| t as i64).collect());
@@ -233,7 +243,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let toks: Vec<u16> = (0..50).collect();
         write_shard(&dir.join("a.bin"), &toks).unwrap();
-        let feeds = Feeds { token_input: "input_ids".into(), token_label: "labels".into() };
+        let feeds = Feeds { token_input: "input_ids".into(), token_label: "labels".into(), vocab: None };
         let batching = Batching { batch: 2, seq_len: 4, shuffle: false, seed: 0, partition: Partition::WHOLE };
         let mut l = TokenLoader::open(&dir, "data.train", batching, &feeds).unwrap();
         let b = l.next_batch().unwrap();
@@ -257,6 +267,27 @@ mod tests {
         std::fs::remove_dir_all(&dir).ok();
     }
 
+    #[test]
+    fn a_token_past_the_vocabulary_names_its_shard_and_offset() {
+        let dir = std::env::temp_dir().join(format!("tf-tokens-vocab-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut toks: Vec<u16> = (0..20).map(|t| t % 10).collect();
+        toks[13] = 10;
+        write_shard(&dir.join("a.bin"), &toks).unwrap();
+        let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into(), vocab: Some(10) };
+        let batching = Batching { batch: 1, seq_len: 4, shuffle: false, seed: 0, partition: Partition::WHOLE };
+        let mut l = TokenLoader::open(&dir, "data.train", batching, &feeds).unwrap();
+        for _ in 0..3 {
+            l.next_batch().unwrap();
+        }
+        // The fourth window, tokens 12..=16 (its last is the last label), holds token 13.
+        let e = l.next_batch().unwrap_err();
+        assert_eq!(e.exit_code(), 3);
+        let text = e.to_string();
+        assert!(text.contains("a.bin") && text.contains("token 10 at offset 13") && text.contains("of 10"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
     /// Two data-parallel ranks with batch B read, step by step, the two halves of what one
     /// rank with batch 2B reads, through shuffled epochs.
     #[test]
@@ -265,7 +296,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let toks: Vec<u16> = (0..200).collect();
         write_shard(&dir.join("a.bin"), &toks).unwrap();
-        let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into() };
+        let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into(), vocab: None };
         let whole = Batching { batch: 4, seq_len: 3, shuffle: true, seed: 5, partition: Partition::WHOLE };
         let mut single = TokenLoader::open(&dir, "data.train", whole, &feeds).unwrap();
         let mut ranks: Vec<TokenLoader> = (0..2)

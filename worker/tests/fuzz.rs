@@ -1,0 +1,297 @@
+//! Mutation fuzzing of every input format the worker reads, on stable Rust. Valid inputs made
+//! by the worker itself (a tiny run's token shard, checkpoint, exported model and configuration,
+//! and a sample shard) are mutated: bits flipped, bytes set to edge values, integers to boundary
+//! values, numbers in text to extreme ones, cuts, repeats and insertions. Each reader must give
+//! a value or an error for every input: a panic, or a read that takes longer than `TIMEOUT`,
+//! fails the target and saves the input under `target/fuzz/<target>/`. Committed inputs under
+//! `tests/data/fuzz/<target>/` (what failed before) are replayed first.
+//!
+//! `make test` runs `ROUNDS` inputs per target from a fixed seed: the same inputs every run.
+//! `make fuzz` runs each target for `TENSORFLEET_FUZZ_SECONDS` from a seed drawn from the clock
+//! and prints the inputs run per target (docs/RELIABILITY.md).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+use tensorfleet_worker::checkpoint;
+use tensorfleet_worker::config::TrainingConfig;
+use tensorfleet_worker::data::samples::{self, SampleLoader};
+use tensorfleet_worker::data::tokens::TokenLoader;
+use tensorfleet_worker::data::{Batching, Feeds, Loader, Partition};
+use tensorfleet_worker::rng::Rng;
+use tensorfleet_worker::tensor::Tensor;
+
+/// Inputs per target in `make test`.
+const ROUNDS: usize = 2000;
+/// The longest one read may take (a tiny input; a hang shows as this).
+const TIMEOUT: Duration = Duration::from_secs(20);
+const FIXED_SEED: u64 = 0x7E45_0F1E_E7F0_22ED;
+
+/// A reader under test: given a scratch directory of its own and one input.
+type Reader = fn(&Path, &[u8]);
+
+fn tokens(dir: &Path, input: &[u8]) {
+    let path = dir.join("train_000000.bin");
+    std::fs::write(&path, input).unwrap();
+    let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into(), vocab: Some(50257) };
+    let batching = Batching { batch: 2, seq_len: 8, shuffle: true, seed: 1, partition: Partition::WHOLE };
+    if let Ok(mut loader) = TokenLoader::open(&path, "data.train", batching, &feeds) {
+        for _ in 0..4 {
+            if loader.next_batch().is_err() {
+                break;
+            }
+        }
+    }
+}
+
+fn samples(dir: &Path, input: &[u8]) {
+    let path = dir.join("part.pb");
+    std::fs::write(&path, input).unwrap();
+    let _ = samples::read_shard(&path);
+    let batching = Batching { batch: 2, seq_len: 0, shuffle: true, seed: 1, partition: Partition::WHOLE };
+    if let Ok(mut loader) = SampleLoader::open(&path, "data.train", batching) {
+        for _ in 0..4 {
+            if loader.next_batch().is_err() {
+                break;
+            }
+        }
+    }
+}
+
+/// The manifest of a real checkpoint replaced by the input; its rank files stay.
+fn manifest(dir: &Path, input: &[u8]) {
+    let ckpt = dir.join("checkpoint");
+    if !ckpt.exists() {
+        copy_dir(&seeds().checkpoint, &ckpt);
+    }
+    std::fs::write(ckpt.join("manifest.json"), input).unwrap();
+    let _ = checkpoint::load(&ckpt);
+}
+
+/// A rank file's bytes straight to the decoder (through `load`, the manifest's checksum would
+/// refuse any change first).
+fn safetensors(_: &Path, input: &[u8]) {
+    let _ = checkpoint::safetensors::decode(input);
+}
+
+/// What `tensorfleet-worker inspect` does with a model: decode, convert every node, classify
+/// the initializers, bind the shapes and plan the memory.
+fn onnx(dir: &Path, input: &[u8]) {
+    let path = dir.join("model.onnx");
+    std::fs::write(&path, input).unwrap();
+    let _ = tensorfleet_worker::inspect::inspect(&path, &["batch=2".into()]);
+}
+
+fn config(_: &Path, input: &[u8]) {
+    let _ = TrainingConfig::parse(&String::from_utf8_lossy(input), "fuzz.yaml", &[]);
+}
+
+/// The valid inputs the mutations start from.
+struct Seeds {
+    tokens: Vec<u8>,
+    samples: Vec<u8>,
+    checkpoint: PathBuf,
+    rank_file: Vec<u8>,
+    model: Vec<u8>,
+    config: Vec<u8>,
+}
+
+/// A tiny run of the worker binary, as a user would make one: prepare-data, train with a
+/// checkpoint, export; and a sample shard of two tensors per sample.
+fn seeds() -> &'static Seeds {
+    static SEEDS: OnceLock<Seeds> = OnceLock::new();
+    SEEDS.get_or_init(|| {
+        let dir = common::scratch("fuzz-seeds");
+        std::fs::write(dir.join("text.txt"), "The fox saw the owl. The owl saw the fox. ".repeat(100)).unwrap();
+        let config = "model: {gpt2: {layers: 1, heads: 2, embed: 16, seqLen: 8, vocab: 50257}}\n\
+                      data: {train: {path: tokens/train, format: tokens}}\n\
+                      batchSize: 2\nsteps: 2\ncheckpoint: {every: 2, keep: 1}\noutput: {dir: out}\n";
+        std::fs::write(dir.join("train.yaml"), config).unwrap();
+        let worker = |args: &[&str]| {
+            let o = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(&dir).output();
+            let o = o.unwrap();
+            assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        };
+        worker(&["prepare-data", "--input", "text.txt", "--output", "tokens", "--val-fraction", "0.2"]);
+        worker(&["train", "--config", "train.yaml", "--quiet"]);
+        let checkpoint = dir.join("out/checkpoints/checkpoint_2");
+        let rank_file = std::fs::read_dir(&checkpoint)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .expect("a rank file");
+        let sample = |i: usize| {
+            vec![
+                ("x".to_string(), Tensor::from_vec(&[2, 3], (0..6).map(|k| (i * 6 + k) as f32).collect())),
+                ("labels".to_string(), Tensor::from_vec(&[], vec![i as i64])),
+            ]
+        };
+        samples::write_shard(&dir.join("part.pb"), &(0..5).map(sample).collect::<Vec<_>>()).unwrap();
+        Seeds {
+            tokens: std::fs::read(dir.join("tokens/train/train_000000.bin")).unwrap(),
+            samples: std::fs::read(dir.join("part.pb")).unwrap(),
+            rank_file: std::fs::read(rank_file).unwrap(),
+            model: std::fs::read(dir.join("out/model.onnx")).unwrap(),
+            config: config.as_bytes().to_vec(),
+            checkpoint,
+        }
+    })
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, to.join(p.file_name().unwrap())).unwrap();
+    }
+}
+
+/// One to four mutations of `data`.
+fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
+    for _ in 0..1 + rng.below(4) {
+        let len = data.len();
+        match rng.below(8) {
+            0 if len > 0 => data[rng.below(len)] ^= 1 << rng.below(8),
+            1 if len > 0 => data[rng.below(len)] = [0, 1, 0x7F, 0x80, 0xFF][rng.below(5)],
+            2 if len >= 4 => {
+                let edge: [u32; 7] = [0, 1, 0xFFFF, 1 << 20, i32::MAX as u32, 1 << 31, u32::MAX];
+                let at = rng.below(len - 3);
+                data[at..at + 4].copy_from_slice(&edge[rng.below(edge.len())].to_le_bytes());
+            }
+            3 if len >= 8 => {
+                let edge: [u64; 4] = [0, 1 << 40, i64::MAX as u64, u64::MAX];
+                let at = rng.below(len - 7);
+                data[at..at + 8].copy_from_slice(&edge[rng.below(edge.len())].to_le_bytes());
+            }
+            4 => data.truncate(rng.below(len + 1)),
+            5 if len > 0 => {
+                let from = rng.below(len);
+                let piece: Vec<u8> = data[from..(from + 1 + rng.below(64)).min(len)].to_vec();
+                let at = rng.below(len + 1);
+                data.splice(at..at, piece);
+            }
+            6 => replace_a_number(rng, data),
+            _ => {
+                let at = rng.below(len + 1);
+                let bytes: Vec<u8> = (0..1 + rng.below(8)).map(|_| rng.below(256) as u8).collect();
+                data.splice(at..at, bytes);
+            }
+        }
+    }
+}
+
+/// A run of ASCII digits (in a configuration or a manifest) replaced by an extreme number.
+fn replace_a_number(rng: &mut Rng, data: &mut Vec<u8>) {
+    let starts: Vec<usize> =
+        (0..data.len()).filter(|&i| data[i].is_ascii_digit() && (i == 0 || !data[i - 1].is_ascii_digit())).collect();
+    if starts.is_empty() {
+        return;
+    }
+    let start = starts[rng.below(starts.len())];
+    let end = (start..data.len()).find(|&i| !data[i].is_ascii_digit()).unwrap_or(data.len());
+    let extreme = ["0", "-1", "4294967296", "18446744073709551616", "1e400", ".nan", "-.inf", "999999999999"];
+    data.splice(start..end, extreme[rng.below(extreme.len())].bytes());
+}
+
+/// Runs `read` on `input` in a thread of its own; a panic or a read past `TIMEOUT` saves the
+/// input and fails with where it is.
+fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
+    let (done, finished) = mpsc::channel();
+    let (dir_for_read, kept) = (dir.to_path_buf(), input.clone());
+    let reader = std::thread::spawn(move || {
+        read(&dir_for_read, &kept);
+        let _ = done.send(());
+    });
+    let outcome = match finished.recv_timeout(TIMEOUT) {
+        Ok(()) => reader.join().map_err(|_| "panicked".to_string()),
+        Err(mpsc::RecvTimeoutError::Timeout) => Err(format!("took longer than {TIMEOUT:?}")),
+        Err(mpsc::RecvTimeoutError::Disconnected) => Err("panicked".to_string()),
+    };
+    if let Err(what) = outcome {
+        let saved = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("../fuzz").join(target);
+        std::fs::create_dir_all(&saved).unwrap();
+        let file = saved.join(format!("{:016x}", fnv(&input)));
+        std::fs::write(&file, &input).unwrap();
+        panic!(
+            "fuzz {target}: the reader {what} on the input saved as {} (commit it under \
+             worker/tests/data/fuzz/{target}/ with the fix)",
+            file.display()
+        );
+    }
+}
+
+fn fnv(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Replays the committed inputs of `target`, then runs its mutated seeds: `ROUNDS` of them from
+/// the fixed seed, or for TENSORFLEET_FUZZ_SECONDS from the clock's.
+fn fuzz(target: &str, read: Reader, seeds: &[&[u8]]) {
+    let dir = common::scratch(&format!("fuzz-{target}"));
+    let committed = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/fuzz").join(target);
+    let mut replayed = 0;
+    for entry in std::fs::read_dir(&committed).into_iter().flatten() {
+        check(target, read, &dir, std::fs::read(entry.unwrap().path()).unwrap());
+        replayed += 1;
+    }
+    for seed in seeds {
+        check(target, read, &dir, seed.to_vec());
+    }
+    let seconds: Option<u64> = std::env::var("TENSORFLEET_FUZZ_SECONDS").ok().map(|s| s.parse().expect("seconds"));
+    let start = Instant::now();
+    let rng_seed = match seconds {
+        Some(_) => std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64,
+        None => FIXED_SEED,
+    };
+    let mut rng = Rng::new(rng_seed);
+    let mut runs = 0;
+    while match seconds {
+        Some(s) => start.elapsed() < Duration::from_secs(s),
+        None => runs < ROUNDS,
+    } {
+        let mut input = seeds[rng.below(seeds.len())].to_vec();
+        mutate(&mut rng, &mut input);
+        check(target, read, &dir, input);
+        runs += 1;
+    }
+    eprintln!(
+        "fuzz {target}: {runs} mutated inputs in {:.1} s (seed {rng_seed:#x}), {replayed} committed replayed: no failure",
+        start.elapsed().as_secs_f64()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn fuzz_token_shards() {
+    fuzz("tokens", tokens, &[&seeds().tokens]);
+}
+
+#[test]
+fn fuzz_sample_shards() {
+    fuzz("samples", samples, &[&seeds().samples]);
+}
+
+#[test]
+fn fuzz_checkpoint_manifests() {
+    let manifest_text = std::fs::read(seeds().checkpoint.join("manifest.json")).unwrap();
+    fuzz("manifest", manifest, &[&manifest_text]);
+}
+
+#[test]
+fn fuzz_safetensors() {
+    fuzz("safetensors", safetensors, &[&seeds().rank_file]);
+}
+
+#[test]
+fn fuzz_onnx_models() {
+    fuzz("onnx", onnx, &[&seeds().model]);
+}
+
+#[test]
+fn fuzz_configurations() {
+    fuzz("config", config, &[&seeds().config]);
+}
