@@ -18,7 +18,9 @@ sign() {
 # kubeconfig FILE USER: USER's credentials (PKI/USER.{crt,key}) for SERVER, embedded.
 kubeconfig() {
     local b64ca b64crt b64key
-    b64ca=$(base64 -w0 <"$PKI/ca.crt") b64crt=$(base64 -w0 <"$PKI/$2.crt") b64key=$(base64 -w0 <"$PKI/$2.key")
+    b64ca=$(base64 -w0 <"$PKI/ca.crt") || die "no $PKI/ca.crt"
+    b64crt=$(base64 -w0 <"$PKI/$2.crt") || die "no $PKI/$2.crt"
+    b64key=$(base64 -w0 <"$PKI/$2.key") || die "no $PKI/$2.key"
     cat >"$1.tmp" <<KUBECONFIG
 apiVersion: v1
 kind: Config

@@ -100,7 +100,7 @@ EOF
 [[ -n ${SCHEDULER_PORT:-} ]] || die "could not pick free ports"
 
 # ---- certificates ----------------------------------------------------------------------------
-PKI=$DIR/pki  # TLS keys are ECDSA P-256 (quick to make); the service-account key is RSA
+PKI=$DIR/pki  # the service-account key is RSA; the TLS keys pki.sh makes
 log "certificates in $PKI"
 SERVER=https://$ADDRESS:$APISERVER_PORT
 # shellcheck source=e2e/control-plane/pki.sh
@@ -119,7 +119,6 @@ sign kube-scheduler "/CN=system:kube-scheduler" "$CLIENT_EXT"
 sign apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client" "$CLIENT_EXT"
 ossl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out "$PKI/sa.key"
 ossl pkey -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
-rm -f "$PKI/ca.srl"
 chmod 0600 "$PKI"/*.key
 
 # ---- kubeconfigs -----------------------------------------------------------------------------

@@ -48,7 +48,7 @@ pkill -KILL -f -- "containerd-shim-runc-v2 .*-address $DIR/nodes/" 2>/dev/null |
 # is still in the nodes' cgroups, unless another cluster's kubelet runs (the names are shared).
 if ! pgrep -f "kubelet --config=.*/nodes/.*/kubelet.yaml" >/dev/null; then
     for _ in 1 2 3; do
-        pids=$(find /sys/fs/cgroup/*/tensorfleet-* -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
+        pids=$(find /sys/fs/cgroup/tensorfleet-* /sys/fs/cgroup/*/tensorfleet-* -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
         [[ -n $pids ]] || break
         log "killing what is left in the nodes' cgroups: $(echo $pids)"
         kill -KILL $pids 2>/dev/null
@@ -58,8 +58,9 @@ fi
 
 # What is still mounted under DIR (volumes, root file systems), deepest first.
 awk '{print $5}' /proc/self/mountinfo | grep "^$DIR/" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
-# The nodes' cgroup subtrees, deepest first (a cgroup goes once it has no processes).
-for hierarchy in /sys/fs/cgroup/*/; do
+# The nodes' cgroup subtrees, deepest first (a cgroup goes once it has no processes), in
+# cgroup v2's one hierarchy or each of v1's.
+for hierarchy in /sys/fs/cgroup/ /sys/fs/cgroup/*/; do
     for root in "$hierarchy"tensorfleet-*; do
         [[ -d $root ]] || continue
         find "$root" -depth -type d -exec rmdir {} + 2>/dev/null

@@ -12,7 +12,7 @@ use crate::crd::{CleanPodPolicy, FailureCause, LauncherCreationPolicy, TrainingJ
 use crate::metrics::Metrics;
 use crate::resources::network_policy::OperatorPods;
 use crate::resources::{self, labels, names, FIELD_MANAGER};
-use crate::status;
+use crate::status::{self, LauncherFailure};
 use crate::{progress, Error, Result};
 use k8s_openapi::api::core::v1::{ConfigMap, Node, PersistentVolumeClaim, Pod, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -254,6 +254,7 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     }
 
     apply_children(job, ctx, pods.launcher.is_some()).await?;
+    apply_network_policy(job, ctx, &mut st).await?;
 
     // The launcher's outcome decides the job (with a failed worker's cause when there is one);
     // a failed worker restarts the gang.
@@ -273,8 +274,10 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
             return Ok(Action::requeue(Duration::from_secs(1)));
         }
         match status::launcher_failure(launcher, &pods.workers, &status::now()) {
-            Some(Ok(cause)) => return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await,
-            Some(Err(wait)) => return Ok(Action::requeue(Duration::from_secs(wait))),
+            Some(LauncherFailure::Cause(cause)) => {
+                return restart_or_fail(job, ctx, &pods_api, &pods, st, &old, cause).await
+            }
+            Some(LauncherFailure::WaitForWorkers(seconds)) => return Ok(Action::requeue(Duration::from_secs(seconds))),
             None => {}
         }
     }
@@ -515,15 +518,6 @@ async fn apply_children(job: &TrainingJob, ctx: &Context, launcher_exists: bool)
             create_if_absent(&claims, &claim).await?;
         }
     }
-    let policies: Api<NetworkPolicy> = Api::namespaced(client.clone(), &ns);
-    match resources::network_policy::network_policy(job, ctx.operator_pods.as_ref()) {
-        Some(policy) => drop(policies.patch(&names::network_policy(job), &pp, &Patch::Apply(&policy)).await?),
-        // Turned off while the job runs, or never on.
-        None => match policies.delete(&names::network_policy(job), &DeleteParams::default()).await {
-            Err(kube::Error::Api(e)) if e.code == 404 => {}
-            other => drop(other?),
-        },
-    }
     let members = job.spec.workers + i32::from(launcher_exists);
     if let (Some(group), Some(ar)) =
         (resources::podgroup::pod_group(job, members), resources::podgroup::api_resource(job.spec.scheduling.gang))
@@ -536,6 +530,28 @@ async fn apply_children(job: &TrainingJob, ctx: &Context, launcher_exists: bool)
             )),
             e => Error::Kube(e),
         })?;
+    }
+    Ok(())
+}
+
+/// The job's NetworkPolicy, applied while spec.networkPolicy.enabled; deleted once it is turned
+/// off, only if status says one was made (no call for the jobs that never had one).
+async fn apply_network_policy(job: &TrainingJob, ctx: &Context, st: &mut TrainingJobStatus) -> Result<()> {
+    let policies: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), &names::namespace(job));
+    let name = names::network_policy(job);
+    match resources::network_policy::network_policy(job, ctx.operator_pods.as_ref()) {
+        Some(policy) => {
+            policies.patch(&name, &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&policy)).await?;
+            st.network_policy = Some(name);
+        }
+        None if st.network_policy.is_some() => {
+            match policies.delete(&name, &DeleteParams::default()).await {
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                other => drop(other?),
+            }
+            st.network_policy = None;
+        }
+        None => {}
     }
     Ok(())
 }

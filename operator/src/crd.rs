@@ -443,6 +443,9 @@ pub struct TrainingJobStatus {
     /// When the job succeeded or failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_time: Option<Time>,
+    /// The NetworkPolicy the operator made for the job (spec.networkPolicy), while it exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<String>,
 }
 
 /// A condition in the Kubernetes convention.

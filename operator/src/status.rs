@@ -73,26 +73,35 @@ pub fn failure(pod: &Pod, any_exit_fails: bool) -> Option<FailureCause> {
 /// Seconds a retryable launcher failure waits for the workers' statuses (see launcher_failure).
 pub const WORKER_SETTLE_SECONDS: i64 = 5;
 
+/// What a failed launcher means for the gang (launcher_failure).
+#[derive(Debug, PartialEq)]
+pub enum LauncherFailure {
+    /// Restart or fail for this cause.
+    Cause(FailureCause),
+    /// Look again in this many seconds: a worker may yet say why.
+    WaitForWorkers(u64),
+}
+
 /// Why the gang failed, once the launcher has: mpirun's failure is mostly the echo of a rank
 /// that died on a worker, whose pod says why (its container OOM-killed, say) a moment after the
 /// launcher's exit is reported. So a failed worker's cause is the root cause and wins, and a
 /// launcher failure that would be retried waits until WORKER_SETTLE_SECONDS after the launcher
-/// finished for one (`Err` with the seconds left), so that the restart names it. `None` while
-/// the launcher has not failed.
-pub fn launcher_failure(launcher: &Pod, workers: &[Pod], now: &Time) -> Option<Result<FailureCause, u64>> {
+/// finished for one, so that the restart names it (never longer: `finished_at` is the launcher
+/// node's clock, `now` the operator's). `None` while the launcher has not failed.
+pub fn launcher_failure(launcher: &Pod, workers: &[Pod], now: &Time) -> Option<LauncherFailure> {
     let cause = failure(launcher, false)?;
     if let Some(worker) = workers.iter().find_map(|w| failure(w, true)) {
-        return Some(Ok(worker));
+        return Some(LauncherFailure::Cause(worker));
     }
     let retried = cause.exit_code.and_then(permanent_failure).is_none();
     let finished = terminated(launcher).and_then(|(_, t)| t.finished_at);
     if let (true, Some(finished)) = (retried, finished) {
-        let since = now.0.duration_since(finished.0).as_secs();
+        let since = now.0.duration_since(finished.0).as_secs().max(0);
         if since < WORKER_SETTLE_SECONDS {
-            return Some(Err((WORKER_SETTLE_SECONDS - since) as u64));
+            return Some(LauncherFailure::WaitForWorkers((WORKER_SETTLE_SECONDS - since) as u64));
         }
     }
-    Some(Ok(cause))
+    Some(LauncherFailure::Cause(cause))
 }
 
 /// The kubelet's reasons for a container that waits because its image cannot be had. It keeps
@@ -268,15 +277,20 @@ mod tests {
         let running = [pod_with("Running", None, None)];
 
         // Both reported: the worker's cause, at once.
-        let cause = launcher_failure(&launcher, &[running[0].clone(), worker.clone()], &at(0)).unwrap().unwrap();
-        assert_eq!((cause.pod.as_str(), cause.reason.as_str()), ("llm-worker-1", "OOMKilled"));
+        let cause = |f: Option<LauncherFailure>| match f {
+            Some(LauncherFailure::Cause(c)) => c,
+            other => panic!("no cause: {other:?}"),
+        };
+        let first = cause(launcher_failure(&launcher, &[running[0].clone(), worker.clone()], &at(0)));
+        assert_eq!((first.pod.as_str(), first.reason.as_str()), ("llm-worker-1", "OOMKilled"));
         // Only the launcher so far: wait for the workers, then take the launcher's.
-        assert_eq!(launcher_failure(&launcher, &running, &at(2)).unwrap(), Err(3));
-        let cause = launcher_failure(&launcher, &running, &at(WORKER_SETTLE_SECONDS)).unwrap().unwrap();
-        assert_eq!(cause.pod, "llm-launcher");
+        assert_eq!(launcher_failure(&launcher, &running, &at(2)), Some(LauncherFailure::WaitForWorkers(3)));
+        assert_eq!(cause(launcher_failure(&launcher, &running, &at(WORKER_SETTLE_SECONDS))).pod, "llm-launcher");
+        // An operator whose clock is behind the node's waits no longer than the settle time.
+        assert_eq!(launcher_failure(&launcher, &running, &at(-60)), Some(LauncherFailure::WaitForWorkers(5)));
         // A failure that is not retried decides at once: the restart it would wait for never comes.
         let permanent = launcher_exited(2, finished);
-        assert_eq!(launcher_failure(&permanent, &running, &at(0)).unwrap().unwrap().exit_code, Some(2));
+        assert_eq!(cause(launcher_failure(&permanent, &running, &at(0))).exit_code, Some(2));
         assert!(launcher_failure(&pod_with("Running", None, None), &[worker], &at(0)).is_none());
     }
 

@@ -110,14 +110,16 @@ fn token_feeds(cfg: &TrainingConfig, model: &Model) -> Result<(Feeds, usize)> {
     Ok((Feeds { token_input: g.name_of(input.value).to_string(), token_label: label, vocab }, seq))
 }
 
-/// The rows of the table the token ids index: the first input of the Gather on axis 0 that
-/// reads them, where it is an initializer (a table computed at run time has no rows to know).
+/// The rows of the table the token ids index: the first input of the Gather on the table's
+/// first axis that reads the ids directly, where that table is an initializer. (Ids that pass
+/// through a Cast or a Reshape first, or a table computed at run time, go unchecked here; the
+/// Gather then refuses an id out of range, naming its node.)
 fn embedding_rows(g: &Graph, ids: ValueId) -> Option<usize> {
-    g.nodes.iter().find_map(|n| match n.op {
-        Op::Gather { axis: 0, .. } if n.input(1) == Some(ids) => {
-            g.initializers.get(&n.input(0)?)?.shape().first().copied()
-        }
-        _ => None,
+    g.nodes.iter().find_map(|n| {
+        let Op::Gather { axis, .. } = n.op else { return None };
+        let table = g.initializers.get(&n.input(0)?)?.shape();
+        let first_axis = axis == 0 || axis == -(table.len() as i64);
+        (first_axis && n.input(1) == Some(ids)).then(|| table.first().copied()).flatten()
     })
 }
 
@@ -335,9 +337,7 @@ fn train_on<B: Backend>(
     }
     let (feeds, seq_len) = match cfg.data.train.format {
         crate::config::DataFormat::Tokens => token_feeds(cfg, &model)?,
-        crate::config::DataFormat::OnnxSamples => {
-            (Feeds { token_input: String::new(), token_label: String::new(), vocab: None }, 0)
-        }
+        crate::config::DataFormat::OnnxSamples => (Feeds::default(), 0),
     };
     let partition = Partition { index: groups.coords.dp, count: layout.data };
     let batching = Batching { batch: cfg.batch_size, seq_len, shuffle: cfg.data.shuffle, seed: cfg.seed, partition };

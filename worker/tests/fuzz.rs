@@ -3,7 +3,8 @@
 //! and a sample shard) are mutated: bits flipped, bytes set to edge values, integers to boundary
 //! values, numbers in text to extreme ones, cuts, repeats and insertions. Each reader must give
 //! a value or an error for every input: a panic, or a read that takes longer than `TIMEOUT`,
-//! fails the target and saves the input under `target/fuzz/<target>/`. Committed inputs under
+//! fails the target and saves the input under `target/fuzz/<target>/` (an abort ends the process
+//! with the input in `target/fuzz/<target>/current`). Committed inputs under
 //! `tests/data/fuzz/<target>/` (what failed before) are replayed first.
 //!
 //! `make test` runs `ROUNDS` inputs per target from a fixed seed: the same inputs every run.
@@ -20,13 +21,13 @@ use std::time::{Duration, Instant};
 use tensorfleet_worker::checkpoint;
 use tensorfleet_worker::config::TrainingConfig;
 use tensorfleet_worker::data::samples::{self, SampleLoader};
-use tensorfleet_worker::data::tokens::TokenLoader;
+use tensorfleet_worker::data::tokens::{write_shard as write_token_shard, TokenLoader};
 use tensorfleet_worker::data::{Batching, Feeds, Loader, Partition};
 use tensorfleet_worker::rng::Rng;
 use tensorfleet_worker::tensor::Tensor;
 
 /// Inputs per target in `make test`.
-const ROUNDS: usize = 2000;
+const ROUNDS: usize = 10_000;
 /// The longest one read may take (a tiny input; a hang shows as this).
 const TIMEOUT: Duration = Duration::from_secs(20);
 const FIXED_SEED: u64 = 0x7E45_0F1E_E7F0_22ED;
@@ -39,11 +40,16 @@ fn tokens(dir: &Path, input: &[u8]) {
     std::fs::write(&path, input).unwrap();
     let feeds = Feeds { token_input: "ids".into(), token_label: "labels".into(), vocab: Some(50257) };
     let batching = Batching { batch: 2, seq_len: 8, shuffle: true, seed: 1, partition: Partition::WHOLE };
-    if let Ok(mut loader) = TokenLoader::open(&path, "data.train", batching, &feeds) {
-        for _ in 0..4 {
-            if loader.next_batch().is_err() {
-                break;
-            }
+    if let Ok(loader) = TokenLoader::open(&path, "data.train", batching, &feeds) {
+        read_batches(loader);
+    }
+}
+
+/// Up to four batches, as training would read them, until one fails.
+fn read_batches(mut loader: impl Loader) {
+    for _ in 0..4 {
+        if loader.next_batch().is_err() {
+            break;
         }
     }
 }
@@ -53,12 +59,8 @@ fn samples(dir: &Path, input: &[u8]) {
     std::fs::write(&path, input).unwrap();
     let _ = samples::read_shard(&path);
     let batching = Batching { batch: 2, seq_len: 0, shuffle: true, seed: 1, partition: Partition::WHOLE };
-    if let Ok(mut loader) = SampleLoader::open(&path, "data.train", batching) {
-        for _ in 0..4 {
-            if loader.next_batch().is_err() {
-                break;
-            }
-        }
+    if let Ok(loader) = SampleLoader::open(&path, "data.train", batching) {
+        read_batches(loader);
     }
 }
 
@@ -100,24 +102,27 @@ struct Seeds {
     config: Vec<u8>,
 }
 
-/// A tiny run of the worker binary, as a user would make one: prepare-data, train with a
-/// checkpoint, export; and a sample shard of two tensors per sample.
+/// A tiny run of the worker binary, as a user would make one (train with a checkpoint, export),
+/// on a token shard of a 64-token vocabulary, so that the model and the rank file are mostly
+/// structure (a 50257-row embedding would be 99% weights, which the mutations would hit); and a
+/// sample shard of two tensors per sample.
 fn seeds() -> &'static Seeds {
     static SEEDS: OnceLock<Seeds> = OnceLock::new();
     SEEDS.get_or_init(|| {
         let dir = common::scratch("fuzz-seeds");
-        std::fs::write(dir.join("text.txt"), "The fox saw the owl. The owl saw the fox. ".repeat(100)).unwrap();
-        let config = "model: {gpt2: {layers: 1, heads: 2, embed: 16, seqLen: 8, vocab: 50257}}\n\
-                      data: {train: {path: tokens/train, format: tokens}}\n\
+        std::fs::create_dir_all(dir.join("tokens")).unwrap();
+        let ids: Vec<u16> = (0..400u16).map(|i| (i * 7 + i / 5) % 64).collect();
+        write_token_shard(&dir.join("tokens/train_000000.bin"), &ids).unwrap();
+        let config = "model: {gpt2: {layers: 1, heads: 2, embed: 16, seqLen: 8, vocab: 64}}\n\
+                      data: {train: {path: tokens, format: tokens}}\n\
                       batchSize: 2\nsteps: 2\ncheckpoint: {every: 2, keep: 1}\noutput: {dir: out}\n";
         std::fs::write(dir.join("train.yaml"), config).unwrap();
-        let worker = |args: &[&str]| {
-            let o = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker")).args(args).current_dir(&dir).output();
-            let o = o.unwrap();
-            assert!(o.status.success(), "{args:?}: {}", String::from_utf8_lossy(&o.stderr));
-        };
-        worker(&["prepare-data", "--input", "text.txt", "--output", "tokens", "--val-fraction", "0.2"]);
-        worker(&["train", "--config", "train.yaml", "--quiet"]);
+        let o = Command::new(env!("CARGO_BIN_EXE_tensorfleet-worker"))
+            .args(["train", "--config", "train.yaml", "--quiet"])
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "the seed run: {}", String::from_utf8_lossy(&o.stderr));
         let checkpoint = dir.join("out/checkpoints/checkpoint_2");
         let rank_file = std::fs::read_dir(&checkpoint)
             .unwrap()
@@ -132,7 +137,7 @@ fn seeds() -> &'static Seeds {
         };
         samples::write_shard(&dir.join("part.pb"), &(0..5).map(sample).collect::<Vec<_>>()).unwrap();
         Seeds {
-            tokens: std::fs::read(dir.join("tokens/train/train_000000.bin")).unwrap(),
+            tokens: std::fs::read(dir.join("tokens/train_000000.bin")).unwrap(),
             samples: std::fs::read(dir.join("part.pb")).unwrap(),
             rank_file: std::fs::read(rank_file).unwrap(),
             model: std::fs::read(dir.join("out/model.onnx")).unwrap(),
@@ -200,6 +205,11 @@ fn replace_a_number(rng: &mut Rng, data: &mut Vec<u8>) {
 /// Runs `read` on `input` in a thread of its own; a panic or a read past `TIMEOUT` saves the
 /// input and fails with where it is.
 fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
+    // An abort (an allocation the machine cannot make) ends the process before any report:
+    // the input being read is kept here until the next one replaces it.
+    let saved = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("../fuzz").join(target);
+    std::fs::create_dir_all(&saved).unwrap();
+    std::fs::write(saved.join("current"), &input).unwrap();
     let (done, finished) = mpsc::channel();
     let (dir_for_read, kept) = (dir.to_path_buf(), input.clone());
     let reader = std::thread::spawn(move || {
@@ -212,8 +222,6 @@ fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
         Err(mpsc::RecvTimeoutError::Disconnected) => Err("panicked".to_string()),
     };
     if let Err(what) = outcome {
-        let saved = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("../fuzz").join(target);
-        std::fs::create_dir_all(&saved).unwrap();
         let file = saved.join(format!("{:016x}", fnv(&input)));
         std::fs::write(&file, &input).unwrap();
         panic!(
@@ -247,6 +255,7 @@ fn fuzz(target: &str, read: Reader, seeds: &[&[u8]]) {
         Some(_) => std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64,
         None => FIXED_SEED,
     };
+    eprintln!("fuzz {target}: seed {rng_seed:#x}");
     let mut rng = Rng::new(rng_seed);
     let mut runs = 0;
     while match seconds {
@@ -259,7 +268,7 @@ fn fuzz(target: &str, read: Reader, seeds: &[&[u8]]) {
         runs += 1;
     }
     eprintln!(
-        "fuzz {target}: {runs} mutated inputs in {:.1} s (seed {rng_seed:#x}), {replayed} committed replayed: no failure",
+        "\nfuzz {target}: {runs} mutated inputs in {:.1} s (seed {rng_seed:#x}), {replayed} committed replayed: no failure",
         start.elapsed().as_secs_f64()
     );
     std::fs::remove_dir_all(&dir).ok();

@@ -141,10 +141,10 @@ Every verb here is one the controller calls (operator/src/controller.rs).
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create"]
 # The NetworkPolicy of a job with spec.networkPolicy.enabled, by server-side apply; deleted
-# when the job turns it off.
+# when the job turns it off (status.networkPolicy says one was made).
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["create", "patch", "delete"]
 # Kubernetes events about jobs (events.k8s.io/v1; patch updates a repeated event's series).
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]

@@ -22,20 +22,44 @@ pub struct OperatorPods {
 }
 
 impl OperatorPods {
-    /// From the namespace and a selector written `key=value,key=value`.
+    /// From the namespace and a selector written `key=value,key=value`, checked as the API
+    /// server checks labels (else every policy would be refused, job after job).
     pub fn parse(namespace: &str, selector: &str) -> Result<Self, String> {
         let labels = selector
             .split(',')
             .filter(|pair| !pair.trim().is_empty())
             .map(|pair| match pair.split_once('=') {
-                Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_string(), v.trim().to_string())),
-                _ => Err(format!("'{pair}' is not key=value")),
+                Some((k, v)) if label_key(k.trim()) && (v.trim().is_empty() || label_name(v.trim())) => {
+                    Ok((k.trim().to_string(), v.trim().to_string()))
+                }
+                _ => Err(format!("'{pair}' is not a label key=value")),
             })
             .collect::<Result<BTreeMap<_, _>, _>>()?;
         if labels.is_empty() {
             return Err("no labels: the operator's pods would be every pod of its namespace".into());
         }
         Ok(Self { namespace: namespace.to_string(), labels })
+    }
+}
+
+/// A label's name or value: at most 63 characters, alphanumerics with `-`, `_` or `.` between.
+fn label_name(s: &str) -> bool {
+    let inner = |c: char| c.is_ascii_alphanumeric() || "-_.".contains(c);
+    let ends = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric());
+    s.len() <= 63 && ends(s.chars().next()) && ends(s.chars().last()) && s.chars().all(inner)
+}
+
+/// A label key: a name, after an optional DNS-subdomain prefix and `/`.
+fn label_key(s: &str) -> bool {
+    match s.split_once('/') {
+        Some((prefix, name)) => {
+            prefix.len() <= 253
+                && prefix
+                    .split('.')
+                    .all(|part| label_name(part) && !part.contains('_') && part == part.to_ascii_lowercase())
+                && label_name(name)
+        }
+        None => label_name(s),
     }
 }
 
@@ -114,6 +138,9 @@ mod tests {
     fn an_operator_selector_must_be_labels() {
         assert!(OperatorPods::parse("ns", "").is_err());
         assert!(OperatorPods::parse("ns", "app").unwrap_err().contains("'app'"));
+        assert!(OperatorPods::parse("ns", "a=1=2").is_err());
+        assert!(OperatorPods::parse("ns", "-a=1").is_err());
+        assert!(OperatorPods::parse("ns", "app.kubernetes.io/name=tensorfleet,tier=").is_ok());
         assert_eq!(OperatorPods::parse("ns", "a=1, b=2").unwrap().labels.len(), 2);
     }
 }

@@ -34,7 +34,7 @@ pub trait Loader: Send {
 }
 
 /// How a loader names what it produces.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Feeds {
     /// Token data: the input the token ids feed, and the label input the next tokens feed.
     pub token_input: String,

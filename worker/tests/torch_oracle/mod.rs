@@ -59,7 +59,7 @@ pub fn spec(dir: &Path, file: &str, ignore_index: Option<i64>, padding_idx: BTre
 pub fn batches(path: &Path, batch: usize, count: usize) -> Vec<Batch> {
     let src = DataSource { path: path.to_path_buf(), format: DataFormat::OnnxSamples };
     let batching = Batching { batch, seq_len: 0, shuffle: false, seed: 0, partition: Partition::WHOLE };
-    let feeds = Feeds { token_input: String::new(), token_label: String::new(), vocab: None };
+    let feeds = Feeds::default();
     let mut loader = data::open(&src, "data.train", batching, &feeds).unwrap();
     (0..count).map(|_| loader.next_batch().unwrap()).collect()
 }
