@@ -230,6 +230,21 @@ impl Tensor {
         self.view().to_i64_vec()
     }
 
+    /// The first NaN or infinity of a floating-point tensor, with its index; `None` for a finite
+    /// one and for other element types.
+    pub fn first_non_finite(&self) -> Option<(usize, f64)> {
+        fn first<T: Element + Into<f64>>(t: &Tensor, finite: fn(&T) -> bool) -> Option<(usize, f64)> {
+            t.as_slice::<T>().iter().position(|v| !finite(v)).map(|i| (i, t.as_slice::<T>()[i].into()))
+        }
+        match self.dtype {
+            DType::F32 => first::<f32>(self, |v| v.is_finite()),
+            DType::F64 => first::<f64>(self, |v| v.is_finite()),
+            DType::F16 => first::<f16>(self, |v| v.is_finite()),
+            DType::BF16 => first::<bf16>(self, |v| v.is_finite()),
+            _ => None,
+        }
+    }
+
     /// Converts every element to another type (ONNX `Cast` semantics: floats to ints truncate).
     pub fn cast(&self, to: DType) -> Tensor {
         let mut out = Tensor::zeros(to, &self.shape);

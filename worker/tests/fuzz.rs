@@ -222,7 +222,7 @@ fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
         Err(mpsc::RecvTimeoutError::Disconnected) => Err("panicked".to_string()),
     };
     if let Err(what) = outcome {
-        let file = saved.join(format!("{:016x}", fnv(&input)));
+        let file = saved.join(checkpoint::checksum(&input));
         std::fs::write(&file, &input).unwrap();
         panic!(
             "fuzz {target}: the reader {what} on the input saved as {} (commit it under \
@@ -230,10 +230,6 @@ fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
             file.display()
         );
     }
-}
-
-fn fnv(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
 }
 
 /// Replays the committed inputs of `target`, then runs its mutated seeds: `ROUNDS` of them from

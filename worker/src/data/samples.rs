@@ -21,19 +21,6 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
     b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
 }
 
-/// The first NaN or infinity of a floating-point tensor, with its index.
-fn first_non_finite(t: &Tensor) -> Option<(usize, f64)> {
-    match t.dtype() {
-        DType::F64 => t.as_slice::<f64>().iter().position(|v| !v.is_finite()).map(|i| (i, t.as_slice::<f64>()[i])),
-        d if d.is_float() => {
-            let wide = t.cast(DType::F32);
-            let values = wide.as_slice::<f32>();
-            values.iter().position(|v| !v.is_finite()).map(|i| (i, f64::from(values[i])))
-        }
-        _ => None,
-    }
-}
-
 /// Parses every sample of one shard; errors name the file and byte offset.
 pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
     let bytes =
@@ -64,7 +51,7 @@ pub fn read_shard(path: &Path) -> Result<Vec<Sample>> {
                 .map_err(|e| corrupt(p + 4, format!("not a TensorProto: {e}")))?;
             let name = proto.name().to_string();
             let t = tensor_from_proto(&proto, &format!("sample shard {} at offset {}", path.display(), p + 4))?;
-            if let Some((i, v)) = first_non_finite(&t) {
+            if let Some((i, v)) = t.first_non_finite() {
                 let what = format!("tensor '{name}' of sample {} holds {v} at element {i}", samples.len());
                 return Err(corrupt(p + 4, format!("{what}; input data must be finite")));
             }

@@ -317,8 +317,7 @@ impl<B: Backend> Session<B> {
         let (params, tracked) = trained_weights(g, &opts.trainable, &opts.frozen)?;
         // A NaN or infinite weight makes every loss NaN from the first step on: damaged data.
         // (Constants may hold infinities, as attention masks do; they are not weights.)
-        if let Some(&v) = params.iter().find(|&&v| !g.initializers[&v].as_slice::<f32>().iter().all(|x| x.is_finite()))
-        {
+        if let Some(&v) = params.iter().find(|&&v| g.initializers[&v].first_non_finite().is_some()) {
             return Err(Error::Corrupt(format!("the model's weight '{}' holds NaN or infinite values", g.name_of(v))));
         }
         if !tracked.is_empty() && opts.pipeline.is_some() {
