@@ -3,6 +3,8 @@
 //! not run; 3 unreadable or corrupt data/model/checkpoint; 4 the training diverged; 1 anything
 //! else. Every message names the file, field, node or rank it is about.
 
+use crate::backend::BackendError;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A configuration key or value, a command-line argument, or a missing input file.
@@ -35,6 +37,19 @@ impl Error {
     }
 }
 
+/// A backend's failure, by kind: bad data is corrupt input; a kernel's refusal, like an
+/// operator the engine does not run, is unsupported; running out of device memory while the
+/// plan fits, a driver's or a collective's failure may pass on a retry.
+impl From<BackendError> for Error {
+    fn from(e: BackendError) -> Error {
+        match e {
+            BackendError::BadData(_) => Error::Corrupt(e.to_string()),
+            BackendError::Refused(_) => Error::Unsupported(e.to_string()),
+            BackendError::OutOfMemory { .. } | BackendError::Device(_) => Error::Runtime(e.to_string()),
+        }
+    }
+}
+
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// `Error::Config` from a format string.
@@ -47,4 +62,29 @@ macro_rules! config_err {
 #[macro_export]
 macro_rules! corrupt_err {
     ($($arg:tt)*) => { $crate::error::Error::Corrupt(format!($($arg)*)) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each kind of backend failure reaches the exit code the operator acts on, its message
+    /// led by where it happened.
+    #[test]
+    fn backend_failures_map_to_their_exit_codes() {
+        let oom = BackendError::OutOfMemory { place: "cuda:0".into(), bytes: 1 << 30, free: Some(1 << 20) };
+        let cases = [
+            (BackendError::BadData("label 7 is out of range for 3 classes".into()), 3),
+            (BackendError::Refused("Gemm takes 2-D operands".into()), 2),
+            (oom, 1),
+            (BackendError::Device("CUDA synchronize: CUDA_ERROR_LAUNCH_FAILED".into()), 1),
+        ];
+        for (e, code) in cases {
+            let e = Error::from(e.at("SoftmaxCrossEntropyLoss 'loss'"));
+            assert_eq!(e.exit_code(), code, "{e}");
+            assert!(e.to_string().starts_with("SoftmaxCrossEntropyLoss 'loss'"), "{e}");
+        }
+        let oom = BackendError::OutOfMemory { place: "cuda:0".into(), bytes: 1024, free: Some(512) };
+        assert_eq!(oom.to_string(), "cuda:0: cannot allocate 1024 bytes (512 free)");
+    }
 }

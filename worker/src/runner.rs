@@ -7,7 +7,7 @@ use crate::backend::Backend;
 use crate::checkpoint;
 use crate::comm::{CommOptions, Layout, World};
 use crate::config::{ModelConfig, ModelSpec, OptimizerName, Precision, TrainingConfig};
-use crate::data::{self, Batch, Batching, Feeds, Partition};
+use crate::data::{self, Batch, Batching, Feeds, LabelRange, Partition};
 use crate::error::{Error, Result};
 use crate::files::OutputLock;
 use crate::graph::ir::{Dim, Graph, ValueId};
@@ -121,6 +121,35 @@ fn embedding_rows(g: &Graph, ids: ValueId) -> Option<usize> {
         let first_axis = axis == 0 || axis == -(table.len() as i64);
         (first_axis && n.input(1) == Some(ids)).then(|| table.first().copied()).flatten()
     })
+}
+
+/// The classes each label input may name, where a cross-entropy of the bound graph reads it
+/// (directly, or through reshapes and casts): its scores' class axis. A vocabulary-sharded loss
+/// (tensor parallelism) holds only a shard of the classes and is not looked at; its kernel
+/// refuses a label past the vocabulary, naming its node.
+fn label_ranges(g: &Graph) -> Vec<LabelRange> {
+    let producers = g.producers();
+    let behind = |mut v: ValueId| loop {
+        if g.inputs.iter().any(|d| d.value == v) {
+            return Some(v);
+        }
+        let n = &g.nodes[producers[v]?];
+        match n.op {
+            Op::Reshape | Op::Identity | Op::Cast { .. } => v = n.input(0)?,
+            _ => return None,
+        }
+    };
+    let ranges = g.nodes.iter().filter_map(|n| {
+        let ignore = match n.op {
+            Op::SoftmaxCrossEntropyLoss { ignore_index, .. }
+            | Op::SoftmaxCrossEntropyLse { ignore_index, .. }
+            | Op::NegativeLogLikelihoodLoss { ignore_index, .. } => ignore_index,
+            _ => return None,
+        };
+        let classes = *g.meta(n.input(0)?)?.shape.get(1)?;
+        Some(LabelRange { input: g.name_of(behind(n.input(1)?)?).to_string(), classes, ignore })
+    });
+    ranges.collect()
 }
 
 /// What this build can run of the configuration, checked before anything heavy starts.
@@ -283,7 +312,7 @@ pub fn train(cfg: &TrainingConfig, console: ConsoleMode) -> Result<Summary> {
         Device::Cuda { ordinal } => {
             crate::backend::cuda::AttentionKernels::from_env().map_err(Error::Config)?;
             let gpu = crate::backend::cuda::CudaBackend::new(ordinal)
-                .map_err(|e| Error::Runtime(format!("rank {} on GPU {ordinal}: {e}", world.rank())))?
+                .map_err(|e| Error::from(e.at(format_args!("rank {} on GPU {ordinal}", world.rank()))))?
                 .with_wait_limit(Duration::from_secs(p.timeout_seconds));
             train_on(Arc::new(gpu), cfg, console, &world, layout)
         }
@@ -396,6 +425,10 @@ fn train_on<B: Backend>(
         )));
     }
     check_watched(cfg, &session.weight_names())?;
+    for range in label_ranges(&session.train.graph) {
+        train_data.check_labels(&range)?;
+        eval_data.as_ref().map_or(Ok(()), |d| d.check_labels(&range))?;
+    }
     let (arena, persistent) = session.memory();
     tracing::info!(
         backend = %backend.name(),

@@ -300,6 +300,58 @@ fn tiny(dir: &Path, name: &str, steps: u64, extra: &str) -> PathBuf {
     path
 }
 
+/// An MLP of 4 inputs, one hidden layer of `hidden` and 3 classes, trained 2 steps of
+/// `batch` samples from sample shards `data/<i>.pb`, one per entry of `shards` (each a list of
+/// labels): the worker's output.
+fn train_mlp(dir: &Path, hidden: usize, batch: usize, shards: &[Vec<i64>]) -> Output {
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    for (i, labels) in shards.iter().enumerate() {
+        let samples: Vec<_> = labels
+            .iter()
+            .map(|&l| {
+                vec![
+                    ("x".to_string(), Tensor::from_vec(&[4], vec![0.5f32; 4])),
+                    ("labels".to_string(), Tensor::from_vec(&[], vec![l])),
+                ]
+            })
+            .collect();
+        write_shard(&dir.join(format!("data/{i}.pb")), &samples).unwrap();
+    }
+    let config = format!(
+        "model: {{mlp: {{inputs: 4, hidden: [{hidden}], classes: 3}}}}\n\
+         data: {{train: {{path: data, format: onnxSamples}}}}\nbatchSize: {batch}\nsteps: 2\n"
+    );
+    std::fs::write(dir.join("mlp.yaml"), config).unwrap();
+    worker_within(&["train", "--quiet", "--config", "mlp.yaml"], dir, 60)
+}
+
+/// A batch whose activations no machine holds used to fail at the arena's allocation as a
+/// retryable error (exit 1), restarting the gang into the same failure. The plan's size is
+/// checked against the memory before anything is allocated: exit 2 naming batchSize, with the
+/// bytes needed and available.
+#[test]
+fn a_plan_larger_than_the_memory_is_refused_naming_the_batch_size() {
+    let dir = scratch("bad-input-plan-size");
+    // 10,000 samples through a hidden layer of 10^6: 40 GB per activation, 4 MB of weights.
+    let o = train_mlp(&dir, 1_000_000, 10_000, &[vec![1; 10_000]]);
+    assert_refused("activations of 40 GB", &o, 2, "batchSize: the run needs");
+    assert!(stderr(&o).contains("are available; lower batchSize"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A class label past the model's classes was refused by the loss's kernel mid-run, naming the
+/// node but not the data (and on a GPU found only at the next wait). The labels of every sample
+/// are checked against the bound loss's classes before the first step: exit 3 naming the shard,
+/// the sample and the label.
+#[test]
+fn a_label_past_the_classes_names_its_shard_and_sample() {
+    let dir = scratch("bad-input-labels");
+    let o = train_mlp(&dir, 8, 2, &[vec![0, 2], vec![1, 5]]);
+    assert_refused("label 5 of 3 classes", &o, 3, "data.train: sample shard");
+    assert!(stderr(&o).contains("1.pb sample 1: label 5"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// A FIFO blocks its reader until a writer comes: as the config, the model, or a shard the
 /// worker hung. Only regular files are read as inputs: exit 2 naming the path.
 #[test]
@@ -430,8 +482,9 @@ fn rank0(ckpt: &Path) -> (serde_json::Value, Vec<(String, serde_json::Value)>, V
     (manifest, header.into_iter().collect(), bytes[8 + n..].to_vec())
 }
 
-/// A checkpoint at `dir/name` put together from `rank0`'s parts, its checksum made to match:
-/// well-formed to the checksum, whatever the parts say.
+/// A checkpoint at `dir/name` put together from `rank0`'s parts, its checksums (the rank file's
+/// in the manifest, the manifest's in `manifest.sum`) made to match: well-formed to the
+/// checksums, whatever the parts say.
 fn assemble(
     dir: &Path,
     name: &str,
@@ -451,7 +504,10 @@ fn assemble(
     out.extend_from_slice(data);
     manifest["files"]["rank_0.safetensors"] = tensorfleet_worker::checkpoint::checksum(&out).into();
     std::fs::write(copy.join("rank_0.safetensors"), out).unwrap();
-    std::fs::write(copy.join("manifest.json"), serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+    let text = serde_json::to_vec_pretty(&manifest).unwrap();
+    let sum = format!("{}  manifest.json\n", tensorfleet_worker::checkpoint::checksum(&text));
+    std::fs::write(copy.join("manifest.json"), text).unwrap();
+    std::fs::write(copy.join("manifest.sum"), sum).unwrap();
     copy
 }
 
@@ -529,6 +585,21 @@ fn a_damaged_checkpoint_is_refused_naming_the_file_and_tensor() {
 
     let copy = damaged(&ckpt, &dir, "world", |m, _| m["worldSize"] = 4.into());
     assert_refused("a world size its layout denies", &inspect(&copy), 3, "manifest.json: worldSize 4");
+
+    // The manifest's own bytes: an edit its checksum does not cover, a missing manifest.sum.
+    let copy = damaged(&ckpt, &dir, "edited", |_, _| {});
+    let text = std::fs::read_to_string(copy.join("manifest.json")).unwrap();
+    assert!(text.contains("\"step\": 1,"), "{text}");
+    std::fs::write(copy.join("manifest.json"), text.replace("\"step\": 1,", "\"step\": 7,")).unwrap();
+    assert_refused("an edited manifest", &inspect(&copy), 3, "manifest.json: its checksum");
+    let copy = damaged(&ckpt, &dir, "unsummed", |_, _| {});
+    std::fs::remove_file(copy.join("manifest.sum")).unwrap();
+    assert_refused("no manifest.sum", &inspect(&copy), 3, "manifest.sum is missing");
+    // A checkpoint of the format before manifest.sum still loads.
+    let copy = damaged(&ckpt, &dir, "v2", |m, _| m["format"] = "tensorfleet-checkpoint-v2".into());
+    std::fs::remove_file(copy.join("manifest.sum")).unwrap();
+    let o = inspect(&copy);
+    assert!(o.status.success(), "a v2 checkpoint: {}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -1031,6 +1031,42 @@ fn cross_entropy_over_spatial_scores_matches_the_cpu_backend_on_the_emulated_ker
     }
 }
 
+/// A class label past the classes is bad data on both backends: the CPU's kernel refuses it at
+/// once; the GPU's records it in the fault word and the next wait reports it. Either way the
+/// worker exits 3 (corrupt input), where the GPU's used to read as a retryable failure (exit 1)
+/// and restart the gang into the same label.
+#[test]
+fn a_label_past_the_classes_is_bad_data_on_both_backends() {
+    use tensorfleet_worker::backend::{Arg, BackendError};
+    use tensorfleet_worker::error::Error;
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let scores = Tensor::from_vec(&[2, 3], values(6, 3));
+    let labels = Tensor::from_vec(&[2], vec![1i64, 7]);
+    let op = Op::SoftmaxCrossEntropyLoss { reduction: LossReduction::Mean, ignore_index: None };
+    fn launch<B: Backend>(b: &B, op: &Op, inputs: &[&Tensor]) -> Result<(), BackendError> {
+        let metas: Vec<Meta> = inputs.iter().map(|t| Meta::new(t.dtype(), t.shape())).collect();
+        let outs = [Meta::new(DType::F32, &[]), Meta::new(DType::F32, &[2, 3])];
+        let bufs: Vec<B::Buffer> = metas.iter().chain(&outs).map(|m| b.alloc(m.bytes()).unwrap()).collect();
+        for (i, t) in inputs.iter().enumerate() {
+            b.upload(t, Arg { buf: &bufs[i], offset: 0, meta: &metas[i] }).unwrap();
+        }
+        let ins: Vec<_> = metas.iter().zip(&bufs).map(|(m, buf)| Some(Arg { buf, offset: 0, meta: m })).collect();
+        let out: Vec<_> = outs.iter().zip(&bufs[2..]).map(|(m, buf)| Arg { buf, offset: 0, meta: m }).collect();
+        b.launch(op, &ins, &out)?;
+        b.synchronize()
+    }
+    for (name, result) in
+        [("cpu", launch(&cpu, &op, &[&scores, &labels])), ("gpu", launch(&gpu, &op, &[&scores, &labels]))]
+    {
+        let e = result.expect_err(name);
+        assert!(matches!(e, BackendError::BadData(_)), "{name}: {e:?}");
+        assert_eq!(Error::from(e).exit_code(), 3, "{name}");
+    }
+    // The fault is reported once: the next work on the GPU runs clean.
+    let fine = Tensor::from_vec(&[2], vec![1i64, 2]);
+    launch(&gpu, &op, &[&scores, &fine]).unwrap();
+}
+
 /// The cross-entropy's kernels on scores of each float type (mixed precision's loss reads bf16
 /// logits as they are), over rows wider than a block, with masked classes (−∞) where a thread's
 /// first elements are, in the middle and at the end: the loss and the log-probabilities against

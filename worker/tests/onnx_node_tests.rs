@@ -505,7 +505,7 @@ fn run_graph(dir: &Path, model: &ModelProto, graph: Graph, on: Engine) -> Result
 /// GPU 0's backend, made once (its kernels compiled once) for every test.
 fn gpu() -> Result<Arc<CudaBackend>, Rejected> {
     static GPU: std::sync::OnceLock<Result<Arc<CudaBackend>, String>> = std::sync::OnceLock::new();
-    GPU.get_or_init(|| CudaBackend::new(0).map(Arc::new)).clone().map_err(Rejected::Failed)
+    GPU.get_or_init(|| CudaBackend::new(0).map(Arc::new).map_err(|e| e.to_string())).clone().map_err(Rejected::Failed)
 }
 
 /// Runs the bound graph on `backend` with the test's inputs and compares its outputs.

@@ -5,7 +5,7 @@
 //! The host side of the group stays at hand (`Group` dereferences to its `HostGroup`) for what is
 //! host data anyway: per-step scalars, ZeRO's flat shards, a pipeline's packed messages.
 
-use super::{Arg, Backend};
+use super::{Arg, Backend, BackendError};
 use crate::comm::{describe, Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::error::{Error, Result};
 
@@ -18,36 +18,42 @@ pub trait DeviceCollective<Buf>: Send + Sync {
 
     /// Every member's `values` become their sum (average, maximum) over the group; the values
     /// are reduced together (one NCCL group), not one after another.
-    fn all_reduce(&self, values: &[Arg<Buf>], op: ReduceOp) -> std::result::Result<(), String>;
+    fn all_reduce(&self, values: &[Arg<Buf>], op: ReduceOp) -> std::result::Result<(), BackendError>;
 
     /// Every member's `values` become group rank `root`'s.
-    fn broadcast(&self, values: &[Arg<Buf>], root: usize) -> std::result::Result<(), String>;
+    fn broadcast(&self, values: &[Arg<Buf>], root: usize) -> std::result::Result<(), BackendError>;
 
     /// `all_reduce` beside the device's later work: ordered after the work enqueued so far,
     /// on the group's communication stream, which the device's work waits for only from
     /// `join` on. Until then nothing may write `values` (nor read the reduction).
-    fn start_all_reduce(&self, values: &[Arg<Buf>], op: ReduceOp) -> std::result::Result<(), String>;
+    fn start_all_reduce(&self, values: &[Arg<Buf>], op: ReduceOp) -> std::result::Result<(), BackendError>;
 
     /// The device's work from here on waits for every collective started.
-    fn join(&self) -> std::result::Result<(), String>;
+    fn join(&self) -> std::result::Result<(), BackendError>;
 
     /// Every member's `recv` becomes its part of the reduction of all members' `send`, which
     /// holds `recv`'s count per member, in member order.
-    fn reduce_scatter(&self, send: Arg<Buf>, recv: Arg<Buf>, op: ReduceOp) -> std::result::Result<(), String>;
+    fn reduce_scatter(&self, send: Arg<Buf>, recv: Arg<Buf>, op: ReduceOp) -> std::result::Result<(), BackendError>;
 
     /// Every member's `recv` becomes all members' `send` end to end, in member order; `send`
     /// may be this member's part of `recv`.
-    fn all_gather(&self, send: Arg<Buf>, recv: Arg<Buf>) -> std::result::Result<(), String>;
+    fn all_gather(&self, send: Arg<Buf>, recv: Arg<Buf>) -> std::result::Result<(), BackendError>;
 
     /// Sends `x` to group rank `to`, which receives it with `recv` (a pipeline's messages).
-    fn send(&self, x: Arg<Buf>, to: usize) -> std::result::Result<(), String>;
+    fn send(&self, x: Arg<Buf>, to: usize) -> std::result::Result<(), BackendError>;
 
     /// Receives into `x` what group rank `from` sends.
-    fn recv(&self, x: Arg<Buf>, from: usize) -> std::result::Result<(), String>;
+    fn recv(&self, x: Arg<Buf>, from: usize) -> std::result::Result<(), BackendError>;
 
     /// Sends `send` to `to` and receives `recv` from `from` together, so that two ranks
     /// exchanging messages cannot wait on each other.
-    fn send_recv(&self, send: Arg<Buf>, to: usize, recv: Arg<Buf>, from: usize) -> std::result::Result<(), String>;
+    fn send_recv(
+        &self,
+        send: Arg<Buf>,
+        to: usize,
+        recv: Arg<Buf>,
+        from: usize,
+    ) -> std::result::Result<(), BackendError>;
 }
 
 pub struct Group<B: Backend> {
@@ -60,7 +66,7 @@ impl<B: Backend> Group<B> {
     /// collective: every member opens its groups in the same order), else the host's.
     pub fn open(backend: &B, host: HostGroup) -> Result<Group<B>> {
         let device = if host.size() > 1 {
-            backend.open_collective(&host).map_err(|e| Error::Runtime(format!("{}: {e}", describe(&host))))?
+            backend.open_collective(&host).map_err(|e| Error::from(e.at(describe(&host))))?
         } else {
             None
         };
@@ -97,10 +103,9 @@ impl<B: Backend> Group<B> {
     /// communication stream beside its later work, until `join` (see
     /// [`DeviceCollective::start_all_reduce`]); only for a group `on_device`.
     pub fn start_all_reduce(&self, values: &[Arg<B::Buffer>], op: ReduceOp) -> Result<()> {
-        let d = self
-            .device
-            .as_ref()
-            .ok_or_else(|| self.error("start_all_reduce", "the group is not on a device".into()))?;
+        let d = self.device.as_ref().ok_or_else(|| {
+            Error::Runtime(format!("start_all_reduce on {}: the group is not on a device", describe(&self.host)))
+        })?;
         d.start_all_reduce(values, op).map_err(|e| self.error("all_reduce", e))
     }
 
@@ -202,11 +207,11 @@ impl<B: Backend> Group<B> {
 
     /// Runs `f` on the value `x` in host memory (the CPU's own bytes; a device's, copied).
     fn on_host(&self, backend: &B, x: Arg<B::Buffer>, f: &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()> {
-        backend.with_host_f32(x, &mut |v| f(v).map_err(|e| e.to_string())).map_err(Error::Runtime)
+        backend.with_host_f32(x, &mut |v| f(v))
     }
 
-    fn error(&self, op: &str, e: String) -> Error {
-        Error::Runtime(format!("{op} on {}: {e}", describe(&self.host)))
+    fn error(&self, op: &str, e: BackendError) -> Error {
+        e.at(format_args!("{op} on {}", describe(&self.host))).into()
     }
 }
 

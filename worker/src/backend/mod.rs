@@ -11,8 +11,10 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod error;
 
 pub use collective::{DeviceCollective, Group};
+pub use error::BackendError;
 
 use crate::comm::HostGroup;
 use crate::graph::ir::{Graph, Meta};
@@ -45,23 +47,20 @@ pub struct Slot<'a, B> {
 /// An f32 value's elements, copied to host memory (where host collectives reduce it).
 pub fn read_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>) -> crate::error::Result<Vec<f32>> {
     let mut out = Vec::with_capacity(x.meta.numel());
-    backend
-        .with_host_f32(x, &mut |v| {
-            out.extend_from_slice(v);
-            Ok(())
-        })
-        .map_err(crate::error::Error::Runtime)?;
+    backend.with_host_f32(x, &mut |v| {
+        out.extend_from_slice(v);
+        Ok::<_, BackendError>(())
+    })?;
     Ok(out)
 }
 
 /// Sets an f32 value's elements from host memory (`src` of its length).
 pub fn write_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> crate::error::Result<()> {
-    backend
-        .with_host_f32(x, &mut |v| {
-            v.copy_from_slice(src);
-            Ok(())
-        })
-        .map_err(crate::error::Error::Runtime)
+    backend.with_host_f32(x, &mut |v| {
+        v.copy_from_slice(src);
+        Ok::<_, BackendError>(())
+    })?;
+    Ok(())
 }
 
 /// The per-step numbers of an optimizer update.
@@ -80,13 +79,13 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
 
     /// `bytes` of zeroed device memory.
-    fn alloc(&self, bytes: usize) -> Result<Self::Buffer, String>;
+    fn alloc(&self, bytes: usize) -> Result<Self::Buffer, BackendError>;
 
     /// Copies a host tensor to `dst` (its bytes must fit at `dst.offset`).
-    fn upload(&self, src: &Tensor, dst: Arg<Self::Buffer>) -> Result<(), String>;
+    fn upload(&self, src: &Tensor, dst: Arg<Self::Buffer>) -> Result<(), BackendError>;
 
     /// Copies a device value to a host tensor of the same meta; waits for pending work.
-    fn download(&self, src: Arg<Self::Buffer>) -> Result<Tensor, String>;
+    fn download(&self, src: Arg<Self::Buffer>) -> Result<Tensor, BackendError>;
 
     /// Runs one static op. `outputs` never overlap live `inputs` (the planner sees to it).
     fn launch(
@@ -94,19 +93,30 @@ pub trait Backend: Send + Sync {
         op: &Op,
         inputs: &[Option<Arg<Self::Buffer>>],
         outputs: &[Arg<Self::Buffer>],
-    ) -> Result<(), String>;
+    ) -> Result<(), BackendError>;
 
     /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation);
     /// keep 0 overwrites dst, whatever it held (the inf or NaN of a skipped fp16 step too).
-    fn accumulate(&self, dst: Arg<Self::Buffer>, keep: f32, src: Arg<Self::Buffer>, scale: f32) -> Result<(), String>;
+    fn accumulate(
+        &self,
+        dst: Arg<Self::Buffer>,
+        keep: f32,
+        src: Arg<Self::Buffer>,
+        scale: f32,
+    ) -> Result<(), BackendError>;
 
     /// Σ x² over f32 values, for global gradient norms: summed per value, then over the values
     /// in order. Waits for pending work, once for all of them.
-    fn sum_squares(&self, xs: &[Arg<Self::Buffer>]) -> Result<f64, String>;
+    fn sum_squares(&self, xs: &[Arg<Self::Buffer>]) -> Result<f64, BackendError>;
 
     /// One optimizer update of every weight in `slots`, which share `update` and `hyper` (a
     /// parameter group): a GPU updates them all in one launch rather than one per weight.
-    fn optimizer_step(&self, update: &Update, hyper: StepHyper, slots: &[Slot<Self::Buffer>]) -> Result<(), String>;
+    fn optimizer_step(
+        &self,
+        update: &Update,
+        hyper: StepHyper,
+        slots: &[Slot<Self::Buffer>],
+    ) -> Result<(), BackendError>;
 
     /// Adasum of each pair of f32 values (`parallel::adasum::combine_pair`): `mine[i]` becomes
     /// adasum(lower rank's, higher rank's) of it and `theirs[i]`, the partner's (which may be
@@ -116,7 +126,7 @@ pub trait Backend: Send + Sync {
         mine: &[Arg<Self::Buffer>],
         theirs: &[Arg<Self::Buffer>],
         mine_is_lower: bool,
-    ) -> Result<(), String>;
+    ) -> Result<(), BackendError>;
 
     /// The nodes of `graph` this backend has no kernel for, one line each naming the node and
     /// why; empty when it can run them all (the CPU runs every op).
@@ -127,12 +137,21 @@ pub trait Backend: Send + Sync {
     /// Opens `group`'s collectives over this backend's buffers, when the device has its own
     /// (NCCL on GPUs). Collective: every member calls it for the group, and all must get the
     /// same answer. None: values cross host memory (`with_host_f32`) and the group's MPI.
-    fn open_collective(&self, _group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<Self::Buffer>>>, String> {
+    fn open_collective(
+        &self,
+        _group: &HostGroup,
+    ) -> Result<Option<Box<dyn DeviceCollective<Self::Buffer>>>, BackendError> {
         Ok(None)
     }
 
+    /// The memory a plan may take on this device, asked before its arena is allocated: a GPU's
+    /// free memory; the machine's (or its container's) for the CPU. None when unknown.
+    fn memory_available(&self) -> Option<usize> {
+        None
+    }
+
     /// Waits until all enqueued work is done.
-    fn synchronize(&self) -> Result<(), String>;
+    fn synchronize(&self) -> Result<(), BackendError>;
 
     /// Ends this rank's device collectives at once, whatever their peers do: the run is ending
     /// in an error, and its in-flight collectives (which may wait for peers that wait for this
@@ -149,9 +168,9 @@ pub trait Backend: Send + Sync {
     /// Lets `f` change an f32 value in host memory: the CPU hands over the value's own bytes; a
     /// device copies it to the host and back. Host collectives (MPI) reduce values through it
     /// where the device has no collectives of its own.
-    fn with_host_f32(
+    fn with_host_f32<E: From<BackendError>>(
         &self,
         x: Arg<Self::Buffer>,
-        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String>;
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E>;
 }

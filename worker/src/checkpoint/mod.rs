@@ -1,6 +1,6 @@
 //! Checkpoints: `checkpoint_<step>/` holding `manifest.json` (step, data position, layout,
-//! settings, per-file checksums) and one `rank_<r>.safetensors` per rank that has something to
-//! keep (weights and optimizer state). A checkpoint is written under a temporary name and
+//! settings, per-file checksums), `manifest.sum` (the manifest's own checksum) and one
+//! `rank_<r>.safetensors` per rank that has something to keep (weights and optimizer state). A checkpoint is written under a temporary name and
 //! renamed, by rank 0, once every rank's file is complete, so a directory named
 //! `checkpoint_<step>` is always whole; only the newest `keep` are kept.
 //!
@@ -55,15 +55,21 @@ pub struct Manifest {
     pub tensor_splits: BTreeMap<String, TensorSplit>,
 }
 
-/// The manifest format this worker writes and reads.
-pub const FORMAT: &str = "tensorfleet-checkpoint-v2";
+/// The manifest format this worker writes: v2 with the manifest's own checksum beside it.
+pub const FORMAT: &str = "tensorfleet-checkpoint-v3";
+
+/// The format before `manifest.sum`, still read: its manifest is checked only for consistency.
+const FORMAT_V2: &str = "tensorfleet-checkpoint-v2";
+
+/// Beside `manifest.json`: `<checksum>  manifest.json`, as `sha256sum` writes its lines.
+const MANIFEST_SUM: &str = "manifest.sum";
 
 /// The manifest's own consistency: a format this worker reads, and a `worldSize` that agrees
 /// with the layout that wrote it and with the rank files it lists. (Another world size than
 /// this run's is fine: loading reshards.)
 fn check_manifest(m: &Manifest) -> Result<(), String> {
-    if m.format != FORMAT {
-        return Err(format!("format '{}' is not one this worker reads ({FORMAT})", m.format));
+    if m.format != FORMAT && m.format != FORMAT_V2 {
+        return Err(format!("format '{}' is not one this worker reads ({FORMAT}, {FORMAT_V2})", m.format));
     }
     let l = &m.layout;
     // A layout of zeros: written before layouts were recorded.
@@ -87,6 +93,20 @@ fn check_manifest(m: &Manifest) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The manifest's bytes against `manifest.sum` (None: a checkpoint written before it, whose
+/// format the caller then requires to be v2).
+fn check_manifest_sum(text: &[u8], sum: Option<&[u8]>) -> Result<(), String> {
+    let Some(line) = sum else { return Ok(()) };
+    let want = std::str::from_utf8(line)
+        .ok()
+        .and_then(|l| l.trim_end().strip_suffix("  manifest.json"))
+        .ok_or_else(|| format!("{MANIFEST_SUM}: not a line '<checksum>  manifest.json'"))?;
+    match checksum(text) {
+        got if got == want => Ok(()),
+        got => Err(format!("manifest.json: its checksum {got} does not match {MANIFEST_SUM} ({want})")),
+    }
 }
 
 /// Marks a tensor-parallel rank's slice in a tensor's name: `<name>#tp<rank>`.
@@ -179,6 +199,7 @@ pub fn save(
         };
         let text = serde_json::to_vec_pretty(&manifest).map_err(|e| Error::Runtime(e.to_string()))?;
         write_synced(&tmp.join("manifest.json"), &text)?;
+        write_synced(&tmp.join(MANIFEST_SUM), format!("{}  manifest.json\n", checksum(&text)).as_bytes())?;
         if final_dir.exists() {
             std::fs::remove_dir_all(&final_dir).map_err(|e| io(&final_dir, e))?;
         }
@@ -231,8 +252,17 @@ pub fn load(dir: &Path) -> Result<(Manifest, BTreeMap<String, Tensor>)> {
     let corrupt = |what: String| Error::Corrupt(format!("checkpoint {}: {what}", dir.display()));
     let text =
         crate::files::read_input(&dir.join("manifest.json")).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    let sum = match crate::files::read_input(&dir.join(MANIFEST_SUM)) {
+        Ok(line) => Some(line),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(corrupt(format!("{MANIFEST_SUM}: {e}"))),
+    };
+    check_manifest_sum(&text, sum.as_deref()).map_err(corrupt)?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
     check_manifest(&m).map_err(|e| corrupt(format!("manifest.json: {e}")))?;
+    if m.format == FORMAT && sum.is_none() {
+        return Err(corrupt(format!("{MANIFEST_SUM} is missing; every {FORMAT} checkpoint has one")));
+    }
     let mut whole = BTreeMap::new();
     let mut pieces: BTreeMap<String, Vec<(usize, Tensor, String)>> = BTreeMap::new();
     for (file, sum) in &m.files {

@@ -31,6 +31,26 @@ pub trait Loader: Send {
     fn seek(&mut self, p: &Position) -> Result<()>;
     /// Tokens or samples per batch, for throughput.
     fn items_per_batch(&self) -> usize;
+    /// Refuses a label outside `range` anywhere in the data, naming its shard and place (exit
+    /// 3), before a kernel meets it mid-run. Token data is checked against the vocabulary as it
+    /// is read instead.
+    fn check_labels(&self, _range: &LabelRange) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// The classes a label input may name: `0..classes`, and `ignore` (a loss's ignore_index).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LabelRange {
+    pub input: String,
+    pub classes: usize,
+    pub ignore: Option<i64>,
+}
+
+impl LabelRange {
+    pub fn admits(&self, label: i64) -> bool {
+        Some(label) == self.ignore || (0..self.classes as i64).contains(&label)
+    }
 }
 
 /// How a loader names what it produces.

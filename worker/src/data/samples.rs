@@ -4,7 +4,7 @@
 //! data-parallel ranks a global batch is D·B consecutive samples of the epoch's order, and
 //! rank r takes samples r·B..(r+1)·B of it.
 
-use super::{shard_files, Batch, Batching, Loader, Position};
+use super::{shard_files, Batch, Batching, LabelRange, Loader, Position};
 use crate::error::{Error, Result};
 use crate::onnx::proto::TensorProto;
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
@@ -88,6 +88,11 @@ fn describe(tensors: &Signature) -> String {
 
 pub struct SampleLoader {
     samples: Vec<Sample>,
+    /// Where each sample came from: its shard (an index into `shards`) and its place there.
+    origins: Vec<(usize, usize)>,
+    shards: Vec<PathBuf>,
+    /// The configuration key of the source, for messages.
+    key: String,
     order: Vec<usize>,
     batching: Batching,
     pos: Position,
@@ -97,10 +102,11 @@ impl SampleLoader {
     pub fn open(path: &Path, key: &str, batching: Batching) -> Result<SampleLoader> {
         // Every sample's tensors must match the first's in name, element type and shape: the
         // batches stack them. Checked per shard, so that the message names the file.
-        let mut samples = Vec::new();
+        let (mut samples, mut origins) = (Vec::new(), Vec::new());
+        let shards = shard_files(path, "pb", key)?;
         let mut first: Option<(PathBuf, Signature)> = None;
-        for f in shard_files(path, "pb", key)? {
-            let shard = read_shard(&f)?;
+        for (s, f) in shards.iter().enumerate() {
+            let shard = read_shard(f)?;
             for (i, sample) in shard.iter().enumerate() {
                 let these: Signature = sample.iter().map(|(n, t)| (n.clone(), t.dtype(), t.shape().to_vec())).collect();
                 match &first {
@@ -117,6 +123,7 @@ impl SampleLoader {
                     Some(_) => {}
                 }
             }
+            origins.extend((0..shard.len()).map(|i| (s, i)));
             samples.extend(shard);
         }
         let global = batching.global_batch();
@@ -131,7 +138,8 @@ impl SampleLoader {
                 samples.len()
             )));
         }
-        let mut l = SampleLoader { samples, order: vec![], batching, pos: Position::default() };
+        let key = key.to_string();
+        let mut l = SampleLoader { samples, origins, shards, key, order: vec![], batching, pos: Position::default() };
         l.order = l.epoch_order(0);
         Ok(l)
     }
@@ -182,6 +190,23 @@ impl Loader for SampleLoader {
 
     fn items_per_batch(&self) -> usize {
         self.batching.batch
+    }
+
+    fn check_labels(&self, range: &LabelRange) -> Result<()> {
+        for (sample, &(s, i)) in self.samples.iter().zip(&self.origins) {
+            let Some((_, t)) = sample.iter().find(|(n, _)| *n == range.input) else { continue };
+            let Some(labels) = t.to_i64_vec() else { continue };
+            if let Some((j, l)) = labels.iter().enumerate().find(|&(_, &l)| !range.admits(l)) {
+                return Err(Error::Corrupt(format!(
+                    "{}: sample shard {} sample {i}: label {l} (element {j} of '{}') is not below the model's {} classes",
+                    self.key,
+                    self.shards[s].display(),
+                    range.input,
+                    range.classes
+                )));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -37,21 +37,41 @@ pub struct OpTiming {
     pub duration: Duration,
 }
 
+/// Refuses a plan larger than the memory the device offers, before any of it is allocated: the
+/// configuration decided its size, so the error (exit 2) names the keys that shrink it, with
+/// the bytes needed and available. A plan that fits may still meet a full device later (other
+/// processes, fragmentation): that allocation fails as the device's error, worth a retry.
+fn fits<B: Backend>(backend: &B, plan: &Plan) -> Result<()> {
+    let needed = plan.arena_bytes.saturating_add(plan.persistent_bytes);
+    match backend.memory_available() {
+        Some(available) if needed > available => Err(Error::Config(format!(
+            "batchSize: the run needs {needed} bytes on {} ({} for activations, {} for weights and their \
+             gradients) and {available} are available; lower batchSize (or the model's seqLen), set recompute, \
+             or spread the model over more ranks (parallelism.zero, parallelism.tensor, parallelism.pipeline)",
+            backend.name(),
+            plan.arena_bytes,
+            plan.persistent_bytes,
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl<B: Backend> Executor<B> {
     /// Allocates the plan's memory and uploads the initializers. `keep` as in [`plan::plan`].
     pub fn new(backend: Arc<B>, graph: Graph, keep: &[ValueId]) -> Result<Executor<B>> {
         let plan = plan::plan(&graph, keep);
-        let arena = backend.alloc(plan.arena_bytes).map_err(Error::Runtime)?;
+        fits(backend.as_ref(), &plan)?;
+        let arena = backend.alloc(plan.arena_bytes)?;
         let mut persistent = HashMap::new();
         for (v, place) in plan.places.iter().enumerate() {
             if *place == Place::Persistent && plan.root[v] == v {
                 let bytes = graph.meta(v).map_or(0, |m| m.bytes());
-                persistent.insert(v, backend.alloc(bytes).map_err(Error::Runtime)?);
+                persistent.insert(v, backend.alloc(bytes)?);
             }
         }
         let ex = Executor { backend, graph, plan, arena, persistent, profile: None, tensor_group: None };
         for (v, t) in &ex.graph.initializers {
-            ex.backend.upload(t, ex.arg(*v)).map_err(Error::Runtime)?;
+            ex.backend.upload(t, ex.arg(*v))?;
         }
         Ok(ex)
     }
@@ -83,11 +103,11 @@ impl<B: Backend> Executor<B> {
                 t.shape()
             )));
         }
-        self.backend.upload(t, self.arg(v)).map_err(Error::Runtime)
+        Ok(self.backend.upload(t, self.arg(v))?)
     }
 
     pub fn fetch(&self, v: ValueId) -> Result<Tensor> {
-        self.backend.download(self.arg(v)).map_err(Error::Runtime)
+        Ok(self.backend.download(self.arg(v))?)
     }
 
     /// Runs every step once. `seed` varies random ops (dropout) from run to run.
@@ -154,9 +174,7 @@ impl<B: Backend> Executor<B> {
                 })
                 .collect::<Result<_>>()?;
             let t0 = profiling.then(Instant::now);
-            self.backend
-                .launch(op, &inputs, &outputs)
-                .map_err(|e| Error::Corrupt(format!("{}: {e}", node.describe())))?;
+            self.backend.launch(op, &inputs, &outputs).map_err(|e| Error::from(e.at(node.describe())))?;
             if let Op::AllReduce { op } = op {
                 // The backend copied the value into place; the group reduces it there.
                 let group = self.tensor_group.as_ref().ok_or_else(|| {
@@ -165,7 +183,7 @@ impl<B: Backend> Executor<B> {
                 group.all_reduce_values(&self.backend, &outputs[..1], *op)?;
             }
             if let Some(t0) = t0 {
-                self.backend.synchronize().map_err(Error::Runtime)?;
+                self.backend.synchronize()?;
                 times.push(OpTiming { node: i, start: t0, duration: t0.elapsed() });
             }
             after(self, i)?;

@@ -244,7 +244,7 @@ fn update_in_groups<'a, B: Backend + 'a>(
     }
     for (first, group) in &groups {
         let hyper = StepHyper { lr: (lr * first.lr_scale) as f32, step, grad_scale: grad_scale as f32 };
-        backend.optimizer_step(&first.update, hyper, group).map_err(Error::Runtime)?;
+        backend.optimizer_step(&first.update, hyper, group)?;
     }
     Ok(())
 }
@@ -463,10 +463,10 @@ impl<B: Backend> Session<B> {
             let group = opts.groups.iter().find(|gr| gr.matches(name));
             let update = group.map_or(base, |gr| base.with_group(gr));
             let lr_scale = group.and_then(|gr| gr.lr_scale).unwrap_or(1.0);
-            let alloc = || backend.alloc(meta.bytes()).map_err(Error::Runtime);
+            let alloc = || backend.alloc(meta.bytes());
             // Under ZeRO the optimizer state is a shard, allocated when the replicas are known.
             let state_count = if opts.zero > 0 { 0 } else { update.state_count() };
-            let state = (0..state_count).map(|_| alloc()).collect::<Result<Vec<_>>>()?;
+            let state = (0..state_count).map(|_| Ok(alloc()?)).collect::<Result<Vec<_>>>()?;
             let accum = if accumulation > 1 && opts.zero < 2 { Some(alloc()?) } else { None };
             let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
             let first_stage = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
@@ -475,7 +475,7 @@ impl<B: Backend> Session<B> {
         }
         let loss_sum = match train.graph.meta(loss) {
             Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&loss) => {
-                Some(backend.alloc(m.bytes()).map_err(Error::Runtime)?)
+                Some(backend.alloc(m.bytes())?)
             }
             _ => None,
         };
@@ -647,7 +647,7 @@ impl<B: Backend> Session<B> {
                     let loss = self.train.arg(self.loss);
                     let sum = Arg { buf, offset: 0, meta: loss.meta };
                     let keep = if self.losses_summed == 0 { 0.0 } else { 1.0 };
-                    self.train.backend.accumulate(sum, keep, loss, 1.0).map_err(Error::Runtime)?;
+                    self.train.backend.accumulate(sum, keep, loss, 1.0)?;
                     self.losses_summed += 1;
                 }
                 None => sums[0] += Self::scalar(&self.train.fetch(self.loss)?),
@@ -663,8 +663,7 @@ impl<B: Backend> Session<B> {
     fn read_loss_sum(&mut self, sums: &mut [f64]) -> Result<()> {
         if let (Some(buf), true) = (&self.loss_sum, self.losses_summed > 0) {
             let meta = self.train.graph.meta(self.loss).expect("bound");
-            sums[0] +=
-                Self::scalar(&self.train.backend.download(Arg { buf, offset: 0, meta }).map_err(Error::Runtime)?);
+            sums[0] += Self::scalar(&self.train.backend.download(Arg { buf, offset: 0, meta })?);
         }
         self.losses_summed = 0;
         Ok(())
@@ -683,7 +682,7 @@ impl<B: Backend> Session<B> {
                 let g = self.train.arg(p.grad);
                 let acc = Arg { buf: p.accum.as_ref().expect("allocated when accumulating"), offset: 0, meta: g.meta };
                 let keep = if k == 0 { 0.0 } else { 1.0 };
-                self.train.backend.accumulate(acc, keep, g, 1.0 / n as f32).map_err(Error::Runtime)?;
+                self.train.backend.accumulate(acc, keep, g, 1.0 / n as f32)?;
             }
         }
         Ok(())
@@ -791,7 +790,7 @@ impl<B: Backend> Session<B> {
     fn update_running_statistics(&self) -> Result<()> {
         for r in &self.running {
             let (value, updated) = (self.train.arg(r.value), self.train.arg(r.updated));
-            self.train.backend.accumulate(value, r.keep, updated, r.scale).map_err(Error::Runtime)?;
+            self.train.backend.accumulate(value, r.keep, updated, r.scale)?;
         }
         Ok(())
     }
@@ -813,7 +812,7 @@ impl<B: Backend> Session<B> {
         if group.on_device() {
             if self.adasum_theirs.is_empty() {
                 let bytes = |p: &Param<B>| overlap::gradient(&self.train, p).meta.bytes();
-                let buffers = self.params.iter().map(|p| backend.alloc(bytes(p)).map_err(Error::Runtime));
+                let buffers = self.params.iter().map(|p| Ok(backend.alloc(bytes(p))?));
                 self.adasum_theirs = buffers.collect::<Result<_>>()?;
             }
             let mine: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.grad_of(p)).collect();
@@ -826,7 +825,7 @@ impl<B: Backend> Session<B> {
                     for (m, t) in mine.iter().zip(&theirs) {
                         group.send_recv_values(backend, *m, partner, *t, partner)?;
                     }
-                    backend.adasum(&mine, &theirs, mine_is_lower).map_err(Error::Runtime)
+                    Ok(backend.adasum(&mine, &theirs, mine_is_lower)?)
                 },
             );
         }
@@ -854,7 +853,7 @@ impl<B: Backend> Session<B> {
             return Ok(sq[0]);
         }
         let grads: Vec<Arg<B::Buffer>> = self.params.iter().filter(|p| p.owner).map(|p| self.grad_of(p)).collect();
-        self.train.backend.sum_squares(&grads).map_err(Error::Runtime)
+        Ok(self.train.backend.sum_squares(&grads)?)
     }
 
     /// Sums the gradients of weights several stages hold over the pipeline group. Every stage
@@ -866,7 +865,7 @@ impl<B: Backend> Session<B> {
                 Some(p) => group.all_reduce_values(&self.train.backend, &[self.grad_of(p)], ReduceOp::Sum)?,
                 None => {
                     // Zeros of the weight's size, where this stage's collective expects them.
-                    let zeros = self.train.backend.alloc(meta.bytes()).map_err(Error::Runtime)?;
+                    let zeros = self.train.backend.alloc(meta.bytes())?;
                     group.all_reduce_values(
                         &self.train.backend,
                         &[Arg { buf: &zeros, offset: 0, meta }],
@@ -951,7 +950,7 @@ impl<B: Backend> Session<B> {
             if select(name) {
                 let mut grad = match &self.zero {
                     Some(z) => z.reported_gradient(i, self.train.graph.meta(p.value).expect("bound"))?,
-                    None => self.train.backend.download(self.grad_of(p)).map_err(Error::Runtime)?,
+                    None => self.train.backend.download(self.grad_of(p))?,
                 };
                 if self.last_loss_scale != 1.0 {
                     let unscale = (1.0 / self.last_loss_scale) as f32;
@@ -1039,7 +1038,7 @@ impl<B: Backend> Session<B> {
             out.insert(name.to_string(), self.train.fetch(p.value)?);
             let meta = self.train.graph.meta(p.value).expect("bound");
             for (k, buf) in p.state.iter().enumerate() {
-                let t = self.train.backend.download(Arg { buf, offset: 0, meta }).map_err(Error::Runtime)?;
+                let t = self.train.backend.download(Arg { buf, offset: 0, meta })?;
                 out.insert(format!("{OPTIMIZER_PREFIX}{name}/{k}"), t);
             }
         }
@@ -1122,7 +1121,7 @@ impl<B: Backend> Session<B> {
             self.train.feed(p.value, w)?;
             for (k, buf) in p.state.iter().enumerate() {
                 let t = optimizer_state(state, &name, k, &meta, origin)?;
-                self.train.backend.upload(&t, Arg { buf, offset: 0, meta: &meta }).map_err(Error::Runtime)?;
+                self.train.backend.upload(&t, Arg { buf, offset: 0, meta: &meta })?;
             }
         }
         for r in &self.running {

@@ -169,7 +169,7 @@ impl Overlap {
                     if let Some(acc) = &p.accum {
                         let g = ex.arg(p.grad);
                         let acc = Arg { buf: acc, offset: 0, meta: g.meta };
-                        ex.backend.accumulate(acc, 1.0, g, scale).map_err(Error::Runtime)?;
+                        ex.backend.accumulate(acc, 1.0, g, scale)?;
                     }
                 }
             }
@@ -180,12 +180,10 @@ impl Overlap {
             };
             let mut flat = Vec::new();
             for &i in &self.buckets[b] {
-                ex.backend
-                    .with_host_f32(gradient(ex, &params[i]), &mut |g| {
-                        flat.extend_from_slice(g);
-                        Ok(())
-                    })
-                    .map_err(Error::Runtime)?;
+                ex.backend.with_host_f32(gradient(ex, &params[i]), &mut |g| {
+                    flat.extend_from_slice(g);
+                    Ok::<_, Error>(())
+                })?;
             }
             let requests = thread.requests.as_ref().expect("open until dropped");
             requests
@@ -207,13 +205,11 @@ impl Overlap {
             self.spans.push(span?);
             let mut at = 0;
             for &i in &self.buckets[b] {
-                ex.backend
-                    .with_host_f32(gradient(ex, &params[i]), &mut |g| {
-                        g.copy_from_slice(&flat[at..at + g.len()]);
-                        at += g.len();
-                        Ok(())
-                    })
-                    .map_err(Error::Runtime)?;
+                ex.backend.with_host_f32(gradient(ex, &params[i]), &mut |g| {
+                    g.copy_from_slice(&flat[at..at + g.len()]);
+                    at += g.len();
+                    Ok::<_, Error>(())
+                })?;
             }
         }
         Ok(())

@@ -70,9 +70,9 @@ impl<B: Backend> Shard<B> {
         let mut state = Vec::with_capacity(pieces.len());
         for (piece, meta) in pieces.iter().zip(&metas) {
             let count = session.params[piece.weight].update.state_count();
-            state.push((0..count).map(|_| backend.alloc(meta.bytes()).map_err(Error::Runtime)).collect::<Result<_>>()?);
+            state.push((0..count).map(|_| Ok(backend.alloc(meta.bytes())?)).collect::<Result<_>>()?);
         }
-        let alloc = |elements: usize| backend.alloc(elements * 4).map_err(Error::Runtime);
+        let alloc = |elements: usize| backend.alloc(elements * 4);
         let (flat, grad, part) = (alloc(layout.padded())?, alloc(layout.shard)?, alloc(layout.shard)?);
         let (flat_meta, shard_meta) =
             (Meta::new(DType::F32, &[layout.padded()]), Meta::new(DType::F32, &[layout.shard]));
@@ -85,7 +85,7 @@ impl<B: Backend> Shard<B> {
             .filter(|&i| session.params[self.pieces[i].weight].owner)
             .map(|i| Arg { buf: &self.grad, offset: self.pieces[i].at * 4, meta: &self.metas[i] })
             .collect();
-        session.train.backend.sum_squares(&pieces).map_err(Error::Runtime)
+        Ok(session.train.backend.sum_squares(&pieces)?)
     }
 
     /// The flat vector from element `at`, as `meta` says (f32).
@@ -114,7 +114,7 @@ impl<B: Backend> Shard<B> {
             let name = session.train.graph.name_of(p.value);
             for (k, buf) in self.state[i].iter().enumerate() {
                 let t = session.train.backend.download(Arg { buf, offset: 0, meta: &self.metas[i] });
-                out.push((format!("{OPTIMIZER_PREFIX}{name}/{k}@{}", piece.start), t.map_err(Error::Runtime)?));
+                out.push((format!("{OPTIMIZER_PREFIX}{name}/{k}@{}", piece.start), t?));
             }
         }
         Ok(out)
@@ -130,11 +130,7 @@ impl<B: Backend> Shard<B> {
                 let whole = optimizer_state(state, name, k, meta, origin)?;
                 let part = whole.as_slice::<f32>()[piece.start..piece.start + piece.len].to_vec();
                 let t = Tensor::from_vec(&[piece.len], part);
-                session
-                    .train
-                    .backend
-                    .upload(&t, Arg { buf, offset: 0, meta: &self.metas[i] })
-                    .map_err(Error::Runtime)?;
+                session.train.backend.upload(&t, Arg { buf, offset: 0, meta: &self.metas[i] })?;
             }
         }
         Ok(())
@@ -153,13 +149,13 @@ impl<B: Backend> Session<B> {
         let backend = &*self.train.backend;
         for (i, p) in self.params.iter().enumerate() {
             let g = self.grad_of(p);
-            backend.accumulate(z.flat_arg(z.layout.offsets[i], g.meta), 0.0, g, 1.0).map_err(Error::Runtime)?;
+            backend.accumulate(z.flat_arg(z.layout.offsets[i], g.meta), 0.0, g, 1.0)?;
         }
         let (padded, shard) = (&z.flat_meta, &z.shard_meta);
         let recv = Arg { buf: into(z), offset: 0, meta: shard };
         match &self.data_parallel {
             Some(group) => group.reduce_scatter_values(backend, z.flat_arg(0, padded), recv, ReduceOp::Average),
-            None => backend.accumulate(recv, 0.0, z.flat_arg(0, shard), 1.0).map_err(Error::Runtime),
+            None => Ok(backend.accumulate(recv, 0.0, z.flat_arg(0, shard), 1.0)?),
         }
     }
 
@@ -176,7 +172,7 @@ impl<B: Backend> Session<B> {
         let shard = &z.shard_meta;
         let (grad, part) = (Arg { buf: &z.grad, offset: 0, meta: shard }, Arg { buf: &z.part, offset: 0, meta: shard });
         let keep = if k == 0 { 0.0 } else { 1.0 };
-        self.train.backend.accumulate(grad, keep, part, 1.0 / n as f32).map_err(Error::Runtime)
+        Ok(self.train.backend.accumulate(grad, keep, part, 1.0 / n as f32)?)
     }
 
     /// Updates this replica's shard of the weights, then gathers every replica's shard into
@@ -201,7 +197,7 @@ impl<B: Backend> Session<B> {
         let mine = z.rank * z.layout.shard;
         for (i, piece) in z.pieces.iter().enumerate() {
             let dst = z.flat_arg(mine + piece.at, &z.metas[i]);
-            backend.accumulate(dst, 0.0, slot(i).1.param, 1.0).map_err(Error::Runtime)?;
+            backend.accumulate(dst, 0.0, slot(i).1.param, 1.0)?;
         }
         let (padded, shard) = (&z.flat_meta, &z.shard_meta);
         if let Some(group) = &self.data_parallel {
@@ -209,16 +205,16 @@ impl<B: Backend> Session<B> {
         }
         for (i, p) in self.params.iter().enumerate() {
             let w = self.train.arg(p.value);
-            backend.accumulate(w, 0.0, z.flat_arg(z.layout.offsets[i], w.meta), 1.0).map_err(Error::Runtime)?;
+            backend.accumulate(w, 0.0, z.flat_arg(z.layout.offsets[i], w.meta), 1.0)?;
         }
         if self.report_gradients {
             let grad = Arg { buf: &z.grad, offset: 0, meta: shard };
             if let Some(group) = &self.data_parallel {
                 group.all_gather_values(backend, grad, z.flat_arg(0, padded))?;
             } else {
-                backend.accumulate(z.flat_arg(0, shard), 0.0, grad, 1.0).map_err(Error::Runtime)?;
+                backend.accumulate(z.flat_arg(0, shard), 0.0, grad, 1.0)?;
             }
-            let reported = backend.download(z.flat_arg(0, padded)).map_err(Error::Runtime)?;
+            let reported = backend.download(z.flat_arg(0, padded))?;
             self.zero.as_mut().expect("ZeRO is on").reported = Some(reported.as_slice::<f32>().to_vec());
         }
         Ok(())

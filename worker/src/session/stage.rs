@@ -135,7 +135,7 @@ pub(super) fn cut(bound: Graph, loss: ValueId, opts: &super::PipelineOptions, pa
 
 /// One message's buffer: `len` f32 in the backend's memory, zeroed.
 fn message<B: Backend>(ex: &Executor<B>, len: usize) -> Result<B::Buffer> {
-    ex.backend.alloc(len * 4).map_err(Error::Runtime)
+    Ok(ex.backend.alloc(len * 4)?)
 }
 
 /// The whole of a message buffer, as one value.
@@ -171,7 +171,7 @@ fn pack<B: Backend>(ex: &Executor<B>, values: &[Option<ValueId>], like: &[ValueI
     for (v, (at, meta)) in values.iter().zip(places(&ex.graph, like)?) {
         if let Some(v) = v {
             let dst = Arg { buf: into, offset: at * 4, meta };
-            ex.backend.accumulate(dst, 0.0, ex.arg(*v), 1.0).map_err(Error::Runtime)?;
+            ex.backend.accumulate(dst, 0.0, ex.arg(*v), 1.0)?;
         }
     }
     Ok(())
@@ -181,7 +181,7 @@ fn pack<B: Backend>(ex: &Executor<B>, values: &[Option<ValueId>], like: &[ValueI
 fn unpack<B: Backend>(ex: &Executor<B>, values: &[ValueId], from: &B::Buffer) -> Result<()> {
     for (&v, (at, meta)) in values.iter().zip(places(&ex.graph, values)?) {
         let src = Arg { buf: from, offset: at * 4, meta };
-        ex.backend.accumulate(ex.arg(v), 0.0, src, 1.0).map_err(Error::Runtime)?;
+        ex.backend.accumulate(ex.arg(v), 0.0, src, 1.0)?;
     }
     Ok(())
 }

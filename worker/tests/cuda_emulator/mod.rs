@@ -15,7 +15,7 @@ use tensorfleet_worker::backend::cpu::kernels::elementwise::{gelu_tanh, gelu_tan
 use tensorfleet_worker::backend::cuda::gemm::{Epilogue, Product};
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
-use tensorfleet_worker::backend::{Arg, Backend, DeviceCollective, Slot, StepHyper};
+use tensorfleet_worker::backend::{Arg, Backend, BackendError, DeviceCollective, Slot, StepHyper};
 use tensorfleet_worker::comm::{Collective, HostGroup, ReduceOp};
 use tensorfleet_worker::graph::ir::Graph;
 use tensorfleet_worker::graph::op::Op;
@@ -85,18 +85,26 @@ pub fn emulator() -> &'static Emulator {
 }
 
 impl Emulator {
-    fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, params: &mut [*mut c_void]) -> Result<(), String> {
+    fn launch(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<(), BackendError> {
         let cname = CString::new(name).unwrap();
         let _turn = self.turn.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: the symbols are the dispatcher's; `params` point at values of the kernel's
         // declared types (the dispatch checked them) that outlive this synchronous call.
         unsafe {
-            let launch: Symbol<LaunchFn> = self.lib.get(b"emu_launch").map_err(|e| e.to_string())?;
+            let launch: Symbol<LaunchFn> =
+                self.lib.get(b"emu_launch").map_err(|e| BackendError::Device(e.to_string()))?;
             if launch(cname.as_ptr(), grid.0, grid.1, block, params.as_mut_ptr()) == 0 {
                 return Ok(());
             }
-            let failure: Symbol<FailureFn> = self.lib.get(b"emu_failure").map_err(|e| e.to_string())?;
-            Err(CStr::from_ptr(failure()).to_string_lossy().into_owned())
+            let failure: Symbol<FailureFn> =
+                self.lib.get(b"emu_failure").map_err(|e| BackendError::Device(e.to_string()))?;
+            Err(BackendError::Device(CStr::from_ptr(failure()).to_string_lossy().into_owned()))
         }
     }
 }
@@ -184,9 +192,11 @@ impl Collectives {
         unsafe { std::slice::from_raw_parts_mut(at(v) as *mut f32, v.meta.numel()) }
     }
 
-    fn each(&self, call: &'static str, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+    fn each(&self, call: &'static str, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), BackendError> {
         self.count(call);
-        values.iter().try_for_each(|v| self.group.all_reduce(self.elements(v), op).map_err(|e| e.to_string()))
+        values.iter().try_for_each(|v| {
+            self.group.all_reduce(self.elements(v), op).map_err(|e| BackendError::Device(e.to_string()))
+        })
     }
 }
 
@@ -194,42 +204,52 @@ impl DeviceCollective<HostBuffer> for Collectives {
     fn name(&self) -> String {
         "the emulator's MPI".into()
     }
-    fn all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+    fn all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), BackendError> {
         self.each("all_reduce", values, op)
     }
-    fn broadcast(&self, values: &[Arg<HostBuffer>], root: usize) -> Result<(), String> {
+    fn broadcast(&self, values: &[Arg<HostBuffer>], root: usize) -> Result<(), BackendError> {
         self.count("broadcast");
-        values.iter().try_for_each(|v| self.group.broadcast(self.elements(v), root).map_err(|e| e.to_string()))
+        values.iter().try_for_each(|v| {
+            self.group.broadcast(self.elements(v), root).map_err(|e| BackendError::Device(e.to_string()))
+        })
     }
-    fn start_all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), String> {
+    fn start_all_reduce(&self, values: &[Arg<HostBuffer>], op: ReduceOp) -> Result<(), BackendError> {
         self.each("start_all_reduce", values, op)
     }
-    fn join(&self) -> Result<(), String> {
+    fn join(&self) -> Result<(), BackendError> {
         self.count("join");
         Ok(())
     }
-    fn reduce_scatter(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>, op: ReduceOp) -> Result<(), String> {
+    fn reduce_scatter(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>, op: ReduceOp) -> Result<(), BackendError> {
         self.count("reduce_scatter");
         let whole = self.elements(&send).to_vec();
-        self.group.reduce_scatter(&whole, self.elements(&recv), op).map_err(|e| e.to_string())
+        self.group.reduce_scatter(&whole, self.elements(&recv), op).map_err(|e| BackendError::Device(e.to_string()))
     }
-    fn all_gather(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>) -> Result<(), String> {
+    fn all_gather(&self, send: Arg<HostBuffer>, recv: Arg<HostBuffer>) -> Result<(), BackendError> {
         self.count("all_gather");
         // `send` may lie inside `recv`: a copy of it first.
         let mine = self.elements(&send).to_vec();
-        self.group.all_gather(&mine, self.elements(&recv)).map_err(|e| e.to_string())
+        self.group.all_gather(&mine, self.elements(&recv)).map_err(|e| BackendError::Device(e.to_string()))
     }
-    fn send(&self, x: Arg<HostBuffer>, to: usize) -> Result<(), String> {
+    fn send(&self, x: Arg<HostBuffer>, to: usize) -> Result<(), BackendError> {
         self.count("send");
-        self.group.send(self.elements(&x), to).map_err(|e| e.to_string())
+        self.group.send(self.elements(&x), to).map_err(|e| BackendError::Device(e.to_string()))
     }
-    fn recv(&self, x: Arg<HostBuffer>, from: usize) -> Result<(), String> {
+    fn recv(&self, x: Arg<HostBuffer>, from: usize) -> Result<(), BackendError> {
         self.count("recv");
-        self.group.recv(self.elements(&x), from).map_err(|e| e.to_string())
+        self.group.recv(self.elements(&x), from).map_err(|e| BackendError::Device(e.to_string()))
     }
-    fn send_recv(&self, send: Arg<HostBuffer>, to: usize, recv: Arg<HostBuffer>, from: usize) -> Result<(), String> {
+    fn send_recv(
+        &self,
+        send: Arg<HostBuffer>,
+        to: usize,
+        recv: Arg<HostBuffer>,
+        from: usize,
+    ) -> Result<(), BackendError> {
         self.count("send_recv");
-        self.group.send_recv(self.elements(&send), to, self.elements(&recv), from).map_err(|e| e.to_string())
+        self.group
+            .send_recv(self.elements(&send), to, self.elements(&recv), from)
+            .map_err(|e| BackendError::Device(e.to_string()))
     }
 }
 
@@ -251,12 +271,12 @@ impl EmulatedGpu {
     }
 
     /// A wait for the device, counted; reports a fault a kernel recorded since the last one.
-    fn wait(&self) -> Result<(), String> {
+    fn wait(&self) -> Result<(), BackendError> {
         self.waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.fault_check()
     }
 
-    fn fault_check(&self) -> Result<(), String> {
+    fn fault_check(&self) -> Result<(), BackendError> {
         let sources = std::mem::take(&mut *self.faults.lock().unwrap());
         // SAFETY: the fault word is 8 bytes of host memory that kernels write through.
         let word = unsafe { std::ptr::read(self.fault.base() as *const u64) };
@@ -264,35 +284,44 @@ impl EmulatedGpu {
             return Ok(());
         }
         unsafe { std::ptr::write(self.fault.base() as *mut u64, 0) };
-        Err(format!("an index out of range at position {} in one of: {}", word - 1, sources.join("; ")))
+        Err(BackendError::BadData(format!(
+            "an index out of range at position {} in one of: {}",
+            word - 1,
+            sources.join("; ")
+        )))
     }
 }
 
 // SAFETY (all the raw reads and writes below): the addresses are host memory of the sizes the
 // executor's plan, or the scratch request, gave them.
 impl Target for EmulatedGpu {
-    fn launch(&self, name: &str, cfg: cudarc::driver::LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String> {
+    fn launch(
+        &self,
+        name: &str,
+        cfg: cudarc::driver::LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<(), BackendError> {
         *self.launches.lock().unwrap().entry(name.to_string()).or_default() += 1;
         self.emu.launch(name, cfg.grid_dim, cfg.block_dim.0, params)
     }
-    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), BackendError> {
         if dst != src {
             unsafe { std::ptr::copy(src.0 as *const u8, dst.0 as *mut u8, bytes) };
         }
         Ok(())
     }
-    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), BackendError> {
         unsafe { std::ptr::write_bytes(dst.0 as *mut u8, byte, bytes) };
         Ok(())
     }
-    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), BackendError> {
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.0 as *mut u8, bytes.len()) };
         Ok(())
     }
-    fn gemm(&self, p: &Product) -> Result<(), String> {
+    fn gemm(&self, p: &Product) -> Result<(), BackendError> {
         // cuBLASLt takes no empty matrix (the dispatch keeps such products from it).
         if p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0 {
-            return Err(format!("an empty product reached cuBLASLt's stand-in: {p:?}"));
+            return Err(format!("an empty product reached cuBLASLt's stand-in: {p:?}").into());
         }
         // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
         // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the epilogue on the f32 sum.
@@ -355,7 +384,7 @@ impl Target for EmulatedGpu {
         }
         Ok(())
     }
-    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+    fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
         let mut s = self.scratch.lock().unwrap();
         if unsafe { (*s.lines.get()).len() } * 64 < bytes {
             *s = HostBuffer::new(bytes);
@@ -377,7 +406,7 @@ impl Target for EmulatedGpu {
         self.faults.lock().unwrap().push(what);
         Ptr(self.fault.base())
     }
-    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError> {
         // A read that waits for the stream without a fault check, as the GPU's does.
         self.waits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(unsafe { std::slice::from_raw_parts(at.0 as *const f64, count) }.to_vec())
@@ -391,7 +420,10 @@ impl Backend for EmulatedGpu {
         "the CUDA kernels, emulated on the CPU".into()
     }
 
-    fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<HostBuffer>>>, String> {
+    fn open_collective(
+        &self,
+        group: &HostGroup,
+    ) -> Result<Option<Box<dyn DeviceCollective<HostBuffer>>>, BackendError> {
         if !self.device_collectives.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
@@ -399,42 +431,58 @@ impl Backend for EmulatedGpu {
         Ok(Some(Box::new(Collectives { group, calls: self.collective_calls.clone() })))
     }
 
-    fn alloc(&self, bytes: usize) -> Result<HostBuffer, String> {
+    fn alloc(&self, bytes: usize) -> Result<HostBuffer, BackendError> {
         Ok(HostBuffer::new(bytes))
     }
 
-    fn upload(&self, src: &Tensor, dst: Arg<HostBuffer>) -> Result<(), String> {
+    fn upload(&self, src: &Tensor, dst: Arg<HostBuffer>) -> Result<(), BackendError> {
         assert_eq!(src.byte_len(), dst.meta.bytes());
         unsafe { std::ptr::copy_nonoverlapping(src.bytes().as_ptr(), at(&dst) as *mut u8, src.byte_len()) };
         Ok(())
     }
 
-    fn download(&self, src: Arg<HostBuffer>) -> Result<Tensor, String> {
+    fn download(&self, src: Arg<HostBuffer>) -> Result<Tensor, BackendError> {
         self.wait()?;
         let bytes = unsafe { std::slice::from_raw_parts(at(&src) as *const u8, src.meta.bytes()) };
         Ok(Tensor::from_bytes(src.meta.dtype, &src.meta.shape, bytes).expect("the meta's size"))
     }
 
-    fn launch(&self, op: &Op, inputs: &[Option<Arg<HostBuffer>>], outputs: &[Arg<HostBuffer>]) -> Result<(), String> {
+    fn launch(
+        &self,
+        op: &Op,
+        inputs: &[Option<Arg<HostBuffer>>],
+        outputs: &[Arg<HostBuffer>],
+    ) -> Result<(), BackendError> {
         let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(value)).collect();
         let outs: Vec<V> = outputs.iter().map(value).collect();
         launch::run(self, op, &ins, &outs)
     }
 
-    fn accumulate(&self, dst: Arg<HostBuffer>, keep: f32, src: Arg<HostBuffer>, scale: f32) -> Result<(), String> {
+    fn accumulate(
+        &self,
+        dst: Arg<HostBuffer>,
+        keep: f32,
+        src: Arg<HostBuffer>,
+        scale: f32,
+    ) -> Result<(), BackendError> {
         launch::accumulate(Dev(self), value(&dst), keep, value(&src), scale)
     }
 
-    fn sum_squares(&self, xs: &[Arg<HostBuffer>]) -> Result<f64, String> {
+    fn sum_squares(&self, xs: &[Arg<HostBuffer>]) -> Result<f64, BackendError> {
         let xs: Vec<V> = xs.iter().map(value).collect();
         launch::sum_squares(Dev(self), &xs)
     }
 
-    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<HostBuffer>]) -> Result<(), String> {
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<HostBuffer>]) -> Result<(), BackendError> {
         launch::optimizer_step(Dev(self), update, h, &launch::slots(slots, value))
     }
 
-    fn adasum(&self, mine: &[Arg<HostBuffer>], theirs: &[Arg<HostBuffer>], mine_is_lower: bool) -> Result<(), String> {
+    fn adasum(
+        &self,
+        mine: &[Arg<HostBuffer>],
+        theirs: &[Arg<HostBuffer>],
+        mine_is_lower: bool,
+    ) -> Result<(), BackendError> {
         let (mine, theirs): (Vec<V>, Vec<V>) = (mine.iter().map(value).collect(), theirs.iter().map(value).collect());
         launch::adasum(Dev(self), &mine, &theirs, mine_is_lower)
     }
@@ -443,15 +491,15 @@ impl Backend for EmulatedGpu {
         CudaBackend::unsupported_nodes(graph)
     }
 
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), BackendError> {
         self.wait()
     }
 
-    fn with_host_f32(
+    fn with_host_f32<E: From<BackendError>>(
         &self,
         x: Arg<HostBuffer>,
-        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String> {
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
         self.wait()?;
         f(unsafe { std::slice::from_raw_parts_mut(at(&x) as *mut f32, x.meta.numel()) })
     }

@@ -3,9 +3,10 @@
 
 pub mod kernels;
 
-use super::{Arg, Backend, Slot, StepHyper};
+use super::{Arg, Backend, BackendError, Slot, StepHyper};
 use crate::graph::op::Op;
 use crate::optim::Update;
+use crate::refused;
 use crate::tensor::{Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 use std::cell::UnsafeCell;
@@ -59,32 +60,41 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
-    fn alloc(&self, bytes: usize) -> Result<CpuBuffer, String> {
+    fn alloc(&self, bytes: usize) -> Result<CpuBuffer, BackendError> {
         let mut v = Vec::new();
-        v.try_reserve_exact(bytes.div_ceil(8)).map_err(|_| format!("cannot allocate {bytes} bytes of host memory"))?;
+        v.try_reserve_exact(bytes.div_ceil(8)).map_err(|_| BackendError::OutOfMemory {
+            place: "the host".into(),
+            bytes,
+            free: crate::host::memory_bytes(),
+        })?;
         v.resize(bytes.div_ceil(8), 0);
         Ok(CpuBuffer { words: UnsafeCell::new(v), len: bytes })
     }
 
-    fn upload(&self, src: &Tensor, dst: Arg<CpuBuffer>) -> Result<(), String> {
+    fn upload(&self, src: &Tensor, dst: Arg<CpuBuffer>) -> Result<(), BackendError> {
         if src.byte_len() != dst.meta.bytes() {
-            return Err(format!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes()));
+            return refused!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes());
         }
         view_mut(&dst).bytes.copy_from_slice(src.bytes());
         Ok(())
     }
 
-    fn download(&self, src: Arg<CpuBuffer>) -> Result<Tensor, String> {
+    fn download(&self, src: Arg<CpuBuffer>) -> Result<Tensor, BackendError> {
         Ok(view(&src).to_tensor())
     }
 
-    fn launch(&self, op: &Op, inputs: &[Option<Arg<CpuBuffer>>], outputs: &[Arg<CpuBuffer>]) -> Result<(), String> {
+    fn launch(
+        &self,
+        op: &Op,
+        inputs: &[Option<Arg<CpuBuffer>>],
+        outputs: &[Arg<CpuBuffer>],
+    ) -> Result<(), BackendError> {
         let ins: Vec<Option<TensorView>> = inputs.iter().map(|a| a.as_ref().map(view)).collect();
         let mut outs: Vec<TensorViewMut> = outputs.iter().map(view_mut).collect();
         kernels::run(op, &ins, &mut outs)
     }
 
-    fn accumulate(&self, dst: Arg<CpuBuffer>, keep: f32, src: Arg<CpuBuffer>, scale: f32) -> Result<(), String> {
+    fn accumulate(&self, dst: Arg<CpuBuffer>, keep: f32, src: Arg<CpuBuffer>, scale: f32) -> Result<(), BackendError> {
         let s = view(&src).as_slice::<f32>();
         let mut d = view_mut(&dst);
         d.as_mut_slice::<f32>()
@@ -94,7 +104,12 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn adasum(&self, mine: &[Arg<CpuBuffer>], theirs: &[Arg<CpuBuffer>], mine_is_lower: bool) -> Result<(), String> {
+    fn adasum(
+        &self,
+        mine: &[Arg<CpuBuffer>],
+        theirs: &[Arg<CpuBuffer>],
+        mine_is_lower: bool,
+    ) -> Result<(), BackendError> {
         for (m, t) in mine.iter().zip(theirs) {
             let (mut m, mut t) = (view_mut(m), view_mut(t));
             crate::parallel::adasum::combine_pair(m.as_mut_slice::<f32>(), t.as_mut_slice::<f32>(), mine_is_lower);
@@ -102,15 +117,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn with_host_f32(
+    fn with_host_f32<E: From<BackendError>>(
         &self,
         x: Arg<CpuBuffer>,
-        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String> {
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
         f(view_mut(&x).as_mut_slice::<f32>())
     }
 
-    fn sum_squares(&self, xs: &[Arg<CpuBuffer>]) -> Result<f64, String> {
+    fn sum_squares(&self, xs: &[Arg<CpuBuffer>]) -> Result<f64, BackendError> {
         // Partial sums collected in order, then added in order: the same bits on every run,
         // whichever thread finished first (resumed runs must repeat the clipping exactly).
         let value = |x: &Arg<CpuBuffer>| -> f64 {
@@ -124,7 +139,7 @@ impl Backend for CpuBackend {
         Ok(xs.iter().map(value).fold(0.0, |total, sq| total + sq))
     }
 
-    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CpuBuffer>]) -> Result<(), String> {
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CpuBuffer>]) -> Result<(), BackendError> {
         for s in slots {
             let mut p = view_mut(&s.param);
             let g = view(&s.grad).as_slice::<f32>();
@@ -134,7 +149,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn synchronize(&self) -> Result<(), String> {
+    fn memory_available(&self) -> Option<usize> {
+        crate::host::memory_bytes()
+    }
+
+    fn synchronize(&self) -> Result<(), BackendError> {
         Ok(())
     }
 }

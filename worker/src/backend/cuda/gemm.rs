@@ -7,6 +7,7 @@
 //! is handed B as its first operand and A as its second, and writes Cᵀ column-major, which is
 //! C row-major.
 
+use crate::backend::BackendError;
 use crate::tensor::DType;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
@@ -259,17 +260,18 @@ impl Gemm {
 
     /// Runs `p`; returns whether its bias and epilogue were applied (false when cuBLASLt has no
     /// algorithm for the epilogue with these layouts: the caller applies them).
-    pub(super) fn run(&mut self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, String> {
+    /// cuBLASLt's failures are the device's; a product it has no algorithm for is refused.
+    pub(super) fn run(&mut self, p: &Product, stream: sys::cudaStream_t) -> Result<bool, BackendError> {
         if p.has_epilogue() {
             match self.run_with(p, true, stream) {
                 Ok(()) => return Ok(true),
-                Err(Failed(e)) => return Err(e),
+                Err(Failed(e)) => return Err(BackendError::Device(e)),
                 Err(Unsupported) => {}
             }
         }
         self.run_with(p, false, stream).map(|()| false).map_err(|e| match e {
-            Failed(e) => e,
-            Unsupported => format!("cuBLASLt has no algorithm for {p:?}"),
+            Failed(e) => BackendError::Device(e),
+            Unsupported => BackendError::Refused(format!("cuBLASLt has no algorithm for {p:?}")),
         })
     }
 

@@ -8,10 +8,11 @@
 use super::gemm::{Epilogue, Product};
 use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
 use crate::backend::cpu::kernels::shape::slice_plan;
-use crate::backend::{Arg, StepHyper};
+use crate::backend::{Arg, BackendError, StepHyper};
 use crate::graph::ir::Meta;
 use crate::graph::op::{Binary, LossReduction, Op, Reduce, ScatterReduction, Unary};
 use crate::optim::Update;
+use crate::refused;
 use crate::tensor::{strides, DType, Tensor};
 use cudarc::driver::LaunchConfig;
 use std::collections::HashMap;
@@ -36,9 +37,9 @@ pub struct Strides {
     at: [i64; MAX_DIMS],
 }
 
-fn dims(shape: &[usize]) -> Result<Dims, String> {
+fn dims(shape: &[usize]) -> Result<Dims, BackendError> {
     if shape.len() > MAX_DIMS {
-        return Err(format!("rank {} is over the kernels' {MAX_DIMS}", shape.len()));
+        return refused!("rank {} is over the kernels' {MAX_DIMS}", shape.len());
     }
     let mut d = Dims { rank: shape.len() as i64, ..Default::default() };
     for (o, &s) in d.size.iter_mut().zip(shape) {
@@ -64,10 +65,10 @@ struct NdSlices {
 }
 
 impl NdSlices {
-    fn of(batch: usize, data: &[usize], ids: &[usize]) -> Result<NdSlices, String> {
+    fn of(batch: usize, data: &[usize], ids: &[usize]) -> Result<NdSlices, BackendError> {
         let k = *ids.last().ok_or("indices have no axes")?;
         if data.len() < batch + k || ids.len() <= batch {
-            return Err(format!("indices {ids:?} do not index {data:?} with {batch} batch dims"));
+            return refused!("indices {ids:?} do not index {data:?} with {batch} batch dims");
         }
         let st = strides(data);
         Ok(NdSlices {
@@ -82,7 +83,7 @@ impl NdSlices {
 
 /// Pad's kernel parameters: the output's and the input's shapes, the input's strides and the
 /// begin pads.
-fn pad_layout(pads: &[i64], input: &[usize], output: &[usize]) -> Result<(Dims, Dims, Strides, Strides), String> {
+fn pad_layout(pads: &[i64], input: &[usize], output: &[usize]) -> Result<(Dims, Dims, Strides, Strides), BackendError> {
     Ok((dims(output)?, dims(input)?, contiguous_strides(input), strides_of(&pads[..input.len()])))
 }
 
@@ -92,9 +93,9 @@ fn contiguous_strides(shape: &[usize]) -> Strides {
 }
 
 /// The strides that read `input` (numpy-broadcast, right-aligned) at each index of `out`.
-fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, String> {
+fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, BackendError> {
     if input.len() > out.len() {
-        return Err(format!("{input:?} does not broadcast to {out:?}"));
+        return refused!("{input:?} does not broadcast to {out:?}");
     }
     let pad = out.len() - input.len();
     let st = strides(input);
@@ -103,7 +104,7 @@ fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, String> {
         match n {
             1 => {}
             n if n == out[pad + k] => at[pad + k] = st[k] as i64,
-            _ => return Err(format!("{input:?} does not broadcast to {out:?}")),
+            _ => return refused!("{input:?} does not broadcast to {out:?}"),
         }
     }
     Ok(strides_of(&at))
@@ -258,14 +259,14 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
 /// stand-in that runs the same kernels elsewhere (the tests' CPU emulator). Kernel parameters
 /// arrive checked against the kernel's declaration.
 pub trait Target {
-    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String>;
-    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String>;
-    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String>;
+    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), BackendError>;
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), BackendError>;
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), BackendError>;
     /// Copies host bytes to `dst`, ordered with the launches (a kernel's table).
-    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String>;
-    fn gemm(&self, p: &Product) -> Result<(), String>;
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), BackendError>;
+    fn gemm(&self, p: &Product) -> Result<(), BackendError>;
     /// At least `bytes` of temporary memory, valid until the next request.
-    fn scratch(&self, bytes: usize) -> Result<Ptr, String>;
+    fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError>;
     /// How much temporary memory an op that can split its work (convolution's weight gradient,
     /// in chunks of images) should keep to.
     fn scratch_budget(&self) -> usize {
@@ -285,56 +286,56 @@ pub trait Target {
     /// The word a kernel that can meet bad data reports it in; `what` says what ran.
     fn fault(&self, what: String) -> Ptr;
     /// f64 partial sums a kernel left at `at`, for the host to add in order.
-    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String>;
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError>;
 }
 
 /// No device: the dispatch makes every check and launches nothing.
 pub struct Check;
 
 impl Target for Check {
-    fn launch(&self, _: &str, _: LaunchConfig, _: &mut [*mut c_void]) -> Result<(), String> {
+    fn launch(&self, _: &str, _: LaunchConfig, _: &mut [*mut c_void]) -> Result<(), BackendError> {
         Ok(())
     }
-    fn copy(&self, _: Ptr, _: Ptr, _: usize) -> Result<(), String> {
+    fn copy(&self, _: Ptr, _: Ptr, _: usize) -> Result<(), BackendError> {
         Ok(())
     }
-    fn fill(&self, _: Ptr, _: u8, _: usize) -> Result<(), String> {
+    fn fill(&self, _: Ptr, _: u8, _: usize) -> Result<(), BackendError> {
         Ok(())
     }
-    fn write(&self, _: Ptr, _: &[u8]) -> Result<(), String> {
+    fn write(&self, _: Ptr, _: &[u8]) -> Result<(), BackendError> {
         Ok(())
     }
-    fn gemm(&self, _: &Product) -> Result<(), String> {
+    fn gemm(&self, _: &Product) -> Result<(), BackendError> {
         Ok(())
     }
-    fn scratch(&self, _: usize) -> Result<Ptr, String> {
+    fn scratch(&self, _: usize) -> Result<Ptr, BackendError> {
         Ok(NULL)
     }
     fn fault(&self, _: String) -> Ptr {
         NULL
     }
-    fn partials(&self, _: Ptr, count: usize) -> Result<Vec<f64>, String> {
+    fn partials(&self, _: Ptr, count: usize) -> Result<Vec<f64>, BackendError> {
         Ok(vec![0.0; count])
     }
 }
 
 impl Target for CudaBackend {
-    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), String> {
+    fn launch(&self, name: &str, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<(), BackendError> {
         self.launch_kernel(name, cfg, params)
     }
-    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), BackendError> {
         self.memcpy(dst.0, src.0, bytes)
     }
-    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), BackendError> {
         self.memset(dst.0, byte, bytes)
     }
-    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), BackendError> {
         self.write_bytes(dst.0, bytes)
     }
-    fn gemm(&self, p: &Product) -> Result<(), String> {
+    fn gemm(&self, p: &Product) -> Result<(), BackendError> {
         CudaBackend::gemm(self, p)
     }
-    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+    fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
         CudaBackend::scratch(self, bytes).map(Ptr)
     }
     fn tensor_core_attention(&self) -> bool {
@@ -343,7 +344,7 @@ impl Target for CudaBackend {
     fn fault(&self, what: String) -> Ptr {
         Ptr(self.fault_word(what))
     }
-    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError> {
         self.sum_partials(at.0, count)
     }
 }
@@ -354,7 +355,7 @@ impl Target for CudaBackend {
 pub struct Dev<'a>(pub &'a dyn Target);
 
 impl Dev<'_> {
-    fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), String> {
+    fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), BackendError> {
         let declared = signatures().get(name).ok_or_else(|| format!("no CUDA kernel named {name}"))?;
         let passed: Vec<&str> = params.iter().map(P::declared).collect();
         if *declared != passed {
@@ -362,7 +363,8 @@ impl Dev<'_> {
                 "kernel {name} declares ({}) but is passed ({})",
                 declared.join(", "),
                 passed.join(", ")
-            ));
+            )
+            .into());
         }
         // CUDA's limits, checked here so that check mode and the emulator refuse what a GPU would.
         let ((gx, gy, gz), (bx, by, bz)) = (cfg.grid_dim, cfg.block_dim);
@@ -370,7 +372,8 @@ impl Dev<'_> {
             return Err(format!(
                 "kernel {name}: grid {:?} × block {:?} is over CUDA's limits",
                 cfg.grid_dim, cfg.block_dim
-            ));
+            )
+            .into());
         }
         if gx == 0 || gy == 0 || gz == 0 {
             return Ok(()); // no rows: nothing to launch
@@ -379,15 +382,15 @@ impl Dev<'_> {
         self.0.launch(name, cfg, &mut raw)
     }
 
-    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), String> {
+    fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), BackendError> {
         self.0.copy(dst, src, bytes)
     }
 
-    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), String> {
+    fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), BackendError> {
         self.0.fill(dst, byte, bytes)
     }
 
-    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), String> {
+    fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), BackendError> {
         self.0.write(dst, bytes)
     }
 
@@ -395,7 +398,7 @@ impl Dev<'_> {
     /// matrix (a leading dimension must be positive, and a batch count of 0 would run as one
     /// product). No output (batch, m or n of 0) writes nothing; no terms (k = 0) leaves β·D,
     /// which is 0 or D, with its bias and epilogue, as the CPU backend's product does.
-    fn gemm(&self, p: &Product) -> Result<(), String> {
+    fn gemm(&self, p: &Product) -> Result<(), BackendError> {
         if p.batch == 0 || p.m == 0 || p.n == 0 {
             return Ok(());
         }
@@ -407,7 +410,7 @@ impl Dev<'_> {
             0.0 => (0..p.batch)
                 .try_for_each(|b| self.fill(Ptr(p.d + b * p.d_stride as u64 * size), 0, (p.m * p.n * size) as usize))?,
             1.0 => {}
-            beta => return Err(format!("a product of no terms with beta {beta}: no CUDA path")),
+            beta => return refused!("a product of no terms with beta {beta}: no CUDA path"),
         }
         if p.has_epilogue() {
             return apply_epilogue(self.0, p);
@@ -415,7 +418,7 @@ impl Dev<'_> {
         Ok(())
     }
 
-    fn scratch(&self, bytes: usize) -> Result<Ptr, String> {
+    fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
         self.0.scratch(bytes)
     }
 
@@ -435,7 +438,7 @@ impl Dev<'_> {
         self.0.fault(what())
     }
 
-    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, String> {
+    fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError> {
         self.0.partials(at, count)
     }
 }
@@ -465,22 +468,22 @@ pub fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
 }
 
 /// Runs `op` on `target`.
-pub fn run(target: &dyn Target, op: &Op, inputs: &[Option<V>], outputs: &[V]) -> Result<(), String> {
+pub fn run(target: &dyn Target, op: &Op, inputs: &[Option<V>], outputs: &[V]) -> Result<(), BackendError> {
     dispatch(Dev(target), op, inputs, outputs)
 }
 
 /// Whether `op` with these input and output metas can run on the CUDA backend; Err says why
 /// not. Needs no GPU.
-pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), String> {
+pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), BackendError> {
     let ins: Vec<Option<V>> = inputs.iter().map(|m| m.as_ref().map(|meta| V { meta, at: NULL })).collect();
     let outs: Vec<V> = outputs.iter().map(|meta| V { meta, at: NULL }).collect();
     run(&Check, op, &ins, &outs)
 }
 
-fn need_f32(x: &V, what: &str) -> Result<(), String> {
+fn need_f32(x: &V, what: &str) -> Result<(), BackendError> {
     match x.dtype() {
         DType::F32 => Ok(()),
-        t => Err(format!("{what} is {t}; the CUDA kernels take f32 here")),
+        t => refused!("{what} is {t}; the CUDA kernels take f32 here"),
     }
 }
 
@@ -506,29 +509,29 @@ fn numeric(family: &str, t: DType) -> String {
 
 /// The kernel of a family that moves elements without reading them (strided_copy,
 /// strided_store, trilu, where) for `t`'s width: `{family}_b8` … `{family}_b64`.
-fn sized(family: &str, t: DType) -> Result<String, String> {
+fn sized(family: &str, t: DType) -> Result<String, BackendError> {
     match t.size() {
         1 | 2 | 4 | 8 => Ok(format!("{family}_b{}", 8 * t.size())),
-        _ => Err(format!("no {family} kernel for {t} elements on the CUDA backend")),
+        _ => refused!("no {family} kernel for {t} elements on the CUDA backend"),
     }
 }
 
 /// The kernel of a family that computes with float elements for `t`: `{family}_f32`,
 /// `{family}_f16` or `{family}_bf16` (the half ones load to f32 and store rounded).
 /// Like `typed`, and `{family}_f64` for f64 elements.
-fn float_kernel(family: &str, t: DType) -> Result<String, String> {
+fn float_kernel(family: &str, t: DType) -> Result<String, BackendError> {
     match t {
         DType::F64 => Ok(format!("{family}_f64")),
         t => typed(family, t),
     }
 }
 
-fn typed(family: &str, t: DType) -> Result<String, String> {
+fn typed(family: &str, t: DType) -> Result<String, BackendError> {
     let suffix = match t {
         DType::F32 => "f32",
         DType::F16 => "f16",
         DType::BF16 => "bf16",
-        _ => return Err(format!("no {family} kernel for {t} elements on the CUDA backend")),
+        _ => return refused!("no {family} kernel for {t} elements on the CUDA backend"),
     };
     Ok(format!("{family}_{suffix}"))
 }
@@ -556,7 +559,7 @@ fn strided_move(
     esize: usize,
     x: Ptr,
     y: Ptr,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     if shape.contains(&0) {
         return Ok(());
     }
@@ -595,7 +598,7 @@ fn strided_move(
     let (d, s) = (dims(&sizes)?, strides_of(&strides));
     let width = match word {
         1 | 2 | 4 | 8 | 16 => 8 * word,
-        _ => return Err(format!("no strided move for elements of {esize} bytes on the CUDA backend")),
+        _ => return refused!("no strided move for elements of {esize} bytes on the CUDA backend"),
     };
     match side {
         Strided::Source => {
@@ -631,7 +634,7 @@ fn rows_move(
     x: (Ptr, i64),
     y: (Ptr, i64),
     pad: bool,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     let ((x, x_ld), (y, y_ld)) = (x, y);
     let word = widest_word(esize, cols, &[x_ld, y_ld], [x, y]);
     let per = (word / esize) as i64;
@@ -644,20 +647,23 @@ fn rows_move(
 }
 
 /// Integer ids for gathers and labels: i64 (1) or i32 (0).
-fn ids_i64(x: &V, what: &str) -> Result<i32, String> {
+fn ids_i64(x: &V, what: &str) -> Result<i32, BackendError> {
     match x.dtype() {
         DType::I64 => Ok(1),
         DType::I32 => Ok(0),
-        t => Err(format!("{what} are {t}; expected i64 or i32")),
+        t => refused!("{what} are {t}; expected i64 or i32"),
     }
 }
 
-fn norm_axis(axis: i64, rank: usize) -> Result<usize, String> {
+fn norm_axis(axis: i64, rank: usize) -> Result<usize, BackendError> {
     let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (0..rank as i64).contains(&a).then_some(a as usize).ok_or_else(|| format!("axis {axis} out of range"))
+    (0..rank as i64)
+        .contains(&a)
+        .then_some(a as usize)
+        .ok_or_else(|| BackendError::Refused(format!("axis {axis} out of range")))
 }
 
-fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), String> {
+fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), BackendError> {
     let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
     let y = *outs.first().ok_or("the op has no output")?;
     match op {
@@ -665,7 +671,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::UnaryGrad(u) => {
             let (dy, a) = (x(0)?, x(1)?);
             if dy.dtype() != a.dtype() {
-                return Err(format!("an activation's gradient of {} for an input of {}", dy.dtype(), a.dtype()));
+                return refused!("an activation's gradient of {} for an input of {}", dy.dtype(), a.dtype());
             }
             let kernel = float_kernel("unary_grad", a.dtype())?;
             let (n, [p0, p1]) = (a.n(), u.params());
@@ -682,7 +688,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
         Op::Where => {
             let (c, a, b) = (x(0)?, x(1)?, x(2)?);
             if c.dtype() != DType::Bool || a.dtype() != b.dtype() {
-                return Err(format!("Where of {} and {} on a {} condition", a.dtype(), b.dtype(), c.dtype()));
+                return refused!("Where of {} and {} on a {} condition", a.dtype(), b.dtype(), c.dtype());
             }
             let kernel = sized("where", a.dtype())?;
             let n = y.n();
@@ -791,25 +797,25 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let epilogue = match activation {
                 None => Epilogue::Plain,
                 Some(Unary::GeluTanh) => Epilogue::Gelu { aux: outs.get(1).map_or(0, |pre| pre.at.0) },
-                Some(u) => return Err(format!("no CUDA epilogue for a fused {u:?}")),
+                Some(u) => return refused!("no CUDA epilogue for a fused {u:?}"),
             };
             matmul(dev, x(0)?, x(1)?, ins.get(2).copied().flatten(), *trans_a, *trans_b, epilogue, y)
         }
         Op::MatMulUnaryGrad { trans_a, trans_b, activation: Unary::GeluTanh } => {
             let pre = x(2)?;
             if pre.meta != y.meta {
-                return Err(format!("a GELU's input {:?} against its gradient {:?}", pre.meta, y.meta));
+                return refused!("a GELU's input {:?} against its gradient {:?}", pre.meta, y.meta);
             }
             matmul(dev, x(0)?, x(1)?, None, *trans_a, *trans_b, Epilogue::GeluGrad { aux: pre.at.0 }, y)
         }
-        Op::MatMulUnaryGrad { activation, .. } => Err(format!("no CUDA epilogue for the gradient of {activation:?}")),
+        Op::MatMulUnaryGrad { activation, .. } => refused!("no CUDA epilogue for the gradient of {activation:?}"),
         Op::Gemm { alpha, beta, trans_a, trans_b } => {
             let c = ins.get(2).copied().flatten().filter(|_| *beta != 0.0);
             if let Some(c) = c {
                 // D starts as C broadcast to the output, and cuBLASLt adds beta·D to the product
                 // (in D's type: f32, or a half type under mixed precision).
                 if c.dtype() != y.dtype() {
-                    return Err(format!("C is {} and the output {}; Gemm takes them alike", c.dtype(), y.dtype()));
+                    return refused!("C is {} and the output {}; Gemm takes them alike", c.dtype(), y.dtype());
                 }
                 let s = broadcast(c.shape(), y.shape())?;
                 let size = c.dtype().size();
@@ -901,7 +907,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
                     numeric("cumsum", a.dtype())
                 }
-                t => return Err(format!("CumSum of {t} on the CUDA backend")),
+                t => return refused!("CumSum of {t} on the CUDA backend"),
             };
             let (outer, len, inner) = around(a.shape(), norm_axis(*axis, a.shape().len())?);
             let lines = outer * inner;
@@ -917,7 +923,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
                     numeric("arg_extreme", a.dtype())
                 }
-                t => return Err(format!("ArgMax/ArgMin of {t} on the CUDA backend")),
+                t => return refused!("ArgMax/ArgMin of {t} on the CUDA backend"),
             };
             let ax = norm_axis(*axis, a.shape().len())?;
             let st = strides(a.shape());
@@ -952,7 +958,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 DType::F32 | DType::F16 | DType::BF16 | DType::F64 | DType::I32 | DType::I64 => {
                     numeric("top_k_indices", a.dtype())
                 }
-                t => return Err(format!("TopK of {t} on the CUDA backend")),
+                t => return refused!("TopK of {t} on the CUDA backend"),
             };
             let (_, len, inner) = around(a.shape(), norm_axis(*axis, a.shape().len())?);
             let n = a.n();
@@ -1257,7 +1263,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
             let (dloss, scores, lse, labels) = (x(0)?, x(1)?, x(2)?, x(3)?);
             need_f32(&lse, "the log-sum-exp")?;
             if y.dtype() != scores.dtype() {
-                return Err(format!("the gradient ({}) is not of the scores' type ({})", y.dtype(), scores.dtype()));
+                return refused!("the gradient ({}) is not of the scores' type ({})", y.dtype(), scores.dtype());
             }
             let kernel = typed("cross_entropy_lse_grad_rows", y.dtype())?;
             let (rows, cols) = scores_rows(&scores)?;
@@ -1378,30 +1384,30 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Stri
                 &mut params![n, c as i64, plane, *epsilon, dy.at, a.at, scale.at, y.at, dscale, dbias],
             )
         }
-        other => Err(format!("{} has no CUDA kernel yet", other.onnx_name().0)),
+        other => refused!("{} has no CUDA kernel yet", other.onnx_name().0),
     }
 }
 
 /// An N × C × … tensor as (N, C, the product of the rest), for the per-channel kernels.
-fn channels(shape: &[usize]) -> Result<(i64, usize, i64), String> {
+fn channels(shape: &[usize]) -> Result<(i64, usize, i64), BackendError> {
     if shape.len() < 2 {
-        return Err(format!("a rank-{} input where N × C × … is expected", shape.len()));
+        return refused!("a rank-{} input where N × C × … is expected", shape.len());
     }
     Ok((shape[0] as i64, shape[1], shape[2..].iter().product::<usize>() as i64))
 }
 
 /// y = u(a), elementwise; y may be a. Floats run in their own type (halves in f32), integers
 /// through f64 (exact up to 32-bit elements); predicates write bools.
-fn unary(dev: Dev, u: Unary, a: V, y: V) -> Result<(), String> {
+fn unary(dev: Dev, u: Unary, a: V, y: V) -> Result<(), BackendError> {
     let (n, [p0, p1], code) = (a.n(), u.params(), u.code());
     match (u, a.dtype()) {
         (Unary::Not, DType::Bool) => dev.kernel("not_u8", elementwise(n), &mut params![n as i64, a.at, y.at]),
-        (Unary::Not, t) => Err(format!("Not of {t} (a bool operand expected)")),
+        (Unary::Not, t) => refused!("Not of {t} (a bool operand expected)"),
         (_, t) if u.is_predicate() => {
             let kernel = float_kernel("unary_predicate", t)?;
             dev.kernel(&kernel, elementwise(n), &mut params![code, p0, p1, n as i64, a.at, y.at])
         }
-        (_, DType::Bool) => Err(format!("{u:?} of bool has no CUDA kernel (nor an ONNX meaning)")),
+        (_, DType::Bool) => refused!("{u:?} of bool has no CUDA kernel (nor an ONNX meaning)"),
         (_, t) if t.is_float() => {
             dev.kernel(&float_kernel("unary", t)?, elementwise(n), &mut params![code, p0, p1, n as i64, a.at, y.at])
         }
@@ -1410,12 +1416,12 @@ fn unary(dev: Dev, u: Unary, a: V, y: V) -> Result<(), String> {
 }
 
 /// out = a op b, broadcasting; out may be a (the n-ary fold accumulates in place).
-fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
+fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), BackendError> {
     let t = a.dtype();
     if b.dtype() != t {
         return match op {
             Binary::Pow => pow_through_f64(dev, a, b, y),
-            _ => Err(format!("{op:?} of {t} and {} (the operands' types must agree)", b.dtype())),
+            _ => refused!("{op:?} of {t} and {} (the operands' types must agree)", b.dtype()),
         };
     }
     let n = y.n();
@@ -1426,13 +1432,13 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), String> {
         _ if op.is_logic() && t == DType::Bool => {
             dev.kernel("logic_u8", elementwise(n), &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at])
         }
-        _ if op.is_logic() => Err(format!("{op:?} of {t} (bool operands expected)")),
+        _ if op.is_logic() => refused!("{op:?} of {t} (bool operands expected)"),
         _ if op.is_predicate() => dev.kernel(
             &numeric("compare", t),
             elementwise(n),
             &mut params![code, n as i64, d, a.at, sa, b.at, sb, y.at],
         ),
-        _ if t == DType::Bool => Err(format!("{op:?} of bool has no CUDA kernel (nor an ONNX meaning)")),
+        _ if t == DType::Bool => refused!("{op:?} of bool has no CUDA kernel (nor an ONNX meaning)"),
         _ => {
             let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
             dev.kernel(
@@ -1455,7 +1461,7 @@ fn nll_denominator<'a>(
     ignore_index: Option<i64>,
     counted: V,
     scalar: &'a Meta,
-) -> Result<V<'a>, String> {
+) -> Result<V<'a>, BackendError> {
     let positions = counted.n();
     let wide = ids_i64(labels, "NegativeLogLikelihoodLoss' labels")?;
     let (has_ignore, ignore) = (ignore_index.is_some() as i32, ignore_index.unwrap_or(0));
@@ -1472,14 +1478,19 @@ fn nll_denominator<'a>(
 
 /// Pow with an exponent of another type than the base (ONNX's T1): both widened to f64, the
 /// power taken there and converted to the output's type, as the CPU backend computes it.
-fn pow_through_f64(dev: Dev, a: V, b: V, y: V) -> Result<(), String> {
+fn pow_through_f64(dev: Dev, a: V, b: V, y: V) -> Result<(), BackendError> {
     through_f64(dev, &[a, b], y, |wide, y| binary(dev, Binary::Pow, wide[0], wide[1], y))
 }
 
 /// Runs `f` on f64 copies of `ins` into an f64 value of `y`'s shape, then converts that to `y`'s
 /// type: how element types without kernels of their own are computed, as the CPU backend
 /// computes them (through f64).
-fn through_f64(dev: Dev, ins: &[V], y: V, f: impl FnOnce(&[V], V) -> Result<(), String>) -> Result<(), String> {
+fn through_f64(
+    dev: Dev,
+    ins: &[V],
+    y: V,
+    f: impl FnOnce(&[V], V) -> Result<(), BackendError>,
+) -> Result<(), BackendError> {
     widened(dev, DType::F64, ins, y, f)
 }
 
@@ -1490,8 +1501,8 @@ fn widened(
     wide: DType,
     ins: &[V],
     y: V,
-    f: impl FnOnce(&[V], V) -> Result<(), String>,
-) -> Result<(), String> {
+    f: impl FnOnce(&[V], V) -> Result<(), BackendError>,
+) -> Result<(), BackendError> {
     let values: Vec<V> = ins.iter().chain([&y]).copied().collect();
     let at = scratch_parts(dev, &values.iter().map(|v| wide.size() * v.n()).collect::<Vec<_>>())?;
     let metas: Vec<Meta> = values.iter().map(|v| Meta::new(wide, v.shape())).collect();
@@ -1506,23 +1517,23 @@ fn widened(
 
 /// Runs `f`, a gradient that scatters f32 additions, on `dy` and `y`: as they are in f32, or
 /// on f32 copies of half ones (accumulated in f32 and rounded once, as the CPU backend does).
-fn scatter_in_f32(dev: Dev, dy: V, y: V, f: impl FnOnce(V, V) -> Result<(), String>) -> Result<(), String> {
+fn scatter_in_f32(dev: Dev, dy: V, y: V, f: impl FnOnce(V, V) -> Result<(), BackendError>) -> Result<(), BackendError> {
     match (dy.dtype(), y.dtype()) {
         (DType::F32, DType::F32) => f(dy, y),
         (DType::F16 | DType::BF16, t) if t == dy.dtype() => widened(dev, DType::F32, &[dy], y, |w, y| f(w[0], y)),
-        (t, _) => Err(format!("the gradient is {t}; the CUDA kernels take f32, f16 or bf16 here")),
+        (t, _) => refused!("the gradient is {t}; the CUDA kernels take f32, f16 or bf16 here"),
     }
 }
 
 /// One scratch request cut into parts of `bytes` each, every part 256-byte aligned.
-fn scratch_parts(dev: Dev, bytes: &[usize]) -> Result<Vec<Ptr>, String> {
+fn scratch_parts(dev: Dev, bytes: &[usize]) -> Result<Vec<Ptr>, BackendError> {
     let sizes: Vec<u64> = bytes.iter().map(|&b| b.next_multiple_of(256) as u64).collect();
     let base = dev.scratch(sizes.iter().sum::<u64>() as usize)?.0;
     Ok(sizes.iter().scan(base, |at, size| Some(Ptr(std::mem::replace(at, *at + size)))).collect())
 }
 
 /// (Π shape[..axis], Π shape[axis..]).
-fn split_at_axis(shape: &[usize], axis: i64) -> Result<(usize, usize), String> {
+fn split_at_axis(shape: &[usize], axis: i64) -> Result<(usize, usize), BackendError> {
     let a = norm_axis(axis, shape.len())?;
     Ok((shape[..a].iter().product(), shape[a..].iter().product()))
 }
@@ -1575,7 +1586,7 @@ impl LossRows {
 
     /// [N, C, D] at `from` as [N, D, C] at `to` (elements of `esize` bytes); returns where the
     /// rows are.
-    fn gather_rows(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<Ptr, String> {
+    fn gather_rows(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<Ptr, BackendError> {
         if !self.spatial() {
             return Ok(from);
         }
@@ -1585,7 +1596,7 @@ impl LossRows {
     }
 
     /// [N, D, C] at `from` back to [N, C, D] at `to` (elements of `esize` bytes).
-    fn scatter_rows(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<(), String> {
+    fn scatter_rows(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<(), BackendError> {
         let (n, c, d) = (self.n, self.cols as i64, self.d as i64);
         strided_move(dev, Strided::Source, &[n, self.cols, self.d], &[d * c, 1, c], esize, from, to)
     }
@@ -1602,7 +1613,7 @@ fn finish_loss(
     w: Ptr,
     sums: Ptr,
     loss: Ptr,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     if reduction == LossReduction::None {
         return dev.copy(loss, nll, rows * 4);
     }
@@ -1624,10 +1635,10 @@ fn reduction_code(r: LossReduction) -> i32 {
 }
 
 /// Scores [N, C] as N rows of C classes (the fused loss' only layout).
-fn scores_rows(scores: &V) -> Result<(usize, usize), String> {
+fn scores_rows(scores: &V) -> Result<(usize, usize), BackendError> {
     match scores.shape() {
         &[rows, cols] => Ok((rows, cols)),
-        s => Err(format!("the fused loss takes scores [N, C], not {s:?}")),
+        s => refused!("the fused loss takes scores [N, C], not {s:?}"),
     }
 }
 
@@ -1640,7 +1651,7 @@ fn label_weights(
     ignore: Option<i64>,
     weights: Ptr,
     w: Ptr,
-) -> Result<i32, String> {
+) -> Result<i32, BackendError> {
     let wide = ids_i64(&labels, "the labels")?;
     let fault =
         dev.fault(|| format!("SoftmaxCrossEntropyLoss: a label out of range for {cols} classes (position = row)"));
@@ -1673,7 +1684,7 @@ fn column_sum(
     v: Ptr,
     x_hat: Option<(Ptr, Ptr, Ptr)>,
     out: Ptr,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     const ROWS_PER_CHUNK: usize = 64;
     let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
     let partial = dev.scratch(chunks * cols * 4)?;
@@ -1693,7 +1704,7 @@ fn column_sum(
 }
 
 /// ReduceSumTo: the gradient of a broadcast, summed back to the operand's shape.
-fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
+fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), BackendError> {
     if a.n() == y.n() {
         return dev.copy(y.at, a.at, y.meta.bytes());
     }
@@ -1711,7 +1722,7 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
         match to[k - pad] {
             t if t == n => summed.push(false),
             1 => summed.push(true),
-            _ => return Err(format!("{from:?} does not sum to {to:?}")),
+            _ => return refused!("{from:?} does not sum to {to:?}"),
         }
     }
     reduce_strided(dev, Reduce::Sum, a, &summed, y)
@@ -1719,9 +1730,9 @@ fn reduce_sum_to(dev: Dev, a: V, y: V) -> Result<(), String> {
 
 /// Reduces `a` (f32, f16, bf16 or f64) over the axes marked in `reduced` (any of them, one
 /// thread per output).
-fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Result<(), String> {
+fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Result<(), BackendError> {
     if !matches!(a.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::F64) || y.dtype() != a.dtype() {
-        return Err(format!("a reduction of {} into {} (float values of one type expected)", a.dtype(), y.dtype()));
+        return refused!("a reduction of {} into {} (float values of one type expected)", a.dtype(), y.dtype());
     }
     let st = strides(a.shape());
     let (mut kept_shape, mut kept_strides, mut red_shape, mut red_strides) = (vec![], vec![], vec![], vec![]);
@@ -1751,7 +1762,7 @@ fn reduce_strided(dev: Dev, kind: Reduce, a: V, reduced: &[bool], y: V) -> Resul
 }
 
 /// `n` elements of type `from` at `x` converted to `to` at `y` (ONNX Cast's semantics).
-fn cast(dev: Dev, from: DType, to: DType, x: Ptr, y: Ptr, n: usize) -> Result<(), String> {
+fn cast(dev: Dev, from: DType, to: DType, x: Ptr, y: Ptr, n: usize) -> Result<(), BackendError> {
     dev.kernel("cast", elementwise(n), &mut params![from.onnx_code(), to.onnx_code(), n as i64, x, y])
 }
 
@@ -1775,7 +1786,7 @@ fn matmul(
     trans_b: bool,
     epilogue: Epilogue,
     y: V,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     if matches!(y.dtype(), DType::F64 | DType::I32 | DType::I64) && epilogue == Epilogue::Plain {
         plain_product(dev, a, b, trans_a, trans_b, y)?;
         return bias.map_or(Ok(()), |bias| binary(dev, Binary::Add, y, bias, y));
@@ -1797,7 +1808,7 @@ fn matmul(
 
 /// y = op(a)·op(b) of f64 or integer matrices (kernels/product.cu; cuBLASLt's path takes the
 /// float types with f32 sums), with numpy's broadcast of the batch dims.
-fn plain_product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, y: V) -> Result<(), String> {
+fn plain_product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, y: V) -> Result<(), BackendError> {
     let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
     if a.dtype() != y.dtype() || b.dtype() != y.dtype() || ra < 2 || rb < 2 {
         let (sa, sb) = (a.shape(), b.shape());
@@ -1806,13 +1817,14 @@ fn plain_product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, y: V) -> Re
             a.dtype(),
             b.dtype(),
             y.dtype()
-        ));
+        )
+        .into());
     }
     let (m, k) = if trans_a { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
     let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
     let batch = &y.shape()[..ry - 2];
     // Each operand's strides over y's batch dims, in matrices, then in elements.
-    let over_batch = |x: &V, size: usize| -> Result<Strides, String> {
+    let over_batch = |x: &V, size: usize| -> Result<Strides, BackendError> {
         let mut s = broadcast(&x.shape()[..x.shape().len() - 2], batch)?;
         s.at.iter_mut().for_each(|at| *at *= size as i64);
         Ok(s)
@@ -1853,7 +1865,7 @@ fn product(
     bias: Option<V>,
     epilogue: Epilogue,
     y: V,
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     let dtype = a.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || b.dtype() != dtype || y.dtype() != dtype {
         return Err(format!(
@@ -1861,7 +1873,8 @@ fn product(
             a.dtype(),
             b.dtype(),
             y.dtype()
-        ));
+        )
+        .into());
     }
     let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
     if ra < 2 || rb < 2 {
@@ -1871,14 +1884,14 @@ fn product(
     let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
     let batch_dims = &y.shape()[..ry - 2];
     let batch: usize = batch_dims.iter().product();
-    let stride_of = |x: &V, rows: usize, cols: usize| -> Result<i64, String> {
+    let stride_of = |x: &V, rows: usize, cols: usize| -> Result<i64, BackendError> {
         let own = &x.shape()[..x.shape().len() - 2];
         if own.iter().product::<usize>() == 1 {
             Ok(0)
         } else if own == batch_dims {
             Ok((rows * cols) as i64)
         } else {
-            Err(format!("MatMul batch dims {own:?} against {batch_dims:?}: no CUDA path for this broadcast"))
+            refused!("MatMul batch dims {own:?} against {batch_dims:?}: no CUDA path for this broadcast")
         }
     };
     let (a_stride, b_stride) = (stride_of(&a, m, k)?, stride_of(&b, k, n)?);
@@ -1958,7 +1971,7 @@ fn padding(p: &Product) -> Option<[Padded; 3]> {
 /// alignments; without them it falls back to kernels several times slower (measured on an H100:
 /// the LM head's three products over 50257 columns ran at 100 to 150 TFLOP/s, the layers' at
 /// 640). The copies cost a pass over each padded matrix.
-fn padded_product(dev: Dev, p: &Product, [a, b, d]: [Padded; 3]) -> Result<(), String> {
+fn padded_product(dev: Dev, p: &Product, [a, b, d]: [Padded; 3]) -> Result<(), BackendError> {
     let esize = p.dtype.size();
     let parts = scratch_parts(dev, &[a.scratch(esize), b.scratch(esize), d.scratch(esize)])?;
     let a_at = a.stage_in(dev, Ptr(p.a), parts[0], esize)?;
@@ -1999,7 +2012,7 @@ impl Padded {
     }
 
     /// Where the product reads it: `from` itself, or its copy at `to` with zeros around it.
-    fn stage_in(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<Ptr, String> {
+    fn stage_in(&self, dev: Dev, from: Ptr, to: Ptr, esize: usize) -> Result<Ptr, BackendError> {
         if !self.pads() {
             return Ok(from);
         }
@@ -2016,10 +2029,10 @@ impl Padded {
 /// A product's bias and epilogue applied after it, for when cuBLASLt had no algorithm with
 /// them: D is packed (batch × m rows of n), the bias a vector of n and the aux laid out like D,
 /// all of the product's type. Unlike cuBLASLt's, the GELU reads D rounded to its type.
-pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), String> {
+pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), BackendError> {
     let (rows, n) = ((p.batch * p.m) as usize, p.n as usize);
     if p.batch > 1 && p.d_stride != (p.m * p.n) as i64 {
-        return Err(format!("an epilogue for a product whose outputs are not packed: {p:?}"));
+        return refused!("an epilogue for a product whose outputs are not packed: {p:?}");
     }
     let dev = Dev(target);
     let d = Meta::new(p.dtype, &[rows, n]);
@@ -2032,7 +2045,7 @@ pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), String> {
 }
 
 /// An epilogue's activation (or activation gradient) over `y` in place, after the product.
-fn activate(dev: Dev, epilogue: Epilogue, y: V) -> Result<(), String> {
+fn activate(dev: Dev, epilogue: Epilogue, y: V) -> Result<(), BackendError> {
     let n = y.n();
     match epilogue {
         Epilogue::Plain => Ok(()),
@@ -2051,13 +2064,13 @@ fn activate(dev: Dev, epilogue: Epilogue, y: V) -> Result<(), String> {
 }
 
 /// Gradient accumulation: dst = dst·keep + src·scale.
-pub fn accumulate(dev: Dev, dst: V, keep: f32, src: V, scale: f32) -> Result<(), String> {
+pub fn accumulate(dev: Dev, dst: V, keep: f32, src: V, scale: f32) -> Result<(), BackendError> {
     let n = dst.n();
     dev.kernel("accumulate_f32", elementwise(n), &mut params![n as i64, dst.at, keep, src.at, scale])
 }
 
 /// Σ x² of an f32 value, in f64 (partials per block, added in order on the host).
-pub fn sum_squares(dev: Dev, xs: &[V]) -> Result<f64, String> {
+pub fn sum_squares(dev: Dev, xs: &[V]) -> Result<f64, BackendError> {
     // Every value's blocks write their partials side by side, read back in one wait; added per
     // value in order, then over the values in order.
     let cfgs: Vec<LaunchConfig> = xs.iter().map(|x| elementwise(x.n())).collect();
@@ -2111,11 +2124,11 @@ const PIECE: usize = 1 << 15;
 
 /// The pieces of `slots` with `states` state buffers each, written to scratch memory; returns
 /// the table and how many pieces it holds.
-fn piece_table(dev: Dev, slots: &[Slot], states: usize) -> Result<(Ptr, usize), String> {
+fn piece_table(dev: Dev, slots: &[Slot], states: usize) -> Result<(Ptr, usize), BackendError> {
     let mut pieces = Vec::new();
     for s in slots {
         if s.state.len() != states {
-            return Err(format!("the update keeps {states} state buffer(s) per weight, not {}", s.state.len()));
+            return refused!("the update keeps {states} state buffer(s) per weight, not {}", s.state.len());
         }
         let at = |v: Option<&V>, start: usize| v.map_or(0, |v| v.at.0 + 4 * start as u64);
         for start in (0..s.p.n()).step_by(PIECE) {
@@ -2147,12 +2160,12 @@ struct AdasumPiece {
 /// Adasum of each pair (`Backend::adasum`): `mine[i]` becomes adasum(lower's, higher's) of it
 /// and `theirs[i]`, in three launches over every tensor at once (dot products per piece, per
 /// tensor in piece order, the combination) whose figures never leave the device.
-pub fn adasum(dev: Dev, mine: &[V], theirs: &[V], mine_is_lower: bool) -> Result<(), String> {
+pub fn adasum(dev: Dev, mine: &[V], theirs: &[V], mine_is_lower: bool) -> Result<(), BackendError> {
     let mut pieces = Vec::new();
     let mut first = vec![0i64];
     for (t, (m, o)) in mine.iter().zip(theirs).enumerate() {
         if m.dtype() != DType::F32 || o.meta != m.meta {
-            return Err(format!("Adasum of {:?} and {:?} (f32 values of one shape expected)", m.meta, o.meta));
+            return refused!("Adasum of {:?} and {:?} (f32 values of one shape expected)", m.meta, o.meta);
         }
         let (x, y) = if mine_is_lower { (m, o) } else { (o, m) };
         let at = |v: &V, start: usize| v.at.0 + 4 * start as u64;
@@ -2181,7 +2194,7 @@ pub fn adasum(dev: Dev, mine: &[V], theirs: &[V], mine_is_lower: bool) -> Result
 /// One optimizer update (optim::cpu_step's formulas) of every weight of `slots`: SGD and Adam in
 /// one multi-tensor launch, LAMB in three launches per weight whose trust ratio never leaves
 /// the device.
-pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -> Result<(), String> {
+pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -> Result<(), BackendError> {
     if slots.is_empty() {
         return Ok(());
     }

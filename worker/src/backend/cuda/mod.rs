@@ -13,7 +13,7 @@ pub mod launch;
 pub mod nccl;
 pub mod probe;
 
-use super::{Arg, Backend, DeviceCollective, Slot, StepHyper};
+use super::{Arg, Backend, BackendError, DeviceCollective, Slot, StepHyper};
 use crate::comm::{HostGroup, ProcessGroup, ReduceOp};
 use crate::graph::ir::Graph;
 use crate::graph::op::Op;
@@ -131,29 +131,47 @@ pub struct CudaBackend {
     comms: Mutex<Vec<Arc<nccl::Comm>>>,
 }
 
-fn cuda_err(what: &str) -> impl Fn(driver::DriverError) -> String + '_ {
-    move |e| format!("CUDA {what}: {e:?}")
+/// A driver call's failure: the device's (a lost or faulted GPU, a kernel's illegal address),
+/// which a restarted pod may not meet again.
+fn cuda_err(what: &str) -> impl Fn(driver::DriverError) -> BackendError + '_ {
+    move |e| BackendError::Device(format!("CUDA {what}: {e:?}"))
+}
+
+/// The device's free memory, as the driver counts it.
+fn free_memory() -> Option<usize> {
+    driver::mem_get_info().ok().map(|(free, _total)| free)
+}
+
+/// An allocation's failure: out of memory when the driver says so, else the device's.
+fn alloc_err(place: &str, bytes: usize) -> impl Fn(driver::DriverError) -> BackendError + '_ {
+    move |e| match e.0 {
+        cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            BackendError::OutOfMemory { place: place.to_string(), bytes, free: free_memory() }
+        }
+        _ => BackendError::Device(format!("CUDA allocation of {bytes} bytes on {place}: {e:?}")),
+    }
 }
 
 impl CudaBackend {
     /// The backend on GPU `ordinal`: creates its context and stream, compiles (or takes from the
     /// process' cache) and loads the kernels, and creates the cuBLASLt handle.
-    pub fn new(ordinal: usize) -> Result<CudaBackend, String> {
-        probe::libraries().map_err(|u| u.0)?;
+    pub fn new(ordinal: usize) -> Result<CudaBackend, BackendError> {
+        probe::libraries().map_err(|u| BackendError::Device(u.0))?;
         let ctx = CudaContext::new(ordinal).map_err(cuda_err("context"))?;
         let stream = ctx.new_stream().map_err(cuda_err("stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(cuda_err("compute capability"))?;
-        let tensor_core_attention = AttentionKernels::from_env()?.tensor_cores((major, minor));
-        let ptx = compile::compile(major, minor)?;
+        let tensor_core_attention =
+            AttentionKernels::from_env().map_err(BackendError::Refused)?.tensor_cores((major, minor));
+        let ptx = compile::compile(major, minor).map_err(BackendError::Device)?;
         let module = ctx.load_module((*ptx).clone()).map_err(cuda_err("loading the kernels"))?;
         let mut kernels = HashMap::new();
         for name in compile::kernel_names() {
             let f = module.load_function(&name).map_err(cuda_err(&format!("kernel {name}")))?;
             kernels.insert(name, f);
         }
-        let alloc = |bytes: usize| -> Result<CudaBuffer, String> {
+        let alloc = |bytes: usize| -> Result<CudaBuffer, BackendError> {
             // SAFETY: the context is current (CudaContext::new binds it to this thread).
-            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(cuda_err("allocation"))?;
+            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(alloc_err("the GPU", bytes))?;
             Ok(CudaBuffer { ptr, bytes, ctx: ctx.clone() })
         };
         let workspace = alloc(gemm::WORKSPACE_BYTES)?;
@@ -161,7 +179,7 @@ impl CudaBackend {
         // SAFETY: 8 bytes of the allocation above, zeroed on the stream the kernels write it on.
         unsafe { driver::memset_d8_async(fault.ptr, 0, 8, stream.cu_stream()) }.map_err(cuda_err("memset"))?;
         stream.synchronize().map_err(cuda_err("synchronize"))?;
-        let gemm = gemm::Gemm::new(workspace.ptr, gemm::WORKSPACE_BYTES)?;
+        let gemm = gemm::Gemm::new(workspace.ptr, gemm::WORKSPACE_BYTES).map_err(BackendError::Device)?;
         let device = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         Ok(CudaBackend {
             name: format!("cuda:{ordinal} ({device}, sm_{major}{minor})"),
@@ -190,7 +208,7 @@ impl CudaBackend {
     /// Waits until the stream has run everything enqueued. With NCCL communicators open and a
     /// wait limit, polls instead of blocking, so that a hung peer or an NCCL error ends this
     /// rank with an error (its communicators aborted) rather than hanging it.
-    fn sync(&self) -> Result<(), String> {
+    fn sync(&self) -> Result<(), BackendError> {
         let comms = match self.wait_limit {
             Some(_) => self.comms.lock().unwrap().clone(),
             None => Vec::new(),
@@ -211,14 +229,14 @@ impl CudaBackend {
             if failed.is_some() || waited > limit {
                 comms.iter().for_each(|c| c.abort());
                 self.comms.lock().unwrap().clear();
-                return Err(match failed {
+                return Err(BackendError::Device(match failed {
                     Some(e) => format!("{e}; this rank's NCCL communicators are aborted"),
                     None => format!(
                         "the GPU's work has not finished after {} s (parallelism.timeoutSeconds): a collective is \
                          waiting for a rank that has stopped; this rank's NCCL communicators are aborted",
                         limit.as_secs()
                     ),
-                });
+                }));
             }
             // Spin for the first millisecond (a step's wait is usually short), then nap.
             if waited < Duration::from_millis(1) {
@@ -244,7 +262,7 @@ impl CudaBackend {
         missing
     }
 
-    fn bind(&self) -> Result<(), String> {
+    fn bind(&self) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))
     }
 
@@ -254,8 +272,8 @@ impl CudaBackend {
         name: &str,
         cfg: LaunchConfig,
         params: &mut [*mut c_void],
-    ) -> Result<(), String> {
-        let f = self.kernels.get(name).ok_or_else(|| format!("no CUDA kernel named {name}"))?;
+    ) -> Result<(), BackendError> {
+        let f = self.kernels.get(name).ok_or_else(|| BackendError::Refused(format!("no CUDA kernel named {name}")))?;
         // SAFETY: the parameters match the kernel's signature (launch.rs passes them in the
         // order kernels/*.cu declares), and the pointers are device memory of the sizes the
         // executor's plan gives the values.
@@ -269,10 +287,10 @@ impl CudaBackend {
                 params,
             )
         }
-        .map_err(|e| format!("launching {name}: {e:?}"))
+        .map_err(|e| BackendError::Device(format!("launching {name}: {e:?}")))
     }
 
-    pub(crate) fn gemm(&self, p: &gemm::Product) -> Result<(), String> {
+    pub(crate) fn gemm(&self, p: &gemm::Product) -> Result<(), BackendError> {
         let applied = self.gemm.lock().unwrap().run(p, self.stream.cu_stream() as _)?;
         if p.has_epilogue() && !applied {
             launch::apply_epilogue(self, p)?;
@@ -281,14 +299,14 @@ impl CudaBackend {
     }
 
     /// At least `bytes` of scratch memory, valid until the next launch that asks for scratch.
-    pub(crate) fn scratch(&self, bytes: usize) -> Result<u64, String> {
+    pub(crate) fn scratch(&self, bytes: usize) -> Result<u64, BackendError> {
         let mut s = self.scratch.lock().unwrap();
         if s.as_ref().is_none_or(|b| b.bytes < bytes) {
             // The old buffer may still be in use by enqueued work.
             self.sync()?;
             *s = None;
             // SAFETY: the context is bound (every entry point binds it).
-            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(cuda_err("scratch allocation"))?;
+            let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(alloc_err("the GPU's scratch", bytes))?;
             *s = Some(CudaBuffer { ptr, bytes, ctx: self.ctx.clone() });
         }
         Ok(s.as_ref().map(|b| b.ptr).unwrap_or(0))
@@ -300,7 +318,7 @@ impl CudaBackend {
         self.fault.ptr
     }
 
-    pub(crate) fn memcpy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), String> {
+    pub(crate) fn memcpy(&self, dst: u64, src: u64, bytes: usize) -> Result<(), BackendError> {
         if dst == src || bytes == 0 {
             return Ok(());
         }
@@ -310,17 +328,17 @@ impl CudaBackend {
 
     /// Copies host bytes to device memory at `dst`, ordered on the stream; `bytes` may go as
     /// soon as this returns (a copy from pageable memory is staged before it does).
-    pub(crate) fn write_bytes(&self, dst: u64, bytes: &[u8]) -> Result<(), String> {
+    pub(crate) fn write_bytes(&self, dst: u64, bytes: &[u8]) -> Result<(), BackendError> {
         // SAFETY: `bytes.len()` bytes of device memory at `dst` (a scratch request of that size).
         unsafe { driver::memcpy_htod_async(dst, bytes, self.stream.cu_stream()) }.map_err(cuda_err("upload"))
     }
 
-    pub(crate) fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<(), String> {
+    pub(crate) fn memset(&self, dst: u64, byte: u8, bytes: usize) -> Result<(), BackendError> {
         // SAFETY: device memory of `bytes`.
         unsafe { driver::memset_d8_async(dst, byte, bytes, self.stream.cu_stream()) }.map_err(cuda_err("memset"))
     }
 
-    fn read<T: Copy + Default>(&self, src: u64, count: usize) -> Result<Vec<T>, String> {
+    fn read<T: Copy + Default>(&self, src: u64, count: usize) -> Result<Vec<T>, BackendError> {
         let mut host = vec![T::default(); count];
         // SAFETY: `count` elements of device memory at `src`; the wait below completes the copy
         // before `host` is read or dropped.
@@ -330,7 +348,7 @@ impl CudaBackend {
     }
 
     /// Waits for the stream, then reports a fault a kernel recorded since the last wait.
-    fn wait(&self) -> Result<(), String> {
+    fn wait(&self) -> Result<(), BackendError> {
         self.sync()?;
         let sources = std::mem::take(&mut *self.fault_sources.lock().unwrap());
         if sources.is_empty() {
@@ -341,11 +359,15 @@ impl CudaBackend {
             return Ok(());
         }
         self.memset(self.fault.ptr, 0, 8)?;
-        Err(format!("an index out of range at position {} in one of: {}", word - 1, sources.join("; ")))
+        Err(BackendError::BadData(format!(
+            "an index out of range at position {} in one of: {}",
+            word - 1,
+            sources.join("; ")
+        )))
     }
 
     /// The f64 partial sums a kernel left at `partial`, for the host to add in order.
-    pub(crate) fn sum_partials(&self, partial: u64, count: usize) -> Result<Vec<f64>, String> {
+    pub(crate) fn sum_partials(&self, partial: u64, count: usize) -> Result<Vec<f64>, BackendError> {
         self.read::<f64>(partial, count)
     }
 }
@@ -383,20 +405,19 @@ impl Backend for CudaBackend {
         peak_flops_of(&self.name, compute)
     }
 
-    fn alloc(&self, bytes: usize) -> Result<CudaBuffer, String> {
+    fn alloc(&self, bytes: usize) -> Result<CudaBuffer, BackendError> {
         self.bind()?;
         // SAFETY: the context is bound; the memset is ordered before any use on the stream.
-        let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }
-            .map_err(|e| format!("cannot allocate {bytes} bytes on {}: {e:?}", self.name))?;
+        let ptr = unsafe { driver::malloc_sync(bytes.max(1)) }.map_err(alloc_err(&self.name, bytes))?;
         let buf = CudaBuffer { ptr, bytes, ctx: self.ctx.clone() };
         self.memset(ptr, 0, bytes)?;
         Ok(buf)
     }
 
-    fn upload(&self, src: &Tensor, dst: Arg<CudaBuffer>) -> Result<(), String> {
+    fn upload(&self, src: &Tensor, dst: Arg<CudaBuffer>) -> Result<(), BackendError> {
         self.bind()?;
         if src.byte_len() != dst.meta.bytes() {
-            return Err(format!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes()));
+            return crate::refused!("uploading {} bytes into a value of {}", src.byte_len(), dst.meta.bytes());
         }
         // SAFETY: the value's bytes at its place; a copy from pageable host memory returns once
         // the source has been staged, so `src` may go right after.
@@ -404,7 +425,7 @@ impl Backend for CudaBackend {
             .map_err(cuda_err("upload"))
     }
 
-    fn download(&self, src: Arg<CudaBuffer>) -> Result<Tensor, String> {
+    fn download(&self, src: Arg<CudaBuffer>) -> Result<Tensor, BackendError> {
         self.bind()?;
         self.wait()?;
         let mut t = Tensor::zeros(src.meta.dtype, &src.meta.shape);
@@ -415,30 +436,46 @@ impl Backend for CudaBackend {
         Ok(t)
     }
 
-    fn launch(&self, op: &Op, inputs: &[Option<Arg<CudaBuffer>>], outputs: &[Arg<CudaBuffer>]) -> Result<(), String> {
+    fn launch(
+        &self,
+        op: &Op,
+        inputs: &[Option<Arg<CudaBuffer>>],
+        outputs: &[Arg<CudaBuffer>],
+    ) -> Result<(), BackendError> {
         self.bind()?;
         let ins: Vec<Option<launch::V>> = inputs.iter().map(|a| a.as_ref().map(launch::value)).collect();
         let outs: Vec<launch::V> = outputs.iter().map(launch::value).collect();
         launch::run(self, op, &ins, &outs)
     }
 
-    fn accumulate(&self, dst: Arg<CudaBuffer>, keep: f32, src: Arg<CudaBuffer>, scale: f32) -> Result<(), String> {
+    fn accumulate(
+        &self,
+        dst: Arg<CudaBuffer>,
+        keep: f32,
+        src: Arg<CudaBuffer>,
+        scale: f32,
+    ) -> Result<(), BackendError> {
         self.bind()?;
         launch::accumulate(launch::Dev(self), launch::value(&dst), keep, launch::value(&src), scale)
     }
 
-    fn sum_squares(&self, xs: &[Arg<CudaBuffer>]) -> Result<f64, String> {
+    fn sum_squares(&self, xs: &[Arg<CudaBuffer>]) -> Result<f64, BackendError> {
         self.bind()?;
         let xs: Vec<launch::V> = xs.iter().map(launch::value).collect();
         launch::sum_squares(launch::Dev(self), &xs)
     }
 
-    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CudaBuffer>]) -> Result<(), String> {
+    fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CudaBuffer>]) -> Result<(), BackendError> {
         self.bind()?;
         launch::optimizer_step(launch::Dev(self), update, h, &launch::slots(slots, launch::value))
     }
 
-    fn adasum(&self, mine: &[Arg<CudaBuffer>], theirs: &[Arg<CudaBuffer>], mine_is_lower: bool) -> Result<(), String> {
+    fn adasum(
+        &self,
+        mine: &[Arg<CudaBuffer>],
+        theirs: &[Arg<CudaBuffer>],
+        mine_is_lower: bool,
+    ) -> Result<(), BackendError> {
         self.bind()?;
         let (mine, theirs): (Vec<_>, Vec<_>) =
             (mine.iter().map(launch::value).collect(), theirs.iter().map(launch::value).collect());
@@ -449,7 +486,7 @@ impl Backend for CudaBackend {
         CudaBackend::unsupported_nodes(graph)
     }
 
-    fn synchronize(&self) -> Result<(), String> {
+    fn synchronize(&self) -> Result<(), BackendError> {
         self.bind()?;
         self.wait()
     }
@@ -458,10 +495,13 @@ impl Backend for CudaBackend {
         self.comms.lock().unwrap().iter().for_each(|c| c.abort());
     }
 
-    fn open_collective(&self, group: &HostGroup) -> Result<Option<Box<dyn DeviceCollective<CudaBuffer>>>, String> {
-        let Some(id) = nccl::shared_id(group)? else { return Ok(None) };
+    fn open_collective(
+        &self,
+        group: &HostGroup,
+    ) -> Result<Option<Box<dyn DeviceCollective<CudaBuffer>>>, BackendError> {
+        let Some(id) = nccl::shared_id(group).map_err(BackendError::Device)? else { return Ok(None) };
         self.bind()?;
-        let comm = Arc::new(nccl::Comm::init(group.size(), group.rank(), &id)?);
+        let comm = Arc::new(nccl::Comm::init(group.size(), group.rank(), &id).map_err(BackendError::Device)?);
         self.comms.lock().unwrap().push(comm.clone());
         let side = self.ctx.new_stream().map_err(cuda_err("communication stream"))?;
         Ok(Some(Box::new(NcclGroup {
@@ -469,22 +509,27 @@ impl Backend for CudaBackend {
             stream: self.stream.clone(),
             side,
             ctx: self.ctx.clone(),
-            version: nccl::version()?,
+            version: nccl::version().map_err(BackendError::Device)?,
         })))
     }
 
-    fn with_host_f32(
+    fn with_host_f32<E: From<BackendError>>(
         &self,
         x: Arg<CudaBuffer>,
-        f: &mut dyn FnMut(&mut [f32]) -> Result<(), String>,
-    ) -> Result<(), String> {
+        f: &mut dyn FnMut(&mut [f32]) -> Result<(), E>,
+    ) -> Result<(), E> {
         self.bind()?;
         self.wait()?;
         let mut host = self.read::<f32>(addr(&x), x.meta.numel())?;
         f(&mut host)?;
         // SAFETY: the value's bytes; the wait keeps `host` alive until the copy is done.
         unsafe { driver::memcpy_htod_async(addr(&x), &host, self.stream.cu_stream()) }.map_err(cuda_err("upload"))?;
-        self.sync()
+        Ok(self.sync()?)
+    }
+
+    fn memory_available(&self) -> Option<usize> {
+        self.bind().ok()?;
+        free_memory()
     }
 }
 
@@ -511,10 +556,12 @@ impl NcclGroup {
         stream: &CudaStream,
         values: &[Arg<CudaBuffer>],
         each: impl Fn(nccl::Region, *mut c_void) -> Result<(), String>,
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         let stream = stream.cu_stream() as *mut c_void;
-        self.comm.grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
+        self.comm
+            .grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
+            .map_err(BackendError::Device)
     }
 }
 
@@ -523,18 +570,18 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         format!("NCCL {}", self.version)
     }
 
-    fn all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), String> {
+    fn all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), BackendError> {
         // SAFETY: executor values on this backend's GPU, kept by their buffers' owners past the
         // next wait on the stream (which every read of them does first).
         self.grouped(&self.stream, values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
     }
 
-    fn broadcast(&self, values: &[Arg<CudaBuffer>], root: usize) -> Result<(), String> {
+    fn broadcast(&self, values: &[Arg<CudaBuffer>], root: usize) -> Result<(), BackendError> {
         // SAFETY: as above.
         self.grouped(&self.stream, values, |x, stream| unsafe { self.comm.broadcast(x, root, stream) })
     }
 
-    fn start_all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), String> {
+    fn start_all_reduce(&self, values: &[Arg<CudaBuffer>], op: ReduceOp) -> Result<(), BackendError> {
         // The communication stream takes up after the compute stream's work so far (which
         // computed the values), then goes its own way.
         self.side.join(&self.stream).map_err(cuda_err("ordering the communication stream"))?;
@@ -543,35 +590,43 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         self.grouped(&self.side, values, |x, stream| unsafe { self.comm.all_reduce(x, op, stream) })
     }
 
-    fn join(&self) -> Result<(), String> {
+    fn join(&self) -> Result<(), BackendError> {
         self.stream.join(&self.side).map_err(cuda_err("joining the communication stream"))
     }
 
-    fn reduce_scatter(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>, op: ReduceOp) -> Result<(), String> {
+    fn reduce_scatter(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>, op: ReduceOp) -> Result<(), BackendError> {
         let (send, recv) = (Self::region(&send), Self::region(&recv));
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // SAFETY: as for all_reduce, both values.
         unsafe { self.comm.reduce_scatter(send, recv, op, self.stream.cu_stream() as *mut c_void) }
+            .map_err(BackendError::Device)
     }
 
-    fn all_gather(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>) -> Result<(), String> {
+    fn all_gather(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>) -> Result<(), BackendError> {
         let (send, recv) = (Self::region(&send), Self::region(&recv));
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // SAFETY: as for all_reduce, both values.
         unsafe { self.comm.all_gather(send, recv, self.stream.cu_stream() as *mut c_void) }
+            .map_err(BackendError::Device)
     }
 
-    fn send(&self, x: Arg<CudaBuffer>, to: usize) -> Result<(), String> {
+    fn send(&self, x: Arg<CudaBuffer>, to: usize) -> Result<(), BackendError> {
         // SAFETY: as for all_reduce.
         self.grouped(&self.stream, &[x], |x, stream| unsafe { self.comm.send(x, to, stream) })
     }
 
-    fn recv(&self, x: Arg<CudaBuffer>, from: usize) -> Result<(), String> {
+    fn recv(&self, x: Arg<CudaBuffer>, from: usize) -> Result<(), BackendError> {
         // SAFETY: as for all_reduce.
         self.grouped(&self.stream, &[x], |x, stream| unsafe { self.comm.recv(x, from, stream) })
     }
 
-    fn send_recv(&self, send: Arg<CudaBuffer>, to: usize, recv: Arg<CudaBuffer>, from: usize) -> Result<(), String> {
+    fn send_recv(
+        &self,
+        send: Arg<CudaBuffer>,
+        to: usize,
+        recv: Arg<CudaBuffer>,
+        from: usize,
+    ) -> Result<(), BackendError> {
         let (send, recv) = (Self::region(&send), Self::region(&recv));
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         let stream = self.stream.cu_stream() as *mut c_void;
@@ -579,5 +634,6 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         // SAFETY: as for all_reduce, both values.
         self.comm
             .grouped(|| unsafe { self.comm.send(send, to, stream).and_then(|()| self.comm.recv(recv, from, stream)) })
+            .map_err(BackendError::Device)
     }
 }

@@ -6,6 +6,7 @@
 use super::matmul::{parallelism, sgemm, Mat};
 use super::KResult;
 use crate::graph::op::{PoolKind, Window};
+use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -663,7 +664,7 @@ pub fn global_average_pool(x: &TensorView, y: &mut TensorViewMut) -> KResult {
                 *v = xs[o * plane..(o + 1) * plane].iter().sum::<f64>() / plane as f64;
             }
         }
-        d => return Err(format!("GlobalAveragePool is not implemented for {d}")),
+        d => return refused!("GlobalAveragePool is not implemented for {d}"),
     }
     Ok(())
 }

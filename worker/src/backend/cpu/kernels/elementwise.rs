@@ -2,6 +2,7 @@
 
 use super::{KResult, PAR_MIN};
 use crate::graph::op::{Binary, Unary};
+use crate::refused;
 use crate::tensor::{strides, DType, Element, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
@@ -292,7 +293,7 @@ fn map_par<T: Element, U: Element>(x: &[T], y: &mut [U], f: impl Fn(T) -> U + Sy
 /// `binary` folded over two or more inputs (variadic Max and Min): ((x0 ∘ x1) ∘ x2) ∘ ...
 pub fn binary_fold(op: Binary, inputs: &[TensorView], out: &mut TensorViewMut) -> KResult {
     let [first, second, rest @ ..] = inputs else {
-        return Err(format!("{op:?} needs at least two inputs here"));
+        return refused!("{op:?} needs at least two inputs here");
     };
     binary(op, first, second, out)?;
     for x in rest {
@@ -323,7 +324,7 @@ pub fn unary(u: Unary, x: &TensorView, y: &mut TensorViewMut) -> KResult {
         (DType::U32, DType::U32) => map_par(x.as_slice::<u32>(), y.as_mut_slice::<u32>(), |v| unary_int(u, v)),
         (DType::U16, DType::U16) => map_par(x.as_slice::<u16>(), y.as_mut_slice::<u16>(), |v| unary_int(u, v)),
         (DType::U8, DType::U8) => map_par(x.as_slice::<u8>(), y.as_mut_slice::<u8>(), |v| unary_int(u, v)),
-        (d, _) => return Err(format!("{u:?} is not implemented for {d}")),
+        (d, _) => return refused!("{u:?} is not implemented for {d}"),
     }
     Ok(())
 }
@@ -371,7 +372,7 @@ fn times_derivative(u: Unary, dy: Option<&TensorView>, x: &TensorView, d: &mut T
             }
         }
         // Half types reach the CPU's kernels widened to f32 (`run_half_in_f32`).
-        t => return Err(format!("the gradient of {u:?} is not implemented for {t}")),
+        t => return refused!("the gradient of {u:?} is not implemented for {t}"),
     }
     Ok(())
 }
@@ -608,7 +609,7 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
             DType::U16 => cmp_t!(u16),
             DType::U32 => cmp_t!(u32),
             DType::U64 => cmp_t!(u64),
-            d => return Err(format!("{op:?} is not implemented for {d}")),
+            d => return refused!("{op:?} is not implemented for {d}"),
         }
         return Ok(());
     }
@@ -623,7 +624,7 @@ pub fn binary(op: Binary, a: &TensorView, b: &TensorView, out: &mut TensorViewMu
         DType::U16 => arith_t!(u16),
         DType::U32 => arith_t!(u32),
         DType::U64 => arith_t!(u64),
-        d => return Err(format!("{op:?} is not implemented for {d}")),
+        d => return refused!("{op:?} is not implemented for {d}"),
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! TopK's indices, which produce indices.
 
 use super::KResult;
+use crate::backend::BackendError;
 use crate::graph::op::ScatterReduction;
 use crate::tensor::{strides, DType, TensorView, TensorViewMut};
 use std::cmp::Ordering;
@@ -11,7 +12,7 @@ use std::cmp::Ordering;
 /// For each position of `idx` (row-major), the element offset in `data_shape` that it addresses:
 /// the position's own coordinates, the one along `axis` replaced by the index there (negative
 /// indices count from the end).
-fn element_offsets(axis: usize, data_shape: &[usize], idx: &TensorView) -> Result<Vec<usize>, String> {
+fn element_offsets(axis: usize, data_shape: &[usize], idx: &TensorView) -> Result<Vec<usize>, BackendError> {
     let ids = idx.to_i64_vec().ok_or("indices must be integers")?;
     let (ds, dim) = (strides(data_shape), data_shape[axis]);
     let mut coord = vec![0usize; idx.shape.len()];
@@ -19,7 +20,7 @@ fn element_offsets(axis: usize, data_shape: &[usize], idx: &TensorView) -> Resul
     for &raw in &ids {
         let id = if raw < 0 { raw + dim as i64 } else { raw };
         if !(0..dim as i64).contains(&id) {
-            return Err(format!("index {raw} is out of range for axis {axis} of size {dim}"));
+            return Err(BackendError::BadData(format!("index {raw} is out of range for axis {axis} of size {dim}")));
         }
         let at: usize =
             coord.iter().zip(&ds).enumerate().map(|(k, (&c, &s))| if k == axis { id as usize } else { c } * s).sum();
@@ -105,7 +106,7 @@ fn combine_into(
 /// The slices that GatherND's and ScatterND's indices [.., k] name in data of `data_shape`:
 /// each k-tuple's element offset (within its batch: the first `batch` dims of data and indices
 /// are shared), and the slice's length (the product of data's dims past batch + k).
-fn nd_slices(batch: usize, data_shape: &[usize], idx: &TensorView) -> Result<(Vec<usize>, usize), String> {
+fn nd_slices(batch: usize, data_shape: &[usize], idx: &TensorView) -> Result<(Vec<usize>, usize), BackendError> {
     let ids = idx.to_i64_vec().ok_or("indices must be integers")?;
     let k = *idx.shape.last().ok_or("indices have no axes")?;
     let st = strides(data_shape);
@@ -120,7 +121,10 @@ fn nd_slices(batch: usize, data_shape: &[usize], idx: &TensorView) -> Result<(Ve
             let dim = data_shape[batch + j] as i64;
             let i = if raw < 0 { raw + dim } else { raw };
             if !(0..dim).contains(&i) {
-                return Err(format!("index {raw} is out of range for axis {} of size {dim}", batch + j));
+                return Err(BackendError::BadData(format!(
+                    "index {raw} is out of range for axis {} of size {dim}",
+                    batch + j
+                )));
             }
             at += i as usize * st[batch + j];
         }
@@ -274,7 +278,10 @@ mod tests {
         assert_eq!(dx.as_slice::<f32>(), &[11.0, 0.0, 1000.0, 100.0]);
         let bad = Tensor::from_vec(&[2, 2], vec![0i64, 2, 0, 0]);
         let e = gather_elements(1, &data.view(), &bad.view(), &mut y.view_mut()).unwrap_err();
-        assert!(e.contains("index 2 is out of range for axis 1 of size 2"), "{e}");
+        assert!(
+            matches!(&e, BackendError::BadData(m) if m.contains("index 2 is out of range for axis 1 of size 2")),
+            "{e}"
+        );
     }
 
     #[test]

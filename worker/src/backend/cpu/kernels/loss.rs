@@ -4,7 +4,9 @@
 //! recomputes the softmax from the scores.
 
 use super::{fastmath, KResult, SharedSlice};
+use crate::backend::BackendError;
 use crate::graph::op::LossReduction;
+use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
@@ -14,7 +16,7 @@ fn layout(scores: &[usize]) -> (usize, usize, usize) {
 }
 
 /// Labels as indices; `None` where ignored. Out-of-range labels are an error naming the label.
-fn labels_of(labels: &TensorView, classes: usize, ignore: Option<i64>) -> Result<Vec<Option<usize>>, String> {
+fn labels_of(labels: &TensorView, classes: usize, ignore: Option<i64>) -> Result<Vec<Option<usize>>, BackendError> {
     let raw = labels.to_i64_vec().ok_or("labels must be integers")?;
     raw.iter()
         .map(|&l| {
@@ -23,7 +25,7 @@ fn labels_of(labels: &TensorView, classes: usize, ignore: Option<i64>) -> Result
             } else if (0..classes as i64).contains(&l) {
                 Ok(Some(l as usize))
             } else {
-                Err(format!("label {l} is out of range for {classes} classes"))
+                Err(BackendError::BadData(format!("label {l} is out of range for {classes} classes")))
             }
         })
         .collect()
@@ -144,7 +146,7 @@ fn write_loss(
 fn f32_scores(scores: &TensorView) -> KResult {
     match scores.dtype {
         DType::F32 => Ok(()),
-        t => Err(format!("the fused loss takes f32, f16 or bf16 scores, not {t}")),
+        t => refused!("the fused loss takes f32, f16 or bf16 scores, not {t}"),
     }
 }
 
@@ -308,7 +310,7 @@ impl NllPositions {
         classes: usize,
         labels: &TensorView,
         weights: Option<&TensorView>,
-    ) -> Result<NllPositions, String> {
+    ) -> Result<NllPositions, BackendError> {
         let labels = labels_of(labels, classes, ignore)?;
         let w = weights.map(|w| w.to_f64_vec());
         let counted: Vec<f64> = labels.iter().map(|l| l.map_or(0.0, |l| w.as_ref().map_or(1.0, |w| w[l]))).collect();

@@ -5,6 +5,7 @@ use super::cast::cast_into;
 use super::elementwise::gelu_tanh;
 use super::KResult;
 use crate::graph::op::Unary;
+use crate::refused;
 use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -145,7 +146,7 @@ pub fn matmul(
     let has_bias = if let Some(bias) = bias {
         let bv = bias.as_slice::<f32>();
         if bv.len() != n {
-            return Err(format!("bias of {} elements does not match {n} columns", bv.len()));
+            return refused!("bias of {} elements does not match {n} columns", bv.len());
         }
         for row in o.chunks_mut(n) {
             row.copy_from_slice(bv);
@@ -180,7 +181,7 @@ pub fn matmul(
     }
     if let Some(u) = act {
         if u != Unary::GeluTanh {
-            return Err(format!("fused activation {u:?} is not implemented"));
+            return refused!("fused activation {u:?} is not implemented");
         }
         o.par_chunks_mut(4096).for_each(|c| c.iter_mut().for_each(|v| *v = gelu_tanh(*v)));
     }
@@ -235,7 +236,7 @@ fn matmul_reference(
     let ai = |r: usize, p: usize| if trans_a { p * m + r } else { r * k + p };
     let bi = |p: usize, c: usize| if trans_b { c * k + p } else { p * n + c };
     if bias.is_some_and(|t| t.numel() != n) {
-        return Err(format!("bias does not match {n} columns"));
+        return refused!("bias does not match {n} columns");
     }
     if a.dtype.is_float() {
         let (x, y) = (a.to_f64_vec(), b.to_f64_vec());
@@ -255,7 +256,7 @@ fn matmul_reference(
         return Ok(());
     }
     if let Some(u) = act {
-        return Err(format!("the activation {u:?} needs float operands, not {}", a.dtype));
+        return refused!("the activation {u:?} needs float operands, not {}", a.dtype);
     }
     let need = || "MatMul needs numbers".to_string();
     let (x, y) = (a.to_i64_vec().ok_or_else(need)?, b.to_i64_vec().ok_or_else(need)?);

@@ -19,12 +19,13 @@ pub mod shape;
 pub mod shard;
 
 use crate::graph::op::Op;
+use crate::refused;
 use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
 
 /// Elements below which a kernel stays on one thread (rayon's fork/join costs more).
 pub const PAR_MIN: usize = 1 << 14;
 
-pub type KResult = Result<(), String>;
+pub type KResult = Result<(), crate::backend::BackendError>;
 
 /// A mutable slice that parallel workers write through at disjoint indices (lanes of a
 /// softmax, say) where the disjointness is not a contiguous split `par_chunks_mut` could show.
@@ -260,7 +261,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         | Op::TopK { .. }
         | Op::Einsum { .. }
         | Op::Size
-        | Op::ReshapeAllowZero => Err(format!("{} must be resolved when the graph is planned", op.onnx_name().0)),
+        | Op::ReshapeAllowZero => refused!("{} must be resolved when the graph is planned", op.onnx_name().0),
     }
 }
 

@@ -2,6 +2,7 @@
 
 use super::{fastmath, KResult, SharedSlice, PAR_MIN};
 use crate::graph::infer::norm_axis;
+use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
@@ -79,7 +80,7 @@ pub fn softmax(axis: i64, log: bool, x: &TensorView, y: &mut TensorViewMut) -> K
                 }
             }
         }
-        d => return Err(format!("Softmax is not implemented for {d}")),
+        d => return refused!("Softmax is not implemented for {d}"),
     }
     Ok(())
 }
@@ -141,7 +142,7 @@ pub fn layer_norm(
     let g = scale.as_slice::<f32>();
     let b = bias.map(|b| b.as_slice::<f32>());
     if g.len() != cols || b.is_some_and(|b| b.len() != cols) {
-        return Err(format!("scale/bias must have {cols} elements (the normalized dims)"));
+        return refused!("scale/bias must have {cols} elements (the normalized dims)");
     }
     let mut stats = vec![(0f32, 0f32); rows];
     let (y, rest) = outs.split_first_mut().ok_or("no output")?;
@@ -179,7 +180,7 @@ fn layer_norm_reference(
     let (xs, g) = (x.to_f64_vec(), scale.to_f64_vec());
     let b = bias.map(|b| b.to_f64_vec());
     if g.len() != cols || b.as_ref().is_some_and(|b| b.len() != cols) {
-        return Err(format!("scale/bias must have {cols} elements (the normalized dims)"));
+        return refused!("scale/bias must have {cols} elements (the normalized dims)");
     }
     let mut y = vec![0f64; xs.len()];
     let (mut means, mut invs) = (vec![0f64; rows], vec![0f64; rows]);

@@ -1,6 +1,7 @@
 //! Dropout: a counter-based mask, so the mask of a step depends only on (seed, element).
 
 use super::KResult;
+use crate::refused;
 use crate::rng::uniform;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
@@ -16,7 +17,7 @@ pub fn dropout(ratio: f32, training: bool, seed: u64, x: &TensorView, outs: &mut
         return Ok(());
     }
     if x.dtype != DType::F32 {
-        return Err(format!("Dropout in training is not implemented for {}", x.dtype));
+        return refused!("Dropout in training is not implemented for {}", x.dtype);
     }
     let n = x.numel();
     let mut mask = vec![0u8; n];

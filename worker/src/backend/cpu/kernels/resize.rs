@@ -7,6 +7,7 @@
 
 use super::KResult;
 use crate::graph::resize::{Coordinates, Interpolation, NearestMode, Resize};
+use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
@@ -182,7 +183,7 @@ where
 {
     let rank = y_shape.len();
     if taps.len() != rank || x_shape.len() != rank {
-        return Err(format!("taps for {} axes, a rank-{} input and a rank-{rank} output", taps.len(), x_shape.len()));
+        return refused!("taps for {} axes, a rank-{} input and a rank-{rank} output", taps.len(), x_shape.len());
     }
     let in_strides = crate::tensor::strides(x_shape);
     ys.par_chunks_mut(PIECE).enumerate().for_each(|(piece, out)| {

@@ -4,8 +4,10 @@
 //! Movement kernels copy bytes, so they serve every element type.
 
 use super::{KResult, PAR_MIN};
+use crate::backend::BackendError;
 use crate::graph::infer::{reduced_axes, slice_range};
 use crate::graph::op::{PadMode, Reduce};
+use crate::refused;
 use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
@@ -151,7 +153,7 @@ pub fn slice_grad(
     Ok(())
 }
 
-fn indices_of(idx: &TensorView, dim: usize) -> Result<Vec<usize>, String> {
+fn indices_of(idx: &TensorView, dim: usize) -> Result<Vec<usize>, BackendError> {
     let raw = idx.to_i64_vec().ok_or("indices must be integers")?;
     raw.iter()
         .map(|&i| {
@@ -159,7 +161,7 @@ fn indices_of(idx: &TensorView, dim: usize) -> Result<Vec<usize>, String> {
             if (0..dim as i64).contains(&j) {
                 Ok(j as usize)
             } else {
-                Err(format!("index {i} is out of range for a dimension of size {dim}"))
+                Err(BackendError::BadData(format!("index {i} is out of range for a dimension of size {dim}")))
             }
         })
         .collect()
@@ -192,7 +194,7 @@ pub fn gather(axis: usize, data: &TensorView, idx: &TensorView, y: &mut TensorVi
 /// dData = zeros; dData[.., idx[k], ..] += dY[.., k, ..] (repeated indices accumulate).
 pub fn gather_grad(axis: usize, dy: &TensorView, idx: &TensorView, dx: &mut TensorViewMut) -> KResult {
     if dy.dtype != DType::F32 {
-        return Err(format!("GatherGrad is not implemented for {}", dy.dtype));
+        return refused!("GatherGrad is not implemented for {}", dy.dtype);
     }
     let shape = dx.shape.to_vec();
     let dim = shape[axis];

@@ -4,12 +4,13 @@
 
 use super::{fastmath, KResult};
 use crate::graph::op::LossReduction;
+use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
 fn f32_only(x: &TensorView, what: &str) -> KResult {
     if x.dtype != DType::F32 {
-        return Err(format!("{what} is implemented for f32, not {}", x.dtype));
+        return refused!("{what} is implemented for f32, not {}", x.dtype);
     }
     Ok(())
 }

@@ -9,7 +9,9 @@
 //! (`AttentionShape`): a group's rows one row apart, or token-major.
 
 use super::{elementwise, typed, Dev, Ptr, NULL, V};
+use crate::backend::BackendError;
 use crate::graph::op::AttentionShape;
+use crate::refused;
 use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;
 
@@ -25,14 +27,14 @@ pub struct Spec {
 }
 
 /// q's and k's groups, rows and head, checked against what the kernels take.
-fn dims(spec: Spec, q: &V, k: &V, v: &V) -> Result<AttentionShape, String> {
+fn dims(spec: Spec, q: &V, k: &V, v: &V) -> Result<AttentionShape, BackendError> {
     let (qs, ks) = (q.shape(), k.shape());
     let shape = AttentionShape::of(qs, ks, spec.token_major);
     let Some(a) = shape.filter(|_| v.shape() == ks && k.dtype() == q.dtype() && v.dtype() == q.dtype()) else {
-        return Err(format!("attention over q {qs:?}, k {ks:?}, v {:?} of mixed types or shapes", v.shape()));
+        return refused!("attention over q {qs:?}, k {ks:?}, v {:?} of mixed types or shapes", v.shape());
     };
     if a.d > MAX_HEAD {
-        return Err(format!("attention heads of {} elements; the CUDA kernels take up to {MAX_HEAD}", a.d));
+        return refused!("attention heads of {} elements; the CUDA kernels take up to {MAX_HEAD}", a.d);
     }
     Ok(a)
 }
@@ -69,11 +71,11 @@ fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
-fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, String> {
+fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, BackendError> {
     Ok(format!("{}_d{tier}", typed(family, t)?))
 }
 
-pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), String> {
+pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), BackendError> {
     let a = dims(spec, &q, &k, &v)?;
     if lse.is_some_and(|l| l.dtype() != DType::F32) {
         return Err("attention's log-sum-exp must be f32".into());
@@ -96,10 +98,10 @@ pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) ->
     )
 }
 
-pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv]: [V; 3]) -> Result<(), String> {
+pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv]: [V; 3]) -> Result<(), BackendError> {
     let a = dims(spec, &q, &k, &v)?;
     if dy.dtype() != q.dtype() || y.dtype() != q.dtype() || lse.dtype() != DType::F32 {
-        return Err(format!("attention's gradient of {} for q of {}, lse of {}", dy.dtype(), q.dtype(), lse.dtype()));
+        return refused!("attention's gradient of {} for q of {}, lse of {}", dy.dtype(), q.dtype(), lse.dtype());
     }
     let t = q.dtype();
     let (qrows, krows) = (a.groups * a.tq, a.groups * a.tk);

@@ -5,7 +5,9 @@
 
 use super::{dims, elementwise, float_kernel, scratch_parts, Dev, MAX_DIMS, V};
 use crate::backend::cpu::kernels::resize as cpu;
+use crate::backend::BackendError;
 use crate::graph::op::Resize;
+use crate::refused;
 use crate::tensor::DType;
 
 /// `Taps` of kernels/resize.cu, by value.
@@ -16,20 +18,20 @@ pub struct Taps {
     first: [i64; MAX_DIMS],
 }
 
-pub fn resize(dev: Dev, r: &Resize, x: V, y: V) -> Result<(), String> {
+pub fn resize(dev: Dev, r: &Resize, x: V, y: V) -> Result<(), BackendError> {
     resample(dev, &cpu::taps(r, x.shape(), y.shape())?, r.extrapolation_value, x, y)
 }
 
 /// dY → dX: dY gathered back over the transposed taps.
-pub fn resize_grad(dev: Dev, r: &Resize, dy: V, dx: V) -> Result<(), String> {
+pub fn resize_grad(dev: Dev, r: &Resize, dy: V, dx: V) -> Result<(), BackendError> {
     let taps = cpu::transposed(&cpu::taps(r, dx.shape(), dy.shape())?, dx.shape());
     resample(dev, &taps, 0.0, dy, dx)
 }
 
-fn resample(dev: Dev, taps: &cpu::Taps, fill: f32, x: V, y: V) -> Result<(), String> {
+fn resample(dev: Dev, taps: &cpu::Taps, fill: f32, x: V, y: V) -> Result<(), BackendError> {
     let t = x.dtype();
     if y.dtype() != t || !matches!(t, DType::F32 | DType::F16 | DType::BF16 | DType::F64) {
-        return Err(format!("Resize of {t} into {}: the CUDA kernels take one float type", y.dtype()));
+        return refused!("Resize of {t} into {}: the CUDA kernels take one float type", y.dtype());
     }
     let mut axes = Taps { rows: [-1; MAX_DIMS], first: [0; MAX_DIMS] };
     let (mut starts, mut srcs, mut weights) = (Vec::new(), Vec::new(), Vec::new());

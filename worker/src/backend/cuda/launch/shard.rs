@@ -3,7 +3,9 @@
 //! gradient, and the per-row pieces of the vocab-parallel cross-entropy and its loss.
 
 use super::{elementwise, ids_i64, need_f32, per_row, Dev, V};
+use crate::backend::BackendError;
 use crate::graph::op::LossReduction;
+use crate::refused;
 
 /// (has_ignore, ignore) as the kernels take them.
 fn ignore_flags(ignore: Option<i64>) -> (i32, i64) {
@@ -18,15 +20,15 @@ fn reduction_code(r: LossReduction) -> i32 {
     }
 }
 
-fn two_d(x: &V, what: &str) -> Result<(usize, usize), String> {
+fn two_d(x: &V, what: &str) -> Result<(usize, usize), BackendError> {
     match x.shape() {
         [rows, cols] => Ok((*rows, *cols)),
-        s => Err(format!("{what} of shape {s:?} (2-D expected)")),
+        s => refused!("{what} of shape {s:?} (2-D expected)"),
     }
 }
 
 /// table [rows, cols], ids → [ids.., cols].
-pub fn gather(dev: Dev, start: i64, table: V, ids: V, y: V) -> Result<(), String> {
+pub fn gather(dev: Dev, start: i64, table: V, ids: V, y: V) -> Result<(), BackendError> {
     need_f32(&table, "ShardGather's table")?;
     let (rows, cols) = two_d(&table, "ShardGather's table")?;
     let wide = ids_i64(&ids, "ShardGather's indices")?;
@@ -40,7 +42,7 @@ pub fn gather(dev: Dev, start: i64, table: V, ids: V, y: V) -> Result<(), String
 }
 
 /// dY, ids → dTable [rows, cols].
-pub fn gather_grad(dev: Dev, start: i64, dy: V, ids: V, dtable: V) -> Result<(), String> {
+pub fn gather_grad(dev: Dev, start: i64, dy: V, ids: V, dtable: V) -> Result<(), BackendError> {
     need_f32(&dy, "ShardGatherGrad's gradient")?;
     let (rows, cols) = two_d(&dtable, "ShardGatherGrad's output")?;
     let wide = ids_i64(&ids, "ShardGatherGrad's indices")?;
@@ -54,7 +56,7 @@ pub fn gather_grad(dev: Dev, start: i64, dy: V, ids: V, dtable: V) -> Result<(),
 }
 
 /// scores [N, V], labels, max → Σexp [N], target [N].
-pub fn cross_entropy(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 3], outs: [V; 2]) -> Result<(), String> {
+pub fn cross_entropy(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 3], outs: [V; 2]) -> Result<(), BackendError> {
     let [scores, labels, max] = ins;
     need_f32(&scores, "VocabShardCrossEntropy's scores")?;
     let (rows, cols) = two_d(&scores, "VocabShardCrossEntropy's scores")?;
@@ -79,7 +81,7 @@ pub fn cross_entropy(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 3], out
 }
 
 /// dΣexp, dTarget, scores, labels, max → dScores.
-pub fn cross_entropy_grad(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 5], dx: V) -> Result<(), String> {
+pub fn cross_entropy_grad(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 5], dx: V) -> Result<(), BackendError> {
     let [dsums, dtargets, scores, labels, max] = ins;
     need_f32(&scores, "VocabShardCrossEntropyGrad's scores")?;
     let (_, cols) = two_d(&scores, "VocabShardCrossEntropyGrad's scores")?;
@@ -107,7 +109,7 @@ pub fn cross_entropy_grad(dev: Dev, start: i64, ignore: Option<i64>, ins: [V; 5]
 }
 
 /// Σexp, target, labels → the loss.
-pub fn loss(dev: Dev, reduction: LossReduction, ignore: Option<i64>, ins: [V; 3], y: V) -> Result<(), String> {
+pub fn loss(dev: Dev, reduction: LossReduction, ignore: Option<i64>, ins: [V; 3], y: V) -> Result<(), BackendError> {
     let [sums, targets, labels] = ins;
     need_f32(&sums, "VocabParallelLoss's sums")?;
     let wide = ids_i64(&labels, "the labels")?;
@@ -136,7 +138,7 @@ pub fn loss_grad(
     ignore: Option<i64>,
     ins: [V; 3],
     outs: [V; 2],
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     let [dloss, sums, labels] = ins;
     need_f32(&sums, "VocabParallelLossGrad's sums")?;
     let wide = ids_i64(&labels, "the labels")?;

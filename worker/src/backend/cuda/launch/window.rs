@@ -14,8 +14,10 @@ use super::{
     Ptr, NULL, V,
 };
 use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
+use crate::backend::BackendError;
 use crate::graph::ir::Meta;
 use crate::graph::op::{PoolKind, Reduce, Window};
+use crate::refused;
 use crate::tensor::DType;
 
 /// `Geo` of kernels/window.cu, by value.
@@ -74,23 +76,23 @@ struct Shape {
     plane: usize,
 }
 
-fn shape(t: DType, g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, String> {
+fn shape(t: DType, g: &cpu::Geo, group: usize, images: usize, m: usize) -> Result<Shape, BackendError> {
     if group == 0 || !g.c.is_multiple_of(group) || !m.is_multiple_of(group) {
-        return Err(format!("Conv: group {group} does not divide {} input and {m} output channels", g.c));
+        return refused!("Conv: group {group} does not divide {} input and {m} output channels", g.c);
     }
     let (cg, mg) = (g.c / group, m / group);
     Ok(Shape { t, images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
 }
 
 /// The element type every operand shares (f32, f16 or bf16), or why not.
-fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, String> {
+fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, BackendError> {
     let t = operands[0].0.dtype();
     if let Some((v, what)) = operands.iter().find(|(v, _)| v.dtype() != t) {
-        return Err(format!("{what} is {} where {} is {t}", v.dtype(), operands[0].1));
+        return refused!("{what} is {} where {} is {t}", v.dtype(), operands[0].1);
     }
     match t {
         DType::F32 | DType::F16 | DType::BF16 => Ok(t),
-        _ => Err(format!("{} is {t}; the CUDA window kernels take f32, f16 or bf16", operands[0].1)),
+        _ => refused!("{} is {t}; the CUDA window kernels take f32, f16 or bf16", operands[0].1),
     }
 }
 
@@ -105,7 +107,7 @@ fn images_per_chunk(dev: Dev, images: usize, bytes_per_image: usize) -> usize {
 /// Y = W ⊛ X (+ bias). Per group and chunk of images: Y_g[img] = W_g · col_g[img], batched over
 /// the chunk's images with W_g shared; a pointwise (1×1, stride 1, unpadded) window reads X
 /// itself as col.
-pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
+pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), BackendError> {
     let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
     if let Some(b) = &bias {
         operands.push((b, "B"));
@@ -165,7 +167,7 @@ fn group_columns(
     (first, images): (usize, usize),
     x: Ptr,
     col: Ptr,
-) -> Result<(Ptr, usize), String> {
+) -> Result<(Ptr, usize), BackendError> {
     let t = s.t;
     let x = at(x, first * g.c * g.h * g.w, t);
     if is_pointwise(g) {
@@ -181,7 +183,7 @@ fn group_columns(
 
 /// dY, X, W → dX, dW, dB: [`data_grad`], [`weight_grad`], and dB summing dY over images and
 /// the plane.
-pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), String> {
+pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: [V; 3]) -> Result<(), BackendError> {
     let [dx, dw, db] = outs;
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
     let g = cpu::geo(win, x.shape(), dy.shape())?;
@@ -194,7 +196,15 @@ pub fn conv_grad(dev: Dev, win: &Window, group: usize, dy: V, x: V, w: V, outs: 
 /// ConvTranspose: Y = the data gradient of the convolution of `win` whose input is Y, taken
 /// at X (X in dY's place), plus the bias per channel. Over 3 spatial dims, where the products'
 /// im2col geometry does not reach, a direct kernel sums each output's taps.
-pub fn conv_transpose(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), String> {
+pub fn conv_transpose(
+    dev: Dev,
+    win: &Window,
+    group: usize,
+    x: V,
+    w: V,
+    bias: Option<V>,
+    y: V,
+) -> Result<(), BackendError> {
     let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
     if let Some(b) = &bias {
         operands.push((b, "B"));
@@ -231,7 +241,7 @@ pub fn conv_transpose_grad(
     x: V,
     w: V,
     outs: [V; 3],
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     let [dx, dw, db] = outs;
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&w, "W"), (&dx, "dX"), (&dw, "dW"), (&db, "dB")])?;
     conv(dev, win, group, dy, w, None, dx)?;
@@ -242,7 +252,7 @@ pub fn conv_transpose_grad(
 }
 
 /// dB[k] = Σ over images and the plane of dY[img, k, ·].
-fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), String> {
+fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), BackendError> {
     if dy.n() == 0 {
         return dev.fill(db.at, 0, db.meta.bytes());
     }
@@ -253,7 +263,7 @@ fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), String> {
 
 /// dX of the convolution `g` from dY and W, per group and chunk of images: dcol[img] = W_gᵀ ·
 /// dY_g[img] (batched), dX_g = col2im(dcol); a pointwise window's product writes dX's rows.
-fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, dx: Ptr) -> Result<(), String> {
+fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, dx: Ptr) -> Result<(), BackendError> {
     let (t, pointwise, per_image) = (s.t, is_pointwise(g), s.kdim * s.plane);
     let col_bytes = if pointwise { 0 } else { per_image * t.size() };
     let chunk = images_per_chunk(dev, s.images, col_bytes);
@@ -302,7 +312,7 @@ fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, d
 /// each image's product in f32 in a slot of its own (batched per chunk of images; later chunks
 /// add into the first's slots), then the slots summed in f32 and rounded once to dW's type, as
 /// the CPU backend sums.
-fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr, dw: V) -> Result<(), String> {
+fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr, dw: V) -> Result<(), BackendError> {
     let t = s.t;
     if s.images == 0 {
         // No images: dW sums nothing.
@@ -366,14 +376,14 @@ pub struct Pool {
 impl Pool {
     /// The window between input `x` and output `y` (N, C, spatial…), with fewer than 3 spatial
     /// dims padded in front by dims of size 1.
-    fn of(win: &Window, x: &[usize], y: &[usize]) -> Result<Pool, String> {
+    fn of(win: &Window, x: &[usize], y: &[usize]) -> Result<Pool, BackendError> {
         let nd = x.len().saturating_sub(2);
         if !(1..=3).contains(&nd) || y.len() != x.len() {
-            return Err(format!("pooling {x:?} into {y:?}: 1 to 3 spatial dims expected"));
+            return refused!("pooling {x:?} into {y:?}: 1 to 3 spatial dims expected");
         }
         let per_dim = [&win.kernel, &win.strides, &win.dilations].iter().all(|v| v.len() == nd);
         if !per_dim || win.pads.len() != 2 * nd {
-            return Err(format!("a pooling window {win:?} over {nd} spatial dims"));
+            return refused!("a pooling window {win:?} over {nd} spatial dims");
         }
         let lead = 3 - nd;
         let dim = |values: &[usize], fill: usize| -> [i64; 3] {
@@ -402,9 +412,9 @@ fn pool_flags(kind: PoolKind) -> (i32, i32) {
 /// MaxPool or AveragePool over 1 to 3 spatial dims; `indices` is MaxPool's optional second
 /// output. Other element types than the float ones pool in f64 and convert back, as the CPU
 /// backend does.
-pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<V>) -> Result<(), String> {
+pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<V>) -> Result<(), BackendError> {
     if x.dtype() != y.dtype() {
-        return Err(format!("Y is {} where X is {}", y.dtype(), x.dtype()));
+        return refused!("Y is {} where X is {}", y.dtype(), x.dtype());
     }
     let g = Pool::of(win, x.shape(), y.shape())?;
     let (max, include_pad) = pool_flags(kind);
@@ -424,10 +434,10 @@ pub fn pool(dev: Dev, kind: PoolKind, win: &Window, x: V, y: V, indices: Option<
 }
 
 /// dY, X → dX of 1-D or 2-D pooling (as the CPU backend's).
-pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), String> {
+pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> Result<(), BackendError> {
     let t = one_float_type(&[(&dy, "dY"), (&x, "X"), (&dx, "dX")])?;
     if x.shape().len() > 4 {
-        return Err(format!("the gradient of {}-D pooling is not implemented (1-D and 2-D are)", x.shape().len() - 2));
+        return refused!("the gradient of {}-D pooling is not implemented (1-D and 2-D are)", x.shape().len() - 2);
     }
     let g = Pool::of(win, x.shape(), dy.shape())?;
     let (max, include_pad) = pool_flags(kind);
@@ -439,10 +449,10 @@ pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> 
     )
 }
 
-pub fn global_average_pool(dev: Dev, x: V, y: V) -> Result<(), String> {
+pub fn global_average_pool(dev: Dev, x: V, y: V) -> Result<(), BackendError> {
     let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
     if x.shape().len() < 3 {
-        return Err(format!("GlobalAveragePool of a rank-{} input (N, C and spatial dims expected)", x.shape().len()));
+        return refused!("GlobalAveragePool of a rank-{} input (N, C and spatial dims expected)", x.shape().len());
     }
     let rows = x.shape()[0] * x.shape()[1];
     dev.kernel(&typed("mean_rows", t)?, per_row(rows), &mut params![(x.n() / rows.max(1)) as i64, x.at, y.at])
