@@ -134,11 +134,14 @@ e2e: deps images
 
 # A fuzzing campaign (worker/tests/fuzz.rs) over every reader of inputs (token and sample
 # shards, checkpoint manifests, safetensors, ONNX models, configurations): FUZZ_SECONDS per
-# target from a fresh seed, inputs that fail saved under target/fuzz/. `make test` runs a short
-# fixed-seed round of the same targets.
+# target from a fresh seed, inputs that fail saved under target/fuzz-overflow/fuzz/. Built
+# with integer overflow checks (in its own target directory, the release profile otherwise),
+# so that arithmetic a hostile size wraps around panics instead of passing. `make test` runs
+# a short fixed-seed round of the same targets in the plain release build.
 FUZZ_SECONDS ?= 300
 fuzz:
-	TENSORFLEET_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CARGO) test --release -p tensorfleet-worker --test fuzz -- --test-threads 1 --nocapture
+	CARGO_TARGET_DIR=target/fuzz-overflow CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS=true \
+		TENSORFLEET_FUZZ_SECONDS=$(FUZZ_SECONDS) $(CARGO) test --release -p tensorfleet-worker --test fuzz -- --test-threads 1 --nocapture
 
 # The local cluster left running with the CPU quickstart training on it, for a person to
 # look at with kubectl (the command to use is printed); `make demo-cluster-down` stops it.

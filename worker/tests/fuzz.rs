@@ -3,13 +3,14 @@
 //! and a sample shard) are mutated: bits flipped, bytes set to edge values, integers to boundary
 //! values, numbers in text to extreme ones, cuts, repeats and insertions. Each reader must give
 //! a value or an error for every input: a panic, or a read that takes longer than `TIMEOUT`,
-//! fails the target and saves the input under `target/fuzz/<target>/` (an abort ends the process
-//! with the input in `target/fuzz/<target>/current`). Committed inputs under
-//! `tests/data/fuzz/<target>/` (what failed before) are replayed first.
+//! fails the target and saves the input under `fuzz/<target>/` in cargo's target directory (an
+//! abort ends the process with the input in `fuzz/<target>/current` there). Committed inputs
+//! under `tests/data/fuzz/<target>/` (what failed before) are replayed first.
 //!
 //! `make test` runs `ROUNDS` inputs per target from a fixed seed: the same inputs every run.
-//! `make fuzz` runs each target for `TENSORFLEET_FUZZ_SECONDS` from a seed drawn from the clock
-//! and prints the inputs run per target (docs/RELIABILITY.md).
+//! `make fuzz` builds with integer overflow checks (in `target/fuzz-overflow/`), runs each
+//! target for `TENSORFLEET_FUZZ_SECONDS` from a seed drawn from the clock and prints the inputs
+//! run per target (docs/RELIABILITY.md).
 
 mod common;
 

@@ -131,7 +131,7 @@ pub fn decode(bytes: &[u8]) -> Result<BTreeMap<String, Tensor>, String> {
         let shape: Option<Vec<usize>> = e.shape.iter().map(|&d| usize::try_from(d).ok()).collect();
         let need = shape
             .as_ref()
-            .and_then(|s| s.iter().try_fold(1usize, |n, &d| n.checked_mul(d)))
+            .and_then(|s| crate::tensor::checked_numel(s))
             .and_then(|n| n.checked_mul(dtype.size()))
             .ok_or_else(|| format!("tensor '{name}': shape {:?} has more bytes than memory can address", e.shape))?;
         let (begin, end) = e.data_offsets;

@@ -9,7 +9,7 @@ use super::ir::{Dim, Graph, Meta, Node, ValueId};
 use super::op::{AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
 use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{checked_numel, DType, Tensor};
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// What the caller knows about the graph's inputs.
@@ -1070,7 +1070,9 @@ fn nd_tuple(node: &Node, data: &Meta, idx: &Meta, batch: usize) -> Result<usize>
 
 /// `allow_zero`: a 0 in the target is a dimension of size 0 (ONNX's allowzero=1), not a copy.
 pub fn reshape_target(input: &[usize], target: &[i64], allow_zero: bool) -> Option<Vec<usize>> {
-    let total: usize = input.iter().product();
+    // Counted without wrapping: a target whose product wraps around to the input's count is
+    // no reshape of it.
+    let total = checked_numel(input)?;
     let mut shape = Vec::with_capacity(target.len());
     let mut infer_at = None;
     for (i, &t) in target.iter().enumerate() {
@@ -1084,14 +1086,14 @@ pub fn reshape_target(input: &[usize], target: &[i64], allow_zero: bool) -> Opti
             _ => return None,
         }
     }
-    let known: usize = shape.iter().product();
+    let known = checked_numel(&shape)?;
     if let Some(i) = infer_at {
         if known == 0 || !total.is_multiple_of(known) {
             return None;
         }
         shape[i] = total / known;
     }
-    (shape.iter().product::<usize>() == total).then_some(shape)
+    (checked_numel(&shape) == Some(total)).then_some(shape)
 }
 
 /// Evaluates ops that only exist to compute shapes, or any node whose inputs are all constant.
@@ -1690,6 +1692,17 @@ mod tests {
         assert_eq!(run_one(13, Op::Flatten { axis: -1 }, &x).unwrap().shape(), &[6, 4]);
         assert_eq!(run_one(13, Op::Flatten { axis: -3 }, &x).unwrap().shape(), &[1, 24]);
         assert!(run_one(13, Op::Flatten { axis: -4 }, &x).is_err());
+    }
+
+    /// A target whose product wraps around to the input's count (found by fuzzing with overflow
+    /// checks: (2^62 + 1) × 4 ≡ 4 mod 2^64) is no reshape of a 4-element input; without checked
+    /// products a release build took it, and a dimension of 2^62 + 1 with it.
+    #[test]
+    fn a_reshape_whose_target_count_wraps_around_is_refused() {
+        assert_eq!(reshape_target(&[4], &[(1 << 62) + 1, 4], false), None);
+        assert_eq!(reshape_target(&[4], &[-1, (1 << 62) + 1, 4], false), None);
+        assert_eq!(reshape_target(&[usize::MAX, 2], &[-1], false), None);
+        assert_eq!(reshape_target(&[2, 3, 4], &[0, -1], false), Some(vec![2, 12]));
     }
 
     /// Before opset 13 Softmax normalizes over every dim from `axis` on; from 13, over `axis`.
