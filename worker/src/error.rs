@@ -3,6 +3,7 @@
 //! not run; 3 unreadable or corrupt data/model/checkpoint; 4 the training diverged; 1 anything
 //! else. Every message names the file, field, node or rank it is about.
 
+#[cfg(feature = "engine")]
 use crate::backend::BackendError;
 
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +41,7 @@ impl Error {
 /// A backend's failure, by kind: bad data is corrupt input; a kernel's refusal, like an
 /// operator the engine does not run, is unsupported; running out of device memory while the
 /// plan fits, a driver's or a collective's failure may pass on a retry.
+#[cfg(feature = "engine")]
 impl From<BackendError> for Error {
     fn from(e: BackendError) -> Error {
         match e {
@@ -64,7 +66,7 @@ macro_rules! corrupt_err {
     ($($arg:tt)*) => { $crate::error::Error::Corrupt(format!($($arg)*)) };
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "engine"))]
 mod tests {
     use super::*;
 
