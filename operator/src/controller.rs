@@ -8,7 +8,7 @@
 //! precondition, so a pass that acted on a stale view fails with a conflict and runs again
 //! instead of counting a restart twice.
 
-use crate::crd::{CleanPodPolicy, FailureCause, LauncherCreationPolicy, TrainingJob, TrainingJobStatus};
+use crate::crd::{CleanPodPolicy, FailureCause, JobPhase, LauncherCreationPolicy, TrainingJob, TrainingJobStatus};
 use crate::metrics::Metrics;
 use crate::resources::network_policy::OperatorPods;
 use crate::resources::{self, labels, names, FIELD_MANAGER};
@@ -202,12 +202,12 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     }
 
     if st.phase.is_none() {
-        st.set_phase("Created", "JobCreated", "the operator accepted the job".into());
+        st.set_phase(JobPhase::Created, "JobCreated", "the operator accepted the job".into());
         publish(ctx, job, EventType::Normal, "Created", "creating children".into()).await;
     }
 
     if let Err(message) = check_spec(job) {
-        st.set_phase("Failed", "InvalidSpec", message.clone());
+        st.set_phase(JobPhase::Failed, "InvalidSpec", message.clone());
         st.completion_time = Some(status::now());
         publish(ctx, job, EventType::Warning, "InvalidSpec", message).await;
         write_status(ctx, job, &st, &old).await?;
@@ -216,8 +216,8 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
 
     if job.spec.run_policy.suspend {
         delete_pods(&pods_api, pods.all(), &pods.lost_nodes).await?;
-        if st.phase() != "Suspended" {
-            st.set_phase("Suspended", "JobSuspended", "spec.runPolicy.suspend is true: pods deleted".into());
+        if st.phase != Some(JobPhase::Suspended) {
+            st.set_phase(JobPhase::Suspended, "JobSuspended", "spec.runPolicy.suspend is true: pods deleted".into());
             publish(ctx, job, EventType::Normal, "Suspended", "pods deleted".into()).await;
         }
         // The deadline counts active time only: it starts again on resume.
@@ -228,8 +228,8 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
         write_status(ctx, job, &st, &old).await?;
         return Ok(Action::await_change());
     }
-    if st.phase() == "Suspended" {
-        st.set_phase("Created", "JobResumed", "spec.runPolicy.suspend is false: pods come back".into());
+    if st.phase == Some(JobPhase::Suspended) {
+        st.set_phase(JobPhase::Created, "JobResumed", "spec.runPolicy.suspend is false: pods come back".into());
         publish(ctx, job, EventType::Normal, "Resumed", "recreating pods".into()).await;
     }
     let active_since = st.active_since.get_or_insert_with(status::now).clone();
@@ -245,7 +245,7 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
                 message: message.clone(),
                 ..Default::default()
             });
-            st.set_phase("Failed", "DeadlineExceeded", message.clone());
+            st.set_phase(JobPhase::Failed, "DeadlineExceeded", message.clone());
             st.completion_time = Some(status::now());
             publish(ctx, job, EventType::Warning, "DeadlineExceeded", message).await;
             write_status(ctx, job, &st, &old).await?;
@@ -260,7 +260,7 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
     // a failed worker restarts the gang.
     if let Some(launcher) = &pods.launcher {
         if status::succeeded(launcher) {
-            st.set_phase("Succeeded", "LauncherSucceeded", "mpirun finished: every rank exited 0".into());
+            st.set_phase(JobPhase::Succeeded, "LauncherSucceeded", "mpirun finished: every rank exited 0".into());
             st.completion_time = Some(status::now());
             // Rank 0's endpoint closed with the run, after the last reading: every rank exiting
             // 0 means every step was taken, so the progress is completed rather than left at
@@ -341,21 +341,21 @@ async fn reconcile_job(job: &TrainingJob, ctx: &Context) -> Result<Action> {
 
     let running = pods.launcher.as_ref().is_some_and(|p| status::phase(p) == "Running");
     if running {
-        if st.phase() != "Running" {
-            st.set_phase("Running", "LauncherRunning", format!("mpirun runs {} ranks", job.world_size()));
+        if st.phase != Some(JobPhase::Running) {
+            st.set_phase(JobPhase::Running, "LauncherRunning", format!("mpirun runs {} ranks", job.world_size()));
             publish(ctx, job, EventType::Normal, "Running", "mpirun started".into()).await;
         }
         st.start_time.get_or_insert_with(status::now);
         read_progress(job, &pods, &mut st).await;
-    } else if st.phase() == "Running" {
+    } else if st.phase == Some(JobPhase::Running) {
         // The launcher is gone without an outcome (deleted by hand): the gang starts over.
-        st.set_phase("Created", "LauncherRecreated", "waiting for workers to start the launcher again".into());
+        st.set_phase(JobPhase::Created, "LauncherRecreated", "waiting for workers to start the launcher again".into());
     } else if let Some(problem) = pods.workers.iter().chain(pods.launcher.iter()).find_map(status::image_problem) {
         // The job waits, as the kubelet retries; its condition says for what, once.
-        let phase = st.phase().to_string();
-        if st.condition(&phase).is_none_or(|c| c.message != problem) {
+        let phase = st.phase.unwrap_or(JobPhase::Created);
+        if st.condition(phase).is_none_or(|c| c.message != problem) {
             publish(ctx, job, EventType::Warning, "ImageUnavailable", problem.clone()).await;
-            st.set_phase(&phase, "ImageUnavailable", problem);
+            st.set_phase(phase, "ImageUnavailable", problem);
         }
     }
     write_status(ctx, job, &st, &old).await?;
@@ -412,7 +412,7 @@ async fn restart_or_fail(
         } else {
             format!("{what}; {} restarts used (spec.runPolicy.backoffLimit)", st.restart_count)
         };
-        st.set_phase("Failed", reason, message.clone());
+        st.set_phase(JobPhase::Failed, reason, message.clone());
         st.completion_time = Some(status::now());
         st.launcher = pods.launcher.as_ref().map(|p| status::phase(p).to_string());
         publish(ctx, job, EventType::Warning, reason, message).await;
@@ -427,7 +427,7 @@ async fn restart_or_fail(
         "{what}; restart {} of {}, from the newest checkpoint",
         st.restart_count, job.spec.run_policy.backoff_limit
     );
-    st.set_phase("Restarting", &cause.reason, message.clone());
+    st.set_phase(JobPhase::Restarting, &cause.reason, message.clone());
     publish(ctx, job, EventType::Warning, "Restarting", message).await;
     write_status(ctx, job, &st, old).await?;
     ctx.metrics.restarted();
@@ -449,8 +449,7 @@ async fn refused(
         return Err(e);
     }
     let message = format!("the API server refused a pod: {}", status.message);
-    let phase = st.phase().to_string();
-    st.set_phase(&phase, "PodCreationRefused", message.clone());
+    st.set_phase(st.phase.unwrap_or(JobPhase::Created), "PodCreationRefused", message.clone());
     publish(ctx, job, EventType::Warning, "PodCreationRefused", message).await;
     write_status(ctx, job, &st, old).await?;
     Ok(Action::requeue(Duration::from_secs(15)))
@@ -635,7 +634,7 @@ async fn write_status(ctx: &Context, job: &TrainingJob, st: &TrainingJobStatus, 
     });
     api.patch_status(&job.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     if st.phase != old.phase {
-        tracing::info!(job = %job.name_any(), namespace = %names::namespace(job), phase = st.phase(), "phase changed");
+        tracing::info!(job = %job.name_any(), namespace = %names::namespace(job), phase = st.phase.map_or("", JobPhase::as_str), "phase changed");
     }
     Ok(())
 }

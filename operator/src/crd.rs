@@ -13,8 +13,55 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use tensorfleet_worker::config::TrainingConfig;
 
-/// Phases a job moves through; the printer column and the conditions say the same thing.
-pub const PHASES: [&str; 6] = ["Created", "Running", "Restarting", "Suspended", "Succeeded", "Failed"];
+/// Where a job is (the printer column); of the conditions, the one of this name is True.
+#[derive(JsonSchema, Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum JobPhase {
+    /// Accepted; its children are being made, or it waits for its workers.
+    Created,
+    /// mpirun runs on the launcher.
+    Running,
+    /// A pod failed; the gang is being recreated and resumes from the newest checkpoint.
+    Restarting,
+    /// spec.runPolicy.suspend is true: no pods.
+    Suspended,
+    /// mpirun finished with every rank exiting 0.
+    Succeeded,
+    /// Finished without success; status.failure says why.
+    Failed,
+}
+
+impl JobPhase {
+    pub const ALL: [JobPhase; 6] = [
+        JobPhase::Created,
+        JobPhase::Running,
+        JobPhase::Restarting,
+        JobPhase::Suspended,
+        JobPhase::Succeeded,
+        JobPhase::Failed,
+    ];
+
+    /// The phase's name: its condition's type, the printer column's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobPhase::Created => "Created",
+            JobPhase::Running => "Running",
+            JobPhase::Restarting => "Restarting",
+            JobPhase::Suspended => "Suspended",
+            JobPhase::Succeeded => "Succeeded",
+            JobPhase::Failed => "Failed",
+        }
+    }
+
+    pub fn is_finished(self) -> bool {
+        matches!(self, JobPhase::Succeeded | JobPhase::Failed)
+    }
+}
+
+impl std::fmt::Display for JobPhase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
 
 /// A distributed training run: `workers` pods running sshd, and a launcher pod that starts
 /// `mpirun … tensorfleet-worker train` over them once they are ready.
@@ -403,9 +450,10 @@ pub struct PodOverrides {
 #[derive(KubeSchema, Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct TrainingJobStatus {
-    /// Created, Running, Restarting, Suspended, Succeeded or Failed.
+    /// Created, Running, Restarting, Suspended, Succeeded or Failed; absent until the operator
+    /// first sees the job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub phase: Option<String>,
+    pub phase: Option<JobPhase>,
     /// The latest observation of each condition type (Created, Running, Restarting, Suspended,
     /// Succeeded, Failed), with a reason and a message.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

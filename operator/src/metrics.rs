@@ -1,7 +1,7 @@
 //! The operator's Prometheus metrics: reconciles, failures, durations, gang restarts and jobs
 //! by phase (served on /metrics by `server`).
 
-use crate::crd::{TrainingJob, PHASES};
+use crate::crd::{JobPhase, TrainingJob};
 use kube::ResourceExt;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -22,7 +22,7 @@ pub struct Metrics {
     duration: Histogram,
     jobs_by_phase: Family<Vec<(String, String)>, Gauge>,
     /// The last phase seen per job (namespace/name), from which the gauge is computed.
-    phases: Mutex<HashMap<String, String>>,
+    phases: Mutex<HashMap<String, &'static str>>,
 }
 
 impl Default for Metrics {
@@ -61,15 +61,16 @@ impl Metrics {
         }
         self.duration.observe(took.as_secs_f64());
         let key = format!("{}/{}", job.namespace().unwrap_or_default(), job.name_any());
-        let phase = job.status.as_ref().and_then(|s| s.phase.clone()).unwrap_or_else(|| "Pending".into());
+        // "Pending": a job the operator has not given a phase yet.
+        let phase = job.status.as_ref().and_then(|s| s.phase).map_or("Pending", JobPhase::as_str);
         let mut phases = self.phases.lock().expect("metrics lock");
         if job.metadata.deletion_timestamp.is_some() {
             phases.remove(&key);
         } else {
             phases.insert(key, phase);
         }
-        for p in PHASES.iter().copied().chain(["Pending"]) {
-            let n = phases.values().filter(|v| v.as_str() == p).count() as i64;
+        for p in JobPhase::ALL.map(JobPhase::as_str).into_iter().chain(["Pending"]) {
+            let n = phases.values().filter(|&&v| v == p).count() as i64;
             self.jobs_by_phase.get_or_create(&vec![("phase".to_string(), p.to_string())]).set(n);
         }
     }

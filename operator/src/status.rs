@@ -1,7 +1,7 @@
 //! Reading pods into facts (ready, failed and why) and writing them into the job's status:
 //! the phase, one condition per phase, and the root cause of a failure.
 
-use crate::crd::{Condition, FailureCause, TrainingJobStatus, PHASES};
+use crate::crd::{Condition, FailureCause, JobPhase, TrainingJobStatus};
 use k8s_openapi::api::core::v1::{ContainerStateTerminated, Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
@@ -169,11 +169,11 @@ pub fn describe(cause: &FailureCause) -> String {
 impl TrainingJobStatus {
     /// Enters `phase`: its condition becomes True with the reason and message, every other
     /// phase condition False. Transition times change only when a condition's status does.
-    pub fn set_phase(&mut self, phase: &str, reason: &str, message: String) {
-        self.phase = Some(phase.to_string());
-        for p in PHASES {
+    pub fn set_phase(&mut self, phase: JobPhase, reason: &str, message: String) {
+        self.phase = Some(phase);
+        for p in JobPhase::ALL {
             let status = if p == phase { "True" } else { "False" };
-            let existing = self.conditions.iter_mut().find(|c| c.type_ == p);
+            let existing = self.conditions.iter_mut().find(|c| c.type_ == p.as_str());
             match existing {
                 Some(c) => {
                     if c.status != status {
@@ -187,7 +187,7 @@ impl TrainingJobStatus {
                 }
                 // Conditions appear as the job reaches them; Created is there from the start.
                 None if p == phase => self.conditions.push(Condition {
-                    type_: p.into(),
+                    type_: p.as_str().into(),
                     status: status.into(),
                     reason: reason.into(),
                     message: message.clone(),
@@ -198,16 +198,13 @@ impl TrainingJobStatus {
         }
     }
 
-    pub fn phase(&self) -> &str {
-        self.phase.as_deref().unwrap_or("")
-    }
-
     pub fn is_finished(&self) -> bool {
-        matches!(self.phase(), "Succeeded" | "Failed")
+        self.phase.is_some_and(JobPhase::is_finished)
     }
 
-    pub fn condition(&self, type_: &str) -> Option<&Condition> {
-        self.conditions.iter().find(|c| c.type_ == type_)
+    /// The condition of `phase`, once the job has reached it.
+    pub fn condition(&self, phase: JobPhase) -> Option<&Condition> {
+        self.conditions.iter().find(|c| c.type_ == phase.as_str())
     }
 }
 
@@ -363,12 +360,12 @@ mod tests {
     #[test]
     fn set_phase_keeps_one_true_condition() {
         let mut s = TrainingJobStatus::default();
-        s.set_phase("Created", "ChildrenCreated", "made".into());
-        s.set_phase("Running", "LauncherRunning", "go".into());
-        assert_eq!(s.condition("Created").unwrap().status, "False");
-        assert_eq!(s.condition("Running").unwrap().status, "True");
-        assert!(s.condition("Failed").is_none());
-        s.set_phase("Failed", "BackoffLimitExceeded", "x".into());
+        s.set_phase(JobPhase::Created, "ChildrenCreated", "made".into());
+        s.set_phase(JobPhase::Running, "LauncherRunning", "go".into());
+        assert_eq!(s.condition(JobPhase::Created).unwrap().status, "False");
+        assert_eq!(s.condition(JobPhase::Running).unwrap().status, "True");
+        assert!(s.condition(JobPhase::Failed).is_none());
+        s.set_phase(JobPhase::Failed, "BackoffLimitExceeded", "x".into());
         assert_eq!(s.conditions.iter().filter(|c| c.status == "True").count(), 1);
     }
 }

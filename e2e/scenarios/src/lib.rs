@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use tensorfleet_operator::crd::TrainingJob;
+use tensorfleet_operator::crd::{JobPhase, TrainingJob};
 
 pub const CLUSTER_VAR: &str = "TENSORFLEET_E2E_CLUSTER";
 
@@ -456,8 +456,8 @@ pub fn merge(target: &mut Value, patch: Value) {
     }
 }
 
-pub fn phase(job: &TrainingJob) -> &str {
-    job.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+pub fn phase(job: &TrainingJob) -> &'static str {
+    job.status.as_ref().and_then(|s| s.phase).map_or("", JobPhase::as_str)
 }
 
 /// The lines of a metrics.jsonl.

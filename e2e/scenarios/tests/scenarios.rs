@@ -348,7 +348,7 @@ async fn a_worker_over_its_memory_limit_is_oom_killed_and_the_job_resumes() {
     let failure = status.failure.clone().expect("the cause of the restart");
     assert_eq!((failure.pod.as_str(), failure.reason.as_str()), ("oom-worker-1", "OOMKilled"), "{failure:?}");
     assert_eq!(failure.exit_code, Some(137), "{failure:?}");
-    let restarting = status.condition("Restarting").expect("a Restarting condition");
+    let restarting = status.condition(tensorfleet_operator::crd::JobPhase::Restarting).expect("a Restarting condition");
     assert_eq!(restarting.reason, "OOMKilled", "{restarting:?}");
     let steps = losses(&metrics(&claim.join("out/metrics.jsonl")));
     assert_eq!(steps.keys().copied().collect::<Vec<u64>>(), (1..=60).collect::<Vec<u64>>(), "{status:?}");
@@ -674,13 +674,14 @@ async fn a_missing_image_is_named_in_the_jobs_status() {
     let job = cluster
         .wait_job(&ns, "no-image", Duration::from_secs(120), "the status to name the missing image", |j| {
             let st = j.status.as_ref();
-            let condition = st.and_then(|s| s.condition(phase(j))).map(|c| (c.reason.clone(), c.message.clone()));
+            let condition = st.and_then(|s| s.condition(s.phase?)).map(|c| (c.reason.clone(), c.message.clone()));
             condition.is_some_and(|(reason, message)| {
                 reason == "ImageUnavailable" && message.contains("tensorfleet/worker:not-built")
             })
         })
         .await;
-    let message = &job.status.as_ref().unwrap().condition(phase(&job)).unwrap().message;
+    let status = job.status.as_ref().unwrap();
+    let message = &status.condition(status.phase.unwrap()).unwrap().message;
     assert!(message.contains("ErrImageNeverPull"), "{message}");
     assert_eq!(phase(&job), "Created", "{message}");
     cluster.delete_namespace(&ns).await;

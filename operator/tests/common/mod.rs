@@ -14,7 +14,7 @@ use serde_json::json;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
-use tensorfleet_operator::crd::TrainingJob;
+use tensorfleet_operator::crd::{JobPhase, TrainingJob};
 
 pub const KUBECONFIG_VAR: &str = "TENSORFLEET_TEST_KUBECONFIG";
 
@@ -203,8 +203,8 @@ pub async fn wait_job(
     wait_for(Duration::from_secs(60), what, || async { api.get(name).await.ok().filter(|j| pred(j)) }).await
 }
 
-pub fn phase(job: &TrainingJob) -> &str {
-    job.status.as_ref().and_then(|s| s.phase.as_deref()).unwrap_or("")
+pub fn phase(job: &TrainingJob) -> &'static str {
+    job.status.as_ref().and_then(|s| s.phase).map_or("", JobPhase::as_str)
 }
 
 pub async fn pods(client: &kube::Client, ns: &str, role: &str) -> Vec<Pod> {
