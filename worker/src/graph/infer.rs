@@ -507,7 +507,9 @@ pub fn infer_node(
                     (0..parts).map(|i| chunk.min(x.shape[a].saturating_sub(i * chunk)) as i64).collect()
                 }
             };
-            if sizes.len() != n || sizes.iter().any(|&s| s < 0) || sizes.iter().sum::<i64>() != x.shape[a] as i64 {
+            // Summed without wrapping: sizes whose sum wraps around to the axis cover nothing.
+            let total = sizes.iter().try_fold(0i64, |t, &s| t.checked_add(s));
+            if sizes.len() != n || sizes.iter().any(|&s| s < 0) || total != Some(x.shape[a] as i64) {
                 return Err(err(node, format!("split sizes {sizes:?} do not cover axis {a} of {:?}", x.shape)));
             }
             let metas = sizes
@@ -1703,6 +1705,19 @@ mod tests {
         assert_eq!(reshape_target(&[4], &[-1, (1 << 62) + 1, 4], false), None);
         assert_eq!(reshape_target(&[usize::MAX, 2], &[-1], false), None);
         assert_eq!(reshape_target(&[2, 3, 4], &[0, -1], false), Some(vec![2, 12]));
+    }
+
+    /// Split sizes whose sum wraps around i64 to the axis' length (found by fuzzing with
+    /// overflow checks) cover nothing: refused, naming the node.
+    #[test]
+    fn split_sizes_whose_sum_wraps_around_are_refused() {
+        let mut g = Graph::new("t", 18);
+        let input = g.add_input("x", DType::F32, vec![super::super::ir::Dim::Fixed(2)]);
+        let sizes = vec![i64::MAX, i64::MAX, 4];
+        let outs = g.add_node("split", Op::Split { axis: 0, sizes, num_outputs: None }, &[input], 3);
+        g.outputs.extend(outs);
+        let e = bind(&g, &Bindings::default(), false).err().expect("refused");
+        assert!(e.to_string().contains("do not cover axis 0"), "{e}");
     }
 
     /// Before opset 13 Softmax normalizes over every dim from `axis` on; from 13, over `axis`.
