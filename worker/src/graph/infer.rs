@@ -603,11 +603,15 @@ pub fn infer_node(
             }
             let mut shape = Vec::with_capacity(r);
             for (a, &n) in x.shape.iter().enumerate() {
-                let size = n as i64 + full[a] + full[r + a];
-                if size < 0 {
-                    return Err(err(node, format!("pads {given:?} crop axis {a} of size {n} below nothing")));
+                // Added without wrapping: pads near i64's ends must not wrap to a small size.
+                let size = (n as i64).checked_add(full[a]).and_then(|s| s.checked_add(full[r + a]));
+                match size {
+                    Some(size) if size >= 0 => shape.push(size as usize),
+                    Some(_) => {
+                        return Err(err(node, format!("pads {given:?} crop axis {a} of size {n} below nothing")))
+                    }
+                    None => return Err(err(node, format!("pads {given:?} make axis {a} too large to address"))),
                 }
-                shape.push(size as usize);
             }
             (Op::Pad { mode: *mode, pads: full, value }, vec![Meta::new(x.dtype, &shape)])
         }
@@ -1705,6 +1709,19 @@ mod tests {
         assert_eq!(reshape_target(&[4], &[-1, (1 << 62) + 1, 4], false), None);
         assert_eq!(reshape_target(&[usize::MAX, 2], &[-1], false), None);
         assert_eq!(reshape_target(&[2, 3, 4], &[0, -1], false), Some(vec![2, 12]));
+    }
+
+    /// Pads near i64's ends wrapped the padded size around to a small one (2 + 2·(2^63 − 1)
+    /// is 0 in wrapping arithmetic): refused, naming the node.
+    #[test]
+    fn pads_that_wrap_the_size_around_are_refused() {
+        let mut g = Graph::new("t", 18);
+        let input = g.add_input("x", DType::F32, vec![super::super::ir::Dim::Fixed(2)]);
+        let pads = vec![i64::MAX, i64::MAX];
+        let y = g.op1("pad", Op::Pad { mode: PadMode::Constant, pads, value: 0.0 }, &[input]);
+        g.outputs.push(y);
+        let e = bind(&g, &Bindings::default(), false).err().expect("refused");
+        assert!(e.to_string().contains("too large to address"), "{e}");
     }
 
     /// Split sizes whose sum wraps around i64 to the axis' length (found by fuzzing with
