@@ -168,14 +168,15 @@ pub fn slice_range(start: i64, end: i64, step: i64, dim: usize) -> (i64, i64, us
         let e = if end < 0 { end + d } else { end };
         (clamp(s, -1, d - 1), clamp(e, -1, d - 1))
     };
+    // Counted without overflow for any step (i64::MAX's and i64::MIN's too).
     let count = if step > 0 {
         if e > s {
-            (e - s + step - 1) / step
+            (e - s - 1) / step + 1
         } else {
             0
         }
     } else if s > e {
-        (s - e - step - 1) / -step
+        ((s - e - 1) as u64 / step.unsigned_abs() + 1) as i64
     } else {
         0
     };
@@ -1722,6 +1723,16 @@ mod tests {
         g.outputs.push(y);
         let e = bind(&g, &Bindings::default(), false).err().expect("refused");
         assert!(e.to_string().contains("too large to address"), "{e}");
+    }
+
+    /// Slices with steps at i64's ends took one element; the count used to overflow.
+    #[test]
+    fn slices_with_extreme_steps_take_one_element() {
+        assert_eq!(slice_range(0, 5, i64::MAX, 10), (0, i64::MAX, 1));
+        assert_eq!(slice_range(9, i64::MIN, i64::MIN, 10), (9, i64::MIN, 1));
+        assert_eq!(slice_range(0, 10, 3, 10).2, 4);
+        assert_eq!(slice_range(9, -11, -3, 10).2, 4);
+        assert_eq!(slice_range(2, 2, 1, 10).2, 0);
     }
 
     /// Split sizes whose sum wraps around i64 to the axis' length (found by fuzzing with
