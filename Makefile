@@ -182,7 +182,7 @@ bench-load: deps k8s
 	$(CARGO) build --workspace --release
 	mpi="$$(bash e2e/mpi-operator/build.sh | tail -n 1)"; \
 	cluster="$$(mktemp -d /tmp/tensorfleet-load.XXXXXX)"; \
-	trap 'bash e2e/cluster/down.sh "$$cluster"' EXIT; \
+	trap 'bash e2e/cluster/down.sh "$$cluster" && rm -rf "$$cluster"' EXIT; \
 	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/cluster/up.sh "$$cluster"; \
 	TENSORFLEET_E2E_CLUSTER="$$cluster" TENSORFLEET_MPI_OPERATOR_DIR="$$mpi" \
 		$(CARGO) bench -p tensorfleet-e2e --bench load
