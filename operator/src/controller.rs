@@ -634,7 +634,8 @@ async fn write_status(ctx: &Context, job: &TrainingJob, st: &TrainingJobStatus, 
     });
     api.patch_status(&job.name_any(), &PatchParams::apply(FIELD_MANAGER).force(), &Patch::Apply(&patch)).await?;
     if st.phase != old.phase {
-        tracing::info!(job = %job.name_any(), namespace = %names::namespace(job), phase = st.phase.map_or("", JobPhase::as_str), "phase changed");
+        let phase = st.phase.map_or("", JobPhase::as_str);
+        tracing::info!(job = %job.name_any(), namespace = %names::namespace(job), phase, "phase changed");
     }
     Ok(())
 }

@@ -125,8 +125,8 @@ fn embedding_rows(g: &Graph, ids: ValueId) -> Option<usize> {
 
 /// The classes each label input may name, where a cross-entropy of the bound graph reads it
 /// (directly, or through reshapes and casts): its scores' class axis. A vocabulary-sharded loss
-/// (tensor parallelism) holds only a shard of the classes and is not looked at; its kernel
-/// refuses a label past the vocabulary, naming its node.
+/// (tensor parallelism) holds only a shard of the classes and is not looked at: there a label
+/// past the vocabulary falls in no rank's shard and goes unchecked (issue 22's note).
 fn label_ranges(g: &Graph) -> Vec<LabelRange> {
     let producers = g.producers();
     let behind = |mut v: ValueId| loop {

@@ -332,9 +332,10 @@ fn train_mlp(dir: &Path, hidden: usize, batch: usize, shards: &[Vec<i64>]) -> Ou
 #[test]
 fn a_plan_larger_than_the_memory_is_refused_naming_the_batch_size() {
     let dir = scratch("bad-input-plan-size");
-    // 10,000 samples through a hidden layer of 10^6: 40 GB per activation, 4 MB of weights.
-    let o = train_mlp(&dir, 1_000_000, 10_000, &[vec![1; 10_000]]);
-    assert_refused("activations of 40 GB", &o, 2, "batchSize: the run needs");
+    // 100,000 samples through a hidden layer of 10^7: 4 TB per activation, more than any
+    // machine has, beside 280 MB of weights.
+    let o = train_mlp(&dir, 10_000_000, 100_000, &[vec![1; 100_000]]);
+    assert_refused("activations of 4 TB", &o, 2, "batchSize: the run needs");
     assert!(stderr(&o).contains("are available; lower batchSize"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -1,6 +1,7 @@
 //! Checkpoints: `checkpoint_<step>/` holding `manifest.json` (step, data position, layout,
 //! settings, per-file checksums), `manifest.sum` (the manifest's own checksum) and one
-//! `rank_<r>.safetensors` per rank that has something to keep (weights and optimizer state). A checkpoint is written under a temporary name and
+//! `rank_<r>.safetensors` per rank that has something to keep (weights and optimizer
+//! state). A checkpoint is written under a temporary name and
 //! renamed, by rank 0, once every rank's file is complete, so a directory named
 //! `checkpoint_<step>` is always whole; only the newest `keep` are kept.
 //!
@@ -61,7 +62,8 @@ pub const FORMAT: &str = "tensorfleet-checkpoint-v3";
 /// The format before `manifest.sum`, still read: its manifest is checked only for consistency.
 const FORMAT_V2: &str = "tensorfleet-checkpoint-v2";
 
-/// Beside `manifest.json`: `<checksum>  manifest.json`, as `sha256sum` writes its lines.
+/// Beside `manifest.json`: `<checksum>  manifest.json`, sha256sum's line format holding FNV-1a
+/// 64 (`checksum`), not a SHA-256.
 const MANIFEST_SUM: &str = "manifest.sum";
 
 /// The manifest's own consistency: a format this worker reads, and a `worldSize` that agrees

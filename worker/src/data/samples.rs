@@ -197,8 +197,10 @@ impl Loader for SampleLoader {
             let Some((_, t)) = sample.iter().find(|(n, _)| *n == range.input) else { continue };
             let Some(labels) = t.to_i64_vec() else { continue };
             if let Some((j, l)) = labels.iter().enumerate().find(|&(_, &l)| !range.admits(l)) {
+                let ignored = range.ignore.map_or(String::new(), |v| format!(" nor the ignored {v}"));
                 return Err(Error::Corrupt(format!(
-                    "{}: sample shard {} sample {i}: label {l} (element {j} of '{}') is not below the model's {} classes",
+                    "{}: sample shard {} sample {i}: label {l} (element {j} of '{}') is not one of the \
+                     model's classes 0..{}{ignored}",
                     self.key,
                     self.shards[s].display(),
                     range.input,

@@ -65,7 +65,8 @@ impl Backend for CpuBackend {
         v.try_reserve_exact(bytes.div_ceil(8)).map_err(|_| BackendError::OutOfMemory {
             place: "the host".into(),
             bytes,
-            free: crate::host::memory_bytes(),
+            // The machine's total is known, its free memory is not (the page cache counts).
+            free: None,
         })?;
         v.resize(bytes.div_ceil(8), 0);
         Ok(CpuBuffer { words: UnsafeCell::new(v), len: bytes })

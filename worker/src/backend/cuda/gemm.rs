@@ -399,10 +399,11 @@ impl Gemm {
             }
             let heuristic = lt::get_matmul_algo_heuristic(self.handle, desc.0, first.0, second.0, out.0, out.0, pref.0)
                 .map_err(|e| match e.0 {
-                    // No algorithm with this epilogue (cudarc says so for an empty answer too):
-                    // the caller runs the product plain and the epilogue as kernels. Any other
-                    // failure (memory, a bad attribute) is an error, not remembered.
-                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED if shape.epilogue => Unsupported,
+                    // No algorithm (cudarc says so for an empty answer too): with an epilogue the
+                    // caller runs the product plain and the epilogue as kernels; a plain product
+                    // is refused, the same on every try. Any other failure (memory, a bad
+                    // attribute) is the device's, not remembered.
+                    sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => Unsupported,
                     _ => Failed(err(&format!("no algorithm for {p:?}"), e)),
                 })?;
             Ok(Plan { first, second, out, desc, algo: heuristic.algo })

@@ -3,6 +3,7 @@
 //! classes. The all-reduces between them are the executor's.
 
 use super::{fastmath, KResult};
+use crate::backend::BackendError;
 use crate::graph::op::LossReduction;
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
@@ -16,12 +17,15 @@ fn f32_only(x: &TensorView, what: &str) -> KResult {
 }
 
 /// Indices relative to the slice `start..start + len`: `None` outside it.
-fn local_ids(ids: &TensorView, start: i64, len: usize) -> Result<Vec<Option<usize>>, String> {
+fn local_ids(ids: &TensorView, start: i64, len: usize) -> Result<Vec<Option<usize>>, BackendError> {
     let raw = ids.to_i64_vec().ok_or("indices must be integers")?;
     raw.iter()
         .map(|&i| {
             if i < 0 {
-                return Err(format!("index {i}: negative indices are not supported under tensor parallelism"));
+                // Bad data, as the GPU's fault word reports it: exit 3 on both backends.
+                return Err(BackendError::BadData(format!(
+                    "index {i}: negative indices are not supported under tensor parallelism"
+                )));
             }
             let j = i - start;
             Ok((0..len as i64).contains(&j).then_some(j as usize))
