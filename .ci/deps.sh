@@ -15,7 +15,7 @@ started=${EPOCHREALTIME//[!0-9]/}  # microseconds
 APT_PACKAGES=(build-essential pkg-config python3-venv libopenmpi-dev openmpi-bin libclang-dev openssl
     openssh-server openssh-client iproute2
     # The real nodes' parts (e2e/nodes/) and the images' tools (e2e/images/, e2e/nodes/images.sh).
-    containerd runc containernetworking-plugins iptables nftables busybox-static buildah mmdebstrap)
+    containerd runc containernetworking-plugins iptables ipset nftables busybox-static buildah mmdebstrap)
 
 REQUIREMENTS=.ci/requirements.txt
 # ptxas, CUDA 13.0's PTX assembler: `make test` assembles the CUDA kernels' PTX for sm_80 and

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a pinned Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
-# kubectl), the nodes' kubelet, kube-proxy, CoreDNS and local-path-provisioner, etcd and helm
-# from their Go module sources, and caches the binaries.
+# kubectl), the nodes' kubelet, kube-proxy, CoreDNS, local-path-provisioner and kube-router, etcd
+# and helm from their Go module sources, and caches the binaries.
 #
 #   BIN=$(e2e/control-plane/build.sh | tail -1)            # the control plane, etcd, helm
 #   BIN=$(e2e/control-plane/build.sh --nodes | tail -1)    # and the nodes' parts (e2e/nodes/)
@@ -17,6 +17,11 @@ ETCD_VERSION=v3.6.16   # newest v3.6 patch (go list -m -versions go.etcd.io/etcd
 HELM_VERSION=v3.22.0   # newest v3 stable (go list -m -versions helm.sh/helm/v3)
 COREDNS_VERSION=v1.15.0  # the nodes' cluster DNS (go list -m -versions github.com/coredns/coredns)
 LOCAL_PATH_VERSION=v0.0.30  # the nodes' claims (github.com/rancher/local-path-provisioner; the proxy's newest)
+# The nodes' NetworkPolicy enforcement (github.com/cloudnativelabs/kube-router/v2, its network
+# policy controller only: iptables and ipsets). v2.1.0 is the only version the module proxy
+# serves here; advisories are reported against it, so it runs only in the local test cluster,
+# with its BGP router, service proxy, CNI and metrics off, and never ships in an image.
+KUBE_ROUTER_VERSION=v2.1.0
 
 K8S_MINOR=${K8S_VERSION#v1.}; K8S_MINOR=${K8S_MINOR%%.*}
 STAGING_VERSION=v0.${K8S_VERSION#v1.}
@@ -40,9 +45,10 @@ etcd_cached() { [[ -x $BIN/etcd ]] && stamp_ok etcd "$ETCD_VERSION"; }
 helm_cached() { [[ -x $BIN/helm ]] && stamp_ok helm "$HELM_VERSION"; }
 coredns_cached() { [[ -x $BIN/coredns ]] && stamp_ok coredns "$COREDNS_VERSION"; }
 local_path_cached() { [[ -x $BIN/local-path-provisioner ]] && stamp_ok local-path "$LOCAL_PATH_VERSION"; }
+kube_router_cached() { [[ -x $BIN/kube-router ]] && stamp_ok kube-router "$KUBE_ROUTER_VERSION"; }
 NODES=0
 [[ ${1:-} == --nodes ]] && NODES=1
-nodes_cached() { (( ! NODES )) || { node_cached && coredns_cached && local_path_cached; }; }
+nodes_cached() { (( ! NODES )) || { node_cached && coredns_cached && local_path_cached && kube_router_cached; }; }
 all_cached()  { k8s_cached && etcd_cached && helm_cached && nodes_cached; }
 
 if all_cached; then
@@ -200,6 +206,8 @@ if (( NODES )); then
     coredns_cached || go_install coredns "$COREDNS_VERSION" github.com/coredns/coredns coredns
     local_path_cached ||
         go_install local-path "$LOCAL_PATH_VERSION" github.com/rancher/local-path-provisioner local-path-provisioner
+    kube_router_cached ||
+        go_install kube-router "$KUBE_ROUTER_VERSION" github.com/cloudnativelabs/kube-router/v2/cmd/kube-router kube-router
 fi
 
 log "all binaries in $BIN ($((SECONDS - T0))s)"

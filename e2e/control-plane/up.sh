@@ -29,6 +29,7 @@ else
     ADDRESS=${CP_ADDRESS:-127.0.0.1}
 fi
 CLUSTER_CIDR=10.244.0.0/16
+SERVICE_CIDR=10.0.0.0/24
 
 log() { echo "[up.sh $(date +%H:%M:%S)] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -211,7 +212,7 @@ start kube-apiserver "$BIN/kube-apiserver" \
     --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
     --service-account-issuer="$SERVER/" \
     --service-account-key-file="$PKI/sa.pub" --service-account-signing-key-file="$PKI/sa.key" \
-    --service-cluster-ip-range=10.0.0.0/24 --allow-privileged=true \
+    --service-cluster-ip-range="$SERVICE_CIDR" --allow-privileged=true \
     --profiling=false
 CURL_ADMIN=(curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key")
 wait_for kube-apiserver "kube-apiserver /readyz" "${CURL_ADMIN[@]}" "$SERVER/readyz"
@@ -251,7 +252,7 @@ wait_for kube-controller-manager "ServiceAccount default/default" \
         TENSORFLEET_K8S_BIN "$BIN" \
         APISERVER_URL "$SERVER" \
         APISERVER_ADDRESS "$ADDRESS" \
-        CLUSTER_CIDR "$CLUSTER_CIDR" \
+        CLUSTER_CIDR "$CLUSTER_CIDR" SERVICE_CIDR "$SERVICE_CIDR" \
         APISERVER_PORT "$APISERVER_PORT" \
         ETCD_PORT "$ETCD_PORT" \
         ETCD_PEER_PORT "$ETCD_PEER_PORT" \

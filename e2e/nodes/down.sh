@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Stops the cluster e2e/nodes/up.sh started in DIR and leaves the host as it found it: the
-# kubelets and kube-proxy first (so nothing restarts a container), then every node's containers
+# kubelets, kube-proxy and kube-router first (so nothing restarts a container), then every node's containers
 # through its containerd, the pods' network namespaces, the control plane and the containerds
 # (e2e/control-plane/down.sh), what is left in the nodes' cgroups, what is still mounted under
-# DIR, the cgroups themselves, and last the sysctls, rule sets, bridge and fixed paths
+# DIR, the cgroups themselves, and last the sysctls, rule sets, ipsets, bridge and fixed paths
 # (e2e/nodes/host.sh restore), then checks that the host matches the snapshot taken before the
 # start (exit 1 naming each difference). Also stops what a cluster whose processes died left.
 # Idempotent; logs stay in DIR.
@@ -18,10 +18,11 @@ DIR=$(cd "$1" && pwd)
 T0=$SECONDS
 log() { echo "[nodes/down.sh $(date +%H:%M:%S) +$((SECONDS - T0))s] $*" >&2; }
 
-# The kubelets and kube-proxy of this DIR.
-for pid in $(pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" || true); do kill -TERM "$pid" 2>/dev/null; done
-for _ in $(seq 50); do pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" >/dev/null || break; sleep 0.2; done
-for pid in $(pgrep -f -- "(kubelet|kube-proxy) --config=$DIR/" || true); do kill -KILL "$pid" 2>/dev/null; done
+# The kubelets, kube-proxy and kube-router of this DIR.
+AGENTS="(kubelet|kube-proxy) --config=$DIR/|kube-router --kubeconfig=$DIR/"
+for pid in $(pgrep -f -- "$AGENTS" || true); do kill -TERM "$pid" 2>/dev/null; done
+for _ in $(seq 50); do pgrep -f -- "$AGENTS" >/dev/null || break; sleep 0.2; done
+for pid in $(pgrep -f -- "$AGENTS" || true); do kill -KILL "$pid" 2>/dev/null; done
 
 # Every container and sandbox, through each node's containerd.
 for sock in "$DIR"/nodes/*/containerd.sock; do

@@ -21,15 +21,18 @@ BRIDGE=tf-br0
 
 # A rule set as iptables-save (or ip6tables-save) prints it, without comments and counters.
 rules() { "$1" 2>/dev/null | grep -v '^#' | sed 's/\[[0-9]*:[0-9]*\]//' || true; }
+# The ipsets' names (kube-router's network policies keep their pods' addresses in sets).
+ipsets() { if command -v ipset >/dev/null; then ipset list -n 2>/dev/null | sort; fi; }
 
-# What is compared: the sysctls' values, the rule sets (counters dropped), the links and
-# mount points, and which fixed paths exist.
+# What is compared: the sysctls' values, the rule sets (counters dropped), the ipsets' names,
+# the links and mount points, and which fixed paths exist.
 state() { # OUT
     mkdir -p "$1"
     local s
     for s in "${SYSCTLS[@]}"; do echo "$s = $(sysctl -n "$s")"; done >"$1/sysctls"
     rules iptables-save >"$1/iptables"
     rules ip6tables-save >"$1/ip6tables"
+    ipsets >"$1/ipsets"
     ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort >"$1/links"
     awk '{print $5}' /proc/self/mountinfo | sort >"$1/mounts"
     local p
@@ -61,6 +64,8 @@ restore)
             nft delete table "$family" "$name"
         done
     fi
+    # The sets not there before, once no rule refers to them.
+    comm -13 "$before/ipsets" <(ipsets) | while read -r set; do ipset destroy "$set"; done
     # The fixed paths that were not there before, and what is still mounted under them.
     for p in "${PATHS[@]}"; do
         grep -qxF "$p" "$before/paths" && continue
@@ -75,7 +80,7 @@ compare)
     rm -rf "$after"
     state "$after"
     status=0
-    for f in sysctls iptables ip6tables links mounts paths nft-tables; do
+    for f in sysctls iptables ip6tables ipsets links mounts paths nft-tables; do
         if ! diff -u "$before/$f" "$after/$f" >"$dir/host-diff-$f" 2>&1; then
             echo "host.sh: $f differ from before the cluster started:" >&2
             sed 's/^/    /' "$dir/host-diff-$f" >&2

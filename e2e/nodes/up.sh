@@ -3,8 +3,10 @@
 # (e2e/control-plane/up.sh with CP_REAL_NODES=1), then per node its own containerd (Debian's,
 # with runc) and kubelet (built from k8s.io/kubernetes), pods on one CNI bridge (Debian's
 # containernetworking-plugins: bridge + host-local, a /24 per node), one kube-proxy for the
-# host's network, CoreDNS behind the kube-dns Service, and claims from local-path-provisioner
-# (the default StorageClass, tensorfleet-local). One node (tf-gpu-0) advertises nvidia.com/gpu.
+# host's network, one kube-router enforcing NetworkPolicy on it (its network policy controller
+# only: iptables and ipsets), CoreDNS behind the kube-dns Service, and claims from
+# local-path-provisioner (the default StorageClass, tensorfleet-local). One node (tf-gpu-0)
+# advertises nvidia.com/gpu.
 # Images come from OCI archives imported into every node's containerd (e2e/nodes/images.sh).
 #
 #   e2e/nodes/up.sh DIR      # then: KUBECONFIG=DIR/kubeconfig kubectl get nodes,pods -A
@@ -28,7 +30,7 @@ log() { echo "[nodes/up.sh $(date +%H:%M:%S) +$((SECONDS - T0))s] $*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
 [[ $(id -u) -eq 0 ]] || die "real nodes need root (containers, network namespaces, mounts)"
-for tool in containerd containerd-shim-runc-v2 runc ctr iptables ip /usr/lib/cni/bridge /usr/lib/cni/host-local; do
+for tool in containerd containerd-shim-runc-v2 runc ctr iptables ipset ip /usr/lib/cni/bridge /usr/lib/cni/host-local; do
     command -v "$tool" >/dev/null || die "$tool is not installed (make deps installs it)"
 done
 if other=$(pgrep -f "kubelet --config=.*/nodes/.*/kubelet.yaml" | head -n 1) && [[ -n $other ]]; then
@@ -47,7 +49,7 @@ if ip link show tf-br0 >/dev/null 2>&1; then
         "(ip netns list: cni-*); remove them (ip link delete tf-br0; ip netns delete NAME) or run e2e/nodes/down.sh on its directory"
 fi
 BIN=${TENSORFLEET_K8S_BIN:-$("$ROOT/e2e/control-plane/build.sh" --nodes | tail -n 1)}
-for b in kubelet kube-proxy coredns; do [[ -x $BIN/$b ]] || die "$BIN/$b is missing: run e2e/control-plane/build.sh --nodes"; done
+for b in kubelet kube-proxy kube-router coredns; do [[ -x $BIN/$b ]] || die "$BIN/$b is missing: run e2e/control-plane/build.sh --nodes"; done
 export TENSORFLEET_K8S_BIN=$BIN
 ARCHIVES=$("$HERE/images.sh" "$BIN" | tail -n 1)
 # shellcheck source=/dev/null
@@ -239,6 +241,19 @@ conntrack: {maxPerCore: 0, min: 0}
 iptables: {localhostNodePorts: false, masqueradeAll: true}
 EOF
 start kube-proxy "$BIN/kube-proxy" --config="$DIR/kube-proxy.yaml" >/dev/null
+
+# NetworkPolicy, enforced for every node's pods by one instance: it filters the pods whose
+# host address is its node's, which all nodes here share. Pods on one bridge meet through it,
+# so the filter sees them by br_netfilter (net.bridge.bridge-nf-call-iptables, the kernel's
+# default) and the physdev match.
+log "kube-router (network policies)"
+sign kube-router "/CN=system:kube-router" "$CLIENT_EXT"
+kubeconfig "$DIR/kube-router.kubeconfig" kube-router
+kubectl apply -f "$HERE/kube-router.yaml" >/dev/null
+start kube-router "$BIN/kube-router" --kubeconfig="$DIR/kube-router.kubeconfig" \
+    --hostname-override="${NODE_NAMES[0]}" --run-firewall=true --run-router=false --run-service-proxy=false \
+    --enable-cni=false --health-port=0 --metrics-port=0 --service-cluster-ip-range="$SERVICE_CIDR" \
+    --iptables-sync-period=1m --v=1 >/dev/null
 
 log "CoreDNS"
 sed -e "s|@COREDNS_IMAGE@|$COREDNS_IMAGE|" -e "s|@DNS_IP@|$DNS_IP|" -e "s|@SYSTEM_NODE@|${NODE_NAMES[0]}|" \

@@ -197,12 +197,9 @@ async fn deleting_a_running_job_removes_its_children_and_keeps_the_claim_as_aske
 }
 
 /// With spec.networkPolicy.enabled, a pod outside the job cannot reach a worker's sshd, while
-/// the job's launcher can (and the job trains). Needs a network plugin that enforces
-/// NetworkPolicy, which the local cluster's bridge does not; kube-network-policies, the one
-/// buildable here, needs nftables' queue statement, which this host's kernel lacks
-/// (CONFIG_NFT_QUEUE). Run it with `--ignored` on a cluster that enforces policies.
+/// the job's launcher can (and the job trains). The local cluster enforces NetworkPolicy with
+/// kube-router's network policy controller (e2e/nodes/up.sh).
 #[tokio::test]
-#[ignore = "needs a cluster whose network plugin enforces NetworkPolicy (the local one's bridge does not)"]
 async fn network_isolation_admits_only_the_jobs_own_pods() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("isolated").await;
@@ -213,6 +210,8 @@ async fn network_isolation_admits_only_the_jobs_own_pods() {
     cluster.apply_job(&ns, &manifest).await.expect("applying the job");
     cluster
         .wait_job(&ns, "walled", TRAINING, "the job to train", |job| {
+            // Its own pods must reach each other through the policy (the launcher's ssh first).
+            assert_ne!(phase(job), "Failed", "the isolated job failed: {:?}", job.status);
             job.status.as_ref().is_some_and(|s| s.progress.as_ref().is_some_and(|p| p.step > 0))
         })
         .await;
