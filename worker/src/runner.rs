@@ -124,9 +124,9 @@ fn embedding_rows(g: &Graph, ids: ValueId) -> Option<usize> {
 }
 
 /// The classes each label input may name, where a cross-entropy of the bound graph reads it
-/// (directly, or through reshapes and casts): its scores' class axis. A vocabulary-sharded loss
-/// (tensor parallelism) holds only a shard of the classes and is not looked at: there a label
-/// past the vocabulary falls in no rank's shard and goes unchecked (issue 22's note).
+/// (directly, or through reshapes and casts): its scores' class axis, or, for a
+/// vocabulary-sharded loss (tensor parallelism), the whole vocabulary its op records (a label
+/// past it would fall in no rank's slice, a loss term silently lost).
 fn label_ranges(g: &Graph) -> Vec<LabelRange> {
     let producers = g.producers();
     let behind = |mut v: ValueId| loop {
@@ -140,13 +140,13 @@ fn label_ranges(g: &Graph) -> Vec<LabelRange> {
         }
     };
     let ranges = g.nodes.iter().filter_map(|n| {
-        let ignore = match n.op {
+        let (classes, ignore) = match n.op {
             Op::SoftmaxCrossEntropyLoss { ignore_index, .. }
             | Op::SoftmaxCrossEntropyLse { ignore_index, .. }
-            | Op::NegativeLogLikelihoodLoss { ignore_index, .. } => ignore_index,
+            | Op::NegativeLogLikelihoodLoss { ignore_index, .. } => (*g.meta(n.input(0)?)?.shape.get(1)?, ignore_index),
+            Op::VocabShardCrossEntropy { classes, ignore_index, .. } => (usize::try_from(classes).ok()?, ignore_index),
             _ => return None,
         };
-        let classes = *g.meta(n.input(0)?)?.shape.get(1)?;
         Some(LabelRange { input: g.name_of(behind(n.input(1)?)?).to_string(), classes, ignore })
     });
     ranges.collect()

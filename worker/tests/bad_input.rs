@@ -340,6 +340,57 @@ fn a_plan_larger_than_the_memory_is_refused_naming_the_batch_size() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// The plan was checked alone: a run whose activations and weights fit but whose optimizer
+/// state (allocated after) did not failed at that allocation as a retryable error. The state is
+/// counted with the plan, before anything is allocated: on a machine with room for Adam's first
+/// moment but not its second the session is refused naming batchSize and the state's bytes,
+/// and SGD (no state) or a machine with room for both moments runs.
+#[test]
+fn the_optimizer_state_is_counted_before_anything_is_allocated() {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+    use tensorfleet_worker::backend::cpu::CpuBackend;
+    use tensorfleet_worker::config::{LossConfig, LossKind, MlpConfig};
+    use tensorfleet_worker::error::Error;
+    use tensorfleet_worker::optim::Update;
+    use tensorfleet_worker::session::{Session, SessionOptions};
+
+    let (inputs, hidden, classes) = (4, 1000, 3);
+    let g = tensorfleet_worker::models::mlp::build(&MlpConfig { inputs, hidden: vec![hidden], classes }, 5).unwrap();
+    let loss = LossConfig {
+        kind: Some(LossKind::SoftmaxCrossEntropy),
+        output: "logits".into(),
+        label: "labels".into(),
+        ignore_index: None,
+    };
+    let model = tensorfleet_worker::models::with_loss(g, &loss).unwrap();
+    let batch: BTreeMap<String, Tensor> = [
+        ("x".to_string(), Tensor::from_vec(&[2, inputs], vec![0.5f32; 2 * inputs])),
+        ("labels".to_string(), Tensor::from_vec(&[2], vec![0i64, 2])),
+    ]
+    .into_iter()
+    .collect();
+    let adam = Update::Adam { beta1: 0.9, beta2: 0.999, epsilon: 1e-8, weight_decay: 0.0, decoupled: false };
+    let sgd = Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 };
+    let session = |backend: CpuBackend, update: Update| {
+        Session::new(Arc::new(backend), &model, &batch, 1, &SessionOptions::new(update))
+    };
+    let (arena, persistent) = session(CpuBackend::new(), sgd).unwrap().memory();
+    let weights = 4 * (inputs * hidden + hidden + hidden * classes + classes);
+    let one_moment = arena + persistent + weights;
+
+    let refused = session(CpuBackend::with_memory_limit(one_moment), adam).map(|_| ()).unwrap_err();
+    let message = refused.to_string();
+    assert!(matches!(refused, Error::Config(_)), "not a configuration error (exit 2): {refused:?}");
+    assert!(
+        message.contains("batchSize: the run needs")
+            && message.contains(&format!("{} for the optimizer's state", 2 * weights)),
+        "{message}"
+    );
+    session(CpuBackend::with_memory_limit(one_moment), sgd).expect("SGD keeps no state");
+    session(CpuBackend::with_memory_limit(one_moment + weights), adam).expect("room for both moments");
+}
+
 /// A class label past the model's classes was refused by the loss's kernel mid-run, naming the
 /// node but not the data (and on a GPU found only at the next wait). The labels of every sample
 /// are checked against the bound loss's classes before the first step: exit 3 naming the shard,
@@ -350,6 +401,42 @@ fn a_label_past_the_classes_names_its_shard_and_sample() {
     let o = train_mlp(&dir, 8, 2, &[vec![0, 2], vec![1, 5]]);
     assert_refused("label 5 of 3 classes", &o, 3, "data.train: sample shard");
     assert!(stderr(&o).contains("1.pb sample 1: label 5"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// Under tensor parallelism the loss is split over the vocabulary: a label past it fell in no
+/// rank's slice and its loss term was lost without a word (exit 0). The sharded loss records the
+/// whole vocabulary, and the labels are checked against it before the first step: exit 3
+/// naming the shard, sample and label (the ignored -100 stays admitted).
+#[test]
+fn a_label_past_the_vocabulary_is_refused_under_tensor_parallelism() {
+    let dir = scratch("bad-input-tp-labels");
+    std::fs::create_dir_all(dir.join("data")).unwrap();
+    // GPT-2 exported by PyTorch with its loss: a vocabulary of 96, 16 tokens a row.
+    let sample = |salt: i64, last: i64| {
+        let ids: Vec<i64> = (0..16).map(|i| (i * 7 + salt) % 96).collect();
+        let mut labels: Vec<i64> = ids[1..].to_vec();
+        labels.push(last);
+        vec![
+            ("input_ids".to_string(), Tensor::from_vec(&[16], ids)),
+            ("labels".to_string(), Tensor::from_vec(&[16], labels)),
+        ]
+    };
+    write_shard(&dir.join("data/0.pb"), &[sample(1, -100), sample(2, 100)]).unwrap();
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/torch_gpt2/gpt2_tiny_with_loss.onnx");
+    let config = format!(
+        "model: {{onnx: {{path: {}, loss: {{output: loss}}}}}}\n\
+         data: {{train: {{path: data, format: onnxSamples}}}}\nbatchSize: 2\nsteps: 1\nparallelism: {{tensor: 2}}\n",
+        model.display()
+    );
+    std::fs::write(dir.join("tp.yaml"), config).unwrap();
+    let o = common::mpirun(2)
+        .args([env!("CARGO_BIN_EXE_tensorfleet-worker"), "train", "--quiet", "--config", "tp.yaml"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert_refused("label 100 of a vocabulary of 96, split over 2 ranks", &o, 3, "0.pb sample 1: label 100");
+    assert!(stderr(&o).contains("classes 0..96 nor the ignored -100"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -796,7 +796,7 @@ fn tensor_parallel_ops_match_the_cpu_backend_on_the_emulated_kernels() {
     let labels = Tensor::from_vec(&[6], vec![7i64, 13, 2, -100, 10, 14]);
     let max = Tensor::from_vec(&[6], values(6, 4).iter().map(|v| v + 1.5).collect());
     let ignore_index = Some(-100);
-    let shard = Op::VocabShardCrossEntropy { start: 7, ignore_index };
+    let shard = Op::VocabShardCrossEntropy { start: 7, classes: 20, ignore_index };
     check("VocabShardCrossEntropy", &shard, &[scores.clone(), labels.clone(), max.clone()], &[vec![6], vec![6]]);
     let (dsums, dtargets) = (Tensor::from_vec(&[6], values(6, 5)), Tensor::from_vec(&[6], values(6, 6)));
     let grad = Op::VocabShardCrossEntropyGrad { start: 7, ignore_index };

@@ -525,7 +525,12 @@ fn tensor_parallel_ops() {
         let m = b.g.op1("max", reduce, &[x]);
         let m = b.g.op1("max_all", Op::AllReduce { op: ReduceOp::Max }, &[m]);
         let ignore_index = Some(2);
-        let parts = b.g.add_node("shard", Op::VocabShardCrossEntropy { start, ignore_index }, &[x, l, m], 2);
+        let parts = b.g.add_node(
+            "shard",
+            Op::VocabShardCrossEntropy { start, classes: start + 4, ignore_index },
+            &[x, l, m],
+            2,
+        );
         let se = b.g.op1("sum_exp", Op::AllReduce { op: ReduceOp::Sum }, &[parts[0]]);
         let t = b.g.op1("target", Op::AllReduce { op: ReduceOp::Sum }, &[parts[1]]);
         let y = b.g.op1("loss_", Op::VocabParallelLoss { reduction, ignore_index }, &[se, t, l]);

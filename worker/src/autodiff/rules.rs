@@ -492,7 +492,7 @@ pub fn backward(
             vec![Some(b.emit1(&name, Op::ShardGatherGrad { start: *start, rows }, &[dy, x(1)])?), None]
         }
         // The row maxima get no gradient: the loss does not depend on the shift they make.
-        Op::VocabShardCrossEntropy { start, ignore_index } => {
+        Op::VocabShardCrossEntropy { start, ignore_index, .. } => {
             let dt = match dys.get(1).copied().flatten() {
                 Some(dt) => dt,
                 None => {

@@ -41,13 +41,14 @@ pub struct OpTiming {
 /// configuration decided its size, so the error (exit 2) names the keys that shrink it, with
 /// the bytes needed and available. A plan that fits may still meet a full device later (other
 /// processes, fragmentation): that allocation fails as the device's error, worth a retry.
-fn fits<B: Backend>(backend: &B, plan: &Plan) -> Result<()> {
-    let needed = plan.arena_bytes.saturating_add(plan.persistent_bytes);
+fn fits<B: Backend>(backend: &B, plan: &Plan, state_bytes: usize) -> Result<()> {
+    let needed = plan.arena_bytes.saturating_add(plan.persistent_bytes).saturating_add(state_bytes);
     match backend.memory_available() {
         Some(available) if needed > available => Err(Error::Config(format!(
             "batchSize: the run needs {needed} bytes on {} ({} for activations, {} for weights and their \
-             gradients) and {available} are available; lower batchSize (or the model's seqLen), set recompute, \
-             or spread the model over more ranks (parallelism.zero, parallelism.tensor, parallelism.pipeline)",
+             gradients, {state_bytes} for the optimizer's state) and {available} are available; lower batchSize \
+             (or the model's seqLen), set recompute, or spread the model over more ranks (parallelism.zero, \
+             parallelism.tensor, parallelism.pipeline)",
             backend.name(),
             plan.arena_bytes,
             plan.persistent_bytes,
@@ -59,8 +60,15 @@ fn fits<B: Backend>(backend: &B, plan: &Plan) -> Result<()> {
 impl<B: Backend> Executor<B> {
     /// Allocates the plan's memory and uploads the initializers. `keep` as in [`plan::plan`].
     pub fn new(backend: Arc<B>, graph: Graph, keep: &[ValueId]) -> Result<Executor<B>> {
+        Self::with_state(backend, graph, keep, 0)
+    }
+
+    /// As [`Executor::new`], for a run that allocates `state_bytes` more after it (a training
+    /// session's optimizer state): the plan and that state must fit together, checked before
+    /// anything is allocated.
+    pub fn with_state(backend: Arc<B>, graph: Graph, keep: &[ValueId], state_bytes: usize) -> Result<Executor<B>> {
         let plan = plan::plan(&graph, keep);
-        fits(backend.as_ref(), &plan)?;
+        fits(backend.as_ref(), &plan, state_bytes)?;
         let arena = backend.alloc(plan.arena_bytes)?;
         let mut persistent = HashMap::new();
         for (v, place) in plan.places.iter().enumerate() {

@@ -1139,9 +1139,11 @@ pub enum Op {
     },
     /// scores [N, Vr] (classes `start..start + Vr` of the whole), labels [N], max [N] (over all
     /// classes) -> Σ_j exp(x_j − max) [N], and x[label] − max where the label is in this slice
-    /// (0 elsewhere, and where it is ignored).
+    /// (0 elsewhere, and where it is ignored). `classes`: the whole vocabulary's size, which
+    /// the labels are checked against before a run (a label past it is in no rank's slice).
     VocabShardCrossEntropy {
         start: i64,
+        classes: i64,
         ignore_index: Option<i64>,
     },
     /// dΣexp, dTarget, scores, labels, max -> dScores.
@@ -1975,7 +1977,7 @@ impl Op {
             }
             Op::ShardGather { start } => vec![i("start", *start)],
             Op::ShardGatherGrad { start, rows } => vec![i("start", *start), i("rows", *rows as i64)],
-            Op::VocabShardCrossEntropy { start, ignore_index }
+            Op::VocabShardCrossEntropy { start, ignore_index, .. }
             | Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
                 let mut v = vec![i("start", *start)];
                 if let Some(ii) = ignore_index {

@@ -766,7 +766,7 @@ fn rewrite(g: &mut Graph, a: &Analysis, rank: usize, size: usize) -> Result<BTre
                 push(
                     &mut nodes,
                     format!("{name}.shard"),
-                    Op::VocabShardCrossEntropy { start: first, ignore_index },
+                    Op::VocabShardCrossEntropy { start: first, classes: vocab as i64, ignore_index },
                     vec![scores, labels, max],
                     vec![local_sum, local_target],
                 );

@@ -229,6 +229,22 @@ pub struct Session<B: Backend> {
 
 /// Update `step` of every slot, by parameter group: the weights that share an update rule and
 /// a learning-rate scale go to the backend together (one launch on a GPU).
+/// Weight `value`'s update rule and learning-rate scale: weight decay applies to matrices (and
+/// convolution kernels), not to biases and normalization weights (the PyTorch/Megatron
+/// convention), unless name patterns say; a parameter group's keys override the optimizer's.
+fn weight_update(opts: &SessionOptions, g: &Graph, value: ValueId) -> (Update, f64) {
+    let name = g.name_of(value);
+    let decays = if opts.no_decay.is_empty() {
+        g.meta(value).is_some_and(|m| m.shape.len() >= 2)
+    } else {
+        !opts.no_decay.iter().any(|pat| name.contains(pat.as_str()))
+    };
+    let base = if decays { opts.update } else { opts.update.without_decay() };
+    let group = opts.groups.iter().find(|gr| gr.matches(name));
+    let update = group.map_or(base, |gr| base.with_group(gr));
+    (update, group.and_then(|gr| gr.lr_scale).unwrap_or(1.0))
+}
+
 fn update_in_groups<'a, B: Backend + 'a>(
     backend: &B,
     (lr, step, grad_scale): (f64, u64, f64),
@@ -436,7 +452,20 @@ impl<B: Backend> Session<B> {
             .chain(updated.iter().copied())
             .collect();
         fuse::run(&mut train, &opts.disabled_passes);
-        let train = Executor::new(backend.clone(), train, &[])?;
+        let updates: Vec<(Update, f64)> = held.iter().map(|&v| weight_update(opts, &train, v)).collect();
+        // What the session allocates beside the plan, counted before anything is allocated:
+        // each weight's optimizer state (a shard of it under ZeRO, allocated later and not
+        // counted here) and its gradient accumulator.
+        let state_bytes: usize = held
+            .iter()
+            .zip(&updates)
+            .map(|(&v, (update, _))| {
+                let state = if opts.zero > 0 { 0 } else { update.state_count() };
+                let accum = usize::from(accumulation > 1 && opts.zero < 2);
+                (state + accum).saturating_mul(train.meta(v).map_or(0, Meta::bytes))
+            })
+            .fold(0, usize::saturating_add);
+        let train = Executor::with_state(backend.clone(), train, &[], state_bytes)?;
         if let Some(p) = part.as_mut() {
             p.plan(&train, input_grads);
         }
@@ -449,20 +478,9 @@ impl<B: Backend> Session<B> {
         let flops_per_batch = crate::graph::flops::training(&bind(&forward, &bindings, false)?);
 
         let mut ps = Vec::new();
-        for (&value, &grad) in held.iter().zip(&grads) {
+        for ((&value, &grad), (update, lr_scale)) in held.iter().zip(&grads).zip(updates) {
             let meta = train.graph.meta(value).cloned().expect("bound");
-            // Weight decay applies to matrices (and convolution kernels), not to biases and
-            // normalization weights (the PyTorch/Megatron convention), unless name patterns say.
             let name = train.graph.name_of(value);
-            let decays = if opts.no_decay.is_empty() {
-                meta.shape.len() >= 2
-            } else {
-                !opts.no_decay.iter().any(|pat| name.contains(pat.as_str()))
-            };
-            let base = if decays { opts.update } else { opts.update.without_decay() };
-            let group = opts.groups.iter().find(|gr| gr.matches(name));
-            let update = group.map_or(base, |gr| base.with_group(gr));
-            let lr_scale = group.and_then(|gr| gr.lr_scale).unwrap_or(1.0);
             let alloc = || backend.alloc(meta.bytes());
             // Under ZeRO the optimizer state is a shard, allocated when the replicas are known.
             let state_count = if opts.zero > 0 { 0 } else { update.state_count() };

@@ -44,12 +44,22 @@ fn view_mut<'a>(a: &Arg<'a, CpuBuffer>) -> TensorViewMut<'a> {
     }
 }
 
+/// The host's CPU, with the memory the machine (or its container) offers, or less.
 #[derive(Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// A cap on what `memory_available` reports, below the machine's.
+    memory_limit: Option<usize>,
+}
 
 impl CpuBackend {
     pub fn new() -> CpuBackend {
-        CpuBackend
+        CpuBackend { memory_limit: None }
+    }
+
+    /// As a machine with only `bytes` of memory, for the checks that a run fits before it
+    /// allocates (a machine's real size makes their bounds a test cannot reach).
+    pub fn with_memory_limit(bytes: usize) -> CpuBackend {
+        CpuBackend { memory_limit: Some(bytes) }
     }
 }
 
@@ -151,7 +161,10 @@ impl Backend for CpuBackend {
     }
 
     fn memory_available(&self) -> Option<usize> {
-        crate::host::memory_bytes()
+        match (crate::host::memory_bytes(), self.memory_limit) {
+            (Some(machine), Some(limit)) => Some(machine.min(limit)),
+            (machine, limit) => machine.or(limit),
+        }
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {

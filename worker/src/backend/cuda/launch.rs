@@ -1328,7 +1328,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
         }
         Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
         Op::ShardGatherGrad { start, .. } => shard::gather_grad(dev, *start, x(0)?, x(1)?, y),
-        Op::VocabShardCrossEntropy { start, ignore_index } => {
+        Op::VocabShardCrossEntropy { start, ignore_index, .. } => {
             let [sums, targets] = outs else { return Err("VocabShardCrossEntropy has 2 outputs".into()) };
             shard::cross_entropy(dev, *start, *ignore_index, [x(0)?, x(1)?, x(2)?], [*sums, *targets])
         }

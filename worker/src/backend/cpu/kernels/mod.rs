@@ -227,7 +227,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::BatchNormGrad { epsilon } => conv::batch_norm_grad(*epsilon, &x(0)?, &x(1)?, &x(2)?, outputs),
         Op::ShardGather { start } => shard::gather(*start, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::ShardGatherGrad { start, .. } => shard::gather_grad(*start, &x(0)?, &x(1)?, &mut outputs[0]),
-        Op::VocabShardCrossEntropy { start, ignore_index } => {
+        Op::VocabShardCrossEntropy { start, ignore_index, .. } => {
             shard::cross_entropy(*start, *ignore_index, &x(0)?, &x(1)?, &x(2)?, outputs)
         }
         Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
