@@ -555,13 +555,11 @@ impl NcclGroup {
         &self,
         stream: &CudaStream,
         values: &[Arg<CudaBuffer>],
-        each: impl Fn(nccl::Region, *mut c_void) -> Result<(), String>,
+        each: impl Fn(nccl::Region, *mut c_void) -> Result<(), BackendError>,
     ) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         let stream = stream.cu_stream() as *mut c_void;
-        self.comm
-            .grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
-            .map_err(BackendError::Device)
+        self.comm.grouped(|| values.iter().try_for_each(|v| each(Self::region(v), stream)))
     }
 }
 
@@ -599,7 +597,6 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // SAFETY: as for all_reduce, both values.
         unsafe { self.comm.reduce_scatter(send, recv, op, self.stream.cu_stream() as *mut c_void) }
-            .map_err(BackendError::Device)
     }
 
     fn all_gather(&self, send: Arg<CudaBuffer>, recv: Arg<CudaBuffer>) -> Result<(), BackendError> {
@@ -607,7 +604,6 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         self.ctx.bind_to_thread().map_err(cuda_err("binding the context"))?;
         // SAFETY: as for all_reduce, both values.
         unsafe { self.comm.all_gather(send, recv, self.stream.cu_stream() as *mut c_void) }
-            .map_err(BackendError::Device)
     }
 
     fn send(&self, x: Arg<CudaBuffer>, to: usize) -> Result<(), BackendError> {
@@ -634,6 +630,5 @@ impl DeviceCollective<CudaBuffer> for NcclGroup {
         // SAFETY: as for all_reduce, both values.
         self.comm
             .grouped(|| unsafe { self.comm.send(send, to, stream).and_then(|()| self.comm.recv(recv, from, stream)) })
-            .map_err(BackendError::Device)
     }
 }

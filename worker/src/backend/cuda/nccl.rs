@@ -10,6 +10,7 @@
 //! group rank 0 draws ([`unique_id`]) and the group's host collective (MPI) broadcasts; then
 //! every member calls [`Comm::init`] with it, on the GPU it trains on.
 
+use crate::backend::BackendError;
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::tensor::DType;
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -176,14 +177,16 @@ fn check(api: &Api, code: Result_, comm: Option<RawComm>, call: &str) -> Result<
     })
 }
 
-fn data_type(dtype: DType) -> Result<c_int, String> {
+/// NCCL's type for `dtype`; another type is the graph's to change (a refusal, not the device's
+/// failure).
+fn data_type(dtype: DType) -> Result<c_int, BackendError> {
     // ncclDataType_t
     Ok(match dtype {
         DType::F16 => 6,
         DType::F32 => 7,
         DType::F64 => 8,
         DType::BF16 => 9,
-        other => return Err(format!("NCCL collectives here carry floats, not {other:?}")),
+        other => return Err(BackendError::Refused(format!("NCCL collectives here carry floats, not {other:?}"))),
     })
 }
 
@@ -239,12 +242,12 @@ impl Comm {
         Ok(Comm { raw, api, failed: AtomicBool::new(false), aborted: AtomicBool::new(false), members: size })
     }
 
-    fn call(&self, code: Result_, what: &str) -> Result<(), String> {
+    fn call(&self, code: Result_, what: &str) -> Result<(), BackendError> {
         let r = check(self.api, code, Some(self.raw), what);
         if r.is_err() {
             self.failed.store(true, Ordering::Relaxed);
         }
-        r
+        r.map_err(BackendError::Device)
     }
 
     /// An error NCCL met while running this communicator's enqueued work (a peer's connection
@@ -262,12 +265,14 @@ impl Comm {
     }
 
     /// Refuses work on an aborted communicator (its handle is gone).
-    fn live(&self) -> Result<(), String> {
+    fn live(&self) -> Result<(), BackendError> {
         match self.aborted.load(Ordering::Acquire) {
             false => Ok(()),
-            true => Err("the NCCL communicator was aborted (a wait outlasted parallelism.timeoutSeconds, or NCCL \
-                         reported an error)"
-                .into()),
+            true => Err(BackendError::Device(
+                "the NCCL communicator was aborted (a wait outlasted parallelism.timeoutSeconds, or NCCL reported an \
+                 error)"
+                    .into(),
+            )),
         }
     }
 
@@ -282,7 +287,7 @@ impl Comm {
 
     /// Runs `f`'s collectives as one NCCL group: they are launched together (one kernel for
     /// many small all-reduces rather than a launch and a synchronisation each).
-    pub fn grouped(&self, f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    pub fn grouped(&self, f: impl FnOnce() -> Result<(), BackendError>) -> Result<(), BackendError> {
         self.live()?;
         // SAFETY: group calls nest and take no arguments.
         self.call(unsafe { (self.api.group_start)() }, "ncclGroupStart")?;
@@ -296,7 +301,7 @@ impl Comm {
     /// # Safety
     /// `x` must be device memory of this communicator's GPU holding `count` values, and
     /// `stream` a stream of its context; `x` must stay allocated until the stream has run it.
-    pub unsafe fn all_reduce(&self, x: Region, op: ReduceOp, stream: Stream) -> Result<(), String> {
+    pub unsafe fn all_reduce(&self, x: Region, op: ReduceOp, stream: Stream) -> Result<(), BackendError> {
         self.live()?;
         let p = x.ptr as *mut c_void;
         // SAFETY: as the caller promises; NCCL allows the same buffer as source and result.
@@ -309,7 +314,7 @@ impl Comm {
     ///
     /// # Safety
     /// As for [`Comm::all_reduce`].
-    pub unsafe fn broadcast(&self, x: Region, root: usize, stream: Stream) -> Result<(), String> {
+    pub unsafe fn broadcast(&self, x: Region, root: usize, stream: Stream) -> Result<(), BackendError> {
         self.live()?;
         let p = x.ptr as *mut c_void;
         // SAFETY: as the caller promises.
@@ -328,7 +333,7 @@ impl Comm {
         recv: Region,
         op: ReduceOp,
         stream: Stream,
-    ) -> Result<(), String> {
+    ) -> Result<(), BackendError> {
         self.live()?;
         same_type(send, recv, recv.count * self.members)?;
         let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
@@ -344,7 +349,7 @@ impl Comm {
     ///
     /// # Safety
     /// As for [`Comm::all_reduce`], for both regions.
-    pub unsafe fn all_gather(&self, send: Region, recv: Region, stream: Stream) -> Result<(), String> {
+    pub unsafe fn all_gather(&self, send: Region, recv: Region, stream: Stream) -> Result<(), BackendError> {
         self.live()?;
         same_type(recv, send, send.count * self.members)?;
         let (s, r) = (send.ptr as *const c_void, recv.ptr as *mut c_void);
@@ -357,7 +362,7 @@ impl Comm {
     ///
     /// # Safety
     /// As for [`Comm::all_reduce`].
-    pub unsafe fn send(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+    pub unsafe fn send(&self, x: Region, peer: usize, stream: Stream) -> Result<(), BackendError> {
         self.live()?;
         // SAFETY: as the caller promises.
         let code = unsafe {
@@ -370,7 +375,7 @@ impl Comm {
     ///
     /// # Safety
     /// As for [`Comm::all_reduce`].
-    pub unsafe fn recv(&self, x: Region, peer: usize, stream: Stream) -> Result<(), String> {
+    pub unsafe fn recv(&self, x: Region, peer: usize, stream: Stream) -> Result<(), BackendError> {
         self.live()?;
         // SAFETY: as the caller promises.
         let code = unsafe {
@@ -381,9 +386,12 @@ impl Comm {
 }
 
 /// Checks that `whole` holds `count` values of `part`'s type.
-fn same_type(whole: Region, part: Region, count: usize) -> Result<(), String> {
+fn same_type(whole: Region, part: Region, count: usize) -> Result<(), BackendError> {
     if whole.dtype != part.dtype || whole.count != count {
-        return Err(format!("{} values of {:?} against {count} of {:?}", whole.count, whole.dtype, part.dtype));
+        return Err(BackendError::Refused(format!(
+            "{} values of {:?} against {count} of {:?}",
+            whole.count, whole.dtype, part.dtype
+        )));
     }
     Ok(())
 }
