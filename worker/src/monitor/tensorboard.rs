@@ -85,26 +85,10 @@ impl HistogramProto {
     }
 }
 
-/// CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), table-driven.
-pub fn crc32c(data: &[u8]) -> u32 {
-    static TABLE: std::sync::OnceLock<[u32; 256]> = std::sync::OnceLock::new();
-    let table = TABLE.get_or_init(|| {
-        let mut t = [0u32; 256];
-        for (i, e) in t.iter_mut().enumerate() {
-            let mut c = i as u32;
-            for _ in 0..8 {
-                c = if c & 1 != 0 { (c >> 1) ^ 0x82F6_3B78 } else { c >> 1 };
-            }
-            *e = c;
-        }
-        t
-    });
-    !data.iter().fold(!0u32, |c, &b| table[((c ^ b as u32) & 0xFF) as usize] ^ (c >> 8))
-}
-
-/// TensorFlow's masked CRC: rotate right by 15 and add a constant.
+/// TensorFlow's masked CRC of a record's parts: CRC-32C (Castagnoli), rotated right by 15 and
+/// a constant added.
 pub fn masked_crc(data: &[u8]) -> u32 {
-    let c = crc32c(data);
+    let c = crc32c::crc32c(data);
     c.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
@@ -199,10 +183,12 @@ pub fn read_events(path: &Path) -> Result<Vec<Event>> {
 mod tests {
     use super::*;
 
+    /// The records' CRC is Castagnoli's (its standard check value 0xE3069283), masked as
+    /// TensorFlow masks it.
     #[test]
-    fn crc32c_matches_the_standard_check_value() {
-        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
-        assert_eq!(crc32c(b""), 0);
+    fn records_are_framed_with_masked_castagnoli_crcs() {
+        assert_eq!(masked_crc(b"123456789"), 0xE306_9283u32.rotate_right(15).wrapping_add(0xa282_ead8));
+        assert_eq!(masked_crc(b""), 0xa282_ead8);
     }
 
     #[test]

@@ -141,15 +141,15 @@ fn cache_name(source: &str, options: &[String]) -> String {
     // code and leaves them 0, which only makes the key less specific.
     unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
     // FNV-1a: stable across Rust versions, unlike std's hasher.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
     let nvrtc = format!("nvrtc {major}.{minor}");
     for part in [source, &options.join(" "), &nvrtc] {
-        for b in part.bytes().chain([0]) {
-            h = (h ^ b as u64).wrapping_mul(0x100_0000_01b3);
-        }
+        h.write(part.as_bytes());
+        h.write_u8(0);
     }
     let arch = options[0].trim_start_matches("--gpu-architecture=");
-    format!("{h:016x}-{arch}.ptx")
+    format!("{:016x}-{arch}.ptx", h.finish())
 }
 
 /// Writes `text` to `file` by way of a temporary file of its own (created exclusively, named by
