@@ -65,15 +65,21 @@ fn samples(dir: &Path, input: &[u8]) {
     }
 }
 
-/// The manifest of a real checkpoint replaced by the input; its rank files stay.
+/// The manifest of a real checkpoint replaced by the input; its rank files stay. An input with
+/// a NUL byte is the manifest, the NUL, then `manifest.sum` as it is (so that the sum's reader
+/// meets mutated sums); otherwise the sum is made to match, so that the manifest's parser
+/// behind it meets every input.
 fn manifest(dir: &Path, input: &[u8]) {
     let ckpt = dir.join("checkpoint");
     if !ckpt.exists() {
         copy_dir(&seeds().checkpoint, &ckpt);
     }
-    std::fs::write(ckpt.join("manifest.json"), input).unwrap();
-    // Its own checksum made to match, so that the parser behind it meets every input.
-    std::fs::write(ckpt.join("manifest.sum"), format!("{}  manifest.json\n", checkpoint::checksum(input))).unwrap();
+    let (json, sum) = match input.iter().position(|&b| b == 0) {
+        Some(nul) => (&input[..nul], input[nul + 1..].to_vec()),
+        None => (input, format!("{}  manifest.json\n", checkpoint::checksum(input)).into_bytes()),
+    };
+    std::fs::write(ckpt.join("manifest.json"), json).unwrap();
+    std::fs::write(ckpt.join("manifest.sum"), sum).unwrap();
     let _ = checkpoint::load(&ckpt);
 }
 
@@ -286,7 +292,9 @@ fn fuzz_sample_shards() {
 #[test]
 fn fuzz_checkpoint_manifests() {
     let manifest_text = std::fs::read(seeds().checkpoint.join("manifest.json")).unwrap();
-    fuzz("manifest", manifest, &[&manifest_text]);
+    let with_sum =
+        [&manifest_text[..], b"\0", &std::fs::read(seeds().checkpoint.join("manifest.sum")).unwrap()].concat();
+    fuzz("manifest", manifest, &[&manifest_text, &with_sum]);
 }
 
 #[test]
