@@ -402,6 +402,7 @@ fn train_on<B: Backend>(
             schedule: p.schedule,
         }),
         zero: p.zero,
+        data_replicas: p.data,
         report_gradients: !cfg.logging.histograms.is_empty() || !cfg.logging.norms.is_empty(),
         bucket_bytes: ((p.bucket_mb * (1 << 20) as f64) as usize).max(4),
         device_collectives: p.nccl,

@@ -344,7 +344,7 @@ fn a_plan_larger_than_the_memory_is_refused_naming_the_batch_size() {
 /// state (allocated after) did not failed at that allocation as a retryable error. The state is
 /// counted with the plan, before anything is allocated: on a machine with room for Adam's first
 /// moment but not its second the session is refused naming batchSize and the state's bytes,
-/// and SGD (no state) or a machine with room for both moments runs.
+/// and SGD (no state) or a machine with room for both moments runs; ZeRO's shard likewise.
 #[test]
 fn the_optimizer_state_is_counted_before_anything_is_allocated() {
     use std::collections::BTreeMap;
@@ -389,6 +389,21 @@ fn the_optimizer_state_is_counted_before_anything_is_allocated() {
     );
     session(CpuBackend::with_memory_limit(one_moment), sgd).expect("SGD keeps no state");
     session(CpuBackend::with_memory_limit(one_moment + weights), adam).expect("room for both moments");
+
+    // ZeRO-1 over 2 replicas: half of each moment, beside the flat vector of every weight and
+    // the shard's gradient and part: 3 × the weights here, and the padding to whole shards,
+    // counted before `join` allocates it.
+    let zero = SessionOptions { zero: 1, data_replicas: 2, ..SessionOptions::new(adam) };
+    let sharded = |limit| Session::new(Arc::new(CpuBackend::with_memory_limit(limit)), &model, &batch, 1, &zero);
+    let refused = sharded(one_moment + weights).map(|_| ()).unwrap_err().to_string();
+    let counted: usize = refused
+        .split(" for the optimizer's state")
+        .next()
+        .and_then(|head| head.rsplit(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no state bytes in: {refused}"));
+    assert!((3 * weights..3 * weights + 64).contains(&counted), "{counted} bytes of state: {refused}");
+    sharded(arena + persistent + counted).expect("room for the shard");
 }
 
 /// A class label past the model's classes was refused by the loss's kernel mid-run, naming the

@@ -72,6 +72,9 @@ pub struct SessionOptions {
     /// ZeRO stage (parallelism.zero): 1 shards the optimizer state over the data-parallel
     /// replicas, 2 the gradients too. Takes effect in `join`.
     pub zero: u8,
+    /// The data-parallel replicas (parallelism.data) ZeRO splits over: the memory check counts
+    /// the largest shard before anything is allocated (`join` sees the group itself).
+    pub data_replicas: usize,
     /// Keep each step's averaged gradient where `weights_and_gradients` can read it (under
     /// ZeRO that costs an all-gather per step).
     pub report_gradients: bool,
@@ -122,6 +125,7 @@ impl SessionOptions {
             recompute: Recompute::None,
             pipeline: None,
             zero: 0,
+            data_replicas: 1,
             report_gradients: false,
             bucket_bytes: 25 << 20,
             device_collectives: true,
@@ -454,17 +458,26 @@ impl<B: Backend> Session<B> {
         fuse::run(&mut train, &opts.disabled_passes);
         let updates: Vec<(Update, f64)> = held.iter().map(|&v| weight_update(opts, &train, v)).collect();
         // What the session allocates beside the plan, counted before anything is allocated:
-        // each weight's optimizer state (a shard of it under ZeRO, allocated later and not
-        // counted here) and its gradient accumulator.
+        // each weight's optimizer state and its gradient accumulator, or under ZeRO the largest
+        // replica's shard of them (allocated in `join`).
+        let bytes_of = |v: ValueId| train.meta(v).map_or(0, Meta::bytes);
         let state_bytes: usize = held
             .iter()
             .zip(&updates)
             .map(|(&v, (update, _))| {
                 let state = if opts.zero > 0 { 0 } else { update.state_count() };
                 let accum = usize::from(accumulation > 1 && opts.zero < 2);
-                (state + accum).saturating_mul(train.meta(v).map_or(0, Meta::bytes))
+                (state + accum).saturating_mul(bytes_of(v))
             })
             .fold(0, usize::saturating_add);
+        let state_bytes = match opts.zero {
+            0 => state_bytes,
+            _ => {
+                let lens: Vec<usize> = held.iter().map(|&v| train.meta(v).map_or(0, Meta::numel)).collect();
+                let counts: Vec<usize> = updates.iter().map(|(u, _)| u.state_count()).collect();
+                state_bytes.saturating_add(sharded::largest_shard_bytes(&lens, &counts, opts.data_replicas))
+            }
+        };
         let train = Executor::with_state(backend.clone(), train, &[], state_bytes)?;
         if let Some(p) = part.as_mut() {
             p.plan(&train, input_grads);

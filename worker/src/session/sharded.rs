@@ -50,6 +50,16 @@ pub(super) struct Shard<B: Backend> {
     reported: Option<Vec<f32>>,
 }
 
+/// Bytes [`Shard::new`] allocates on the replica of `replicas` whose pieces hold the most
+/// optimizer state, for weights of `lens` elements keeping `counts` state tensors each: that
+/// state, the padded flat vector, and the shard's gradient and part.
+pub(super) fn largest_shard_bytes(lens: &[usize], counts: &[usize], replicas: usize) -> usize {
+    let layout = FlatLayout::new(lens, replicas);
+    let state = |rank| layout.pieces(rank).iter().map(|p| counts[p.weight] * p.len).sum::<usize>();
+    let largest = (0..layout.ranks).map(state).max().unwrap_or(0);
+    largest.saturating_add(layout.padded()).saturating_add(2 * layout.shard).saturating_mul(4)
+}
+
 impl<B: Backend> Shard<B> {
     /// The shard of replica `rank` of `ranks` for `session`'s weights, its optimizer state
     /// allocated (zeroed, as a fresh optimizer's).
