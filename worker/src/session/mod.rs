@@ -231,8 +231,6 @@ pub struct Session<B: Backend> {
     pub step: u64,
 }
 
-/// Update `step` of every slot, by parameter group: the weights that share an update rule and
-/// a learning-rate scale go to the backend together (one launch on a GPU).
 /// Weight `value`'s update rule and learning-rate scale: weight decay applies to matrices (and
 /// convolution kernels), not to biases and normalization weights (the PyTorch/Megatron
 /// convention), unless name patterns say; a parameter group's keys override the optimizer's.
@@ -249,6 +247,35 @@ fn weight_update(opts: &SessionOptions, g: &Graph, value: ValueId) -> (Update, f
     (update, group.and_then(|gr| gr.lr_scale).unwrap_or(1.0))
 }
 
+/// What a session allocates beside its executor's plan, counted with the plan before anything
+/// is allocated: each weight's optimizer state and gradient accumulator, or under ZeRO the
+/// largest replica's shard of them (allocated in `join`).
+fn state_bytes(
+    opts: &SessionOptions,
+    g: &Graph,
+    held: &[ValueId],
+    updates: &[(Update, f64)],
+    accumulation: usize,
+) -> usize {
+    let whole: usize = held
+        .iter()
+        .zip(updates)
+        .map(|(&v, (update, _))| {
+            let state = if opts.zero > 0 { 0 } else { update.state_count() };
+            let accum = usize::from(accumulation > 1 && opts.zero < 2);
+            (state + accum).saturating_mul(g.meta(v).map_or(0, Meta::bytes))
+        })
+        .fold(0, usize::saturating_add);
+    if opts.zero == 0 {
+        return whole;
+    }
+    let lens: Vec<usize> = held.iter().map(|&v| g.meta(v).map_or(0, Meta::numel)).collect();
+    let counts: Vec<usize> = updates.iter().map(|(u, _)| u.state_count()).collect();
+    whole.saturating_add(sharded::largest_shard_bytes(&lens, &counts, opts.data_replicas))
+}
+
+/// Update `step` of every slot, by parameter group: the weights that share an update rule and
+/// a learning-rate scale go to the backend together (one launch on a GPU).
 fn update_in_groups<'a, B: Backend + 'a>(
     backend: &B,
     (lr, step, grad_scale): (f64, u64, f64),
@@ -457,27 +484,7 @@ impl<B: Backend> Session<B> {
             .collect();
         fuse::run(&mut train, &opts.disabled_passes);
         let updates: Vec<(Update, f64)> = held.iter().map(|&v| weight_update(opts, &train, v)).collect();
-        // What the session allocates beside the plan, counted before anything is allocated:
-        // each weight's optimizer state and its gradient accumulator, or under ZeRO the largest
-        // replica's shard of them (allocated in `join`).
-        let bytes_of = |v: ValueId| train.meta(v).map_or(0, Meta::bytes);
-        let state_bytes: usize = held
-            .iter()
-            .zip(&updates)
-            .map(|(&v, (update, _))| {
-                let state = if opts.zero > 0 { 0 } else { update.state_count() };
-                let accum = usize::from(accumulation > 1 && opts.zero < 2);
-                (state + accum).saturating_mul(bytes_of(v))
-            })
-            .fold(0, usize::saturating_add);
-        let state_bytes = match opts.zero {
-            0 => state_bytes,
-            _ => {
-                let lens: Vec<usize> = held.iter().map(|&v| train.meta(v).map_or(0, Meta::numel)).collect();
-                let counts: Vec<usize> = updates.iter().map(|(u, _)| u.state_count()).collect();
-                state_bytes.saturating_add(sharded::largest_shard_bytes(&lens, &counts, opts.data_replicas))
-            }
-        };
+        let state_bytes = state_bytes(opts, &train, &held, &updates, accumulation);
         let train = Executor::with_state(backend.clone(), train, &[], state_bytes)?;
         if let Some(p) = part.as_mut() {
             p.plan(&train, input_grads);
