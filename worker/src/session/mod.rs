@@ -247,6 +247,14 @@ fn weight_update(opts: &SessionOptions, g: &Graph, value: ValueId) -> (Update, f
     (update, group.and_then(|gr| gr.lr_scale).unwrap_or(1.0))
 }
 
+/// The buffers of a weight's shape a session allocates for it: how many optimizer state tensors
+/// (none under ZeRO, whose shard of them is allocated when the replicas are known), and whether
+/// a gradient accumulator (not at ZeRO-2, which accumulates only its shard).
+fn whole_buffers(opts: &SessionOptions, update: &Update, accumulation: usize) -> (usize, bool) {
+    let state = if opts.zero > 0 { 0 } else { update.state_count() };
+    (state, accumulation > 1 && opts.zero < 2)
+}
+
 /// What a session allocates beside its executor's plan, counted with the plan before anything
 /// is allocated: each weight's optimizer state and gradient accumulator, or under ZeRO the
 /// largest replica's shard of them (allocated in `join`).
@@ -261,9 +269,8 @@ fn state_bytes(
         .iter()
         .zip(updates)
         .map(|(&v, (update, _))| {
-            let state = if opts.zero > 0 { 0 } else { update.state_count() };
-            let accum = usize::from(accumulation > 1 && opts.zero < 2);
-            (state + accum).saturating_mul(g.meta(v).map_or(0, Meta::bytes))
+            let (state, accum) = whole_buffers(opts, update, accumulation);
+            (state + usize::from(accum)).saturating_mul(g.meta(v).map_or(0, Meta::bytes))
         })
         .fold(0, usize::saturating_add);
     if opts.zero == 0 {
@@ -502,10 +509,9 @@ impl<B: Backend> Session<B> {
             let meta = train.graph.meta(value).cloned().expect("bound");
             let name = train.graph.name_of(value);
             let alloc = || backend.alloc(meta.bytes());
-            // Under ZeRO the optimizer state is a shard, allocated when the replicas are known.
-            let state_count = if opts.zero > 0 { 0 } else { update.state_count() };
+            let (state_count, has_accum) = whole_buffers(opts, &update, accumulation);
             let state = (0..state_count).map(|_| Ok(alloc()?)).collect::<Result<Vec<_>>>()?;
-            let accum = if accumulation > 1 && opts.zero < 2 { Some(alloc()?) } else { None };
+            let accum = if has_accum { Some(alloc()?) } else { None };
             let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
             let first_stage = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
             let owner = first_stage && (splits.contains_key(name) || opts.tensor.is_none_or(|t| t.rank == 0));

@@ -161,10 +161,8 @@ impl Backend for CpuBackend {
     }
 
     fn memory_available(&self) -> Option<usize> {
-        match (crate::host::memory_bytes(), self.memory_limit) {
-            (Some(machine), Some(limit)) => Some(machine.min(limit)),
-            (machine, limit) => machine.or(limit),
-        }
+        let machine = crate::host::memory_bytes();
+        self.memory_limit.map_or(machine, |limit| Some(machine.map_or(limit, |m| m.min(limit))))
     }
 
     fn synchronize(&self) -> Result<(), BackendError> {
