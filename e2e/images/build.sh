@@ -107,8 +107,10 @@ EOF
     buildah commit --quiet --rm "$c" "$cuda" >/dev/null
 fi
 
-stage "binaries (cargo build --release --workspace, as make build does, on this bookworm host)"
-cargo build --release --locked --workspace
+# The two binaries' packages alone: the same selection, hence the same features, as `make test`'s
+# `cargo test --workspace --exclude tensorfleet-e2e`, so after it nothing is compiled again.
+stage "binaries (cargo build --release -p tensorfleet-worker -p tensorfleet-operator, on this bookworm host)"
+cargo build --release --locked -p tensorfleet-worker -p tensorfleet-operator
 rm -rf .images/bin && mkdir -p .images/bin
 for b in tensorfleet-worker tensorfleet-operator; do strip -o ".images/bin/$b" "target/release/$b"; done
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# `make e2e`'s tests on the running local cluster that TENSORFLEET_E2E_CLUSTER names: every test
+# of e2e/scenarios/tests/, one at a time (they share the machine), each one's result and time
+# printed as it ends, all of them run even after a failure, and the failed ones named at the end
+# (exit 1 if any failed).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+: "${TENSORFLEET_E2E_CLUSTER:?names the cluster's directory (e2e/cluster/up.sh)}"
+cargo=${CARGO:-cargo}
+test_cmd=("$cargo" test --quiet --release --locked -p tensorfleet-e2e)
+
+"${test_cmd[@]}" --no-run
+failed=()
+for file in e2e/scenarios/tests/*.rs; do
+    target=$(basename "$file" .rs)
+    mapfile -t tests < <("${test_cmd[@]}" --test "$target" -- --list --format terse | sed -n 's/: test$//p')
+    for name in "${tests[@]}"; do
+        start=$SECONDS
+        if "${test_cmd[@]}" --test "$target" -- --exact "$name"; then
+            result=ok
+        else
+            result=FAILED
+            failed+=("$target::$name")
+        fi
+        echo "== e2e: $target::$name: $result in $((SECONDS - start)) s"
+    done
+done
+if ((${#failed[@]})); then
+    printf 'e2e: %d failed:\n' "${#failed[@]}" >&2
+    printf '  %s\n' "${failed[@]}" >&2
+    exit 1
+fi
