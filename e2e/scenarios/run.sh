@@ -5,7 +5,7 @@
 # (exit 1 if any failed).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-: "${TENSORFLEET_E2E_CLUSTER:?names the cluster's directory (e2e/cluster/up.sh)}"
+: "${TENSORFLEET_E2E_CLUSTER:?the directory of the cluster that e2e/cluster/up.sh started}"
 cargo=${CARGO:-cargo}
 test_cmd=("$cargo" test --quiet --release --locked -p tensorfleet-e2e)
 
