@@ -1,9 +1,9 @@
-//! Reads rank 0's `/progress` endpoint (JSON: step, totalSteps, loss, evalLoss, tokensPerSecond,
-//! etaSeconds, latestCheckpoint) for status.progress. A plain HTTP/1.1 GET with a short
-//! timeout: progress is best-effort and must never hold up a reconcile.
+//! Reads rank 0's `/progress` endpoint (`tensorfleet_worker::progress::Report` as JSON) for
+//! status.progress. A plain HTTP/1.1 GET with a short timeout: progress is best-effort and
+//! must never hold up a reconcile.
 
 use crate::crd::Progress;
-use serde::Deserialize;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -12,55 +12,40 @@ const TIMEOUT: Duration = Duration::from_secs(2);
 /// Responses larger than this are not progress reports.
 const MAX_RESPONSE: u64 = 64 * 1024;
 
-/// The report as the worker serves it.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Report {
-    pub step: i64,
-    pub total_steps: i64,
-    #[serde(default)]
-    pub loss: Option<f64>,
-    #[serde(default)]
-    pub eval_loss: Option<f64>,
-    #[serde(default)]
-    pub tokens_per_second: Option<f64>,
-    #[serde(default)]
-    pub eta_seconds: Option<f64>,
-    #[serde(default)]
-    pub latest_checkpoint: Option<String>,
-}
+/// The report as the worker serves it: the worker's own type, so the contract has one home.
+pub use tensorfleet_worker::progress::Report;
 
-impl Report {
-    pub fn progress(&self) -> Progress {
-        let percent = if self.total_steps > 0 { 100 * self.step / self.total_steps } else { 0 };
-        let mut summary = format!("{}/{} ({percent}%)", self.step, self.total_steps);
-        if let Some(loss) = self.loss {
-            summary.push_str(&format!(" loss {loss:.4}"));
-        }
-        if let Some(eta) = self.eta_seconds {
-            summary.push_str(&format!(" eta {}", human_duration(eta as i64)));
-        }
-        Progress {
-            step: self.step,
-            total_steps: self.total_steps,
-            loss: self.loss,
-            eval_loss: self.eval_loss,
-            tokens_per_second: self.tokens_per_second,
-            eta_seconds: self.eta_seconds.map(|e| e as i64),
-            summary,
-            observed_at: Some(crate::status::now()),
-        }
+/// The report as status.progress, read at `observed_at`.
+pub fn status(report: &Report, observed_at: Time) -> Progress {
+    let (step, total_steps) = (report.step as i64, report.total_steps as i64);
+    let percent = if total_steps > 0 { 100 * step / total_steps } else { 0 };
+    let mut summary = format!("{step}/{total_steps} ({percent}%)");
+    if let Some(loss) = report.loss {
+        summary.push_str(&format!(" loss {loss:.4}"));
+    }
+    if let Some(eta) = report.eta_seconds {
+        summary.push_str(&format!(" eta {}", human_duration(eta as i64)));
+    }
+    Progress {
+        step,
+        total_steps,
+        loss: report.loss,
+        eval_loss: report.eval_loss,
+        tokens_per_second: report.tokens_per_second,
+        eta_seconds: report.eta_seconds.map(|e| e as i64),
+        summary,
+        observed_at: Some(observed_at),
     }
 }
 
-/// The progress of a run that finished all `total_steps`.
-pub fn completed(total_steps: i64) -> Progress {
+/// The progress of a run that finished all `total_steps`, as known at `observed_at`.
+pub fn completed(total_steps: i64, observed_at: Time) -> Progress {
     Progress {
         step: total_steps,
         total_steps,
         eta_seconds: Some(0),
         summary: format!("{total_steps}/{total_steps} (100%)"),
-        observed_at: Some(crate::status::now()),
+        observed_at: Some(observed_at),
         ..Progress::default()
     }
 }
@@ -117,7 +102,7 @@ mod tests {
             socket.write_all(reply.as_bytes()).await.unwrap();
         });
         let report = fetch("127.0.0.1", port).await.unwrap();
-        let p = report.progress();
+        let p = status(&report, crate::status::now());
         assert_eq!((p.step, p.total_steps), (50, 200));
         assert_eq!(p.summary, "50/200 (25%) loss 3.2500 eta 2m05s");
         assert!(fetch("127.0.0.1", port).await.is_err(), "nothing listens any more");

@@ -168,8 +168,8 @@ pub fn describe(cause: &FailureCause) -> String {
 
 impl TrainingJobStatus {
     /// Enters `phase`: its condition becomes True with the reason and message, every other
-    /// phase condition False. Transition times change only when a condition's status does.
-    pub fn set_phase(&mut self, phase: JobPhase, reason: &str, message: String) {
+    /// phase condition False. Transition times (`now`) change only when a condition's status does.
+    pub fn set_phase(&mut self, phase: JobPhase, reason: &str, message: String, now: &Time) {
         self.phase = Some(phase);
         for p in JobPhase::ALL {
             let status = if p == phase { "True" } else { "False" };
@@ -177,7 +177,7 @@ impl TrainingJobStatus {
             match existing {
                 Some(c) => {
                     if c.status != status {
-                        c.last_transition_time = Some(now());
+                        c.last_transition_time = Some(now.clone());
                     }
                     c.status = status.into();
                     if p == phase {
@@ -191,7 +191,7 @@ impl TrainingJobStatus {
                     status: status.into(),
                     reason: reason.into(),
                     message: message.clone(),
-                    last_transition_time: Some(now()),
+                    last_transition_time: Some(now.clone()),
                 }),
                 None => {}
             }
@@ -360,12 +360,12 @@ mod tests {
     #[test]
     fn set_phase_keeps_one_true_condition() {
         let mut s = TrainingJobStatus::default();
-        s.set_phase(JobPhase::Created, "ChildrenCreated", "made".into());
-        s.set_phase(JobPhase::Running, "LauncherRunning", "go".into());
+        s.set_phase(JobPhase::Created, "ChildrenCreated", "made".into(), &now());
+        s.set_phase(JobPhase::Running, "LauncherRunning", "go".into(), &now());
         assert_eq!(s.condition(JobPhase::Created).unwrap().status, "False");
         assert_eq!(s.condition(JobPhase::Running).unwrap().status, "True");
         assert!(s.condition(JobPhase::Failed).is_none());
-        s.set_phase(JobPhase::Failed, "BackoffLimitExceeded", "x".into());
+        s.set_phase(JobPhase::Failed, "BackoffLimitExceeded", "x".into(), &now());
         assert_eq!(s.conditions.iter().filter(|c| c.status == "True").count(), 1);
     }
 }

@@ -1,7 +1,7 @@
 //! tensorfleet-worker: the training engine.
 //!
-//! `config`, `error` and `files` build everywhere (the operator embeds the configuration type); the
-//! engine needs the `engine` feature.
+//! `config`, `error`, `files` and `progress` build everywhere (the operator embeds the configuration
+//! type and reads the progress report); the engine needs the `engine` feature.
 pub mod config;
 #[cfg(feature = "engine")]
 pub mod data;
@@ -38,6 +38,7 @@ pub mod optim;
 pub mod parallel;
 #[cfg(feature = "cli")]
 pub mod prepare;
+pub mod progress;
 #[cfg(feature = "engine")]
 pub mod rng;
 #[cfg(feature = "engine")]

@@ -3,40 +3,11 @@
 //! a snapshot under a mutex, so serving never slows a step.
 
 use crate::error::{Error, Result};
-use serde::Serialize;
+use crate::progress::Report;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// What the endpoint reports; field names are the operator's `progress` contract.
-#[derive(Clone, Debug, Default, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Report {
-    pub step: u64,
-    pub total_steps: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub loss: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub eval_loss: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub learning_rate: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub grad_norm: Option<f64>,
-    /// Tokens per second for token data, samples per second otherwise.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokens_per_second: Option<f64>,
-    /// Model FLOPs per second (forward and backward GEMMs and convolutions, counted on the graph).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub flops_per_second: Option<f64>,
-    /// Model FLOPs utilization: flopsPerSecond over the device's peak (when the peak is known).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mfu: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub eta_seconds: Option<f64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub latest_checkpoint: Option<String>,
-}
 
 pub struct Endpoint {
     report: Arc<Mutex<Report>>,
