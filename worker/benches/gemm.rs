@@ -14,8 +14,8 @@ use common::{round, Samples};
 use criterion::{Criterion, SamplingMode, Throughput};
 use std::hint::black_box;
 use std::time::{Duration, Instant};
-use tensorfleet_worker::backend::cpu::kernels;
-use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::kernels;
+use tensorfleet_worker::op::Op;
 use tensorfleet_worker::rng::Rng;
 use tensorfleet_worker::tensor::{DType, Tensor};
 

@@ -32,11 +32,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 use tensorfleet_worker::checkpoint;
+use tensorfleet_worker::checkpoint::keys::OPTIMIZER_PREFIX;
 use tensorfleet_worker::config::{DataFormat, DataSource, Gpt2Config, ModelSpec, TrainingConfig};
 use tensorfleet_worker::data::{self, Batching, Feeds, Loader, Partition, Position};
 use tensorfleet_worker::models;
 use tensorfleet_worker::rng::mix;
-use tensorfleet_worker::session::OPTIMIZER_PREFIX;
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 const SAMPLE_SIZE: usize = 10;

@@ -5,8 +5,8 @@ use crate::error::{Error, Result};
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::onnx_io::to_model;
-use crate::graph::op::Op;
 use crate::models::Model;
+use crate::op::Op;
 use crate::tensor::DType;
 use crate::tensor::Tensor;
 use std::collections::BTreeMap;
@@ -16,7 +16,7 @@ use std::path::Path;
 pub fn inference_graph(model: &Model, weights: &BTreeMap<String, Tensor>) -> Result<Graph> {
     let mut g = model.graph.clone();
     // A checkpoint also holds optimizer state, which inference does not need.
-    for (name, t) in weights.iter().filter(|(n, _)| !n.starts_with(crate::session::OPTIMIZER_PREFIX)) {
+    for (name, t) in weights.iter().filter(|(n, _)| !n.starts_with(crate::checkpoint::keys::OPTIMIZER_PREFIX)) {
         let v = g
             .find(name)
             .filter(|v| g.initializers.contains_key(v))

@@ -27,11 +27,15 @@ pub mod host;
 #[cfg(feature = "engine")]
 pub mod inspect;
 #[cfg(feature = "engine")]
+pub mod kernels;
+#[cfg(feature = "engine")]
 pub mod models;
 #[cfg(feature = "engine")]
 pub mod monitor;
 #[cfg(feature = "engine")]
 pub mod onnx;
+#[cfg(feature = "engine")]
+pub mod op;
 #[cfg(feature = "engine")]
 pub mod optim;
 #[cfg(feature = "engine")]
@@ -45,5 +49,7 @@ pub mod rng;
 pub mod runner;
 #[cfg(feature = "engine")]
 pub mod session;
+#[cfg(feature = "engine")]
+pub mod shape;
 #[cfg(feature = "engine")]
 pub mod tensor;

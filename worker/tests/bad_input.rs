@@ -11,10 +11,10 @@ use common::{scratch, stderr};
 use prost::Message;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
+use tensorfleet_worker::checkpoint::keys::OPTIMIZER_PREFIX;
 use tensorfleet_worker::data::samples::write_shard;
 use tensorfleet_worker::data::tokens::write_shard as write_token_shard;
 use tensorfleet_worker::onnx::proto::{ModelProto, NodeProto};
-use tensorfleet_worker::session::OPTIMIZER_PREFIX;
 use tensorfleet_worker::tensor::Tensor;
 
 fn worker(args: &[&str], dir: &Path) -> Output {

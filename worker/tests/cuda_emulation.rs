@@ -16,11 +16,11 @@ use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recompute, SqueezeNetConfig};
 use tensorfleet_worker::graph::infer::window_output;
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::{
+use tensorfleet_worker::models;
+use tensorfleet_worker::op::resize::{Coordinates, Interpolation, Target};
+use tensorfleet_worker::op::{
     Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Resize, ScatterReduction, Unary, Window,
 };
-use tensorfleet_worker::graph::resize::{Coordinates, Interpolation, Target};
-use tensorfleet_worker::models;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};

@@ -7,12 +7,13 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
+use tensorfleet_worker::checkpoint::keys::LOSS_SCALE_KEY;
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec};
-use tensorfleet_worker::graph::op::Op;
 use tensorfleet_worker::models;
+use tensorfleet_worker::op::Op;
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
-use tensorfleet_worker::session::{Session, SessionOptions, LOSS_SCALE_KEY};
+use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::DType;
 
 const ADAMW: Update = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };

@@ -26,10 +26,11 @@ use tensorfleet_worker::backend::Backend;
 use tensorfleet_worker::exec::Executor;
 use tensorfleet_worker::graph::infer::{self, Bindings};
 use tensorfleet_worker::graph::ir::{Graph, ValueId};
-use tensorfleet_worker::graph::{onnx_io, op::SUPPORTED_ONNX_OPS};
+use tensorfleet_worker::graph::onnx_io;
 use tensorfleet_worker::onnx::{
     self, tensor_from_proto, type_proto, GraphProto, ModelProto, TensorProto, ValueInfoProto,
 };
+use tensorfleet_worker::op::SUPPORTED_ONNX_OPS;
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 const ENV: &str = "TENSORFLEET_ONNX_NODE_TESTS";

@@ -17,7 +17,7 @@ use serde_json::Value;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::backend::Backend;
-use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::op::Op;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use torch_oracle::{first_grad_norm, floats, rel, update};
 

@@ -9,7 +9,7 @@ use crate::comm::{HostGroup, ReduceOp, SoloGroup};
 use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Node, ValueId};
-use crate::graph::op::{
+use crate::op::{
     Activation, Binary, Direction, LossReduction, NormKind, Op, PadMode, PoolKind, Recurrent, RecurrentKind, Reduce,
     ScatterReduction, Unary, Window,
 };
@@ -763,7 +763,7 @@ fn transposed_convolution() {
 
 #[test]
 fn resize_rules() {
-    use crate::graph::resize::{Coordinates as C, Interpolation as I, Resize, Target};
+    use crate::op::resize::{Coordinates as C, Interpolation as I, Resize, Target};
     let cases = [
         ("Resize nearest ×2", I::Nearest, C::Asymmetric, vec![1.0, 1.0, 2.0, 2.0]),
         ("Resize nearest ×1.5, ×0.6", I::Nearest, C::HalfPixel, vec![1.0, 1.0, 1.5, 0.6]),

@@ -12,7 +12,7 @@ pub mod rules;
 use crate::error::{Error, Result};
 use crate::graph::infer::infer_node;
 use crate::graph::ir::{Graph, Meta, Node, ValueId};
-use crate::graph::op::Op;
+use crate::op::Op;
 use crate::tensor::Tensor;
 
 /// Appends nodes to a bound graph, inferring each new node's output metas at once.
@@ -171,7 +171,7 @@ pub fn gradients_of(
                 None => dx,
                 Some(prev) => {
                     let name = format!("{}_grad_sum", b.g.name_of(x));
-                    b.emit1(&name, Op::Binary(crate::graph::op::Binary::Add), &[prev, dx])?
+                    b.emit1(&name, Op::Binary(crate::op::Binary::Add), &[prev, dx])?
                 }
             });
             if grad.len() < b.g.values.len() {

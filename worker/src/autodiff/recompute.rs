@@ -11,7 +11,7 @@
 use crate::config::Recompute;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, Node, ValueId};
-use crate::graph::op::{Op, Unary};
+use crate::op::{Op, Unary};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Gives each training dropout a seed of its own, derived from its position in the forward

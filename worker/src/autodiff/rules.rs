@@ -4,7 +4,7 @@
 use super::Builder;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Meta, Node, ValueId};
-use crate::graph::op::{AttentionShape, Binary, Op, Reduce, ScatterReduction, Unary};
+use crate::op::{AttentionShape, Binary, Op, Reduce, ScatterReduction, Unary};
 use crate::tensor::DType;
 
 /// Ops through which gradients flow.
@@ -237,7 +237,7 @@ pub fn backward(
         }
         Op::LayerNorm { axis, .. } => {
             let xm = b.meta(x(0));
-            let a = crate::graph::infer::norm_axis(*axis, xm.shape.len()).unwrap_or(0);
+            let a = crate::shape::norm_axis(*axis, xm.shape.len()).unwrap_or(0);
             let stat: Vec<usize> = xm.shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect();
             let mean = b.ensure_output(n, 1, Meta::new(DType::F32, &stat));
             let inv = b.ensure_output(n, 2, Meta::new(DType::F32, &stat));

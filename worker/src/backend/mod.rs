@@ -11,15 +11,14 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
-pub mod error;
 
+pub use crate::error::BackendError;
 pub use collective::{DeviceCollective, Group};
-pub use error::BackendError;
 
 use crate::comm::HostGroup;
 use crate::graph::ir::{Graph, Meta};
-use crate::graph::op::Op;
-use crate::optim::Update;
+use crate::op::Op;
+use crate::optim::{StepHyper, Update};
 use crate::tensor::Tensor;
 
 /// A value's place on the device: a buffer, a byte offset into it, and its type and shape.
@@ -61,16 +60,6 @@ pub fn write_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> cra
         Ok::<_, BackendError>(())
     })?;
     Ok(())
-}
-
-/// The per-step numbers of an optimizer update.
-#[derive(Clone, Copy, Debug)]
-pub struct StepHyper {
-    pub lr: f32,
-    /// 1 for the first update (Adam's bias correction counts from 1).
-    pub step: u64,
-    /// Multiplies the gradient before use (clipping, loss-scale removal).
-    pub grad_scale: f32,
 }
 
 pub trait Backend: Send + Sync {

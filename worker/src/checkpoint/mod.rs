@@ -13,14 +13,15 @@
 //! resumes under any layout (another data-parallel or tensor-parallel size, ZeRO or not, other
 //! pipeline stages).
 
+pub mod keys;
 pub mod safetensors;
 
 use crate::comm::{Collective, HostGroup, ProcessGroup};
 use crate::data::Position;
 use crate::error::{Error, Result};
 use crate::parallel::tensor::TensorSplit;
-use crate::session::OPTIMIZER_PREFIX;
 use crate::tensor::Tensor;
+use keys::{weight_of_key, SHARED_KEYS, SLICE_MARK};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -111,18 +112,6 @@ fn check_manifest_sum(text: &[u8], sum: Option<&[u8]>) -> Result<(), String> {
     }
 }
 
-/// Marks a tensor-parallel rank's slice in a tensor's name: `<name>#tp<rank>`.
-pub const SLICE_MARK: &str = "#tp";
-
-/// The weight a state key belongs to: the key itself, or `<w>` of `optimizer/<w>/<k>`; None
-/// for `optimizer/step`.
-pub fn weight_of_key(key: &str) -> Option<&str> {
-    match key.strip_prefix(OPTIMIZER_PREFIX) {
-        None => Some(key),
-        Some(rest) => rest.rsplit_once('/').filter(|(_, k)| k.parse::<usize>().is_ok()).map(|(w, _)| w),
-    }
-}
-
 /// FNV-1a, 64-bit, in hex: cheap and enough to notice a torn or damaged file.
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:016x}", checksum_u64(bytes))
@@ -169,7 +158,7 @@ pub fn save(
     // (wrote a file, checksum's high and low 32 bits): exact in f64, so one all-gather
     // tells rank 0 every file's checksum.
     let mut mine = [0f64; 3];
-    let own = tensors.keys().any(|k| !crate::session::SHARED_KEYS.contains(&k.as_str()));
+    let own = tensors.keys().any(|k| !SHARED_KEYS.contains(&k.as_str()));
     if rank == 0 || own {
         let bytes = safetensors::encode(tensors);
         write_synced(&tmp.join(&file), &bytes)?;

@@ -6,7 +6,7 @@ pub mod plan;
 use crate::backend::{Arg, Backend, Group};
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::Op;
+use crate::op::Op;
 use crate::tensor::Tensor;
 use plan::{Place, Plan};
 use std::collections::HashMap;

@@ -6,7 +6,7 @@
 //! input, so they cost neither memory nor a copy.
 
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::Op;
+use crate::op::Op;
 
 /// Arena offsets are aligned for SIMD loads (and for CUDA's 256-byte preference later).
 pub const ALIGN: usize = 64;
@@ -165,7 +165,7 @@ pub fn plan(g: &Graph, keep: &[ValueId]) -> Plan {
 mod tests {
     use super::*;
     use crate::graph::ir::Meta;
-    use crate::graph::op::{Op, Unary};
+    use crate::op::{Op, Unary};
     use crate::tensor::DType;
 
     #[test]

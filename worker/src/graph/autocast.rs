@@ -18,8 +18,8 @@
 //! listed in `keep` (the loss, a pipeline stage's sends) keep their element type.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use super::op::{Binary, Op, Unary};
 use crate::error::{Error, Result};
+use crate::op::{Binary, Op, Unary};
 use crate::tensor::DType;
 use std::collections::{HashMap, HashSet};
 

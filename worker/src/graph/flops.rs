@@ -6,7 +6,7 @@
 //! attention is counted in full, not halved for the causal mask.
 
 use super::ir::{Graph, Node};
-use super::op::Op;
+use crate::op::Op;
 
 /// FLOPs of one forward pass of `g`, whose shapes are bound.
 pub fn forward(g: &Graph) -> f64 {

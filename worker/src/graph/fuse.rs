@@ -2,7 +2,7 @@
 //! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use super::op::{AttentionShape, Binary, Op, Unary};
+use crate::op::{AttentionShape, Binary, Op, Unary};
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.

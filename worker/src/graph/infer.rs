@@ -6,9 +6,10 @@
 //! static, so backends never read shape operands at run time.
 
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
-use super::op::{AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
-use crate::backend::cpu::kernels;
 use crate::error::{Error, Result};
+use crate::kernels;
+use crate::op::{AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
+use crate::shape::{broadcast, norm_axis, slice_range};
 use crate::tensor::{checked_numel, DType, Tensor};
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -27,30 +28,6 @@ pub struct Bindings {
 
 fn err(node: &Node, msg: impl std::fmt::Display) -> Error {
     Error::Corrupt(format!("{}: {msg}", node.describe()))
-}
-
-/// Numpy-style broadcast of two shapes.
-pub fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
-    let n = a.len().max(b.len());
-    let mut out = vec![0; n];
-    for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
-        out[i] = match (da, db) {
-            (x, y) if x == y => x,
-            (1, y) => y,
-            (x, 1) => x,
-            _ => return None,
-        };
-    }
-    Some(out)
-}
-
-/// An axis in `-rank..rank` as an index; a scalar has none.
-pub fn norm_axis(axis: i64, rank: usize) -> Option<usize> {
-    let r = rank as i64;
-    let a = if axis < 0 { axis + r } else { axis };
-    (0..r).contains(&a).then_some(a as usize)
 }
 
 /// Resolves auto_pad against input spatial dims; returns the window with explicit pads.
@@ -155,34 +132,6 @@ fn matmul_shape(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     Some(out)
 }
 
-/// Slice parameters clamped to a dimension: (start, step, count).
-pub fn slice_range(start: i64, end: i64, step: i64, dim: usize) -> (i64, i64, usize) {
-    let d = dim as i64;
-    let clamp = |v: i64, lo: i64, hi: i64| v.max(lo).min(hi);
-    let (s, e) = if step > 0 {
-        let s = if start < 0 { start + d } else { start };
-        let e = if end < 0 { end + d } else { end };
-        (clamp(s, 0, d), clamp(e, 0, d))
-    } else {
-        let s = if start < 0 { start + d } else { start };
-        let e = if end < 0 { end + d } else { end };
-        (clamp(s, -1, d - 1), clamp(e, -1, d - 1))
-    };
-    // Counted without overflow for any step (i64::MAX's and i64::MIN's too).
-    let count = if step > 0 {
-        if e > s {
-            (e - s - 1) / step + 1
-        } else {
-            0
-        }
-    } else if s > e {
-        ((s - e - 1) as u64 / step.unsigned_abs() + 1) as i64
-    } else {
-        0
-    };
-    (s, step, count as usize)
-}
-
 /// Infers one node: returns the node's op with shape operands resolved, and output metas.
 /// `metas[i]`/`consts[i]` describe input i (`None` for an omitted optional input).
 pub fn infer_node(
@@ -255,7 +204,7 @@ pub fn infer_node(
         Op::CastLike => (Op::Cast { to: m(1)?.dtype }, vec![Meta::new(m(1)?.dtype, &m(0)?.shape)]),
         Op::Binary(b) => {
             // Max and Min are variadic (1 or more inputs); the others take exactly two.
-            let variadic = matches!(b, super::op::Binary::Max | super::op::Binary::Min);
+            let variadic = matches!(b, crate::op::Binary::Max | crate::op::Binary::Min);
             let n = node.inputs.len();
             if n != 2 && !(variadic && n >= 1) {
                 return Err(err(node, format!("{n} inputs given, 2 expected")));
@@ -269,11 +218,11 @@ pub fn infer_node(
                 let y = m(i)?;
                 shape = broadcast(&shape, &y.shape)
                     .ok_or_else(|| err(node, format!("shapes {:?} and {:?} do not broadcast", shape, y.shape)))?;
-                if x.dtype != y.dtype && !matches!(b, super::op::Binary::Pow) {
+                if x.dtype != y.dtype && !matches!(b, crate::op::Binary::Pow) {
                     return Err(err(node, format!("element types differ: {} and {}", x.dtype, y.dtype)));
                 }
             }
-            if *b == super::op::Binary::PRelu && shape != x.shape {
+            if *b == crate::op::Binary::PRelu && shape != x.shape {
                 return Err(err(node, format!("the slope {:?} does not broadcast to X {:?}", m(1)?.shape, x.shape)));
             }
             if b.is_logic() && x.dtype != DType::Bool {
@@ -1403,13 +1352,13 @@ fn expand_sum(
     let last = ins.len() - 1 + mean as usize;
     for (k, &x) in ins.iter().enumerate().skip(1) {
         let out = if k == last { output } else { g.fresh(&format!("{}:sum{k}", node.name)) };
-        nodes.push(node1(format!("{}:add{k}", node.name), Op::Binary(super::op::Binary::Add), &[acc, x], out));
+        nodes.push(node1(format!("{}:add{k}", node.name), Op::Binary(crate::op::Binary::Add), &[acc, x], out));
         acc = out;
     }
     if mean {
         let scale = Tensor::scalar(1.0 / ins.len() as f64).cast(dtype);
         let k = constant_value(g, consts, &format!("{}:1/n", node.name), scale);
-        nodes.push(node1(node.name.clone(), Op::Binary(super::op::Binary::Mul), &[acc, k], output));
+        nodes.push(node1(node.name.clone(), Op::Binary(crate::op::Binary::Mul), &[acc, k], output));
     } else if ins.len() == 1 {
         nodes.push(node1(node.name.clone(), Op::Identity, &[acc], output));
     }
@@ -1428,7 +1377,7 @@ fn expand_norm(
     kind: NormKind,
     epsilon: f32,
 ) -> Result<Vec<Node>> {
-    use super::op::{Binary, Reduce};
+    use crate::op::{Binary, Reduce};
     let x = metas.first().cloned().flatten().ok_or_else(|| err(node, "input 0 is missing"))?;
     let scale = metas.get(1).cloned().flatten().ok_or_else(|| err(node, "scale (input 1) is missing"))?;
     let (input, output) = (node.input(0).expect("checked"), node.output(0).ok_or_else(|| err(node, "no output"))?);
@@ -1493,7 +1442,7 @@ fn expand_norm(
     nodes.push(node1(name("square"), Op::Binary(Binary::Mul), &[centered, centered], sq));
     nodes.push(node1(name("mean_square"), mean(&axes), &[sq], ms));
     nodes.push(node1(name("plus_epsilon"), Op::Binary(Binary::Add), &[ms, eps], shifted));
-    nodes.push(node1(name("root"), Op::Unary(super::op::Unary::Sqrt), &[shifted], root));
+    nodes.push(node1(name("root"), Op::Unary(crate::op::Unary::Sqrt), &[shifted], root));
     nodes.push(node1(name("divide"), Op::Binary(Binary::Div), &[centered, root], normed));
     // scale and bias along the channels ([C, 1, …] against [N, C, …]) or as `on_view` says.
     let lay = |g: &mut Graph, consts: &mut HashMap<ValueId, Tensor>, nodes: &mut Vec<Node>, k: usize, s: &str| {
@@ -1580,7 +1529,7 @@ fn expand_one_hot(
     let wrapped = fresh(g, "wrapped");
     let lined = fresh(g, "lined");
     let hit = fresh(g, "hit");
-    use super::op::Binary;
+    use crate::op::Binary;
     Ok(vec![
         node1(name("cast"), Op::Cast { to: DType::I64 }, &[input], ids),
         node1(name("is_negative"), Op::Binary(Binary::Less), &[ids, zero], negative),
@@ -1665,12 +1614,6 @@ fn expand_coerced_softmax(
         make("", op, vec![x2d], y2d),
         make(":from_2d", Op::Reshape, vec![y2d, back_shape], output),
     ])
-}
-
-/// The reduction a `ReduceSumTo` needs: which axes of `from` sum into `to`.
-pub fn reduced_axes(from: &[usize], to: &[usize]) -> Vec<usize> {
-    let off = from.len() - to.len();
-    (0..from.len()).filter(|&i| i < off || (to[i - off] == 1 && from[i] != 1)).collect()
 }
 
 #[cfg(test)]
@@ -1770,7 +1713,7 @@ mod upsampling_tests {
     use crate::backend::cpu::CpuBackend;
     use crate::exec::Executor;
     use crate::graph::ir::Dim;
-    use crate::graph::resize::{Coordinates, Interpolation, Resize, Target};
+    use crate::op::resize::{Coordinates, Interpolation, Resize, Target};
     use std::sync::Arc;
 
     fn forward(g: &Graph, x: &Tensor) -> Tensor {

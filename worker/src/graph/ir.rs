@@ -4,7 +4,7 @@
 //! Values are numbered; nodes refer to them by [`ValueId`]. Shapes are static once a graph is
 //! bound ([`crate::graph::infer`]); before that a graph input may carry symbolic dimensions.
 
-use super::op::Op;
+use crate::op::Op;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

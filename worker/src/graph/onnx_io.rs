@@ -1,13 +1,13 @@
 //! ONNX `ModelProto` ⇄ graph IR.
 
 use super::ir::{Dim, Graph, ValueId};
-use super::op::{AttrValue, Attrs, Op, SUPPORTED_ONNX_OPS, TF_DOMAIN};
 use crate::error::{Error, Result};
 use crate::onnx::proto::{
     attribute_proto::AttributeType, tensor_shape_proto, type_proto, AttributeProto, GraphProto, ModelProto, NodeProto,
     OperatorSetIdProto, TensorShapeProto, TypeProto, ValueInfoProto,
 };
 use crate::onnx::tensor::{tensor_from_proto, tensor_to_proto};
+use crate::op::{AttrValue, Attrs, Op, SUPPORTED_ONNX_OPS, TF_DOMAIN};
 use crate::tensor::DType;
 use std::collections::{BTreeMap, BTreeSet};
 

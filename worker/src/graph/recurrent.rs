@@ -12,8 +12,8 @@
 
 use super::infer::{constant_value, node1};
 use super::ir::{Graph, Meta, Node, ValueId};
-use super::op::{Activation, Binary, Op, Recurrent, RecurrentKind, Unary};
 use crate::error::{Error, Result};
+use crate::op::{Activation, Binary, Op, Recurrent, RecurrentKind, Unary};
 use crate::tensor::{DType, Tensor};
 use std::collections::HashMap;
 
@@ -494,7 +494,7 @@ mod tests {
     use crate::exec::Executor;
     use crate::graph::infer::{bind, Bindings};
     use crate::graph::ir::Dim;
-    use crate::graph::op::{AttrValue, Attrs, Direction};
+    use crate::op::{AttrValue, Attrs, Direction};
     use crate::rng::Rng;
     use std::sync::Arc;
 

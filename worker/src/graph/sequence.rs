@@ -6,8 +6,8 @@
 //! sequence survives binding; kernels never see one.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use super::op::{Op, SequenceOp};
 use crate::error::{Error, Result};
+use crate::op::{Op, SequenceOp};
 use crate::tensor::Tensor;
 use std::collections::HashMap;
 
@@ -67,7 +67,7 @@ pub fn resolve(
                 .as_ref()
                 .map(|m: &Meta| m.shape.clone())
                 .ok_or_else(|| err(node, "input 0 has no shape"))?;
-            let a = super::infer::norm_axis(axis, shape.len())
+            let a = crate::shape::norm_axis(axis, shape.len())
                 .ok_or_else(|| err(node, format!("axis {axis} out of range")))?;
             let n = shape[a] as i64;
             let split = known(1, "split")?;
@@ -185,7 +185,7 @@ mod tests {
     use crate::exec::Executor;
     use crate::graph::infer::{bind, Bindings};
     use crate::graph::ir::Graph;
-    use crate::graph::op::{Op, SequenceOp};
+    use crate::op::{Op, SequenceOp};
     use crate::tensor::{DType, Tensor};
     use std::sync::Arc;
 

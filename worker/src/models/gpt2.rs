@@ -9,7 +9,7 @@ use crate::config::Gpt2Config;
 use crate::error::Result;
 use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::onnx_io::EXPORT_OPSET;
-use crate::graph::op::{Binary, Op, Unary};
+use crate::op::{Binary, Op, Unary};
 use crate::tensor::{DType, Tensor};
 
 fn layer_norm(g: &mut Graph, name: &str, x: ValueId, c: usize) -> ValueId {

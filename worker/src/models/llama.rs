@@ -11,7 +11,7 @@ use crate::config::LlamaConfig;
 use crate::error::Result;
 use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::onnx_io::EXPORT_OPSET;
-use crate::graph::op::{Binary, Op, Reduce, Unary};
+use crate::op::{Binary, Op, Reduce, Unary};
 use crate::tensor::{DType, Tensor};
 
 /// x / √(mean(x²) + ε) · w over the last axis (written out, so that it exports at any opset).

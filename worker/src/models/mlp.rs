@@ -5,7 +5,7 @@ use crate::config::MlpConfig;
 use crate::error::Result;
 use crate::graph::ir::{Dim, Graph};
 use crate::graph::onnx_io::EXPORT_OPSET;
-use crate::graph::op::{Binary, Op, Unary};
+use crate::op::{Binary, Op, Unary};
 use crate::tensor::DType;
 
 pub fn build(c: &MlpConfig, seed: u64) -> Result<Graph> {

@@ -9,7 +9,7 @@ pub mod squeezenet;
 use crate::config::{LossConfig, LossKind, ModelConfig, ModelSpec};
 use crate::error::{Error, Result};
 use crate::graph::ir::{Dim, Graph, ValueId};
-use crate::graph::op::{Binary, LossReduction, Op, Reduce};
+use crate::op::{Binary, LossReduction, Op, Reduce};
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};

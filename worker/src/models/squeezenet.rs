@@ -7,7 +7,7 @@ use crate::config::SqueezeNetConfig;
 use crate::error::Result;
 use crate::graph::ir::{Dim, Graph, ValueId};
 use crate::graph::onnx_io::EXPORT_OPSET;
-use crate::graph::op::{Op, PoolKind, Unary, Window};
+use crate::op::{Op, PoolKind, Unary, Window};
 use crate::tensor::DType;
 
 fn window(k: usize, stride: usize, pad: usize, ceil_mode: bool) -> Window {

@@ -7,10 +7,19 @@
 pub mod scaler;
 pub mod schedule;
 
-use crate::backend::StepHyper;
 use crate::config::ParamGroup;
 use crate::tensor::TensorViewMut;
 use rayon::prelude::*;
+
+/// The per-step numbers of an optimizer update.
+#[derive(Clone, Copy, Debug)]
+pub struct StepHyper {
+    pub lr: f32,
+    /// 1 for the first update (Adam's bias correction counts from 1).
+    pub step: u64,
+    /// Multiplies the gradient before use (clipping, loss-scale removal).
+    pub grad_scale: f32,
+}
 
 /// The learning-rate-free parameters of an optimizer update, for one tensor.
 #[derive(Clone, Copy, Debug, PartialEq)]

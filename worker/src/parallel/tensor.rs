@@ -32,7 +32,7 @@
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, Meta, Node, ValueId};
-use crate::graph::op::{Op, Reduce};
+use crate::op::{Op, Reduce};
 use crate::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -331,7 +331,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
             Op::Dropout { .. } => mark(&mut a, node.output(0), s.axis, s.blocked),
             Op::Softmax { axis } | Op::LogSoftmax { axis } => {
                 let rank = meta(node.input(0).unwrap()).shape.len();
-                if crate::graph::infer::norm_axis(*axis, rank) == Some(s.axis) {
+                if crate::shape::norm_axis(*axis, rank) == Some(s.axis) {
                     invalid(&mut a, format!("{} normalizes over the split axis", node.describe()));
                 } else {
                     mark(&mut a, node.output(0), s.axis, s.blocked);
@@ -347,7 +347,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
             }
             Op::Split { axis, sizes, .. } => {
                 let rank = meta(node.input(0).unwrap()).shape.len();
-                let split_axis = crate::graph::infer::norm_axis(*axis, rank);
+                let split_axis = crate::shape::norm_axis(*axis, rank);
                 if split_axis == Some(s.axis) {
                     let k = node.outputs.len();
                     let equal = sizes.windows(2).all(|w| w[0] == w[1]);
@@ -383,7 +383,7 @@ fn analyse(g: &Graph, loss: ValueId, size: usize, disabled: &HashSet<usize>) -> 
                 let alike = sharded
                     .iter()
                     .all(|x| x.is_some_and(|x| x.axis == s.axis && x.blocked == s.blocked && x.folded == s.folded));
-                if alike && crate::graph::infer::norm_axis(*axis, rank) != Some(s.axis) {
+                if alike && crate::shape::norm_axis(*axis, rank) != Some(s.axis) {
                     mark(&mut a, node.output(0), s.axis, s.blocked);
                 } else {
                     invalid(&mut a, format!("{} concatenates split and unsplit values", node.describe()));
@@ -662,7 +662,7 @@ fn rewrite(g: &mut Graph, a: &Analysis, rank: usize, size: usize) -> Result<BTre
             Op::Split { axis, .. } if is_split(x) => {
                 let s = a.values[&x];
                 let rank_x = g.values[x].meta.as_ref().expect("bound").shape.len();
-                if crate::graph::infer::norm_axis(*axis, rank_x) == Some(s.axis) {
+                if crate::shape::norm_axis(*axis, rank_x) == Some(s.axis) {
                     let local: Vec<i64> =
                         outs.iter().map(|&o| g.values[o].meta.as_ref().expect("bound").shape[s.axis] as i64).collect();
                     if let Op::Split { sizes, .. } = &mut g.nodes[n].op {

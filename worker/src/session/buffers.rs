@@ -24,7 +24,7 @@
 use crate::autodiff::rules::differentiable;
 use crate::error::{Error, Result};
 use crate::graph::ir::{Graph, ValueId};
-use crate::graph::op::Op;
+use crate::op::Op;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 
@@ -173,7 +173,7 @@ pub fn running_statistics(g: &Graph, tracked: &HashSet<ValueId>) -> Result<Vec<R
 mod tests {
     use super::*;
     use crate::graph::infer::{bind, Bindings};
-    use crate::graph::op::Unary;
+    use crate::op::Unary;
     use crate::tensor::{DType, Tensor};
 
     /// x [2,3,4] → Conv-less BatchNormalization → Clip(min, max) → output, with `min` and
@@ -216,7 +216,7 @@ mod tests {
         // path, through Mul) and BatchNorm's running statistics.
         let x = g.find("x").unwrap();
         let inv_freq = g.add_initializer("inv_freq", Tensor::from_vec(&[3], vec![1f32, 0.1, 0.01]));
-        let angles = g.op1("angles", Op::Binary(crate::graph::op::Binary::Mul), &[x, inv_freq]);
+        let angles = g.op1("angles", Op::Binary(crate::op::Binary::Mul), &[x, inv_freq]);
         g.outputs.push(angles);
         g.declared_buffers = ["inv_freq", "running_mean", "running_var"].iter().map(|n| g.find(n).unwrap()).collect();
         let roles = roles(&g);

@@ -22,7 +22,8 @@ mod stage;
 pub use overlap::CommSpan;
 
 use crate::autodiff;
-use crate::backend::{Arg, Backend, Group, Slot, StepHyper};
+use crate::backend::{Arg, Backend, Group, Slot};
+use crate::checkpoint::keys::{self, LOSS_SCALE_KEY, STEP_KEY};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::config::{ParamGroup, PipelineSchedule, Recompute};
 use crate::error::{Error, Result};
@@ -32,7 +33,7 @@ use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::scaler::LossScaler;
-use crate::optim::Update;
+use crate::optim::{StepHyper, Update};
 use crate::parallel::tensor::TensorSplit;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};
@@ -41,13 +42,6 @@ use std::sync::Arc;
 
 /// The shape of each input of a batch, by name.
 type BatchShapes = BTreeMap<String, Vec<usize>>;
-
-/// Checkpointed optimizer tensors are named under this prefix; weights keep their own names.
-pub const OPTIMIZER_PREFIX: &str = "optimizer/";
-/// The step count and the loss scaler's state: every rank holds the same ones (`SHARED_KEYS`).
-pub const STEP_KEY: &str = "optimizer/step";
-pub const LOSS_SCALE_KEY: &str = "optimizer/loss_scale";
-pub const SHARED_KEYS: [&str; 2] = [STEP_KEY, LOSS_SCALE_KEY];
 
 /// What the session needs to know beyond the model.
 #[derive(Clone, Debug)]
@@ -1083,7 +1077,7 @@ impl<B: Backend> Session<B> {
             let meta = self.train.graph.meta(p.value).expect("bound");
             for (k, buf) in p.state.iter().enumerate() {
                 let t = self.train.backend.download(Arg { buf, offset: 0, meta })?;
-                out.insert(format!("{OPTIMIZER_PREFIX}{name}/{k}"), t);
+                out.insert(keys::optimizer_key(name, k), t);
             }
         }
         if let Some(z) = &self.zero {
@@ -1095,7 +1089,10 @@ impl<B: Backend> Session<B> {
             out.extend(self.running_statistics()?);
         }
         if let Some(t) = self.tensor {
-            out = out.into_iter().map(|(key, v)| (self.slice_key(&key, t.rank), v)).collect();
+            out = out
+                .into_iter()
+                .map(|(key, v)| (keys::slice_key(&key, t.rank, |w| self.splits.contains_key(w)), v))
+                .collect();
         }
         out.insert(STEP_KEY.to_string(), Tensor::from_vec(&[1], vec![self.step as i64]));
         if let Some(scaler) = &self.scaler {
@@ -1104,27 +1101,13 @@ impl<B: Backend> Session<B> {
         Ok(out)
     }
 
-    /// A state key of a split weight marked with this rank's slice: `<name>#tp<rank>` (before
-    /// a ZeRO piece's `@<start>`); other keys as they are. `checkpoint::load` joins the slices.
-    fn slice_key(&self, key: &str, rank: usize) -> String {
-        let (base, piece) = match key.rsplit_once('@') {
-            Some((base, start)) if start.parse::<usize>().is_ok() => (base, &key[base.len()..]),
-            _ => (key, ""),
-        };
-        if crate::checkpoint::weight_of_key(base).is_some_and(|w| self.splits.contains_key(w)) {
-            format!("{base}{}{rank}{piece}", crate::checkpoint::SLICE_MARK)
-        } else {
-            key.to_string()
-        }
-    }
-
     /// This rank's slices of an assembled (whole) state's split weights and their optimizer
     /// state; everything else as it is.
     fn slice_state(&self, state: &BTreeMap<String, Tensor>, t: TensorPlace) -> Result<BTreeMap<String, Tensor>> {
         state
             .iter()
             .map(|(key, v)| {
-                let split = crate::checkpoint::weight_of_key(key).and_then(|w| self.splits.get(w));
+                let split = keys::weight_of_key(key).and_then(|w| self.splits.get(w));
                 Ok((
                     key.clone(),
                     match split {
@@ -1202,7 +1185,7 @@ fn optimizer_state(
     meta: &Meta,
     origin: &str,
 ) -> Result<Tensor> {
-    let key = format!("{OPTIMIZER_PREFIX}{name}/{k}");
+    let key = keys::optimizer_key(name, k);
     let t = state.get(&key).ok_or_else(|| Error::Corrupt(format!("{origin}: '{key}' is missing")))?;
     if t.numel() != meta.numel() || t.dtype() != DType::F32 {
         return Err(Error::Corrupt(format!(

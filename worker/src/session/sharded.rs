@@ -15,8 +15,9 @@
 //! data group's (NCCL's reduce-scatter and all-gather on GPUs; through host memory and MPI
 //! elsewhere).
 
-use super::{optimizer_state, Session, OPTIMIZER_PREFIX};
+use super::{optimizer_state, Session};
 use crate::backend::{Arg, Backend, Slot};
+use crate::checkpoint::keys;
 use crate::comm::ReduceOp;
 use crate::error::{Error, Result};
 use crate::graph::ir::Meta;
@@ -124,7 +125,7 @@ impl<B: Backend> Shard<B> {
             let name = session.train.graph.name_of(p.value);
             for (k, buf) in self.state[i].iter().enumerate() {
                 let t = session.train.backend.download(Arg { buf, offset: 0, meta: &self.metas[i] });
-                out.push((format!("{OPTIMIZER_PREFIX}{name}/{k}@{}", piece.start), t?));
+                out.push((keys::piece_key(&keys::optimizer_key(name, k), piece.start), t?));
             }
         }
         Ok(out)

@@ -25,7 +25,7 @@ use crate::config::PipelineSchedule;
 use crate::error::{Error, Result};
 use crate::exec::Executor;
 use crate::graph::ir::{Dim, Graph, InputDecl, Meta, ValueId};
-use crate::graph::op::{Binary, Op, Reduce};
+use crate::op::{Binary, Op, Reduce};
 use crate::parallel::pipeline;
 use crate::parallel::schedule::{self, Action};
 use crate::tensor::{DType, Tensor};

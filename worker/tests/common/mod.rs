@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use tensorfleet_worker::backend::{Arg, Backend};
 use tensorfleet_worker::graph::ir::Meta;
-use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::op::Op;
 use tensorfleet_worker::tensor::{DType, Tensor};
 
 /// `mpirun -np <np>` as the tests run it: more ranks than cores allowed, no pinning (the ranks

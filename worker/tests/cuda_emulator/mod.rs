@@ -11,14 +11,15 @@ use std::ffi::{c_char, c_void, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex, OnceLock};
-use tensorfleet_worker::backend::cpu::kernels::elementwise::{gelu_tanh, gelu_tanh_grad};
 use tensorfleet_worker::backend::cuda::gemm::{Epilogue, Product};
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
-use tensorfleet_worker::backend::{Arg, Backend, BackendError, DeviceCollective, Slot, StepHyper};
+use tensorfleet_worker::backend::{Arg, Backend, BackendError, DeviceCollective, Slot};
 use tensorfleet_worker::comm::{Collective, HostGroup, ReduceOp};
 use tensorfleet_worker::graph::ir::Graph;
-use tensorfleet_worker::graph::op::Op;
+use tensorfleet_worker::kernels::elementwise::{gelu_tanh, gelu_tanh_grad};
+use tensorfleet_worker::op::Op;
+use tensorfleet_worker::optim::StepHyper;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::tensor::{DType, Tensor};
 

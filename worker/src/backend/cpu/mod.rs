@@ -1,11 +1,11 @@
 //! The CPU backend: host memory buffers, kernels on rayon's thread pool, GEMM from the `gemm`
-//! crate. Work runs when it is launched, so `synchronize` has nothing to wait for.
+//! crate. Work runs when it is launched, so `synchronize` has nothing to wait for. The kernels
+//! themselves are the crate's host reference ops, `crate::kernels`.
 
-pub mod kernels;
-
-use super::{Arg, Backend, BackendError, Slot, StepHyper};
-use crate::graph::op::Op;
-use crate::optim::Update;
+use super::{Arg, Backend, BackendError, Slot};
+use crate::kernels;
+use crate::op::Op;
+use crate::optim::{StepHyper, Update};
 use crate::refused;
 use crate::tensor::{Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;

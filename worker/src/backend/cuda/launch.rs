@@ -7,11 +7,11 @@
 
 use super::gemm::{Epilogue, Product};
 use super::{compile, elementwise, per_row, CudaBackend, CudaBuffer};
-use crate::backend::cpu::kernels::shape::slice_plan;
-use crate::backend::{Arg, BackendError, StepHyper};
+use crate::backend::{Arg, BackendError};
 use crate::graph::ir::Meta;
-use crate::graph::op::{Binary, LossReduction, Op, Reduce, ScatterReduction, Unary};
-use crate::optim::Update;
+use crate::kernels::shape::slice_plan;
+use crate::op::{Binary, LossReduction, Op, Reduce, ScatterReduction, Unary};
+use crate::optim::{StepHyper, Update};
 use crate::refused;
 use crate::tensor::{strides, DType, Tensor};
 use cudarc::driver::LaunchConfig;
@@ -656,11 +656,7 @@ fn ids_i64(x: &V, what: &str) -> Result<i32, BackendError> {
 }
 
 fn norm_axis(axis: i64, rank: usize) -> Result<usize, BackendError> {
-    let a = if axis < 0 { axis + rank as i64 } else { axis };
-    (0..rank as i64)
-        .contains(&a)
-        .then_some(a as usize)
-        .ok_or_else(|| BackendError::Refused(format!("axis {axis} out of range")))
+    crate::shape::norm_axis(axis, rank).ok_or_else(|| BackendError::Refused(format!("axis {axis} out of range")))
 }
 
 fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), BackendError> {
@@ -2282,7 +2278,7 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -
 
 #[cfg(test)]
 mod tests {
-    use crate::graph::op::{Binary, Reduce, Unary};
+    use crate::op::{Binary, Reduce, Unary};
 
     /// The kernels switch on `op as i32` and `Unary::code` (kernels/elementwise.cu,
     /// kernels/rows.cu): reordering the enums would silently change which function runs.

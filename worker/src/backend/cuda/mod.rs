@@ -13,11 +13,11 @@ pub mod launch;
 pub mod nccl;
 pub mod probe;
 
-use super::{Arg, Backend, BackendError, DeviceCollective, Slot, StepHyper};
+use super::{Arg, Backend, BackendError, DeviceCollective, Slot};
 use crate::comm::{HostGroup, ProcessGroup, ReduceOp};
 use crate::graph::ir::Graph;
-use crate::graph::op::Op;
-use crate::optim::Update;
+use crate::op::Op;
+use crate::optim::{StepHyper, Update};
 use crate::tensor::{DType, Tensor};
 use cudarc::driver::result as driver;
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig};

@@ -1,5 +1,5 @@
 //! Fused attention on the CUDA backend, with the CPU backend's semantics
-//! (cpu/kernels/attention.rs): the forward kernel keeps each query row's log-sum-exp; the
+//! (`crate::kernels::attention`): the forward kernel keeps each query row's log-sum-exp; the
 //! backward pass is three sweeps over rows (the softmax's row term, dq per query row, dk and dv
 //! per key row), none of which races.
 //!
@@ -10,7 +10,7 @@
 
 use super::{elementwise, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
-use crate::graph::op::AttentionShape;
+use crate::op::AttentionShape;
 use crate::refused;
 use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;

@@ -1,12 +1,12 @@
 //! Resize and its gradient on the CUDA backend (kernels/resize.cu): the CPU backend's taps
-//! (cpu/kernels/resize.rs), transposed for the gradient, written to scratch memory at each
+//! (`crate::kernels::resize`), transposed for the gradient, written to scratch memory at each
 //! launch (a few values per output coordinate of each resized axis), and one gather kernel
 //! over them, in f32, f16, bf16 or f64.
 
 use super::{dims, elementwise, float_kernel, scratch_parts, Dev, MAX_DIMS, V};
-use crate::backend::cpu::kernels::resize as cpu;
 use crate::backend::BackendError;
-use crate::graph::op::Resize;
+use crate::kernels::resize as cpu;
+use crate::op::Resize;
 use crate::refused;
 use crate::tensor::DType;
 

@@ -1,10 +1,10 @@
 //! Tensor parallelism's vocab-parallel ops on the CUDA backend (kernels/shard.cu), with the
-//! CPU backend's semantics (cpu/kernels/shard.rs): the sharded embedding lookup and its
+//! CPU backend's semantics (`crate::kernels::shard`): the sharded embedding lookup and its
 //! gradient, and the per-row pieces of the vocab-parallel cross-entropy and its loss.
 
 use super::{elementwise, ids_i64, need_f32, per_row, Dev, V};
 use crate::backend::BackendError;
-use crate::graph::op::LossReduction;
+use crate::op::LossReduction;
 use crate::refused;
 
 /// (has_ignore, ignore) as the kernels take them.

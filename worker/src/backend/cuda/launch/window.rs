@@ -6,17 +6,17 @@
 //! the sums' order vary). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
 //! precision's convolutions: half products with f32 accumulation), transposed ones also over 3
 //! (forward only, a direct kernel); pooling over up to 3 spatial dims in any element type (its
-//! gradient 1-D and 2-D); with the CPU backend's geometry (cpu/kernels/conv.rs), whose results
+//! gradient 1-D and 2-D); with the CPU backend's geometry (`crate::kernels::conv`), whose results
 //! these are checked against.
 
 use super::{
     at, cast, elementwise, numeric, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev, Epilogue, Product,
     Ptr, NULL, V,
 };
-use crate::backend::cpu::kernels::conv::{self as cpu, is_pointwise};
 use crate::backend::BackendError;
 use crate::graph::ir::Meta;
-use crate::graph::op::{PoolKind, Reduce, Window};
+use crate::kernels::conv::{self as cpu, is_pointwise};
+use crate::op::{PoolKind, Reduce, Window};
 use crate::refused;
 use crate::tensor::DType;
 

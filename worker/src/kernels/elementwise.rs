@@ -1,7 +1,7 @@
 //! Pointwise ops: unary activations and their gradients, broadcasting binary ops, Where.
 
 use super::{KResult, PAR_MIN};
-use crate::graph::op::{Binary, Unary};
+use crate::op::{Binary, Unary};
 use crate::refused;
 use crate::tensor::{strides, DType, Element, TensorView, TensorViewMut};
 use rayon::prelude::*;

@@ -5,11 +5,14 @@
 //! Backends, shape inference and autodiff all `match` on [`Op`]; there is no string dispatch
 //! after loading.
 
+pub mod einsum;
+pub mod resize;
+
+pub use resize::Resize;
+
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
-
-pub use super::resize::Resize;
 
 /// Internal ops live in this domain when a graph is saved.
 pub const TF_DOMAIN: &str = "dev.tensorfleet";
@@ -898,7 +901,7 @@ pub enum Op {
         output_padding: Vec<usize>,
         output_shape: Option<Vec<usize>>,
     },
-    /// Resize and Upsample (`graph::resize`): nearest, linear and cubic interpolation over any
+    /// Resize and Upsample (`op::resize`): nearest, linear and cubic interpolation over any
     /// axes, its scales or sizes (and roi) folded in when bound.
     Resize(Resize),
     Pool {
@@ -1640,7 +1643,7 @@ impl Op {
                     return Err(a.bad("equation", "given"));
                 }
                 let equation = a.string("equation", "")?;
-                super::einsum::Equation::parse(&equation)
+                einsum::Equation::parse(&equation)
                     .map_err(|why| Error::Unsupported(format!("{}: equation '{equation}': {why}", a.origin)))?;
                 Op::Einsum { equation }
             }

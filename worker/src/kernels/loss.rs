@@ -4,8 +4,8 @@
 //! recomputes the softmax from the scores.
 
 use super::{fastmath, KResult, SharedSlice};
-use crate::backend::BackendError;
-use crate::graph::op::LossReduction;
+use crate::error::BackendError;
+use crate::op::LossReduction;
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;

@@ -1,8 +1,8 @@
 //! Softmax, LogSoftmax and LayerNormalization, forward and backward side by side.
 
 use super::{fastmath, KResult, SharedSlice, PAR_MIN};
-use crate::graph::infer::norm_axis;
 use crate::refused;
+use crate::shape::norm_axis;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
 

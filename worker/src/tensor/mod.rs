@@ -3,6 +3,8 @@
 //! Every backend uploads from and downloads to this type; the CPU backend's kernels work on
 //! [`TensorView`]s that borrow either a `Tensor` or a slice of the execution arena.
 
+pub mod cast;
+
 use half::{bf16, f16};
 use std::fmt;
 
@@ -254,7 +256,7 @@ impl Tensor {
     /// Converts every element to another type (ONNX `Cast` semantics: floats to ints truncate).
     pub fn cast(&self, to: DType) -> Tensor {
         let mut out = Tensor::zeros(to, &self.shape);
-        crate::backend::cpu::kernels::cast::cast_into(&self.view(), &mut out.view_mut());
+        cast::cast_into(&self.view(), &mut out.view_mut());
         out
     }
 }

@@ -4,8 +4,8 @@
 //! TopK's indices, which produce indices.
 
 use super::KResult;
-use crate::backend::BackendError;
-use crate::graph::op::ScatterReduction;
+use crate::error::BackendError;
+use crate::op::ScatterReduction;
 use crate::tensor::{strides, DType, TensorView, TensorViewMut};
 use std::cmp::Ordering;
 

@@ -6,7 +6,7 @@
 //! with a fixed order of terms. The CUDA backend builds the same taps here and uploads them.
 
 use super::KResult;
-use crate::graph::resize::{Coordinates, Interpolation, NearestMode, Resize};
+use crate::op::resize::{Coordinates, Interpolation, NearestMode, Resize};
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;
@@ -243,7 +243,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::resize::Target;
+    use crate::op::resize::Target;
     use crate::tensor::Tensor;
 
     fn run(r: &Resize, x: &Tensor) -> Tensor {

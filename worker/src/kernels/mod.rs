@@ -1,11 +1,13 @@
-//! CPU kernels, one file per family. [`run`] dispatches a static [`Op`] to them.
+//! The host reference ops: every op on host tensor views, one file per family. [`run`]
+//! dispatches a static [`Op`] to them. The CPU backend runs its steps with them, binding folds
+//! constants with them, and the CUDA dispatch shares their plans (slices, windows, resize taps).
+//! Below `graph` and `backend`: they import the op vocabulary, shapes and tensors only.
 //!
 //! Kernels take views over tensors whose shapes were fixed at plan time, so they check nothing a
 //! planner already checked; what they return as `Err` are data-dependent faults (an index out of
 //! range, say), phrased for the node that ran them.
 
 pub mod attention;
-pub mod cast;
 pub mod conv;
 pub mod elementwise;
 pub mod fastmath;
@@ -18,14 +20,15 @@ pub mod resize;
 pub mod shape;
 pub mod shard;
 
-use crate::graph::op::Op;
+use crate::op::Op;
 use crate::refused;
+use crate::tensor::cast;
 use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
 
 /// Elements below which a kernel stays on one thread (rayon's fork/join costs more).
 pub const PAR_MIN: usize = 1 << 14;
 
-pub type KResult = Result<(), crate::backend::BackendError>;
+pub type KResult = Result<(), crate::error::BackendError>;
 
 /// A mutable slice that parallel workers write through at disjoint indices (lanes of a
 /// softmax, say) where the disjointness is not a contiguous split `par_chunks_mut` could show.

@@ -1,11 +1,11 @@
 //! Matrix products on the `gemm` crate (blocked, SIMD, multithreaded): MatMul with numpy batch
 //! broadcasting, Gemm, and the fused MatMul + bias (+ GELU) the fusion pass emits.
 
-use super::cast::cast_into;
 use super::elementwise::gelu_tanh;
 use super::KResult;
-use crate::graph::op::Unary;
+use crate::op::Unary;
 use crate::refused;
+use crate::tensor::cast::cast_into;
 use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -115,7 +115,7 @@ pub fn matmul(
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
     let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
-    let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let batch = crate::shape::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
     let offsets = |src_batch: &[usize], mat: usize| batch_offsets(&batch, src_batch, mat);
     let a_off = offsets(&a_batch, m * k);
     let b_off = offsets(&b_batch, k * n);
@@ -227,7 +227,7 @@ fn matmul_reference(
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
     let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
-    let batch = crate::graph::infer::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let batch = crate::shape::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
     let (a_off, b_off) = (batch_offsets(&batch, &a_batch, m * k), batch_offsets(&batch, &b_batch, k * n));
     if m * n == 0 {
         return Ok(());

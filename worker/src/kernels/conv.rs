@@ -5,7 +5,7 @@
 
 use super::matmul::{parallelism, sgemm, Mat};
 use super::KResult;
-use crate::graph::op::{PoolKind, Window};
+use crate::op::{PoolKind, Window};
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use gemm::Parallelism;

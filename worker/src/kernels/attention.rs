@@ -7,7 +7,7 @@
 
 use super::fastmath::{dot, max};
 use super::{KResult, SharedSlice};
-use crate::graph::op::AttentionShape;
+use crate::op::AttentionShape;
 use crate::tensor::{TensorView, TensorViewMut};
 use rayon::prelude::*;
 

@@ -1,9 +1,9 @@
 //! Resize (and Upsample, its form before opset 10): its attributes, read once when the model
 //! is loaded, and its geometry, resolved when the graph is bound: each axis's output size and
 //! the scale its coordinates are mapped with. The kernels' interpolation taps are computed from
-//! these in `backend/cpu/kernels/resize.rs`, for the CPU and the CUDA backends alike.
+//! these in `kernels/resize.rs`, for the CPU and the CUDA backends alike.
 
-use super::op::{AttrValue, Attrs};
+use super::{AttrValue, Attrs};
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 

@@ -3,8 +3,8 @@
 //! classes. The all-reduces between them are the executor's.
 
 use super::{fastmath, KResult};
-use crate::backend::BackendError;
-use crate::graph::op::LossReduction;
+use crate::error::BackendError;
+use crate::op::LossReduction;
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
 use rayon::prelude::*;

@@ -4,10 +4,10 @@
 //! Movement kernels copy bytes, so they serve every element type.
 
 use super::{KResult, PAR_MIN};
-use crate::backend::BackendError;
-use crate::graph::infer::{reduced_axes, slice_range};
-use crate::graph::op::{PadMode, Reduce};
+use crate::error::BackendError;
+use crate::op::{PadMode, Reduce};
 use crate::refused;
+use crate::shape::{reduced_axes, slice_range};
 use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 
