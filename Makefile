@@ -77,33 +77,12 @@ $(DEMO_SHAPES):
 $(DEMO_CNN):
 	$(VENV_PYTHON) examples/local/data/make_cnn.py --output $(DEMO_CNN)
 
-# The node tests are the ONNX backend suite shipped inside the venv's onnx package. The
-# operator's tests run against a real control plane started here for the duration of the run
-# (a plain `cargo test` ignores them: they need it).
-test: deps k8s
-	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	bin="$$(bash e2e/control-plane/build.sh | tail -n 1)"; \
-	"$$bin/helm" lint --strict charts/tensorfleet; \
-	"$$bin/helm" template tensorfleet charts/tensorfleet >/dev/null; \
-	"$$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
-	node_tests="$$($(VENV_PYTHON) .ci/onnx_node_tests_dir.py)"; \
-	cuda_libs="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/{cu13,nccl}/lib | tr ' ' :)"; \
-	cluster="$$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"; \
-	trap 'bash e2e/control-plane/down.sh "$$cluster" && rm -rf "$$cluster"' EXIT; \
-	TENSORFLEET_K8S_BIN="$$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$$cluster" >/dev/null; \
-	export TENSORFLEET_PYTHON=$(VENV_PYTHON) TENSORFLEET_ONNX_NODE_TESTS="$$node_tests" \
-		TENSORFLEET_TEST_KUBECONFIG="$$cluster/kubeconfig" \
-		LD_LIBRARY_PATH="$$cuda_libs$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}" TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1 \
-		TENSORFLEET_PTXAS="$$(echo $(CURDIR)/.venv/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)"; \
-	$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --include-ignored --skip on_the_gpu --skip on_two_gpus && \
-	if nvidia-smi -L >/dev/null 2>&1; then \
-		$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --ignored on_the_gpu; \
-	else echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"; fi && \
-	if [ "$$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ]; then \
-		$(CARGO) test --workspace --release --exclude tensorfleet-e2e -- --ignored on_two_gpus; \
-	else echo "test: fewer than 2 GPUs here: the tests ignored as needing 2 (on_two_gpus) did not run"; fi
-	$(MAKE) --no-print-directory e2e
+# Every check, stage by stage: deps, the control plane's Go builds, rustfmt, clippy, helm lint,
+# every cargo test (the operator's against a control plane started for the run, the ONNX node
+# tests, the GPU tests where there are GPUs), then e2e. .ci/test.sh prints each stage's time at
+# the end.
+test:
+	CARGO=$(CARGO) MAKE=$(MAKE) bash .ci/test.sh
 
 # The end-to-end scenarios (e2e/scenarios/) on the local cluster (e2e/cluster/): real nodes on
 # this host (e2e/nodes/: kubelets, containerd, CNI, kube-proxy, CoreDNS, local-path claims)

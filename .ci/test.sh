@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# `make test`: every check, one stage after another; the time of each stage is printed at the
+# end, whether the run passed or not (a failed stage is marked and ends the run).
+#
+# The node tests are the ONNX backend suite shipped inside the venv's onnx package. The
+# operator's tests run against a real control plane started here for the duration of the run
+# (a plain `cargo test` ignores them: they need it). The GPU tests run where nvidia-smi finds
+# GPUs; elsewhere the run says they did not.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+CARGO=${CARGO:-cargo}
+MAKE=${MAKE:-make}
+
+# Clippy lints the workspace's crates while they are built for the tests (clippy-driver as the
+# workspace's rustc, warnings denied) instead of in a `cargo clippy` of its own, which would
+# type-check every dependency a second time (5 of a fresh run's minutes). Dependencies keep
+# their lints capped (cargo passes them --cap-lints). Every cargo command of the run shares
+# these settings, so the images and the e2e crate reuse the one build; the tests and images
+# need no debug info (the release profile keeps line tables for profiles).
+driver="$(rustc --print sysroot)/bin/clippy-driver"
+if [[ ! -x $driver ]]; then
+    echo "test: clippy-driver is not in $(rustc --print sysroot)/bin: rustup component add clippy" >&2
+    exit 1
+fi
+export RUSTC_WORKSPACE_WRAPPER=$driver RUSTFLAGS="-D warnings" CARGO_PROFILE_RELEASE_DEBUG=0
+
+times=()
+started=$SECONDS
+stage() {
+    local name=$1 t0=$SECONDS status=0
+    shift
+    echo "== test: $name"
+    "$@" || status=$?
+    local mark=""
+    if ((status)); then mark="  FAILED (exit $status)"; fi
+    times+=("$(printf '%-34s %5d s%s' "$name" $((SECONDS - t0)) "$mark")")
+    if ((status)); then exit "$status"; fi
+}
+# The control plane of the cargo tests while it runs: stopped at the end whatever happens.
+cluster=""
+stop_control_plane() {
+    if [[ -n $cluster ]]; then
+        bash e2e/control-plane/down.sh "$cluster" && rm -rf "$cluster"
+        cluster=""
+    fi
+}
+summary() {
+    stop_control_plane
+    echo "== test: stage times"
+    printf '  %s\n' "${times[@]}"
+    printf '  %-34s %5d s\n' total $((SECONDS - started))
+}
+trap summary EXIT
+
+helm_checks() {
+    local bin
+    bin="$(bash e2e/control-plane/build.sh | tail -n 1)"
+    "$bin/helm" lint --strict charts/tensorfleet
+    "$bin/helm" template tensorfleet charts/tensorfleet >/dev/null
+    "$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
+}
+
+# Every cargo test of the workspace but the end-to-end crate's, with what they need around them.
+cargo_tests() {
+    local venv=$PWD/.venv status=0
+    cluster="$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"
+    TENSORFLEET_K8S_BIN="$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$cluster" >/dev/null
+    (
+        export TENSORFLEET_PYTHON=$venv/bin/python TENSORFLEET_TEST_KUBECONFIG=$cluster/kubeconfig
+        TENSORFLEET_ONNX_NODE_TESTS="$("$venv/bin/python" .ci/onnx_node_tests_dir.py)"
+        cuda_libs="$(echo "$venv"/lib/python3*/site-packages/nvidia/{cu13,nccl}/lib | tr ' ' :)"
+        TENSORFLEET_PTXAS="$(echo "$venv"/lib/python3*/site-packages/nvidia/cu13/bin/ptxas)"
+        export TENSORFLEET_ONNX_NODE_TESTS TENSORFLEET_PTXAS TENSORFLEET_REQUIRE_NVRTC=1 TENSORFLEET_REQUIRE_NCCL=1
+        export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        run=("$CARGO" test --workspace --release --exclude tensorfleet-e2e --)
+        "${run[@]}" --include-ignored --skip on_the_gpu --skip on_two_gpus
+        gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
+        if ((gpus >= 1)); then
+            "${run[@]}" --ignored on_the_gpu
+        else
+            echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"
+        fi
+        if ((gpus >= 2)); then
+            "${run[@]}" --ignored on_two_gpus
+        else
+            echo "test: fewer than 2 GPUs here: the tests ignored as needing 2 (on_two_gpus) did not run"
+        fi
+    ) || status=$?
+    stop_control_plane
+    return "$status"
+}
+
+stage "deps (.ci/deps.sh)" bash .ci/deps.sh
+stage "control plane (Go builds)" bash -c 'bash e2e/control-plane/build.sh >/dev/null'
+stage "rustfmt" "$CARGO" fmt --all -- --check
+stage "build and clippy (every target)" "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run
+stage "helm lint" helm_checks
+stage "cargo tests" cargo_tests
+stage "e2e (images, nodes, scenarios)" "$MAKE" --no-print-directory e2e
