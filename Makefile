@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images fuzz clean
+.PHONY: deps k8s crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e e2e-cluster demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images fuzz clean
 
 deps:
 	bash .ci/deps.sh
@@ -91,6 +91,10 @@ test:
 # scenario fails, the cluster's logs stay in its directory, which is printed. Each stage's and
 # each scenario's time is printed. One scenario at a time: they share the machine.
 e2e: deps images
+	$(MAKE) --no-print-directory e2e-cluster
+
+# The same without building the images first (.ci/test.sh builds them beside the cargo tests).
+e2e-cluster: deps
 	start=$$(date +%s); stage() { echo "== e2e: $$(( $$(date +%s) - start )) s: $$*"; }; \
 	stage "the nodes' binaries (e2e/control-plane/build.sh --nodes)"; \
 	bin="$$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"; \

@@ -90,10 +90,28 @@ cargo_tests() {
     return "$status"
 }
 
+# The nodes' Go builds and the images need nothing the tests make, and the tests leave a core
+# idle much of the time (NVRTC and ptxas one process at a time, the operator's tests waiting on
+# the API server): they are made beside the tests, their output kept for a failure.
+tests_and_e2e_builds() {
+    local log=target/e2e-builds.log builds status=0
+    (bash e2e/control-plane/build.sh --nodes >/dev/null && "$MAKE" --no-print-directory images) >"$log" 2>&1 &
+    builds=$!
+    cargo_tests || status=$?
+    if ! wait "$builds"; then
+        echo "test: the nodes' Go builds or the images failed beside the tests:" >&2
+        tail -n 40 "$log" >&2
+        status=1
+    else
+        grep '^== images' "$log" || true
+    fi
+    return "$status"
+}
+
 stage "deps (.ci/deps.sh)" bash .ci/deps.sh
 stage "control plane (Go builds)" bash -c 'bash e2e/control-plane/build.sh >/dev/null'
 stage "rustfmt" "$CARGO" fmt --all -- --check
 stage "build and clippy (every target)" "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run
 stage "helm lint" helm_checks
-stage "cargo tests" cargo_tests
-stage "e2e (images, nodes, scenarios)" "$MAKE" --no-print-directory e2e
+stage "cargo tests, beside them e2e's builds" tests_and_e2e_builds
+stage "e2e (cluster, scenarios)" "$MAKE" --no-print-directory e2e-cluster
