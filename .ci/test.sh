@@ -33,7 +33,7 @@ stage() {
     "$@" || status=$?
     local mark=""
     if ((status)); then mark="  FAILED (exit $status)"; fi
-    times+=("$(printf '%-34s %5d s%s' "$name" $((SECONDS - t0)) "$mark")")
+    times+=("$(printf '%-40s %5d s%s' "$name" $((SECONDS - t0)) "$mark")")
     if ((status)); then exit "$status"; fi
 }
 # The control plane of the cargo tests while it runs: stopped at the end whatever happens.
@@ -48,7 +48,7 @@ summary() {
     stop_control_plane
     echo "== test: stage times"
     printf '  %s\n' "${times[@]}"
-    printf '  %-34s %5d s\n' total $((SECONDS - started))
+    printf '  %-40s %5d s\n' total $((SECONDS - started))
 }
 trap summary EXIT
 
