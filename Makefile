@@ -172,16 +172,21 @@ test-data:
 	.venv-bench/bin/pip install --quiet --no-deps torchvision==0.29.2
 	for f in worker/tests/data/*/export.py; do .venv-bench/bin/python "$$f" || exit 1; done
 
-# GPT-2 124M training throughput on this machine's GPU, next to PyTorch eager and torch.compile
-# in the same run (worker/benches/gpu_gpt2_124m.py; results in target/gpu-bench/gpu-bench.json).
-# Needs a GPU, nvidia-smi and a CUDA build of torch: BENCH_GPU_PYTHON names its interpreter
-# (default: .venv-bench's, whose PyPI torch carries the CUDA runtime). Not part of `make bench`,
-# which runs on the development machines, and they have no GPU.
+# Training throughput on this machine's GPU (GPT-2 124M, a 125M Llama, ResNet-50), next to
+# PyTorch eager and torch.compile in the same run (worker/benches/gpu_bench.py; results in
+# target/gpu-bench/gpu-bench-<model>.json). Needs a GPU, nvidia-smi and a CUDA build of torch:
+# BENCH_GPU_PYTHON names its interpreter (default: .venv-bench's, whose PyPI torch carries the
+# CUDA runtime). Not part of `make bench`, which runs on the development machines, and they
+# have no GPU.
 BENCH_GPU_PYTHON ?= $(CURDIR)/.venv-bench/bin/python
 bench-gpu: deps
 	bash .ci/bench-deps.sh
 	$(CARGO) build --release -p tensorfleet-worker
-	$(BENCH_GPU_PYTHON) worker/benches/gpu_gpt2_124m.py --worker target/release/tensorfleet-worker --out target/gpu-bench
+	.venv-bench/bin/python worker/benches/export_resnet50.py --out-dir target/gpu-bench
+	for model in gpt2 llama resnet50; do \
+		$(BENCH_GPU_PYTHON) worker/benches/gpu_bench.py --model $$model --resnet50-export target/gpu-bench \
+			--worker target/release/tensorfleet-worker --out target/gpu-bench || exit 1; \
+	done
 
 # What a session lent a GPU machine (the `device` tool) carries there, for
 # worker/benches/gpu_session.sh to run: the worker and the GPU tests built as single processes
@@ -196,6 +201,8 @@ gpu-bundle: deps
 		--test cuda_backend --test onnx_node_tests --no-run --message-format=json \
 		| $(CURDIR)/.venv/bin/python -c 'import json, sys; [print(m["target"]["name"], m["executable"]) for m in map(json.loads, sys.stdin) if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]]' \
 		| while read -r name exe; do strip -o $(GPU_BUNDLE)/$$name "$$exe"; done
+	bash .ci/bench-deps.sh
+	.venv-bench/bin/python worker/benches/export_resnet50.py --out-dir $(GPU_BUNDLE)
 	tar czf $(GPU_BUNDLE)/onnx-node-tests.tgz -C "$$(dirname "$$(.venv/bin/python .ci/onnx_node_tests_dir.py)")" node
 	echo "$(CURDIR)" > $(GPU_BUNDLE)/built-at
 	du -sh $(GPU_BUNDLE)

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs there (the `device` tool), from the repository root:
-# issue 7's checks that need a GPU, and the GPT-2 124M benchmark. `make gpu-bundle` builds what
-# it needs, here, into .gpu-bundle/; each call carries that folder:
+# issue 7's checks that need a GPU, and the GPU benchmarks (GPT-2 124M, a 125M Llama, ResNet-50).
+# `make gpu-bundle` builds what it needs, here, into .gpu-bundle/; each call carries that folder:
 #
 #   run(command="bash worker/benches/gpu_session.sh all", carry=[".gpu-bundle"], timeout_s=600)
 #
 # all: one call's worth (under 10 minutes, each part under its own timeout so that a hang costs
-# only its part): the benchmark's tensorfleet row (and the warp attention's where that fails),
-# then the checks, then its PyTorch rows.
+# only its part): GPT-2's tensorfleet row (and the warp attention's where that fails), then the
+# checks, then GPT-2's PyTorch rows, then the Llama's and ResNet-50's rows.
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
-# then the ONNX node tests on the GPU. bench: worker/benches/gpu_gpt2_124m.py (arguments after
-# the mode go to it, e.g. --rows tensorfleet --micro-batches 16). Logs and results go to $OUT,
-# or to gpu-session/ where OUT is unset; the benchmark's rows gather in one gpu-bench.json
-# across bench calls on one machine. Should the tensor-core attention fail,
-# TENSORFLEET_CUDA_ATTENTION=warp before the command runs everything on the warp kernels
-# without a rebuild. GPU_BUNDLE=<folder> runs another bundle than .gpu-bundle (for a baseline:
-# `make gpu-bundle GPU_BUNDLE=.gpu-bundle-base` on the earlier commit, carried beside the
-# other, so that before and after are measured in one call on one machine).
+# then the ONNX node tests on the GPU. bench: worker/benches/gpu_bench.py (arguments after the
+# mode go to it, e.g. --model llama --rows tensorfleet --micro-batches 16). Logs and results go
+# to $OUT, or to gpu-session/ where OUT is unset; a model's rows gather in one
+# gpu-bench-<model>.json (its table in gpu-bench-<model>.txt) across bench calls on one machine.
+# Should the tensor-core attention fail, TENSORFLEET_CUDA_ATTENTION=warp before the command runs
+# everything on the warp kernels without a rebuild. GPU_BUNDLE=<folder> runs another bundle than
+# .gpu-bundle (for a baseline: `make gpu-bundle GPU_BUNDLE=.gpu-bundle-base` on the earlier
+# commit, carried beside the other, so that before and after are measured in one call on one
+# machine).
 set -euo pipefail
 mode=${1:?"usage: gpu_session.sh all|check|bench [benchmark arguments]"}
 shift
@@ -44,23 +45,31 @@ fi
 case $mode in
 all)
     # The parts run on whatever the one before left; a part's failure is in its log.
-    # The parts' limits add up to under 10 minutes with the fallback row, 8 without it.
+    # The parts' limits add up to under 10 minutes (GPT-2's, the checks' and the other models'
+    # about 7 of them; 2 more for the fallback row where the default attention failed).
     sizes=--micro-batches=64,32,16
+    others=(--steps 10 --warmup 3 --run-timeout 60)
     part() { echo "== $SECONDS s: $*" | tee -a "$out/parts.txt"; }
-    rm -f /tmp/tensorfleet-gpu-bench/gpu-bench.json  # this call's rows only
-    part bench tensorfleet
-    timeout -k 10 140 bash "$0" bench --rows tensorfleet --run-timeout 100 $sizes || true
+    rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json  # this call's rows only
+    part bench gpt2 tensorfleet
+    timeout -k 10 130 bash "$0" bench --rows tensorfleet --run-timeout 100 $sizes || true
     # The warp attention kernels' row only where the default ones failed (it takes minutes).
-    if ! grep -q '"tokens_per_s"' /tmp/tensorfleet-gpu-bench/gpu-bench.json 2>/dev/null; then
-        part bench tensorfleet_warp_attn
+    if ! grep -q '"items_per_s"' /tmp/tensorfleet-gpu-bench/gpu-bench-gpt2.json 2>/dev/null; then
+        part bench gpt2 tensorfleet_warp_attn
         timeout -k 10 110 bash "$0" bench --rows tensorfleet_warp_attn --run-timeout 100 $sizes || true
     fi
     part check
-    timeout -k 10 170 bash "$0" check || true
-    part bench pytorch
-    timeout -k 10 170 bash "$0" bench --rows pytorch_eager,pytorch_compile $sizes || true
+    timeout -k 10 90 bash "$0" check || true
+    part bench gpt2 pytorch
+    timeout -k 10 110 bash "$0" bench --rows pytorch_eager,pytorch_compile $sizes || true
+    part bench llama
+    timeout -k 10 130 bash "$0" bench --model llama --rows tensorfleet,pytorch_eager,pytorch_compile \
+        "${others[@]}" $sizes || true
+    part bench resnet50
+    timeout -k 10 130 bash "$0" bench --model resnet50 --rows tensorfleet,pytorch_eager,pytorch_compile \
+        "${others[@]}" --micro-batches=128,64 || true
     part done
-    cat "$out/bench-table.txt" 2>/dev/null || true
+    cat "$out"/gpu-bench-*.txt 2>/dev/null || true
     ;;
 check)
     nodes=$(mktemp -d)
@@ -78,11 +87,9 @@ bench)
     work=/tmp/tensorfleet-gpu-bench
     mkdir -p "$work"
     status=0
-    PYTHONUNBUFFERED=1 python3 worker/benches/gpu_gpt2_124m.py --worker "$bundle/tensorfleet-worker" \
-        --out "$work" "$@" 2>&1 | tee -a "$out/bench.log" | tee "$out/bench-last.txt" || status=1
-    sed -n '/^GPT-2 124M, seq/,$p' "$out/bench-last.txt" >"$out/bench-table.txt" || true
-    rm -f "$out/bench-last.txt"
-    cp "$work/gpu-bench.json" "$work/worker-stderr.log" "$out/" 2>/dev/null || true
+    PYTHONUNBUFFERED=1 python3 worker/benches/gpu_bench.py --worker "$bundle/tensorfleet-worker" \
+        --resnet50-export "$bundle" --out "$work" "$@" 2>&1 | tee -a "$out/bench.log" || status=1
+    cp "$work"/gpu-bench-*.json "$work"/gpu-bench-*.txt "$work/worker-stderr.log" "$out/" 2>/dev/null || true
     exit $status
     ;;
 *)

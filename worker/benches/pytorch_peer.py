@@ -96,6 +96,138 @@ class Gpt2(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# Llama (Hugging Face's LlamaForCausalLM, as the worker's builtin `model.llama` computes it):
+# RMSNorm, rotary embeddings, grouped-query attention, SwiGLU, an untied LM head, no biases.
+
+
+class RmsNorm(nn.Module):
+    def __init__(self, width, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        # In float32, as Hugging Face's LlamaRMSNorm, then back to the input's type.
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, embed, heads, kv_heads, ffn, eps):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, embed // heads
+        kv = kv_heads * self.head_dim
+        self.input_layernorm = RmsNorm(embed, eps)
+        self.q_proj = nn.Linear(embed, embed, bias=False)
+        self.k_proj = nn.Linear(embed, kv, bias=False)
+        self.v_proj = nn.Linear(embed, kv, bias=False)
+        self.o_proj = nn.Linear(embed, embed, bias=False)
+        self.post_attention_layernorm = RmsNorm(embed, eps)
+        self.gate_proj = nn.Linear(embed, ffn, bias=False)
+        self.up_proj = nn.Linear(embed, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, embed, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, c = x.shape
+        h = self.input_layernorm(x)
+        q = self.q_proj(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads)
+        x = x + self.o_proj(y.transpose(1, 2).reshape(b, t, c))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, embed, heads, kv_heads, ffn, seq, vocab, rope_theta=10000.0, eps=1e-6):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, embed)
+        self.layers = nn.ModuleList([LlamaBlock(embed, heads, kv_heads, ffn, eps) for _ in range(layers)])
+        self.norm = RmsNorm(embed, eps)
+        self.lm_head = nn.Linear(embed, vocab, bias=False)
+        for p in self.parameters():
+            if p.ndim >= 2:
+                nn.init.normal_(p, std=0.02)  # Hugging Face's initializer_range
+        d = embed // heads
+        inv_freq = rope_theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx, labels):
+        t = idx.shape[1]
+        x = self.embed_tokens(idx)
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), labels.view(-1))
+
+
+# ----------------------------------------------------------------------------------------------
+# ResNet-50 (He et al. 2015, with torchvision's "v1.5" stride on the 3x3 convolution of each
+# bottleneck), written here so that no torchvision is needed: the same layers, names and init.
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin, width, stride):
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, classes=1000):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        cin, stages = 64, []
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            stage = []
+            for i in range(blocks):
+                stage.append(Bottleneck(cin, width, stride if i == 0 else 1))
+                cin = width * Bottleneck.expansion
+            stages.append(nn.Sequential(*stage))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(cin, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def logits(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, stride=2, padding=1)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.logits(x).float(), labels)
+
+
+# ----------------------------------------------------------------------------------------------
 # SqueezeNet 1.1 (Iandola et al. 2016; the 1.1 variant: 3x3/64 stem, pools after fire 2 and 4)
 
 
