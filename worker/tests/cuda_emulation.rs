@@ -1190,6 +1190,52 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
     check("GlobalAveragePool of no images", &Op::GlobalAveragePool, &[empty], &[vec![0, 3, 1, 1]]);
 }
 
+/// Outputs that each reduce at least 256 inputs take one block each (`reduce_strided_blocks`):
+/// every kind but LogSumExp and Prod, in f32 and bf16, over outer and inner axes at once, and a
+/// convolution's bias gradient (N·H·W values a channel, what made ResNet-50's ConvGrad take
+/// 180 ms on an H200); the results match the CPU's within rounding.
+#[test]
+fn reductions_over_many_inputs_run_a_block_each_and_match_the_cpu_backend() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let positive: Vec<f32> = values(3 * 5 * 120, 22).iter().map(|v| v.abs() + 0.5).collect();
+    let kinds = [
+        Reduce::Sum,
+        Reduce::Mean,
+        Reduce::Max,
+        Reduce::Min,
+        Reduce::SumSquare,
+        Reduce::L1,
+        Reduce::L2,
+        Reduce::LogSum,
+    ];
+    for (t, tolerance) in [(DType::F32, 1e-6), (DType::BF16, 2f32.powi(-8))] {
+        let x = Tensor::from_vec(&[3, 5, 120], positive.clone()).cast(t);
+        for kind in kinds {
+            let op = Op::ReduceOp { kind, axes: Some(vec![0, 2]), keepdims: false, noop_with_empty_axes: false };
+            let out = [Meta::new(t, &[5])];
+            let x = std::slice::from_ref(&x);
+            let (g, c) = (run_typed(&gpu, &op, x, &out), run_typed(&cpu, &op, x, &out));
+            close_as_f32(&format!("{t} {kind:?} of 360 values"), &g, &c, tolerance);
+        }
+    }
+    let blocks = launches_of(&gpu, &["reduce_strided_blocks"]).values().sum::<usize>();
+    assert_eq!(blocks, 16, "every reduction of 360 values took one block per output");
+
+    let (x_shape, w_shape, y_shape) = (vec![4, 3, 10, 10], vec![2, 3, 3, 3], vec![4, 2, 10, 10]);
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    let inputs = [
+        Tensor::from_vec(&y_shape, values(n(&y_shape), 23)),
+        Tensor::from_vec(&x_shape, values(n(&x_shape), 24)),
+        Tensor::from_vec(&w_shape, values(n(&w_shape), 25)),
+    ];
+    let grad = Op::ConvGrad { window: Window::explicit(&[3, 3], &[1, 1], &[1, 1], &[1, 1, 1, 1], false), group: 1 };
+    let shapes = [x_shape, w_shape, vec![2]];
+    let (g, c) = (run_op(&gpu, &grad, &inputs, &shapes), run_op(&cpu, &grad, &inputs, &shapes));
+    assert_close("ConvGrad whose dB sums 400 values a channel", &g, &c);
+    let blocks_now = launches_of(&gpu, &["reduce_strided_blocks"]).values().sum::<usize>();
+    assert_eq!(blocks_now, blocks + 1, "the bias gradient took one block per channel");
+}
+
 /// A training step waits for the device once, where the gradient norm and the loss are read
 /// (issue 7: no host synchronisation inside a step except for the loss), however many weights
 /// and micro-batches; fp16's overflow check and clipping take their figures from that one read,

@@ -372,6 +372,23 @@ __device__ double block_sum_f64(double v) {
     __syncthreads();
     return total;
 }
+// The block's maximum in f64 (max_of: a NaN loses to a number), to every thread.
+__device__ double block_max_f64(double v) {
+    __shared__ double partial[32];
+    __shared__ double total;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o > 0; o >>= 1) v = max_of(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? partial[lane] : (double)NEG_INF;
+        for (int o = 16; o > 0; o >>= 1) v = max_of(v, __shfl_xor_sync(0xffffffffu, v, o));
+        if (lane == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
 __device__ float block_max(float v) {
     __shared__ float partial[32];
     __shared__ float total;

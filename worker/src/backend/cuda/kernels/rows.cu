@@ -261,6 +261,57 @@ extern "C" __global__ void reduce_strided_f64(int kind, i64 n, Dims od, Strides 
     reduce_strided<F64>(kind, n, od, os, inner_n, rd, rs, x, out);
 }
 
+// The same reductions, kinds 0 to 7, with one block per output element: for outputs that each
+// reduce many inputs (a convolution's bias gradient sums N·H·W values per channel, which one
+// thread per channel reads in hundreds of milliseconds). The block's threads read neighbouring
+// inputs where the reduced axes are the inner ones; their partial results meet in the block's
+// tree, in f64 (max and min exactly).
+template <class S>
+__device__ void reduce_strided_blocks(int kind, i64 n, const Dims& od, const Strides& os, i64 inner_n,
+                                      const Dims& rd, const Strides& rs, const typename S::T* x,
+                                      typename S::T* out) {
+    typedef typename S::C C;
+    for (i64 i = blockIdx.x; i < n; i += gridDim.x) {
+        i64 base = offset_of(i, od, os);
+        double r = kind == 2 ? (double)NEG_INF : kind == 3 ? -(double)NEG_INF : 0.0;
+        for (i64 j = threadIdx.x; j < inner_n; j += blockDim.x) {
+            double v = (double)S::load(x[base + offset_of(j, rd, rs)]);
+            switch (kind) {
+            case 2: r = max_of(r, v); break;
+            case 3: r = min_of(r, v); break;
+            case 4: case 6: r += v * v; break;
+            case 5: r += abs_of(v); break;
+            default: r += v;
+            }
+        }
+        if (kind == 2) r = block_max_f64(r);
+        else if (kind == 3) r = -block_max_f64(-r);
+        else r = block_sum_f64(r);
+        switch (kind) {
+        case 1: r /= (double)inner_n; break;
+        case 6: r = sqrt_of(r); break;
+        case 7: r = log_of(r); break;
+        }
+        if (threadIdx.x == 0) out[i] = S::store((C)r);
+    }
+}
+extern "C" __global__ void reduce_strided_blocks_f32(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                                     Strides rs, const float* x, float* out) {
+    reduce_strided_blocks<F32>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_blocks_f16(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                                     Strides rs, const u16* x, u16* out) {
+    reduce_strided_blocks<F16>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_blocks_bf16(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                                      Strides rs, const u16* x, u16* out) {
+    reduce_strided_blocks<BF16>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+extern "C" __global__ void reduce_strided_blocks_f64(int kind, i64 n, Dims od, Strides os, i64 inner_n, Dims rd,
+                                                     Strides rs, const double* x, double* out) {
+    reduce_strided_blocks<F64>(kind, n, od, os, inner_n, rd, rs, x, out);
+}
+
 // ---- SoftmaxCrossEntropyLoss over rows of class scores ([N, C], classes contiguous) ----
 
 // The weight each row's loss counts with: weights[label] (1 without weights), 0 for an ignored
