@@ -1,11 +1,15 @@
 //! Rank 0's HTTP endpoint: `/progress` (JSON, read by the operator for a TrainingJob's status)
-//! and `/metrics` (Prometheus text). A thread on a std listener: the training loop only swaps
-//! a snapshot under a mutex, so serving never slows a step.
+//! and `/metrics` (OpenMetrics text, which Prometheus scrapes). A thread on a std listener: the
+//! training loop only swaps a snapshot under a mutex, so serving never slows a step.
 
 use crate::error::{Error, Result};
 use crate::progress::Report;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -59,7 +63,7 @@ fn answer(mut stream: TcpStream, report: &Report) -> std::io::Result<()> {
     let path = request.split_whitespace().nth(1).unwrap_or("/");
     let (status, content_type, body) = match path {
         "/progress" => ("200 OK", "application/json", serde_json::to_string(report).unwrap_or_default()),
-        "/metrics" => ("200 OK", "text/plain; version=0.0.4", prometheus(report)),
+        "/metrics" => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", prometheus(report)),
         _ => ("404 Not Found", "text/plain", "try /progress or /metrics\n".to_string()),
     };
     write!(
@@ -69,14 +73,15 @@ fn answer(mut stream: TcpStream, report: &Report) -> std::io::Result<()> {
     )
 }
 
-/// The Prometheus text exposition of the report.
+/// The report as OpenMetrics text (prometheus-client's encoder, as the operator's /metrics):
+/// a gauge per value the report has, none for the ones it lacks yet.
 fn prometheus(r: &Report) -> String {
-    let mut out = String::new();
+    let mut registry = Registry::with_prefix("tensorfleet");
     let mut gauge = |name: &str, help: &str, value: Option<f64>| {
         if let Some(v) = value {
-            out.push_str(&format!(
-                "# HELP tensorfleet_{name} {help}\n# TYPE tensorfleet_{name} gauge\ntensorfleet_{name} {v}\n"
-            ));
+            let g = Gauge::<f64, AtomicU64>::default();
+            g.set(v);
+            registry.register(name, help, g);
         }
     };
     gauge("step", "Weight updates done", Some(r.step as f64));
@@ -89,6 +94,8 @@ fn prometheus(r: &Report) -> String {
     gauge("flops_per_second", "Model FLOPs per second of training", r.flops_per_second);
     gauge("mfu", "Model FLOPs utilization (0..1) against the device's peak", r.mfu);
     gauge("eta_seconds", "Estimated seconds to the last step", r.eta_seconds);
+    let mut out = String::new();
+    encode(&mut out, &registry).expect("writing to a String does not fail");
     out
 }
 
@@ -121,7 +128,8 @@ mod tests {
         assert_eq!(body["totalSteps"], 200);
         assert_eq!(body["latestCheckpoint"], "checkpoint_50");
         let metrics = get(ep.addr, "/metrics");
-        assert!(metrics.contains("tensorfleet_loss 3.5\n"), "{metrics}");
+        assert!(metrics.contains("# TYPE tensorfleet_loss gauge\ntensorfleet_loss 3.5\n"), "{metrics}");
+        assert!(metrics.contains("tensorfleet_step 50.0\n") && metrics.ends_with("# EOF\n"), "{metrics}");
         assert!(!metrics.contains("tensorfleet_eval_loss"), "absent values are not exported");
         assert!(get(ep.addr, "/nope").starts_with("HTTP/1.1 404"));
     }
