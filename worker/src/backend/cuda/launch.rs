@@ -110,6 +110,29 @@ fn broadcast(input: &[usize], out: &[usize]) -> Result<Strides, BackendError> {
     Ok(strides_of(&at))
 }
 
+/// How the binary kernel finds an operand of shape `input` broadcast to `out` (`reach` in
+/// kernels/elementwise.cu), with its divisor: 0 the output's layout; 1 repeated along leading
+/// dims, `i mod` its size (a scalar: size 1); 2 spread over trailing dims, `i /` their size;
+/// 3 anything else, by the strides.
+fn reach(input: &[usize], out: &[usize]) -> (i32, i64) {
+    if input == out {
+        return (0, 1);
+    }
+    let padded: Vec<usize> =
+        std::iter::repeat_n(1, out.len().saturating_sub(input.len())).chain(input.iter().copied()).collect();
+    let size = |dims: &[usize]| dims.iter().product::<usize>() as i64;
+    // The first dim from which the operand matches the output, and the last up to which it does.
+    let from = (0..=out.len()).find(|&q| padded[q..] == out[q..]).unwrap_or(out.len());
+    if padded[..from].iter().all(|&n| n == 1) {
+        return (1, size(&out[from..]).max(1));
+    }
+    let upto = (0..=out.len()).rev().find(|&q| padded[..q] == out[..q]).unwrap_or(0);
+    if padded[upto..].iter().all(|&n| n == 1) {
+        return (2, size(&out[upto..]).max(1));
+    }
+    (3, 1)
+}
+
 /// A kernel parameter, typed so that check mode can compare it with the kernel's declaration.
 #[derive(Clone, Copy, Debug)]
 pub enum P {
@@ -1436,11 +1459,12 @@ fn binary(dev: Dev, op: Binary, a: V, b: V, y: V) -> Result<(), BackendError> {
         ),
         _ if t == DType::Bool => refused!("{op:?} of bool has no CUDA kernel (nor an ONNX meaning)"),
         _ => {
-            let contiguous = (a.shape() == y.shape() && b.shape() == y.shape()) as i32;
+            let (ka, pa) = reach(a.shape(), y.shape());
+            let (kb, pb) = reach(b.shape(), y.shape());
             dev.kernel(
                 &numeric("binary", t),
                 elementwise(n),
-                &mut params![code, n as i64, d, a.at, sa, b.at, sb, contiguous, y.at],
+                &mut params![code, n as i64, d, a.at, sa, ka, pa, b.at, sb, kb, pb, y.at],
             )
         }
     }
@@ -2294,6 +2318,24 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -
 #[cfg(test)]
 mod tests {
     use crate::op::{Binary, Reduce, Unary};
+
+    /// Each broadcast finds its elements the cheapest way that is right: the output's layout,
+    /// `i mod` the operand's size, `i /` the trailing dims' size, or the strides.
+    #[test]
+    fn operands_reach_their_elements_by_their_broadcast() {
+        use super::reach;
+        assert_eq!(reach(&[2, 3, 4], &[2, 3, 4]), (0, 1));
+        assert_eq!(reach(&[4], &[2, 3, 4]), (1, 4), "a bias");
+        assert_eq!(reach(&[1, 3, 4], &[2, 3, 4]), (1, 12));
+        assert_eq!(reach(&[1024, 64], &[8, 12, 1024, 64]), (1, 65536), "RoPE's tables");
+        assert_eq!(reach(&[], &[2, 3]), (1, 1), "a scalar");
+        assert_eq!(reach(&[1, 1], &[2, 3]), (1, 1));
+        assert_eq!(reach(&[2, 3, 1], &[2, 3, 4]), (2, 4), "a row statistic");
+        assert_eq!(reach(&[2, 1, 1], &[2, 3, 4]), (2, 12));
+        assert_eq!(reach(&[2, 1, 4], &[2, 3, 4]), (3, 1), "a middle axis broadcast");
+        assert_eq!(reach(&[0, 4], &[0, 4]), (0, 1));
+        assert_eq!(reach(&[4], &[0, 4]), (1, 4));
+    }
 
     /// The kernels switch on `op as i32` and `Unary::code` (kernels/elementwise.cu,
     /// kernels/rows.cu): reordering the enums would silently change which function runs.

@@ -244,36 +244,50 @@ __device__ void binary_vectors(int op, i64 n, const typename S::T* a, const type
         out[i] = S::store(arith_f(op, S::load(a[i]), S::load(b[i])));
 }
 
+// Where an operand's element for output element i lies, by how it broadcasts (`Reach` in
+// launch.rs): 0 the output's own layout (i), 1 repeated along the leading dims (i mod k, its
+// size: a bias, RoPE's [T, D] tables against [B, H, T, D]), 2 spread over the trailing dims
+// (i / k, their size: a row statistic [B, T, 1] against [B, T, C]), 3 any other (the strides,
+// a division per dim). One division at most where the strides took one per dim.
+__device__ __forceinline__ i64 reach(int kind, i64 k, i64 i, const Dims& d, const Strides& s) {
+    switch (kind) {
+    case 0: return i;
+    case 1: return i % k;
+    case 2: return i / k;
+    default: return offset_of(i, d, s);
+    }
+}
+
 // out[i] = a[·] op b[·] over the output's shape `d`; `sa`, `sb` are the operands' strides
-// broadcast to it. `contiguous` says both operands have the output's layout (no index math).
+// broadcast to it, `ka`/`pa` and `kb`/`pb` how each reaches its elements (reach above).
 template <class S>
-__device__ void binary(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
-                       const typename S::T* b, const Strides& sb, int contiguous, typename S::T* out) {
-    if (contiguous && aligned16(a) && aligned16(b) && aligned16(out)) {
+__device__ void binary(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa, int ka, i64 pa,
+                       const typename S::T* b, const Strides& sb, int kb, i64 pb, typename S::T* out) {
+    if (ka == 0 && kb == 0 && aligned16(a) && aligned16(b) && aligned16(out)) {
         binary_vectors<S>(op, n, a, b, out);
         return;
     }
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        typename S::C x = S::load(contiguous ? a[i] : a[offset_of(i, d, sa)]);
-        typename S::C y = S::load(contiguous ? b[i] : b[offset_of(i, d, sb)]);
+        typename S::C x = S::load(a[reach(ka, pa, i, d, sa)]);
+        typename S::C y = S::load(b[reach(kb, pb, i, d, sb)]);
         out[i] = S::store(arith_f(op, x, y));
     }
 }
-extern "C" __global__ void binary_f32(int op, i64 n, Dims d, const float* a, Strides sa, const float* b,
-                                      Strides sb, int contiguous, float* out) {
-    binary<F32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_f32(int op, i64 n, Dims d, const float* a, Strides sa, int ka, i64 pa,
+                                      const float* b, Strides sb, int kb, i64 pb, float* out) {
+    binary<F32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
-extern "C" __global__ void binary_f16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
-                                      int contiguous, u16* out) {
-    binary<F16>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_f16(int op, i64 n, Dims d, const u16* a, Strides sa, int ka, i64 pa, const u16* b,
+                                      Strides sb, int kb, i64 pb, u16* out) {
+    binary<F16>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
-extern "C" __global__ void binary_bf16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b,
-                                       Strides sb, int contiguous, u16* out) {
-    binary<BF16>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_bf16(int op, i64 n, Dims d, const u16* a, Strides sa, int ka, i64 pa,
+                                       const u16* b, Strides sb, int kb, i64 pb, u16* out) {
+    binary<BF16>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
-extern "C" __global__ void binary_f64(int op, i64 n, Dims d, const double* a, Strides sa, const double* b,
-                                      Strides sb, int contiguous, double* out) {
-    binary<F64>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_f64(int op, i64 n, Dims d, const double* a, Strides sa, int ka, i64 pa,
+                                      const double* b, Strides sb, int kb, i64 pb, double* out) {
+    binary<F64>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 
 template <class S>
@@ -345,11 +359,11 @@ __device__ __forceinline__ T arith_int(int op, T a, T b) {
     }
 }
 template <typename T, typename U>
-__device__ void binary_int(int op, i64 n, const Dims& d, const T* a, const Strides& sa, const T* b,
-                           const Strides& sb, int contiguous, T* out) {
+__device__ void binary_int(int op, i64 n, const Dims& d, const T* a, const Strides& sa, int ka, i64 pa, const T* b,
+                           const Strides& sb, int kb, i64 pb, T* out) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        T x = contiguous ? a[i] : a[offset_of(i, d, sa)];
-        T y = contiguous ? b[i] : b[offset_of(i, d, sb)];
+        T x = a[reach(ka, pa, i, d, sa)];
+        T y = b[reach(kb, pb, i, d, sb)];
         out[i] = arith_int<T, U>(op, x, y);
     }
 }
@@ -360,65 +374,65 @@ __device__ void compare_int(int op, i64 n, const Dims& d, const T* a, const Stri
         out[i] = compare_f(op, a[offset_of(i, d, sa)], b[offset_of(i, d, sb)]) ? 1 : 0;
 }
 // One pair per integer type (the kernel-declaration parser reads each entry point as written).
-extern "C" __global__ void binary_i8(int op, i64 n, Dims d, const i8* a, Strides sa, const i8* b, Strides sb,
-                                     int contiguous, i8* out) {
-    binary_int<i8, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_i8(int op, i64 n, Dims d, const i8* a, Strides sa, int ka, i64 pa,
+                                      const i8* b, Strides sb, int kb, i64 pb, i8* out) {
+    binary_int<i8, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_i8(int op, i64 n, Dims d, const i8* a, Strides sa, const i8* b, Strides sb,
                                       u8* out) {
     compare_int<i8>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
-                                     int contiguous, u8* out) {
-    binary_int<u8, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_u8(int op, i64 n, Dims d, const u8* a, Strides sa, int ka, i64 pa,
+                                      const u8* b, Strides sb, int kb, i64 pb, u8* out) {
+    binary_int<u8, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_u8(int op, i64 n, Dims d, const u8* a, Strides sa, const u8* b, Strides sb,
                                       u8* out) {
     compare_int<u8>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_i16(int op, i64 n, Dims d, const i16* a, Strides sa, const i16* b, Strides sb,
-                                      int contiguous, i16* out) {
-    binary_int<i16, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_i16(int op, i64 n, Dims d, const i16* a, Strides sa, int ka, i64 pa,
+                                      const i16* b, Strides sb, int kb, i64 pb, i16* out) {
+    binary_int<i16, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_i16(int op, i64 n, Dims d, const i16* a, Strides sa, const i16* b, Strides sb,
                                        u8* out) {
     compare_int<i16>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_u16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
-                                      int contiguous, u16* out) {
-    binary_int<u16, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_u16(int op, i64 n, Dims d, const u16* a, Strides sa, int ka, i64 pa,
+                                      const u16* b, Strides sb, int kb, i64 pb, u16* out) {
+    binary_int<u16, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_u16(int op, i64 n, Dims d, const u16* a, Strides sa, const u16* b, Strides sb,
                                        u8* out) {
     compare_int<u16>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
-                                      int contiguous, int* out) {
-    binary_int<int, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_i32(int op, i64 n, Dims d, const int* a, Strides sa, int ka, i64 pa,
+                                      const int* b, Strides sb, int kb, i64 pb, int* out) {
+    binary_int<int, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_i32(int op, i64 n, Dims d, const int* a, Strides sa, const int* b, Strides sb,
                                        u8* out) {
     compare_int<int>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_u32(int op, i64 n, Dims d, const u32* a, Strides sa, const u32* b, Strides sb,
-                                      int contiguous, u32* out) {
-    binary_int<u32, u32>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_u32(int op, i64 n, Dims d, const u32* a, Strides sa, int ka, i64 pa,
+                                      const u32* b, Strides sb, int kb, i64 pb, u32* out) {
+    binary_int<u32, u32>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_u32(int op, i64 n, Dims d, const u32* a, Strides sa, const u32* b, Strides sb,
                                        u8* out) {
     compare_int<u32>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
-                                      int contiguous, i64* out) {
-    binary_int<i64, u64>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_i64(int op, i64 n, Dims d, const i64* a, Strides sa, int ka, i64 pa,
+                                      const i64* b, Strides sb, int kb, i64 pb, i64* out) {
+    binary_int<i64, u64>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_i64(int op, i64 n, Dims d, const i64* a, Strides sa, const i64* b, Strides sb,
                                        u8* out) {
     compare_int<i64>(op, n, d, a, sa, b, sb, out);
 }
-extern "C" __global__ void binary_u64(int op, i64 n, Dims d, const u64* a, Strides sa, const u64* b, Strides sb,
-                                      int contiguous, u64* out) {
-    binary_int<u64, u64>(op, n, d, a, sa, b, sb, contiguous, out);
+extern "C" __global__ void binary_u64(int op, i64 n, Dims d, const u64* a, Strides sa, int ka, i64 pa,
+                                      const u64* b, Strides sb, int kb, i64 pb, u64* out) {
+    binary_int<u64, u64>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 extern "C" __global__ void compare_u64(int op, i64 n, Dims d, const u64* a, Strides sa, const u64* b, Strides sb,
                                        u8* out) {
