@@ -239,6 +239,22 @@ impl Drop for Pref {
     }
 }
 
+/// Says, once per product shape (the plans are kept), that its bias or epilogue runs as kernels
+/// after a plain product rather than in cuBLASLt's epilogue: issue 24's profile needs to know
+/// which path the products of a run took.
+fn epilogue_apart(p: &Product, why: &str) {
+    tracing::info!(
+        m = p.m,
+        n = p.n,
+        k = p.k,
+        batch = p.batch,
+        dtype = %p.dtype,
+        epilogue = ?p.epilogue,
+        bias = p.bias != 0,
+        "cuBLASLt epilogue not used ({why}): bias and activation run as kernels after the product"
+    );
+}
+
 /// A shape's descriptors and the algorithm cuBLASLt's heuristic chose for it, made at its first
 /// product and kept: creating them and asking the heuristic cost more host time than the
 /// launch, and a training step repeats the same few dozen shapes. Only the bias and aux
@@ -281,7 +297,12 @@ impl Gemm {
             // A shape cuBLASLt has no algorithm for with its epilogue is remembered as such.
             let plan = match self.plan(p, &shape) {
                 Ok(plan) => Some(plan),
-                Err(Unsupported) => None,
+                Err(Unsupported) => {
+                    if epilogue {
+                        epilogue_apart(p, "the heuristic offers no algorithm with it");
+                    }
+                    None
+                }
                 Err(e) => return Err(e),
             };
             self.plans.insert(shape, plan);
@@ -317,6 +338,7 @@ impl Gemm {
             // An epilogue the heuristic offered and the product then refused: run it apart,
             // now and for the rest of the run.
             Err(e) if epilogue && e.0 == sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED => {
+                epilogue_apart(p, "the product refused the algorithm the heuristic offered");
                 self.plans.insert(shape, None);
                 Err(Unsupported)
             }
