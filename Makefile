@@ -190,8 +190,10 @@ bench-gpu: deps
 
 # What a session lent a GPU machine (the `device` tool) carries there, for
 # worker/benches/gpu_session.sh to run: the worker and the GPU tests built as single processes
-# (that machine has CUDA and no MPI), stripped, with the ONNX node tests' data and the path they
-# were built at (test binaries find their sources by it).
+# (that machine has CUDA and no MPI), stripped, with the ONNX node tests' data, the GPU
+# benchmark's ResNet-50 graph (exported with .venv-bench's torch and onnx, which
+# .ci/bench-deps.sh installs: about 3 GB the first time) and the path they were built at (test
+# binaries find their sources by it).
 GPU_BUNDLE := .gpu-bundle
 gpu-bundle: deps
 	$(CARGO) build --release -p tensorfleet-worker --no-default-features --features cli --target-dir target/solo
