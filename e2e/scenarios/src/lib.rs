@@ -373,13 +373,14 @@ impl Cluster {
     pub async fn stop_node(&self, name: &str) -> StoppedNode {
         let key = format!("CONTAINERD_{}", name.to_uppercase().replace('-', "_"));
         let socket = self.env.get(&key).unwrap_or_else(|| panic!("no {key} in the cluster's env")).clone();
-        let ctr = |args: &[&str]| Command::new("ctr").args(["-a", &socket, "-n", "k8s.io"]).args(args).output();
-        let tasks = ctr(&["tasks", "ls", "-q"]).expect("ctr tasks ls");
-        for id in String::from_utf8_lossy(&tasks.stdout).split_whitespace() {
-            let _ = ctr(&["tasks", "kill", "--all", "--signal", "SIGKILL", id]);
-        }
         // The node's own processes all name its folder: kubelet, containerd and the shims.
         let folder = format!("{}/", self.dir.join("nodes").join(name).display());
+        let program = |argv: &[String]| argv[0].rsplit('/').next().unwrap_or_default().to_string();
+        let kill = |pid: u32| Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        let (kubelet, rest): (Vec<_>, Vec<_>) = processes()
+            .into_iter()
+            .filter(|(_, argv)| argv.iter().any(|a| a.contains(&folder)))
+            .partition(|(_, argv)| program(argv) == "kubelet");
         let mut stopped = StoppedNode {
             name: name.to_string(),
             dir: self.dir.clone(),
@@ -387,14 +388,22 @@ impl Cluster {
             containerd: Vec::new(),
             started: false,
         };
-        for (pid, argv) in processes().into_iter().filter(|(_, argv)| argv.iter().any(|a| a.contains(&folder))) {
-            let program = argv[0].rsplit('/').next().unwrap_or_default().to_string();
-            match program.as_str() {
-                "kubelet" => stopped.kubelet = argv,
-                "containerd" => stopped.containerd = argv,
-                _ => {}
+        // The kubelet first: one that outlives its containers reports their deaths (exit 137)
+        // before the node is seen lost, which a power cut would not let it do.
+        for (pid, argv) in kubelet {
+            stopped.kubelet = argv;
+            let _ = kill(pid);
+        }
+        let ctr = |args: &[&str]| Command::new("ctr").args(["-a", &socket, "-n", "k8s.io"]).args(args).output();
+        let tasks = ctr(&["tasks", "ls", "-q"]).expect("ctr tasks ls");
+        for id in String::from_utf8_lossy(&tasks.stdout).split_whitespace() {
+            let _ = ctr(&["tasks", "kill", "--all", "--signal", "SIGKILL", id]);
+        }
+        for (pid, argv) in rest {
+            if program(&argv) == "containerd" {
+                stopped.containerd = argv;
             }
-            let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+            let _ = kill(pid);
         }
         assert!(
             !stopped.kubelet.is_empty() && !stopped.containerd.is_empty(),
