@@ -210,6 +210,7 @@ class ResNet50Bench:
 
     def __init__(self, onnx_dir, size=224):
         self.onnx_dir, self.size = onnx_dir, size
+        self.graph = None  # the exported graph with its weights, once written (weights())
         self.title = f"ResNet-50, {size}x{size}, 1000 classes"
 
     def model(self):
@@ -245,7 +246,10 @@ class ResNet50Bench:
 
     def weights(self, run_dir):
         """The exported graph beside its weights: export_resnet50.py's graph and manifest, the
-        weights file written from a freshly initialized module by name."""
+        weights file written from a freshly initialized module by name. Written once per
+        benchmark: every worker run reads the same files, and the worker never writes them."""
+        if self.graph:
+            return self.graph
         os.makedirs(run_dir, exist_ok=True)
         graph = f"{run_dir}/resnet50.onnx"
         shutil.copy(f"{self.onnx_dir}/resnet50.onnx", graph)
@@ -259,6 +263,7 @@ class ResNet50Bench:
                     raise SystemExit(f"{w['name']}: the module's shape {list(t.shape)}, the export's {w['shape']}")
                 f.seek(w["offset"])
                 f.write(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))  # no numpy needed
+        self.graph = graph
         return graph
 
     def worker_config(self, micro_batch, steps, out):
