@@ -133,6 +133,7 @@ class Transformer:
 
     unit = "tokens"
     seq = 1024
+    clip = True  # gradients clipped to norm 1, as the worker's gradClipNorm
 
     def optimizer(self, model):
         return torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -206,6 +207,7 @@ class ResNet50Bench:
     name = "resnet50"
     unit = "images"
     seq = 1
+    clip = False
     classes = 1000
 
     def __init__(self, onnx_dir, size=224):
@@ -310,7 +312,7 @@ def torch_run(bench, device, compiled, micro_batch, steps, warmup, dtype=torch.b
         with torch.autocast(device, dtype=dtype):
             loss = step_fn(x, labels)
         scaler.scale(loss).backward()
-        if bench.unit == "tokens":
+        if bench.clip:
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
