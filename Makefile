@@ -89,21 +89,13 @@ test:
 # running the images `make images` built, and the operator installed with helm from its image,
 # all started here (as root) and stopped at the end, the host checked to be as found. When a
 # scenario fails, the cluster's logs stay in its directory, which is printed. Each stage's and
-# each scenario's time is printed. One scenario at a time: they share the machine.
+# each scenario's time is printed (e2e/run.sh).
 e2e: deps images
 	$(MAKE) --no-print-directory e2e-cluster
 
 # The same without building the images first (.ci/test.sh builds them beside the cargo tests).
 e2e-cluster: deps
-	start=$$(date +%s); stage() { echo "== e2e: $$(( $$(date +%s) - start )) s: $$*"; }; \
-	stage "the nodes' binaries (e2e/control-plane/build.sh --nodes)"; \
-	bin="$$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"; \
-	cluster="$$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"; \
-	trap 'rc=$$?; stage "down"; bash e2e/cluster/down.sh "$$cluster" || rc=1; \
-		if [ $$rc -eq 0 ]; then rm -rf "$$cluster"; else echo "e2e: logs of the cluster are in $$cluster" >&2; fi; exit $$rc' EXIT; \
-	stage "up"; TENSORFLEET_K8S_BIN="$$bin" bash e2e/cluster/up.sh "$$cluster" && \
-	stage "the nodes from outside (e2e/nodes/check.sh)" && bash e2e/nodes/check.sh "$$cluster" && \
-	stage "scenarios (e2e/scenarios/run.sh)" && TENSORFLEET_E2E_CLUSTER="$$cluster" CARGO=$(CARGO) bash e2e/scenarios/run.sh
+	CARGO=$(CARGO) bash e2e/run.sh
 
 # A fuzzing campaign (worker/tests/fuzz.rs) over every reader of inputs (token and sample
 # shards, checkpoint manifests, safetensors, ONNX models, configurations): FUZZ_SECONDS per

@@ -445,6 +445,20 @@ pub fn quickstart(name: &str, training: Value) -> Value {
     manifest
 }
 
+/// Long enough for a small job on two busy cores, short enough that a hang fails the run.
+pub const TRAINING: Duration = Duration::from_secs(600);
+
+/// A job long enough to be caught mid-run: 60 steps, a checkpoint every 10. Its steps are the
+/// quickstart's model on a quarter of the batch, of half-length sequences (a step takes a
+/// quarter of the time): these scenarios are about what happens around training, and the
+/// quickstart's own scenario trains the example as shipped.
+pub fn long_quickstart(name: &str) -> Value {
+    quickstart(
+        name,
+        json!({"steps": 60, "batchSize": 2, "model": {"gpt2": {"seqLen": 32}}, "checkpoint": {"every": 10, "keep": 3}, "evaluation": {"every": 0}, "logging": {"every": 1}, "lrSchedule": {"warmupSteps": 5}}),
+    )
+}
+
 /// JSON merge patch (RFC 7386) of `patch` into `target`.
 pub fn merge(target: &mut Value, patch: Value) {
     match patch {
