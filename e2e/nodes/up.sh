@@ -98,8 +98,9 @@ wait_until() { # WHAT LOG CMD...
 
 CLIENT_EXT=$'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth'
 SERVING_EXT=$'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth'
-for i in "${!NODE_NAMES[@]}"; do
-    name=${NODE_NAMES[$i]}
+# containerd: every node's started, then the images imported into all of them at once (one
+# after another took 25 s a node, most of it waiting on one core's decompression).
+for name in "${NODE_NAMES[@]}"; do
     N=$DIR/nodes/$name
     rm -rf "$N" && mkdir -p "$N"/{containerd/root,containerd/state,cni/net.d,cni/ipam,kubelet,pod-logs,volume-plugins}
     log "$name: containerd"
@@ -127,15 +128,30 @@ state = "$N/containerd/state"
     conf_dir = "$N/cni/net.d"
 EOF
     start "containerd-$name" containerd --config "$N/containerd.toml" >/dev/null
-    wait_until "$name's containerd" "$DIR/logs/containerd-$name.log" ctr -a "$N/containerd.sock" version
-    # Unpacked here, once per node: left to the first containers, concurrent pod starts each
-    # unpacked the layers again (the load bench's 50 jobs left ~25 copies of the worker
-    # image's /usr per node, 16 GB in two minutes).
+done
+# Unpacked here, once per node: left to the first containers, concurrent pod starts each
+# unpacked the layers again (the load bench's 50 jobs left ~25 copies of the worker image's
+# /usr per node, 16 GB in two minutes).
+import_images() { # NAME
+    local sock=$DIR/nodes/$1/containerd.sock archive
+    wait_until "$1's containerd" "$DIR/logs/containerd-$1.log" ctr -a "$sock" version
     for archive in "$ARCHIVES"/{pause,coredns,local-path,busybox}.tar ${IMAGES:-}; do
-        ctr -a "$N/containerd.sock" -n k8s.io images import "$archive" >/dev/null ||
-            die "$name: could not import $archive"
+        ctr -a "$sock" -n k8s.io images import "$archive" >/dev/null || die "$1: could not import $archive"
     done
+}
+importers=()
+for name in "${NODE_NAMES[@]}"; do
+    import_images "$name" &
+    importers+=($!)
+done
+for i in "${!importers[@]}"; do
+    wait "${importers[$i]}" || die "${NODE_NAMES[$i]}: its images were not imported (above)"
+done
+log "images imported into every node's containerd"
 
+for i in "${!NODE_NAMES[@]}"; do
+    name=${NODE_NAMES[$i]}
+    N=$DIR/nodes/$name
     log "$name: kubelet"
     sign "kubelet-$name" "/O=system:nodes/CN=system:node:$name" "$CLIENT_EXT"
     sign "kubelet-$name-serving" "/CN=$name" "$SERVING_EXT"$'\n'"subjectAltName=IP:$ADDRESS,DNS:$name"
