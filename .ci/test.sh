@@ -44,8 +44,19 @@ stop_control_plane() {
         cluster=""
     fi
 }
+# The e2e cluster, started beside the cargo tests (below); e2e/run.sh stops it at the end of its
+# stage, and summary() where the run ends before that.
+e2e_cluster=""
+stop_e2e_cluster() {
+    if [[ -n $e2e_cluster ]]; then
+        bash e2e/cluster/down.sh "$e2e_cluster" || true
+        echo "test: the e2e cluster's logs are in $e2e_cluster"
+        e2e_cluster=""
+    fi
+}
 summary() {
     stop_control_plane
+    stop_e2e_cluster
     echo "== test: stage times"
     printf '  %s\n' "${times[@]}"
     printf '  %-40s %5d s\n' total $((SECONDS - started))
@@ -90,20 +101,26 @@ cargo_tests() {
     return "$status"
 }
 
-# The nodes' Go builds and the images need nothing the tests make, and the tests leave a core
-# idle much of the time (NVRTC and ptxas one process at a time, the operator's tests waiting on
-# the API server): they are made beside the tests, their output kept for a failure.
+# The nodes' Go builds, the images and the e2e cluster's start need nothing the tests make, and
+# the tests leave a core idle much of the time (NVRTC and ptxas one process at a time, the
+# operator's tests waiting on the API server): they are made beside the tests, their output kept
+# for a failure. The cluster, once up, idles until its stage.
 tests_and_e2e_builds() {
     local log=target/e2e-builds.log builds status=0
-    (bash e2e/control-plane/build.sh --nodes >/dev/null && "$MAKE" --no-print-directory images) >"$log" 2>&1 &
+    e2e_cluster="$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"
+    (
+        bin="$(bash e2e/control-plane/build.sh --nodes | tail -n 1)" &&
+            "$MAKE" --no-print-directory images &&
+            TENSORFLEET_K8S_BIN="$bin" bash e2e/cluster/up.sh "$e2e_cluster"
+    ) >"$log" 2>&1 &
     builds=$!
     cargo_tests || status=$?
     if ! wait "$builds"; then
-        echo "test: the nodes' Go builds or the images failed beside the tests:" >&2
+        echo "test: the nodes' Go builds, the images or the e2e cluster's start failed beside the tests:" >&2
         tail -n 40 "$log" >&2
         status=1
     else
-        grep '^== images' "$log" || true
+        grep '^== images\|^\[cluster/up.sh' "$log" || true
     fi
     return "$status"
 }
@@ -111,7 +128,12 @@ tests_and_e2e_builds() {
 stage "deps (.ci/deps.sh)" bash .ci/deps.sh
 stage "control plane (Go builds)" bash -c 'bash e2e/control-plane/build.sh >/dev/null'
 stage "rustfmt" "$CARGO" fmt --all -- --check
-stage "build and clippy (every target)" "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run
+stage "build and clippy (every target)" "$CARGO" test --workspace --release --all-targets --no-run
 stage "helm lint" helm_checks
-stage "cargo tests, beside them e2e's builds" tests_and_e2e_builds
-stage "e2e (cluster, scenarios)" "$MAKE" --no-print-directory e2e-cluster
+stage "cargo tests, beside them e2e's builds and cluster" tests_and_e2e_builds
+e2e_on_the_cluster() {
+    local dir=$e2e_cluster
+    e2e_cluster="" # e2e/run.sh stops it, whatever happens
+    bash e2e/run.sh "$dir"
+}
+stage "e2e (scenarios on the cluster)" e2e_on_the_cluster
