@@ -3,15 +3,16 @@
 # of e2e/scenarios/tests/, each one's result and time printed as it ends, all of them run even
 # after a failure, and the failed ones named at the end with their output (exit 1 if any failed).
 #
-# The scenarios keep to their own namespaces, and much of each is waiting (pods starting, sshd,
-# the operator's polls), so they run SLOTS at a time (2: the machine has two cores); each test's
-# output goes to DIR/scenario-logs/. The disruptions (tests/disruptions.rs: a node lost, the API
-# server or the operator restarted) touch every job on the cluster: they run after, one at a time.
+# The scenarios keep to their own namespaces, so they can run SLOTS at a time; each test's output
+# goes to DIR/scenario-logs/. One at a time by default: on two cores, two at a time took as long
+# (the ten scenarios in 467 s, against 466 s one after another an hour earlier on this machine,
+# 2026-11-27): their MPI ranks busy-poll the cores the other scenario's ranks need. The disruptions (tests/disruptions.rs: a node lost, the API server or the operator
+# restarted) touch every job on the cluster: they run after, one at a time.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 : "${TENSORFLEET_E2E_CLUSTER:?the directory of the cluster that e2e/cluster/up.sh started}"
 cargo=${CARGO:-cargo}
-slots=${SLOTS:-2}
+slots=${SLOTS:-1}
 # --workspace, not -p tensorfleet-e2e: with every member selected, the worker and the operator
 # keep the features of .ci/test.sh's build (which builds this crate too, so nothing compiles
 # here then; -p rebuilt them without the worker's default features: about 145 s on a fresh

@@ -1,7 +1,7 @@
 //! The end-to-end scenarios (issue 6) on the local cluster: the real operator (installed with
 //! helm, running as a pod), real sshd and mpirun between pods, the real worker. Each one keeps
-//! to its own namespace and leaves the cluster as it found it, so `make e2e` runs them two at a
-//! time (e2e/scenarios/run.sh); those that disrupt the whole cluster are in disruptions.rs.
+//! to its own namespace and leaves the cluster as it found it, so they may run side by side
+//! (e2e/scenarios/run.sh's SLOTS); those that disrupt the whole cluster are in disruptions.rs.
 
 use k8s_openapi::api::core::v1::{ConfigMap, PersistentVolumeClaim, Pod, Secret, Service};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
