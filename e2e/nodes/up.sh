@@ -257,6 +257,11 @@ conntrack: {maxPerCore: 0, min: 0}
 iptables: {localhostNodePorts: false, masqueradeAll: true}
 EOF
 start kube-proxy "$BIN/kube-proxy" --config="$DIR/kube-proxy.yaml" >/dev/null
+# Pods reach the API server through the kubernetes Service: CoreDNS's client, finding no route
+# there at its first try, backed off for half a minute before it was ready (2026-11-27).
+api_ip=${SERVICE_CIDR%.*}.1
+wait_until "kube-proxy's rule for the kubernetes Service ($api_ip)" "$DIR/logs/kube-proxy.log" \
+    sh -c "iptables -t nat -S KUBE-SERVICES | grep -q -- '-d $api_ip/32'"
 
 # NetworkPolicy, enforced for every node's pods by one instance: it filters the pods whose
 # host address is its node's, which all nodes here share. Pods on one bridge meet through it,
