@@ -85,6 +85,9 @@ export CGO_ENABLED=0 GOWORK=off GOFLAGS=-mod=mod
 # The binaries are stripped (-s -w), so the compiler need not write the debug info the linker
 # drops: -dwarf=false builds etcd in 52 s instead of 60 (empty Go cache, 2 cores, 2026-11-27).
 STRIPPED=(-trimpath -gcflags=all=-dwarf=false)
+# The compiler collects garbage a quarter as often (its heap grows to 5 times the live data, a
+# few hundred MB at most here): etcd in 48 s instead of 55 (as above).
+export GOGC=${GOGC:-400}
 BUILD_DATE=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 T0=$SECONDS
 
