@@ -98,7 +98,8 @@ e2e-cluster: deps
 	CARGO=$(CARGO) bash e2e/run.sh
 
 # A fuzzing campaign (worker/tests/fuzz.rs) over every reader of inputs (token and sample
-# shards, checkpoint manifests, safetensors, ONNX models, configurations): FUZZ_SECONDS per
+# shards, checkpoint manifests, safetensors, ONNX models, configurations, and prepare-data's
+# JSON Lines, Parquet, tokenizer.json and images): FUZZ_SECONDS per
 # target from a fresh seed, inputs that fail saved under target/fuzz-overflow/fuzz/. Built
 # with integer overflow checks (in its own target directory, the release profile otherwise),
 # so that arithmetic a hostile size wraps around panics instead of passing. `make test` runs

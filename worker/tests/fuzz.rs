@@ -1,6 +1,7 @@
 //! Mutation fuzzing of every input format the worker reads, on stable Rust. Valid inputs made
 //! by the worker itself (a tiny run's token shard, checkpoint, exported model and configuration,
-//! and a sample shard) are mutated: bits flipped, bytes set to edge values, integers to boundary
+//! and a sample shard), and what prepare-data reads (JSON Lines and Parquet documents, a Hugging
+//! Face tokenizer.json, PNG and JPEG images: the committed fixtures of tests/data/) are mutated: bits flipped, bytes set to edge values, integers to boundary
 //! values, numbers in text to extreme ones, cuts, repeats and insertions. Each reader must give
 //! a value or an error for every input: a panic, or a read that takes longer than `TIMEOUT`,
 //! fails the target and saves the input under `fuzz/<target>/` in cargo's target directory (an
@@ -24,6 +25,7 @@ use tensorfleet_worker::config::TrainingConfig;
 use tensorfleet_worker::data::samples::{self, SampleLoader};
 use tensorfleet_worker::data::tokens::{write_shard as write_token_shard, TokenLoader};
 use tensorfleet_worker::data::{Batching, Feeds, Loader, Partition};
+use tensorfleet_worker::prepare::{prepare_images, prepare_text, ImageOptions, TextOptions};
 use tensorfleet_worker::rng::Rng;
 use tensorfleet_worker::tensor::Tensor;
 
@@ -99,6 +101,63 @@ fn onnx(dir: &Path, input: &[u8]) {
 
 fn config(_: &Path, input: &[u8]) {
     let _ = TrainingConfig::parse(&String::from_utf8_lossy(input), "fuzz.yaml", &[]);
+}
+
+/// prepare-data on one file of documents (`name` says JSON Lines or Parquet) with a small BPE
+/// tokenizer.json.
+fn documents(dir: &Path, name: &str, input: &[u8]) {
+    let path = dir.join(name);
+    std::fs::write(&path, input).unwrap();
+    let opts = TextOptions {
+        tokenizer: fixture("hf_tokenizers/gpt2_style.json"),
+        text_field: "text".into(),
+        val_fraction: 0.1,
+    };
+    let _ = prepare_text(&[path], &dir.join("out"), &opts);
+}
+
+fn json_lines(dir: &Path, input: &[u8]) {
+    documents(dir, "docs.jsonl", input);
+}
+
+fn parquet(dir: &Path, input: &[u8]) {
+    documents(dir, "docs.parquet", input);
+}
+
+/// prepare-data on a fixed document with the input as its tokenizer.json.
+fn tokenizer(dir: &Path, input: &[u8]) {
+    let (doc, json) = (dir.join("doc.txt"), dir.join("tokenizer.json"));
+    std::fs::write(&doc, "The quick brown fox jumps over the lazy dog.\n").unwrap();
+    std::fs::write(&json, input).unwrap();
+    let opts = TextOptions { tokenizer: json.display().to_string(), text_field: "text".into(), val_fraction: 0.0 };
+    let _ = prepare_text(&[doc], &dir.join("out"), &opts);
+}
+
+/// prepare-data on an ImageFolder of one class holding the input (its format known by its
+/// content, as the decoder finds it).
+fn images(dir: &Path, input: &[u8]) {
+    let class = dir.join("folder/class");
+    std::fs::create_dir_all(&class).unwrap();
+    std::fs::write(class.join("image.png"), input).unwrap();
+    let opts = ImageOptions {
+        size: 8,
+        input_name: "input".into(),
+        label_name: "labels".into(),
+        mean: [0.0; 3],
+        std: [1.0; 3],
+        val_fraction: 0.0,
+        seed: 0,
+    };
+    let _ = prepare_images(&dir.join("folder"), &dir.join("out"), &opts);
+}
+
+/// The path of a committed fixture under tests/data/.
+fn fixture(path: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(path).display().to_string()
+}
+
+fn read_fixture(path: &str) -> Vec<u8> {
+    std::fs::read(fixture(path)).unwrap()
 }
 
 /// The valid inputs the mutations start from.
@@ -310,4 +369,29 @@ fn fuzz_onnx_models() {
 #[test]
 fn fuzz_configurations() {
     fuzz("config", config, &[&seeds().config]);
+}
+
+#[test]
+fn fuzz_json_lines_documents() {
+    fuzz("jsonl", json_lines, &[&read_fixture("hf_tokenizers/docs.jsonl")]);
+}
+
+#[test]
+fn fuzz_parquet_documents() {
+    let seeds = ["docs_snappy.parquet", "docs_zstd.parquet", "docs_null.parquet"]
+        .map(|f| read_fixture(&format!("hf_tokenizers/{f}")));
+    fuzz("parquet", parquet, &seeds.each_ref().map(Vec::as_slice));
+}
+
+#[test]
+fn fuzz_tokenizers() {
+    let seeds = ["gpt2_style.json", "bert_style.json"].map(|f| read_fixture(&format!("hf_tokenizers/{f}")));
+    fuzz("tokenizer", tokenizer, &seeds.each_ref().map(Vec::as_slice));
+}
+
+#[test]
+fn fuzz_images() {
+    let seeds = ["ant/a_rgb.png", "Bird/d_palette.png", "Bird/e_photo.jpg"]
+        .map(|f| read_fixture(&format!("torch_images/folder/{f}")));
+    fuzz("images", images, &seeds.each_ref().map(Vec::as_slice));
 }

@@ -148,7 +148,12 @@ fn bad_input_names_the_file_and_line_or_row() {
     std::fs::write(dir.join("cut.parquet"), &parquet[..parquet.len() / 2]).unwrap();
     let snappy = d.join("docs_snappy.parquet").display().to_string();
     let nulls = d.join("docs_null.parquet").display().to_string();
-    let cases: [(&[&str], i32, &[&str]); 11] = [
+    // Inputs on which the decoders panicked (exit 101), found by tests/fuzz.rs: a Parquet file
+    // whose metadata gives a column a negative offset, a tokenizer.json with a malformed decoder.
+    let fuzz = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/fuzz");
+    std::fs::copy(fuzz.join("parquet/682de61014ace65b"), dir.join("offsets.parquet")).unwrap();
+    std::fs::copy(fuzz.join("tokenizer/6c0e5e9e4a7ca960"), dir.join("decoder.json")).unwrap();
+    let cases: [(&[&str], i32, &[&str]); 13] = [
         (&["--input", "bad.jsonl"], 3, &["bad.jsonl line 3", "JSON"]),
         (&["--input", "field.jsonl"], 2, &["field.jsonl line 2", "no \"text\" field", "body, id", "--text-field"]),
         (&["--input", "number.jsonl"], 2, &["number.jsonl line 1", "\"text\" is a JSON number"]),
@@ -164,6 +169,12 @@ fn bad_input_names_the_file_and_line_or_row() {
         (&["--input", "cut.parquet"], 3, &["cut.parquet", "not a Parquet file"]),
         (&["--input", "missing.txt"], 2, &["--input missing.txt"]),
         (&["--input", "latin1.txt", "--tokenizer", "garbage.json"], 3, &["--tokenizer garbage.json", "tokenizer.json"]),
+        (&["--input", "offsets.parquet"], 3, &["offsets.parquet", "decoder gave up", "damaged"]),
+        (
+            &["--input", "latin1.txt", "--tokenizer", "decoder.json"],
+            3,
+            &["--tokenizer decoder.json", "decoder gave up"],
+        ),
     ];
     for (args, code, needles) in cases {
         let mut all = args.to_vec();

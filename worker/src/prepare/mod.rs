@@ -27,6 +27,22 @@ pub(crate) fn progress(len: u64, unit: &str) -> ProgressBar {
     bar
 }
 
+/// Runs a third-party decoder that panics on some damaged inputs instead of returning an error
+/// (tests/fuzz.rs found two: parquet 60.1 asserts that the metadata's column offsets are not
+/// negative, tokenizers 0.23 unwraps a decoder entry it cannot read), so that such an input is
+/// refused as any damaged one is: exit 3 naming it, not a crash. The library's own panic message
+/// still reaches stderr first (the panic hook is the process's).
+pub(crate) fn refusing_panics<T>(subject: &str, decode: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode)).unwrap_or_else(|payload| {
+        let why = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(Error::Corrupt(format!("{subject}: its decoder gave up on it ({why}): the file is damaged")))
+    })
+}
+
 /// Removes the shards `dir/{prefix}_NNNNNN.{extension}` numbered `from` or later that an earlier
 /// run left, which the loader would otherwise read beside this run's (another tokenizer's ids,
 /// another image size).

@@ -60,17 +60,20 @@ impl Tokenizer {
         }
         let bytes =
             crate::files::read_input(Path::new(spec)).map_err(|e| Error::Config(format!("--tokenizer {spec}: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| Error::Corrupt(format!("--tokenizer {spec}: not a Hugging Face tokenizer.json: {e}")))?;
-        inner
-            .with_truncation(None)
-            .map_err(|e| Error::Config(format!("--tokenizer {spec}: turning its truncation off: {e}")))?;
-        inner.with_padding(None);
-        let marked = !inner
-            .encode("", true)
-            .map_err(|e| Error::Config(format!("--tokenizer {spec}: encoding an empty document: {e}")))?
-            .get_ids()
-            .is_empty();
+        let (inner, marked) = super::refusing_panics(&format!("--tokenizer {spec}"), || {
+            let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
+                .map_err(|e| Error::Corrupt(format!("--tokenizer {spec}: not a Hugging Face tokenizer.json: {e}")))?;
+            inner
+                .with_truncation(None)
+                .map_err(|e| Error::Config(format!("--tokenizer {spec}: turning its truncation off: {e}")))?;
+            inner.with_padding(None);
+            let marked = !inner
+                .encode("", true)
+                .map_err(|e| Error::Config(format!("--tokenizer {spec}: encoding an empty document: {e}")))?
+                .get_ids()
+                .is_empty();
+            Ok((inner, marked))
+        })?;
         let separator = match marked {
             true => None,
             false => Some(SEPARATORS.iter().find_map(|t| inner.token_to_id(t)).ok_or_else(|| {
@@ -111,9 +114,11 @@ impl Tokenizer {
             }
             Tokenizer::HuggingFace { inner, separator } => {
                 let refs: Vec<&str> = docs.iter().map(String::as_str).collect();
-                let encodings = inner
-                    .encode_batch(refs, separator.is_none())
-                    .map_err(|e| Error::Config(format!("{origin}: tokenizing: {e}")))?;
+                let encodings = super::refusing_panics(origin, || {
+                    inner
+                        .encode_batch(refs, separator.is_none())
+                        .map_err(|e| Error::Config(format!("{origin}: tokenizing: {e}")))
+                })?;
                 encodings.iter().map(|e| separator.iter().chain(e.get_ids()).copied().collect()).collect()
             }
         };
@@ -219,7 +224,7 @@ fn read_documents(path: &Path, field: &str, stream: &mut Stream) -> Result<()> {
     let extension = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
     match extension.as_deref() {
         Some("jsonl" | "ndjson" | "json") => json_lines(path, field, stream),
-        Some("parquet") => parquet_rows(path, field, stream),
+        Some("parquet") => super::refusing_panics(&path.display().to_string(), || parquet_rows(path, field, stream)),
         _ => {
             let bytes = crate::files::read_input(path)
                 .map_err(|e| Error::Config(format!("--input {}: {e}", path.display())))?;
