@@ -1,6 +1,12 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, the way client-go's leaderelection
 //! does it: take the Lease when it is free or expired, renew it well inside its duration, and
 //! stop leading (the process exits) when a renewal fails for longer than the Lease lasts.
+//!
+//! Written here rather than taken from a crate: kube-lease-manager 0.13 (the one on kube 5) keeps
+//! reporting leadership while its renewals fail, past the Lease's expiry (its watch loop logs
+//! the error, sleeps and retries), so a replica cut off from the API server would go on
+//! reconciling while another takes the Lease; client-go steps down at its renew deadline, as
+//! `hold` does. kube-leader-election needs kube 4.
 
 use crate::status::now;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};

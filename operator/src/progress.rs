@@ -1,16 +1,19 @@
 //! Reads rank 0's `/progress` endpoint (`tensorfleet_worker::progress::Report` as JSON) for
-//! status.progress. A plain HTTP/1.1 GET with a short timeout: progress is best-effort and
-//! must never hold up a reconcile.
+//! status.progress. An HTTP/1.1 GET (hyper's client connection) with a short timeout: progress
+//! is best-effort and must never hold up a reconcile.
 
 use crate::crd::Progress;
+use http::header::{ACCEPT, HOST};
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper::body::Bytes;
+use hyper_util::rt::TokioIo;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 /// Responses larger than this are not progress reports.
-const MAX_RESPONSE: u64 = 64 * 1024;
+const MAX_RESPONSE: usize = 64 * 1024;
 
 /// The report as the worker serves it: the worker's own type, so the contract has one home.
 pub use tensorfleet_worker::progress::Report;
@@ -66,24 +69,32 @@ pub async fn fetch(host: &str, port: u16) -> Result<Report, String> {
 }
 
 async fn fetch_inner(host: &str, port: u16) -> Result<Report, String> {
-    let mut stream = TcpStream::connect((host, port)).await.map_err(|e| format!("{host}:{port}: {e}"))?;
-    let request =
-        format!("GET /progress HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nAccept: application/json\r\n\r\n");
-    stream.write_all(request.as_bytes()).await.map_err(|e| format!("{host}:{port}: {e}"))?;
-    let mut response = Vec::new();
-    stream.take(MAX_RESPONSE).read_to_end(&mut response).await.map_err(|e| format!("{host}:{port}: {e}"))?;
-    let text = String::from_utf8_lossy(&response);
-    let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| format!("{host}:{port}: not an HTTP response"))?;
-    let status_line = head.lines().next().unwrap_or("");
-    if status_line.split_whitespace().nth(1) != Some("200") {
-        return Err(format!("{host}:{port}/progress: {status_line}"));
+    let at = |e: &dyn std::fmt::Display| format!("{host}:{port}: {e}");
+    let stream = TcpStream::connect((host, port)).await.map_err(|e| at(&e))?;
+    let (mut sender, connection) =
+        hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| at(&e))?;
+    // The connection runs beside the request; it ends when the answer has been read (the
+    // sender is dropped with this function), or with the timeout's cancellation.
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    let request = http::Request::get("/progress")
+        .header(HOST, host)
+        .header(ACCEPT, "application/json")
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| at(&e))?;
+    let response = sender.send_request(request).await.map_err(|e| at(&e))?;
+    if response.status() != http::StatusCode::OK {
+        return Err(format!("{host}:{port}/progress: {}", response.status()));
     }
-    serde_json::from_str(body.trim()).map_err(|e| format!("{host}:{port}/progress: {e}"))
+    let body = Limited::new(response.into_body(), MAX_RESPONSE).collect().await.map_err(|e| at(&e))?.to_bytes();
+    serde_json::from_slice(&body).map_err(|e| format!("{host}:{port}/progress: {e}"))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpListener;
 
     #[tokio::test]

@@ -1,17 +1,17 @@
 //! Rank 0's HTTP endpoint: `/progress` (JSON, read by the operator for a TrainingJob's status)
-//! and `/metrics` (OpenMetrics text, which Prometheus scrapes). A thread on a std listener: the
-//! training loop only swaps a snapshot under a mutex, so serving never slows a step.
+//! and `/metrics` (OpenMetrics text, which Prometheus scrapes), served by tiny_http from a
+//! thread of its own: the training loop only swaps a snapshot under a mutex, so serving never
+//! slows a step, and the worker needs no async runtime for it (the operator's endpoints are on
+//! hyper, under its tokio).
 
 use crate::error::{Error, Result};
 use crate::progress::Report;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 pub struct Endpoint {
     report: Arc<Mutex<Report>>,
@@ -21,19 +21,20 @@ pub struct Endpoint {
 impl Endpoint {
     /// Listens on `addr` (port 0 picks a free one) and serves from a background thread.
     pub fn serve(addr: SocketAddr, total_steps: u64) -> Result<Endpoint> {
-        let listener = TcpListener::bind(addr)
+        let server = tiny_http::Server::http(addr)
             .map_err(|e| Error::Runtime(format!("logging.port: cannot listen on {addr}: {e}")))?;
-        let addr = listener.local_addr().map_err(|e| Error::Runtime(format!("logging.port: {e}")))?;
+        let addr = server.server_addr().to_ip().ok_or_else(|| Error::Runtime(format!("logging.port: {addr}")))?;
         let report = Arc::new(Mutex::new(Report { total_steps, ..Report::default() }));
         let shared = report.clone();
         std::thread::Builder::new()
             .name("progress-endpoint".into())
             .spawn(move || {
-                for stream in listener.incoming().flatten() {
+                // tiny_http reads each connection's request on a thread of its own, so a slow
+                // client holds no other up.
+                for request in server.incoming_requests() {
                     let snapshot = shared.lock().map(|r| r.clone()).unwrap_or_default();
-                    // One slow client must not hold the others up for long.
-                    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-                    let _ = answer(stream, &snapshot);
+                    let path = request.url().split('?').next().unwrap_or("/").to_string();
+                    let _ = request.respond(answer(&path, &snapshot));
                 }
             })
             .map_err(|e| Error::Runtime(format!("starting the progress endpoint: {e}")))?;
@@ -47,30 +48,14 @@ impl Endpoint {
     }
 }
 
-fn answer(mut stream: TcpStream, report: &Report) -> std::io::Result<()> {
-    // Read the whole head: answering and closing with request bytes unread would reset the
-    // connection before the client reads the answer.
-    let mut head = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 16 * 1024 {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-    let request = String::from_utf8_lossy(&head);
-    let path = request.split_whitespace().nth(1).unwrap_or("/");
+fn answer(path: &str, report: &Report) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
     let (status, content_type, body) = match path {
-        "/progress" => ("200 OK", "application/json", serde_json::to_string(report).unwrap_or_default()),
-        "/metrics" => ("200 OK", "application/openmetrics-text; version=1.0.0; charset=utf-8", prometheus(report)),
-        _ => ("404 Not Found", "text/plain", "try /progress or /metrics\n".to_string()),
+        "/progress" => (200, "application/json", serde_json::to_string(report).unwrap_or_default()),
+        "/metrics" => (200, "application/openmetrics-text; version=1.0.0; charset=utf-8", prometheus(report)),
+        _ => (404, "text/plain; charset=utf-8", "try /progress or /metrics\n".to_string()),
     };
-    write!(
-        stream,
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
+    let header = tiny_http::Header::from_bytes("Content-Type", content_type).expect("a valid header");
+    tiny_http::Response::from_string(body).with_status_code(status).with_header(header)
 }
 
 /// The report as OpenMetrics text (prometheus-client's encoder, as the operator's /metrics):
@@ -102,12 +87,14 @@ fn prometheus(r: &Report) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
 
     fn get(addr: SocketAddr, path: &str) -> String {
         let mut s = TcpStream::connect(addr).unwrap();
         // Two writes, as a client may send them: the server must wait for the whole head.
         s.write_all(format!("GET {path} HTTP/1.1\r\n").as_bytes()).unwrap();
-        s.write_all(b"Host: x\r\n\r\n").unwrap();
+        s.write_all(b"Host: x\r\nConnection: close\r\n\r\n").unwrap();
         let mut text = String::new();
         s.read_to_string(&mut text).unwrap();
         text
