@@ -128,7 +128,16 @@ tests_and_e2e_builds() {
 stage "deps (.ci/deps.sh)" bash .ci/deps.sh
 stage "control plane (Go builds)" bash -c 'bash e2e/control-plane/build.sh >/dev/null'
 stage "rustfmt" "$CARGO" fmt --all -- --check
-stage "build and clippy (every target)" "$CARGO" test --workspace --release --all-targets --no-run
+# Every target of the workspace, and the e2e crate's tests (its stage runs them; its load bench
+# is make bench-load's): one build for every later stage.
+build_every_target() {
+    local e2e_tests=(e2e/scenarios/tests/*.rs)
+    e2e_tests=("${e2e_tests[@]##*/}")
+    e2e_tests=("${e2e_tests[@]%.rs}")
+    "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run &&
+        "$CARGO" test --workspace --release --no-run "${e2e_tests[@]/#/--test=}"
+}
+stage "build and clippy (every target)" build_every_target
 stage "helm lint" helm_checks
 stage "cargo tests, beside them e2e's builds and cluster" tests_and_e2e_builds
 e2e_on_the_cluster() {
