@@ -6,7 +6,8 @@
 # The scenarios keep to their own namespaces, so they can run SLOTS at a time; each test's output
 # goes to DIR/scenario-logs/. One at a time by default: on two cores, two at a time took as long
 # (the ten scenarios in 467 s, against 466 s one after another an hour earlier on this machine,
-# 2026-11-27): their MPI ranks busy-poll the cores the other scenario's ranks need. The disruptions (tests/disruptions.rs: a node lost, the API server or the operator
+# 2026-11-27): their training is CPU-bound, and Open MPI's ranks poll while they wait, which
+# probably costs more when two jobs' ranks share the cores. The disruptions (tests/disruptions.rs: a node lost, the API server or the operator
 # restarted) touch every job on the cluster: they run after, one at a time.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
