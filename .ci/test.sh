@@ -54,7 +54,31 @@ stop_e2e_cluster() {
         e2e_cluster=""
     fi
 }
+# A job run beside a stage's foreground (one at a time), its output kept in a log shown where it
+# fails; summary() stops it where the run ends first.
+beside_pid="" beside_log=""
+start_beside() { # log command...
+    beside_log=$1
+    shift
+    mkdir -p "$(dirname "$beside_log")"
+    "$@" >"$beside_log" 2>&1 &
+    beside_pid=$!
+}
+await_beside() { # what it was, for the message
+    local pid=$beside_pid
+    beside_pid=""
+    if wait "$pid"; then return 0; fi
+    echo "test: $1 failed beside the stage:" >&2
+    tail -n 40 "$beside_log" >&2
+    return 1
+}
+kill_tree() {
+    local child
+    for child in $(pgrep -P "$1"); do kill_tree "$child"; done
+    kill "$1" 2>/dev/null || true
+}
 summary() {
+    if [[ -n $beside_pid ]]; then kill_tree "$beside_pid"; fi
     stop_control_plane
     stop_e2e_cluster
     echo "== test: stage times"
@@ -105,39 +129,46 @@ cargo_tests() {
 # the tests leave a core idle much of the time (NVRTC and ptxas one process at a time, the
 # operator's tests waiting on the API server): they are made beside the tests, their output kept
 # for a failure. The cluster, once up, idles until its stage.
+e2e_builds_and_cluster() {
+    local bin
+    bin="$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"
+    "$MAKE" --no-print-directory images
+    TENSORFLEET_K8S_BIN="$bin" bash e2e/cluster/up.sh "$e2e_cluster"
+}
 tests_and_e2e_builds() {
-    local log=target/e2e-builds.log builds status=0
+    local status=0
     e2e_cluster="$(mktemp -d /tmp/tensorfleet-e2e.XXXXXX)"
-    (
-        bin="$(bash e2e/control-plane/build.sh --nodes | tail -n 1)" &&
-            "$MAKE" --no-print-directory images &&
-            TENSORFLEET_K8S_BIN="$bin" bash e2e/cluster/up.sh "$e2e_cluster"
-    ) >"$log" 2>&1 &
-    builds=$!
+    start_beside target/e2e-builds.log e2e_builds_and_cluster
     cargo_tests || status=$?
-    if ! wait "$builds"; then
-        echo "test: the nodes' Go builds, the images or the e2e cluster's start failed beside the tests:" >&2
-        tail -n 40 "$log" >&2
-        status=1
+    if await_beside "the nodes' Go builds, the images or the e2e cluster's start"; then
+        grep '^== images\|^\[cluster/up.sh' "$beside_log" || true
     else
-        grep '^== images\|^\[cluster/up.sh' "$log" || true
+        status=1
     fi
     return "$status"
 }
 
 stage "deps (.ci/deps.sh)" bash .ci/deps.sh
-stage "control plane (Go builds)" bash -c 'bash e2e/control-plane/build.sh >/dev/null'
 stage "rustfmt" "$CARGO" fmt --all -- --check
 # Every target of the workspace, and the e2e crate's tests (its stage runs them; its load bench
-# is make bench-load's): one build for every later stage.
+# is make bench-load's): one build for every later stage. The control plane's Go builds (the
+# operator's tests and helm need them) run beside it: on two cores each leaves the other's
+# single-threaded stretches (rustc's front end of a crate, Go's links) a core to fill.
 build_every_target() {
-    local e2e_tests=(e2e/scenarios/tests/*.rs)
+    local e2e_tests=(e2e/scenarios/tests/*.rs) status=0
     e2e_tests=("${e2e_tests[@]##*/}")
     e2e_tests=("${e2e_tests[@]%.rs}")
-    "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run &&
-        "$CARGO" test --workspace --release --no-run "${e2e_tests[@]/#/--test=}"
+    start_beside target/control-plane-build.log bash e2e/control-plane/build.sh
+    { "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run &&
+        "$CARGO" test --workspace --release --no-run "${e2e_tests[@]/#/--test=}"; } || status=$?
+    if await_beside "the control plane's Go builds"; then
+        grep '^\[build.sh' "$beside_log" || true
+    else
+        status=1
+    fi
+    return "$status"
 }
-stage "build and clippy (every target)" build_every_target
+stage "build and clippy, beside it the control plane's Go builds" build_every_target
 stage "helm lint" helm_checks
 stage "cargo tests, beside them e2e's builds and cluster" tests_and_e2e_builds
 e2e_on_the_cluster() {
