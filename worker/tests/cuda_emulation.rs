@@ -592,8 +592,9 @@ fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
     run_typed(cpu, &op, &[x.clone().reshaped(&[b, h, t, d])], &[Meta::new(x.dtype(), &[b, t, h, d])]).remove(0)
 }
 
-/// LayerNorm forward and backward against the CPU's, with Y written and dY read in f32, bf16
-/// and f16 (`layer_norm_casts`), over rows of a few columns to more than a block's threads.
+/// LayerNorm and RMSNorm (`rms`) forward and backward against the CPU's, with Y written and dY
+/// read in f32, bf16 and f16 (`layer_norm_casts`), over rows of a few columns to more than a
+/// block's threads.
 #[test]
 fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
@@ -601,15 +602,15 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
         let x = |shape: &[usize], salt: usize| Tensor::from_vec(shape, values(shape.iter().product(), salt));
         let (a, scale, bias, dy) = (x(&[rows, cols], 1), x(&[cols], 2), x(&[cols], 3), x(&[rows, cols], 4));
         let stat = Meta::new(DType::F32, &[rows, 1]);
-        for half in [DType::F32, DType::BF16, DType::F16] {
-            let what = format!("LayerNorm of [{rows}, {cols}], {half} Y and dY");
-            let ln = Op::LayerNorm { axis: -1, epsilon: 1e-5 };
+        for (half, rms) in [DType::F32, DType::BF16, DType::F16].into_iter().flat_map(|h| [(h, false), (h, true)]) {
+            let what = format!("{} of [{rows}, {cols}], {half} Y and dY", if rms { "RMSNorm" } else { "LayerNorm" });
+            let ln = Op::LayerNorm { axis: -1, epsilon: 1e-5, rms };
             let outs = [Meta::new(half, &[rows, cols]), stat.clone(), stat.clone()];
-            let ins = [a.clone(), scale.clone(), bias.clone()];
+            let ins = if rms { vec![a.clone(), scale.clone()] } else { vec![a.clone(), scale.clone(), bias.clone()] };
             let (g, c) = (run_typed(&gpu, &ln, &ins, &outs), run_typed(&cpu, &ln, &ins, &outs));
             close_as_f32(&what, &g, &c, if half == DType::F32 { 1e-5 } else { 2f32.powi(-8) });
             let ins = [dy.cast(half), a.clone(), scale.clone(), c[1].clone(), c[2].clone()];
-            let grad = Op::LayerNormGrad { axis: -1 };
+            let grad = Op::LayerNormGrad { axis: -1, rms };
             let f32s = |shape: &[usize]| Meta::new(DType::F32, shape);
             let outs = [f32s(&[rows, cols]), f32s(&[cols]), f32s(&[cols])];
             let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
@@ -618,7 +619,7 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     }
     let launches = launches_of(&gpu, &["layer_norm"]);
     let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
-    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(3); 3], [Some(3); 3]));
+    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(6); 3], [Some(6); 3]));
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core

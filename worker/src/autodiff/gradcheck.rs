@@ -433,8 +433,14 @@ fn softmax_layernorm_and_losses() {
     let x = b.param("x", &[2, 3, 4], -2.0, 2.0);
     let s = b.param("scale", &[4], 0.5, 1.5);
     let bias = b.param("bias", &[4], -0.5, 0.5);
-    let y = b.g.op1("y", Op::LayerNorm { axis: -1, epsilon: 1e-5 }, &[x, s, bias]);
+    let y = b.g.op1("y", Op::LayerNorm { axis: -1, epsilon: 1e-5, rms: false }, &[x, s, bias]);
     check("LayerNormalization", b.done(y));
+    // RMSNorm fused (`fuse::rms_norm`), over the last two dims.
+    let mut b = CaseBuilder::new(13);
+    let x = b.param("x", &[2, 3, 4], -2.0, 2.0);
+    let s = b.param("scale", &[3, 4], 0.5, 1.5);
+    let y = b.g.op1("y", Op::LayerNorm { axis: -2, epsilon: 1e-5, rms: true }, &[x, s]);
+    check("RMSNorm", b.done(y));
 
     // Instance, group (per-channel and opset 18's per-group scale) and RMS normalization,
     // through the reductions and arithmetic they bind as.

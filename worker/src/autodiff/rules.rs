@@ -235,13 +235,13 @@ pub fn backward(
             let y = node.output(0).expect("LogSoftmax has an output");
             vec![Some(b.emit1(&name, Op::LogSoftmaxGrad { axis: *axis }, &[dy, y])?)]
         }
-        Op::LayerNorm { axis, .. } => {
+        Op::LayerNorm { axis, rms, .. } => {
             let xm = b.meta(x(0));
             let a = crate::shape::norm_axis(*axis, xm.shape.len()).unwrap_or(0);
             let stat: Vec<usize> = xm.shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect();
             let mean = b.ensure_output(n, 1, Meta::new(DType::F32, &stat));
             let inv = b.ensure_output(n, 2, Meta::new(DType::F32, &stat));
-            let outs = b.emit(&name, Op::LayerNormGrad { axis: *axis }, &[dy, x(0), x(1), mean, inv], 3)?;
+            let outs = b.emit(&name, Op::LayerNormGrad { axis: *axis, rms: *rms }, &[dy, x(0), x(1), mean, inv], 3)?;
             // The kernel's dScale/dBias are shaped like the scale; a bias may be shaped otherwise.
             let mut v = vec![Some(outs[0]), Some(outs[1])];
             if node.inputs.len() > 2 {

@@ -2,7 +2,8 @@
 //! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use crate::op::{AttentionShape, Binary, Op, Unary};
+use crate::op::{AttentionShape, Binary, Op, Reduce, Unary};
+use crate::shape::norm_axis;
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.
@@ -18,7 +19,7 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["attention", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] = &["rms_norm", "attention", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -29,6 +30,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
             continue;
         }
         let n = match p {
+            "rms_norm" => rms_norm(g, keep),
             "attention" => attention(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
             _ => 0,
@@ -379,6 +381,160 @@ struct AttentionChain {
     v: ValueId,
     scale: f32,
     causal: bool,
+}
+
+/// x / Sqrt(ReduceMean(x²) + ε) · scale  ⇒  LayerNorm { rms } (x, scale): RMSNorm in the forms
+/// the builtin Llama and binding (ONNX's RMSNormalization) write out, and Hugging Face's
+/// LlamaRMSNorm as both PyTorch exporters write it (x² as Pow(x, 2), and x · Reciprocal(√…) or
+/// x · (1 / √…) for the division, a cast to f32 before the scale): the mean over trailing dims,
+/// a scale of those dims. One kernel each way instead of six element-wise ops forward and about
+/// twice as many backward. f32 only: the kernels read an f32 x, and the forward passes run
+/// before mixed precision's casts.
+fn rms_norm(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let m = RmsNormMatcher { g, producers: &producers, uses: &uses, keep };
+    let chains: Vec<(usize, RmsNormChain)> =
+        (0..g.nodes.len()).filter_map(|i| Some((i, rms_norm_chain(&m, i)?))).collect();
+    let mut gone = vec![false; g.nodes.len()];
+    for (i, c) in &chains {
+        c.gone.iter().for_each(|&n| gone[n] = true);
+        let node = &mut g.nodes[*i];
+        node.op = Op::LayerNorm { axis: c.axis, epsilon: c.epsilon, rms: true };
+        node.inputs = vec![Some(c.x), Some(c.scale)];
+    }
+    let mut index = 0;
+    g.nodes.retain(|_| {
+        index += 1;
+        !gone[index - 1]
+    });
+    chains.len()
+}
+
+/// An RMSNorm found by `rms_norm_chain`: its input, scale, first normalized axis and ε, and the
+/// nodes before the scaling that the fused node replaces.
+struct RmsNormChain {
+    x: ValueId,
+    scale: ValueId,
+    axis: i64,
+    epsilon: f32,
+    gone: Vec<usize>,
+}
+
+/// The RMSNorm whose scaling (the last Mul) is node `i`, if it is one.
+fn rms_norm_chain(m: &RmsNormMatcher, i: usize) -> Option<RmsNormChain> {
+    let (g, node) = (m.g, &m.g.nodes[i]);
+    if node.op != Op::Binary(Binary::Mul) {
+        return None;
+    }
+    let (a, b) = (node.input(0)?, node.input(1)?);
+    [(a, b), (b, a)].into_iter().find_map(|(normalized, scale)| {
+        let mut gone = Vec::new();
+        let mut n = m.inner(normalized)?;
+        // A cast that changes nothing (f32 to f32) before the scale.
+        if g.nodes[n].op == (Op::Cast { to: DType::F32 }) && g.meta(g.nodes[n].input(0)?)?.dtype == DType::F32 {
+            gone.push(n);
+            n = m.inner(g.nodes[n].input(0)?)?;
+        }
+        gone.push(n);
+        let (l, r) = (g.nodes[n].input(0)?, g.nodes[n].input(1)?);
+        let (x, shifted) = match g.nodes[n].op {
+            Op::Binary(Binary::Div) => (l, m.sqrt_of(r, &mut gone)?),
+            // Either factor may be the inverse root.
+            Op::Binary(Binary::Mul) => {
+                let mut via_r = gone.clone();
+                if let Some(shifted) = m.inverse_sqrt_of(r, &mut via_r) {
+                    gone = via_r;
+                    (l, shifted)
+                } else {
+                    (r, m.inverse_sqrt_of(l, &mut gone)?)
+                }
+            }
+            _ => return None,
+        };
+        let (epsilon, axis) = m.mean_square_plus_eps(shifted, x, &mut gone)?;
+        let (xm, sm) = (g.meta(x)?, g.meta(scale)?);
+        let fits = xm.dtype == DType::F32 && sm.dtype == DType::F32 && sm.shape == xm.shape[axis..];
+        (fits && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
+        Some(RmsNormChain { x, scale, axis: axis as i64, epsilon, gone })
+    })
+}
+
+/// The steps of `rms_norm_chain`: each checks that a value is made by the op it expects and
+/// read only by the chain, and notes that op's node as replaced.
+struct RmsNormMatcher<'a> {
+    g: &'a Graph,
+    producers: &'a [Option<usize>],
+    uses: &'a [usize],
+    keep: &'a [ValueId],
+}
+
+impl RmsNormMatcher<'_> {
+    /// The node making `v`, if `v` is read once (by the chain) and kept by no one.
+    fn inner(&self, v: ValueId) -> Option<usize> {
+        (self.uses[v] == 1 && !self.keep.contains(&v) && !self.g.outputs.contains(&v)).then_some(())?;
+        self.producers[v]
+    }
+
+    /// The value of a constant scalar.
+    fn scalar(&self, v: ValueId) -> Option<f64> {
+        let t = self.g.initializers.get(&v).filter(|_| self.producers[v].is_none())?;
+        (t.numel() == 1).then(|| t.to_f64_vec()[0])
+    }
+
+    /// `v` = Sqrt(s): s.
+    fn sqrt_of(&self, v: ValueId, gone: &mut Vec<usize>) -> Option<ValueId> {
+        let n = self.inner(v)?;
+        (self.g.nodes[n].op == Op::Unary(Unary::Sqrt)).then_some(())?;
+        gone.push(n);
+        self.g.nodes[n].input(0)
+    }
+
+    /// `v` = Reciprocal(Sqrt(s)) or 1 / Sqrt(s): s.
+    fn inverse_sqrt_of(&self, v: ValueId, gone: &mut Vec<usize>) -> Option<ValueId> {
+        let n = self.inner(v)?;
+        let node = &self.g.nodes[n];
+        let root = match node.op {
+            Op::Unary(Unary::Reciprocal) => node.input(0)?,
+            Op::Binary(Binary::Div) if self.scalar(node.input(0)?) == Some(1.0) => node.input(1)?,
+            _ => return None,
+        };
+        let s = self.sqrt_of(root, gone)?;
+        gone.push(n);
+        Some(s)
+    }
+
+    /// `v` = ReduceMean(x², trailing axes, keepdims) + ε, x² as x · x or Pow(x, 2): ε and the
+    /// first normalized axis.
+    fn mean_square_plus_eps(&self, v: ValueId, x: ValueId, gone: &mut Vec<usize>) -> Option<(f32, usize)> {
+        let g = self.g;
+        let add = self.inner(v)?;
+        (g.nodes[add].op == Op::Binary(Binary::Add)).then_some(())?;
+        let (l, r) = (g.nodes[add].input(0)?, g.nodes[add].input(1)?);
+        let (mean_square, epsilon) = match self.scalar(r) {
+            Some(e) => (l, e),
+            None => (r, self.scalar(l)?),
+        };
+        let mean = self.inner(mean_square)?;
+        let Op::ReduceOp { kind: Reduce::Mean, axes: Some(axes), keepdims: true, .. } = &g.nodes[mean].op else {
+            return None;
+        };
+        let square = self.inner(g.nodes[mean].input(0)?)?;
+        let sq = &g.nodes[square];
+        let squares_x = match sq.op {
+            Op::Binary(Binary::Mul) => sq.input(0)? == x && sq.input(1)? == x,
+            Op::Binary(Binary::Pow) => sq.input(0)? == x && self.scalar(sq.input(1)?) == Some(2.0),
+            _ => false,
+        };
+        // The mean over the trailing dims from `first` on.
+        let rank = g.meta(x)?.shape.len();
+        let mut dims: Vec<usize> = axes.iter().map(|&a| norm_axis(a, rank)).collect::<Option<_>>()?;
+        dims.sort_unstable();
+        dims.dedup();
+        let first = *dims.first()?;
+        (squares_x && dims == (first..rank).collect::<Vec<_>>()).then_some(())?;
+        gone.extend([add, mean, square]);
+        Some((epsilon as f32, first))
+    }
 }
 
 /// softmax(q·kᵀ·c (+ causal mask))·v ⇒ Attention(q, k, v): the scores' product (MatMul of q

@@ -117,10 +117,12 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::LogSoftmax { axis } => norm::softmax(*axis, true, &x(0)?, &mut outputs[0]),
         Op::SoftmaxGrad { axis } => norm::softmax_grad(*axis, false, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::LogSoftmaxGrad { axis } => norm::softmax_grad(*axis, true, &x(0)?, &x(1)?, &mut outputs[0]),
-        Op::LayerNorm { axis, epsilon } => {
-            norm::layer_norm(*axis, *epsilon, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
+        Op::LayerNorm { axis, epsilon, rms } => {
+            norm::layer_norm(*axis, *epsilon, *rms, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
         }
-        Op::LayerNormGrad { axis } => norm::layer_norm_grad(*axis, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs),
+        Op::LayerNormGrad { axis, rms } => {
+            norm::layer_norm_grad(*axis, *rms, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)
+        }
         Op::Transpose { perm } => shape::transpose(perm.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0]),
         Op::Concat { axis } => {
             let ins: Vec<TensorView> = inputs.iter().flatten().copied().collect();

@@ -122,11 +122,13 @@ pub fn softmax_grad(axis: i64, log: bool, dy: &TensorView, y: &TensorView, dx: &
     Ok(())
 }
 
-/// LayerNormalization over the dims from `axis` on. Outputs: Y, then optionally the mean and
-/// inverse standard deviation per row (kept for the backward pass).
+/// LayerNormalization over the dims from `axis` on (RMSNorm where `rms`: no mean is taken
+/// out, and the mean written is 0). Outputs: Y, then optionally the mean and inverse standard
+/// deviation (root mean square) per row, kept for the backward pass.
 pub fn layer_norm(
     axis: i64,
     eps: f32,
+    rms: bool,
     x: &TensorView,
     scale: &TensorView,
     bias: Option<TensorView>,
@@ -136,7 +138,7 @@ pub fn layer_norm(
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();
     if x.dtype != DType::F32 {
-        return layer_norm_reference(rows, cols, eps, x, scale, bias, outs);
+        return layer_norm_reference(rows, cols, eps, rms, x, scale, bias, outs);
     }
     let xs = x.as_slice::<f32>();
     let g = scale.as_slice::<f32>();
@@ -149,7 +151,7 @@ pub fn layer_norm(
     y.as_mut_slice::<f32>().par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(
         |(r, (yr, st))| {
             let xr = &xs[r * cols..(r + 1) * cols];
-            let mean = xr.iter().sum::<f32>() / cols as f32;
+            let mean = if rms { 0.0 } else { xr.iter().sum::<f32>() / cols as f32 };
             let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / cols as f32;
             let inv = 1.0 / (var + eps).sqrt();
             for j in 0..cols {
@@ -168,10 +170,12 @@ pub fn layer_norm(
 }
 
 /// LayerNormalization of the element types off the f32 path, computed in f64.
+#[allow(clippy::too_many_arguments)]
 fn layer_norm_reference(
     rows: usize,
     cols: usize,
     eps: f32,
+    rms: bool,
     x: &TensorView,
     scale: &TensorView,
     bias: Option<TensorView>,
@@ -186,7 +190,7 @@ fn layer_norm_reference(
     let (mut means, mut invs) = (vec![0f64; rows], vec![0f64; rows]);
     for r in 0..rows {
         let xr = &xs[r * cols..(r + 1) * cols];
-        let mean = xr.iter().sum::<f64>() / cols as f64;
+        let mean = if rms { 0.0 } else { xr.iter().sum::<f64>() / cols as f64 };
         let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / cols as f64;
         let inv = 1.0 / (var + eps as f64).sqrt();
         for j in 0..cols {
@@ -201,9 +205,12 @@ fn layer_norm_reference(
 }
 
 /// dY, X, scale, mean, inv_std → dX, dScale, dBias.
-/// With x̂ = (x−μ)·σ⁻¹ and g = dY⊙scale: dX = σ⁻¹ (g − mean(g) − x̂ mean(g⊙x̂)).
+/// With x̂ = (x−μ)·σ⁻¹ and g = dY⊙scale: dX = σ⁻¹ (g − mean(g) − x̂ mean(g⊙x̂)); RMSNorm's
+/// (`rms`, μ = 0) has no mean(g) term, as nothing was taken out of x.
+#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_grad(
     axis: i64,
+    rms: bool,
     dy: &TensorView,
     x: &TensorView,
     scale: &TensorView,
@@ -240,7 +247,7 @@ pub fn layer_norm_grad(
                     ds[j] += dyr[j] * xh;
                     db[j] += dyr[j];
                 }
-                mean_g /= cols as f32;
+                mean_g = if rms { 0.0 } else { mean_g / cols as f32 };
                 mean_gx /= cols as f32;
                 for j in 0..cols {
                     let xh = (xr[j] - m) * s;

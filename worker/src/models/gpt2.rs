@@ -15,7 +15,7 @@ use crate::tensor::{DType, Tensor};
 fn layer_norm(g: &mut Graph, name: &str, x: ValueId, c: usize) -> ValueId {
     let w = g.add_initializer(&format!("{name}.weight"), Init::constant(&[c], 1.0));
     let b = g.add_initializer(&format!("{name}.bias"), Init::constant(&[c], 0.0));
-    g.op1(name, Op::LayerNorm { axis: -1, epsilon: 1e-5 }, &[x, w, b])
+    g.op1(name, Op::LayerNorm { axis: -1, epsilon: 1e-5, rms: false }, &[x, w, b])
 }
 
 /// x·W + b with W [n_in, n_out] drawn from N(0, std²) and b = 0.

@@ -783,9 +783,12 @@ pub enum Op {
         axis: i64,
     },
     /// Outputs: Y, and optionally mean and inverse std-dev (saved for the backward pass).
+    /// `rms`: RMSNorm, x / √(mean(x²) + ε) · scale without re-centering or bias (its mean
+    /// output is zeros); `fuse::rms_norm` makes it from the ops a model writes it out as.
     LayerNorm {
         axis: i64,
         epsilon: f32,
+        rms: bool,
     },
     /// Reshape, Flatten, Squeeze and Unsqueeze all become this once shapes are known.
     Reshape,
@@ -988,9 +991,10 @@ pub enum Op {
     LogSoftmaxGrad {
         axis: i64,
     },
-    /// dY, X, scale, mean, inv_std -> dX, dScale, dBias.
+    /// dY, X, scale, mean, inv_std -> dX, dScale, dBias (RMSNorm's where `rms`).
     LayerNormGrad {
         axis: i64,
+        rms: bool,
     },
     /// dLoss, log_prob, labels -> dLogits.
     SoftmaxCrossEntropyLossGrad {
@@ -1465,7 +1469,7 @@ impl Op {
                 if a.int("stash_type", 1)? != 1 {
                     return Err(Error::Unsupported(format!("{}: only stash_type 1 (float32) is supported", a.origin)));
                 }
-                Op::LayerNorm { axis: a.int("axis", -1)?, epsilon: a.float("epsilon", 1e-5)? }
+                Op::LayerNorm { axis: a.int("axis", -1)?, epsilon: a.float("epsilon", 1e-5)?, rms: false }
             }
             "Reshape" => {
                 if a.int("allowzero", 0)? != 0 {
@@ -1732,7 +1736,8 @@ impl Op {
             Op::Gemm { .. } => onnx("Gemm"),
             Op::Softmax { .. } => onnx("Softmax"),
             Op::LogSoftmax { .. } => onnx("LogSoftmax"),
-            Op::LayerNorm { .. } => onnx("LayerNormalization"),
+            Op::LayerNorm { rms: false, .. } => onnx("LayerNormalization"),
+            Op::LayerNorm { rms: true, .. } => onnx("RMSNormalization"),
             Op::Reshape | Op::ReshapeAllowZero => onnx("Reshape"),
             Op::Transpose { .. } => onnx("Transpose"),
             Op::Concat { .. } => onnx("Concat"),
@@ -1803,7 +1808,8 @@ impl Op {
             Op::UnaryGrad(_) => internal("UnaryGrad"),
             Op::SoftmaxGrad { .. } => internal("SoftmaxGrad"),
             Op::LogSoftmaxGrad { .. } => internal("LogSoftmaxGrad"),
-            Op::LayerNormGrad { .. } => internal("LayerNormalizationGrad"),
+            Op::LayerNormGrad { rms: false, .. } => internal("LayerNormalizationGrad"),
+            Op::LayerNormGrad { rms: true, .. } => internal("RMSNormalizationGrad"),
             Op::SoftmaxCrossEntropyLossGrad { .. } => internal("SoftmaxCrossEntropyLossGrad"),
             Op::GatherGrad { .. } => internal("GatherGrad"),
             Op::GatherElementsGrad { .. } => internal("GatherElementsGrad"),
@@ -1915,7 +1921,7 @@ impl Op {
                 vec![i("axis", *axis)]
             }
             Op::Flatten { axis } => vec![i("axis", *axis)],
-            Op::LayerNorm { axis, epsilon } => vec![i("axis", *axis), f("epsilon", *epsilon)],
+            Op::LayerNorm { axis, epsilon, .. } => vec![i("axis", *axis), f("epsilon", *epsilon)],
             Op::Transpose { perm: Some(p) } => vec![is("perm", p)],
             // Split's sizes (and Squeeze/Unsqueeze/Reduce axes) are inputs in the opsets we
             // write; `operand_inputs` gives them.

@@ -873,7 +873,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
                 dev.kernel("softmax_grad_strided", lines, &mut params![log, outer, n, inner, dy.at, out.at, y.at])
             }
         }
-        Op::LayerNorm { axis, epsilon } => {
+        Op::LayerNorm { axis, epsilon, rms } => {
             let (a, scale) = (x(0)?, x(1)?);
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
@@ -885,10 +885,10 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             dev.kernel(
                 &typed("layer_norm_rows", y.dtype())?,
                 per_row(rows),
-                &mut params![cols as i64, *epsilon, a.at, scale.at, bias, y.at, mean, inv],
+                &mut params![*rms as i32, cols as i64, *epsilon, a.at, scale.at, bias, y.at, mean, inv],
             )
         }
-        Op::LayerNormGrad { axis } => {
+        Op::LayerNormGrad { axis, rms } => {
             let (dy, a, scale, mean, inv) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
@@ -896,7 +896,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             dev.kernel(
                 &typed("layer_norm_grad_rows", dy.dtype())?,
                 per_row(rows),
-                &mut params![cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
+                &mut params![*rms as i32, cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
             )?;
             if let Some(dscale) = dscale {
                 let x_hat = Some((a.at, mean.at, inv.at));

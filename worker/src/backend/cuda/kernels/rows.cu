@@ -66,17 +66,21 @@ extern "C" __global__ void softmax_grad_strided(int log, i64 outer, i64 n, i64 i
 }
 
 // LayerNormalization of each row: Y = (x − μ)·σ⁻¹·scale + bias (bias may be null); the mean
-// and σ⁻¹ are written when their outputs exist (the backward pass reads them). x, scale and
+// and σ⁻¹ are written when their outputs exist (the backward pass reads them). With `rms`,
+// RMSNorm: μ = 0, so σ is the root mean square and nothing is taken out. x, scale and
 // bias are f32; Y is f32, or half where mixed precision's product reads it (fuse.rs's
 // layer_norm_casts), rounded once as a cast after it would round it.
 template <class S>
-__device__ void layer_norm_rows(i64 cols, float eps, const float* x, const float* scale, const float* bias,
-                                typename S::T* y, float* mean_out, float* inv_out) {
+__device__ void layer_norm_rows(int rms, i64 cols, float eps, const float* x, const float* scale,
+                                const float* bias, typename S::T* y, float* mean_out, float* inv_out) {
     const float* xr = x + blockIdx.x * cols;
     typename S::T* yr = y + blockIdx.x * cols;
-    float s = 0.f;
-    for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
-    float mu = block_sum(s) / (float)cols;
+    float mu = 0.f;
+    if (!rms) {
+        float s = 0.f;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
+        mu = block_sum(s) / (float)cols;
+    }
     float v = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float d = xr[j] - mu;
@@ -90,25 +94,26 @@ __device__ void layer_norm_rows(i64 cols, float eps, const float* x, const float
         if (inv_out) inv_out[blockIdx.x] = inv;
     }
 }
-extern "C" __global__ void layer_norm_rows_f32(i64 cols, float eps, const float* x, const float* scale,
+extern "C" __global__ void layer_norm_rows_f32(int rms, i64 cols, float eps, const float* x, const float* scale,
                                                const float* bias, float* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<F32>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+    layer_norm_rows<F32>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
 }
-extern "C" __global__ void layer_norm_rows_f16(i64 cols, float eps, const float* x, const float* scale,
+extern "C" __global__ void layer_norm_rows_f16(int rms, i64 cols, float eps, const float* x, const float* scale,
                                                const float* bias, u16* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<F16>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+    layer_norm_rows<F16>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
 }
-extern "C" __global__ void layer_norm_rows_bf16(i64 cols, float eps, const float* x, const float* scale,
+extern "C" __global__ void layer_norm_rows_bf16(int rms, i64 cols, float eps, const float* x, const float* scale,
                                                 const float* bias, u16* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<BF16>(cols, eps, x, scale, bias, y, mean_out, inv_out);
+    layer_norm_rows<BF16>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
 }
 
 // dX of LayerNormalization, per row: with x̂ = (x − μ)·σ⁻¹ and g = dY⊙scale,
-// dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)). dScale and dBias are column sums (below). dY is f32,
+// dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)); RMSNorm's (`rms`, μ = 0) has no mean(g) term.
+// dScale and dBias are column sums (below). dY is f32,
 // or half where mixed precision's product wrote it (layer_norm_casts), widened on loading.
 template <class S>
-__device__ void layer_norm_grad_rows(i64 cols, const typename S::T* dy, const float* x, const float* scale,
-                                     const float* mean, const float* inv_std, float* dx) {
+__device__ void layer_norm_grad_rows(int rms, i64 cols, const typename S::T* dy, const float* x,
+                                     const float* scale, const float* mean, const float* inv_std, float* dx) {
     i64 r = blockIdx.x;
     const typename S::T* dyr = dy + r * cols;
     const float* xr = x + r * cols;
@@ -120,24 +125,24 @@ __device__ void layer_norm_grad_rows(i64 cols, const typename S::T* dy, const fl
         sg += g;
         sgx += g * (xr[j] - mu) * inv;
     }
-    float mean_g = block_sum(sg) / (float)cols;
+    float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
     float mean_gx = block_sum(sgx) / (float)cols;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float xh = (xr[j] - mu) * inv;
         dxr[j] = inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
     }
 }
-extern "C" __global__ void layer_norm_grad_rows_f32(i64 cols, const float* dy, const float* x, const float* scale,
-                                                   const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<F32>(cols, dy, x, scale, mean, inv_std, dx);
+extern "C" __global__ void layer_norm_grad_rows_f32(int rms, i64 cols, const float* dy, const float* x,
+                                                    const float* scale, const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<F32>(rms, cols, dy, x, scale, mean, inv_std, dx);
 }
-extern "C" __global__ void layer_norm_grad_rows_f16(i64 cols, const u16* dy, const float* x, const float* scale,
-                                                   const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<F16>(cols, dy, x, scale, mean, inv_std, dx);
+extern "C" __global__ void layer_norm_grad_rows_f16(int rms, i64 cols, const u16* dy, const float* x,
+                                                    const float* scale, const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<F16>(rms, cols, dy, x, scale, mean, inv_std, dx);
 }
-extern "C" __global__ void layer_norm_grad_rows_bf16(i64 cols, const u16* dy, const float* x, const float* scale,
-                                                   const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<BF16>(cols, dy, x, scale, mean, inv_std, dx);
+extern "C" __global__ void layer_norm_grad_rows_bf16(int rms, i64 cols, const u16* dy, const float* x,
+                                                     const float* scale, const float* mean, const float* inv_std, float* dx) {
+    layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx);
 }
 
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and

@@ -1,13 +1,14 @@
-//! The attention fusion (`graph::fuse`'s forward pass `attention`): GPT-2's causal attention
-//! becomes one Attention node whose backward recomputes the probabilities, and training with it
-//! follows training without it (`disabled_passes: ["attention"]`) while planning less memory;
-//! `attention_token_major` then runs it on the heads as the projections lay them out, without
-//! the heads' transposes, to the same bits.
+//! The forward fusions (`graph::fuse`'s passes before autodiff). `attention`: GPT-2's causal
+//! attention becomes one Attention node whose backward recomputes the probabilities, and
+//! training with it follows training without it (`disabled_passes: ["attention"]`) while
+//! planning less memory; `attention_token_major` then runs it on the heads as the projections
+//! lay them out, without the heads' transposes, to the same bits. `rms_norm`: the Llama's
+//! written-out RMSNorms become LayerNorm { rms } nodes, and train as the ops they replace.
 
 mod common;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
-use tensorfleet_worker::config::{Gpt2Config, ModelSpec};
+use tensorfleet_worker::config::{Gpt2Config, LlamaConfig, ModelSpec};
 use tensorfleet_worker::models;
 use tensorfleet_worker::op::Op;
 use tensorfleet_worker::optim::Update;
@@ -99,5 +100,49 @@ fn token_major_attention_drops_the_heads_transposes_and_trains_to_the_same_bits(
     let (w1, w2) = (tm.weights().unwrap(), hf.weights().unwrap());
     for (name, t) in &w1 {
         assert!(t.bytes() == w2[name].bytes(), "{name} differs");
+    }
+}
+
+fn llama(disabled: &[&str]) -> Session<CpuBackend> {
+    let config = LlamaConfig {
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        embed: 32,
+        ffn: 64,
+        seq_len: 16,
+        vocab: 64,
+        rope_theta: 1e4,
+        norm_eps: 1e-5,
+    };
+    let model = models::load(&ModelSpec { llama: Some(config), ..Default::default() }, 5).unwrap();
+    let adamw = Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true };
+    let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+    let opts = SessionOptions { disabled_passes, ..SessionOptions::new(adamw) };
+    Session::new(Arc::new(CpuBackend::new()), &model, &batch(2, 16, 64, 0), 2, &opts).unwrap()
+}
+
+/// Each block's two RMSNorms and the final one become one node forward and one backward, and
+/// training follows the written-out ops' losses, gradient norms and weights.
+#[test]
+fn the_llamas_rms_norms_fuse_and_train_as_the_written_out_ops() {
+    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm"]));
+    let rms = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. }));
+    let rms_grad = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNormGrad { rms: true, .. }));
+    assert_eq!((rms(&fused), rms_grad(&fused)), (5, 5));
+    assert_eq!((rms(&plain), rms_grad(&plain)), (0, 0));
+    let sqrt = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Unary(tensorfleet_worker::op::Unary::Sqrt)));
+    assert_eq!(sqrt(&fused), 0, "every RMSNorm's square root is gone");
+    let batches = [batch(2, 16, 64, 1), batch(2, 16, 64, 2)];
+    for k in 0..4 {
+        let (x, y) = (fused.step(&batches, 3e-3, 1.0, k).unwrap(), plain.step(&batches, 3e-3, 1.0, k).unwrap());
+        assert!((x.loss - y.loss).abs() <= 1e-5 * y.loss, "step {k}: fused {} vs written out {}", x.loss, y.loss);
+        assert!((x.grad_norm - y.grad_norm).abs() <= 1e-4 * y.grad_norm, "step {k}: gradient norms");
+    }
+    let (w1, w2) = (fused.weights().unwrap(), plain.weights().unwrap());
+    for (name, t) in &w1 {
+        let worst =
+            t.as_slice::<f32>().iter().zip(w2[name].as_slice::<f32>()).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-4, "{name} differs by {worst}");
     }
 }
