@@ -1,14 +1,14 @@
 //! The CUDA backend (issue 7), in the parts a machine without a GPU can check, and against
 //! the CPU backend where a GPU is present:
 //! - NVRTC compiles the kernels (the pip wheel of `.ci/requirements.txt` where the CUDA
-//!   toolkit is absent; `TENSORFLEET_REQUIRE_NVRTC=1`, set by `make test`, fails the test
-//!   instead of skipping it when NVRTC cannot be loaded), and ptxas, where `TENSORFLEET_PTXAS`
-//!   names one, assembles the PTX for sm_80 and sm_90 without spills;
+//!   toolkit is absent: these tests are ignored as needing it, `make test` runs them, and they
+//!   fail where NVRTC cannot be loaded), and ptxas, where `TENSORFLEET_PTXAS` names one,
+//!   assembles the PTX for sm_80 and sm_90 without spills;
 //! - the dispatch has a kernel for every node of GPT-2's and SqueezeNet's training graphs, and
 //!   every launch it would make names a kernel of the program with the parameter types its
 //!   declaration has;
 //! - `device: cuda` on a machine without a usable GPU exits 2 naming what is missing;
-//! - NCCL loads (the pip wheel here too, `TENSORFLEET_REQUIRE_NCCL=1` alike) and draws ids;
+//! - NCCL loads (the pip wheel here too, ignored and run alike) and draws ids;
 //! - with a GPU (the tests ignored as needing one, which `make test` runs with `--ignored` where
 //!   `nvidia-smi` finds one, and which fail without one): GPT-2 and SqueezeNet train to the CPU
 //!   backend's losses, step by step, fused attention matches the CPU's at GPT-2's shape, the
@@ -55,17 +55,16 @@ fn tiny_gpt2(dropout: f32) -> ModelSpec {
     }
 }
 
+/// NVRTC, or a failure saying it cannot be loaded: the tests that need it are ignored by a plain
+/// `cargo test`, and `make test` (which installs it) runs them.
+fn require_nvrtc() {
+    assert!(probe::nvrtc_present(), "NVRTC (libnvrtc.so.13) cannot be loaded: is LD_LIBRARY_PATH set?");
+}
+
 #[test]
+#[ignore = "needs NVRTC (libnvrtc.so.13, the venv's pip wheel): make test runs it"]
 fn nvrtc_compiles_the_kernels() {
-    if !probe::nvrtc_present() {
-        let required = std::env::var("TENSORFLEET_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
-        assert!(
-            !required,
-            "TENSORFLEET_REQUIRE_NVRTC=1 but NVRTC (libnvrtc.so.13) cannot be loaded: is LD_LIBRARY_PATH set?"
-        );
-        eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on this machine");
-        return;
-    }
+    require_nvrtc();
     // Hopper (the H100's 9.0) and Ampere (8.0): the kernels use nothing newer than sm_80; and
     // Turing (7.5), where the tensor-core instructions give way (the attention runs on the
     // warp kernels there).
@@ -88,10 +87,9 @@ fn nvrtc_compiles_the_kernels() {
 /// A compiled program is left in the kernel cache's directory, and the next process takes it
 /// from there instead of compiling (what the file holds is what it gets).
 #[test]
+#[ignore = "needs NVRTC (libnvrtc.so.13, the venv's pip wheel): make test runs it"]
 fn compiled_kernels_are_kept_for_the_next_process() {
-    if !probe::nvrtc_present() {
-        return eprintln!("skipped: NVRTC (libnvrtc.so.13) is not on this machine");
-    }
+    require_nvrtc();
     let dir = std::env::temp_dir().join(format!("tensorfleet-kernel-cache-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let first = compile::compile_in(Some(&dir), 8, 0).unwrap();
@@ -415,23 +413,17 @@ fn mfu_is_measured_against_the_gpus_dense_peak_for_the_precision() {
     assert_eq!(tflops("cuda:0 (Some Future GPU, sm_100)", DType::BF16), None, "unknown: no MFU");
 }
 
-/// NCCL (the pip wheel of `.ci/requirements.txt` where no CUDA image provides it): present, or
-/// the reason it is skipped. `TENSORFLEET_REQUIRE_NCCL=1`, set by `make test`, fails instead.
-fn nccl_or_skip() -> bool {
-    if nccl::present() {
-        return true;
-    }
-    let required = std::env::var("TENSORFLEET_REQUIRE_NCCL").is_ok_and(|v| v == "1");
-    assert!(!required, "TENSORFLEET_REQUIRE_NCCL=1 but NCCL (libnccl.so.2) cannot be loaded: is LD_LIBRARY_PATH set?");
-    eprintln!("skipped: NCCL (libnccl.so.2) is not on this machine");
-    false
+/// NCCL (the pip wheel of `.ci/requirements.txt` where no CUDA image provides it), or a failure
+/// saying it cannot be loaded: as NVRTC's, the tests that need it are ignored and run by
+/// `make test`.
+fn require_nccl() {
+    assert!(nccl::present(), "NCCL (libnccl.so.2) cannot be loaded: is LD_LIBRARY_PATH set?");
 }
 
 #[test]
+#[ignore = "needs NCCL (libnccl.so.2, the venv's pip wheel): make test runs it"]
 fn nccl_loads_and_draws_unique_ids_without_a_gpu() {
-    if !nccl_or_skip() {
-        return;
-    }
+    require_nccl();
     let version = nccl::version().unwrap();
     let major: u32 = version.split('.').next().unwrap().parse().unwrap();
     assert_eq!(major, 2, "NCCL {version}: the bindings follow NCCL 2's ABI");
@@ -446,9 +438,7 @@ fn nccl_loads_and_draws_unique_ids_without_a_gpu() {
 #[ignore = "needs a GPU"]
 fn nccl_collectives_run_on_the_gpu() {
     probe::gpu_count().unwrap_or_else(|why| panic!("no GPU: {}", why.0));
-    if !nccl_or_skip() {
-        return;
-    }
+    require_nccl();
     // A communicator of one rank on GPU 0 (mpi_comm.rs reduces across GPUs where there are
     // several): every call the backend makes goes through NCCL and leaves the values as a
     // group of one must.
