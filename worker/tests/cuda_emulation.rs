@@ -1433,10 +1433,11 @@ fn products_over_unaligned_rows_match_the_cpu_backend_on_the_emulated_kernels() 
     }
 }
 
-/// Every pointwise function of issue 20 (those of Hugging Face and torchvision exports), its
-/// gradient, the predicates and the new binary ops on the emulated kernels against the CPU
-/// backend: f32 and f64 within a few units of f32's last place (both call the C library's
-/// functions, the CPU in f64), bf16 within one of its units (both compute in f32 and round once).
+/// Every pointwise function of issue 20 (those of Hugging Face and torchvision exports, and the
+/// SiLU that `fuse::silu` makes of them), its gradient, the predicates and the new binary ops
+/// on the emulated kernels against the CPU backend: f32 and f64 within a few units of f32's
+/// last place (both call the C library's functions, the CPU in f64), bf16 within one of its
+/// units (both compute in f32 and round once).
 /// The inputs cover both sides of every kink (−3, 0, 3, the Clip bounds) and ±∞ and NaN for
 /// the predicates.
 #[test]
@@ -1448,7 +1449,7 @@ fn pointwise_ops_of_exported_models_match_the_cpu_backend_on_the_emulated_kernel
         Sin, Cos, Tan, Atan, Sinh, Cosh, Asinh, Sign, Round, Softplus, Softsign, Mish, HardSwish,
         HardSigmoid { alpha: 0.2, beta: 0.5 }, LeakyRelu { alpha: 0.01 }, Elu { alpha: 1.5 },
         Selu { alpha: 1.673_263_2, gamma: 1.050_701 }, Celu { alpha: 0.7 }, ThresholdedRelu { alpha: 0.5 },
-        Clip { min: -1.5, max: 2.5 }, Clip { min: 0.0, max: 6.0 },
+        Clip { min: -1.5, max: 2.5 }, Clip { min: 0.0, max: 6.0 }, Silu,
     ];
     let inverse = [Asin, Acos, Atanh];
     let n = 48;

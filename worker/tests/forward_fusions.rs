@@ -2,15 +2,16 @@
 //! attention becomes one Attention node whose backward recomputes the probabilities, and
 //! training with it follows training without it (`disabled_passes: ["attention"]`) while
 //! planning less memory; `attention_token_major` then runs it on the heads as the projections
-//! lay them out, without the heads' transposes, to the same bits. `rms_norm`: the Llama's
-//! written-out RMSNorms become LayerNorm { rms } nodes, and train as the ops they replace.
+//! lay them out, without the heads' transposes, to the same bits. `rms_norm` and `silu`: the
+//! Llama's written-out RMSNorms and SwiGLU gates become LayerNorm { rms } and Silu nodes, and
+//! train as the ops they replace.
 
 mod common;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::config::{Gpt2Config, LlamaConfig, ModelSpec};
 use tensorfleet_worker::models;
-use tensorfleet_worker::op::Op;
+use tensorfleet_worker::op::{Op, Unary};
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::DType;
@@ -122,17 +123,23 @@ fn llama(disabled: &[&str]) -> Session<CpuBackend> {
     Session::new(Arc::new(CpuBackend::new()), &model, &batch(2, 16, 64, 0), 2, &opts).unwrap()
 }
 
-/// Each block's two RMSNorms and the final one become one node forward and one backward, and
-/// training follows the written-out ops' losses, gradient norms and weights.
+/// Each block's two RMSNorms and the final one become one node forward and one backward, each
+/// block's SiLU one node each way, and training follows the written-out ops' losses, gradient
+/// norms and weights.
 #[test]
-fn the_llamas_rms_norms_fuse_and_train_as_the_written_out_ops() {
-    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm"]));
+fn the_llamas_rms_norms_and_silus_fuse_and_train_as_the_written_out_ops() {
+    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu"]));
     let rms = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. }));
     let rms_grad = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNormGrad { rms: true, .. }));
     assert_eq!((rms(&fused), rms_grad(&fused)), (5, 5));
     assert_eq!((rms(&plain), rms_grad(&plain)), (0, 0));
-    let sqrt = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Unary(tensorfleet_worker::op::Unary::Sqrt)));
+    let sqrt = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Unary(Unary::Sqrt)));
     assert_eq!(sqrt(&fused), 0, "every RMSNorm's square root is gone");
+    // The SiLU forward, its gradient, and the sigmoids left.
+    let silu = |s: &Session<CpuBackend>| {
+        [Op::Unary(Unary::Silu), Op::UnaryGrad(Unary::Silu), Op::Unary(Unary::Sigmoid)].map(|w| count(s, |op| *op == w))
+    };
+    assert_eq!((silu(&fused), silu(&plain)[0]), ([2, 2, 0], 0));
     let batches = [batch(2, 16, 64, 1), batch(2, 16, 64, 2)];
     for k in 0..4 {
         let (x, y) = (fused.step(&batches, 3e-3, 1.0, k).unwrap(), plain.step(&batches, 3e-3, 1.0, k).unwrap());

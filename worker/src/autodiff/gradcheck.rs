@@ -154,6 +154,7 @@ fn unary_rules() {
         (Softplus, -3.0, 3.0),
         (Softsign, -3.0, 3.0),
         (Mish, -3.0, 3.0),
+        (Silu, -3.0, 3.0),
         // HardSwish's three pieces, away from their joins at ±3.
         (HardSwish, -2.9, 2.9),
         (HardSwish, 3.1, 4.0),

@@ -19,7 +19,7 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["rms_norm", "attention", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "attention", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -31,6 +31,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
         }
         let n = match p {
             "rms_norm" => rms_norm(g, keep),
+            "silu" => silu(g, keep),
             "attention" => attention(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
             _ => 0,
@@ -457,6 +458,40 @@ fn rms_norm_chain(m: &RmsNormMatcher, i: usize) -> Option<RmsNormChain> {
         (fits && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
         Some(RmsNormChain { x, scale, axis: axis as i64, epsilon, gone })
     })
+}
+
+/// x · Sigmoid(x)  ⇒  Silu(x): SwiGLU's gate as the builtin Llama and PyTorch's exporters write
+/// SiLU. One kernel each way instead of two forward and four backward (the product's two
+/// gradients, the sigmoid's and their sum), and no sigmoid kept for the backward pass.
+fn silu(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let mut gone = vec![false; g.nodes.len()];
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        let node = &g.nodes[i];
+        let (Some(a), Some(b)) = (node.input(0), node.input(1)) else { continue };
+        if node.op != Op::Binary(Binary::Mul) {
+            continue;
+        }
+        let sigmoid_of = |s: ValueId, x: ValueId| {
+            let p = producers[s].filter(|_| uses[s] == 1 && !keep.contains(&s) && !g.outputs.contains(&s))?;
+            (g.nodes[p].op == Op::Unary(Unary::Sigmoid) && g.nodes[p].input(0) == Some(x) && !gone[p]).then_some(p)
+        };
+        let Some((x, p)) = sigmoid_of(b, a).map(|p| (a, p)).or_else(|| sigmoid_of(a, b).map(|p| (b, p))) else {
+            continue;
+        };
+        gone[p] = true;
+        let node = &mut g.nodes[i];
+        node.op = Op::Unary(Unary::Silu);
+        node.inputs = vec![Some(x)];
+        fused += 1;
+    }
+    let mut index = 0;
+    g.nodes.retain(|_| {
+        index += 1;
+        !gone[index - 1]
+    });
+    fused
 }
 
 /// The steps of `rms_norm_chain`: each checks that a value is made by the op it expects and

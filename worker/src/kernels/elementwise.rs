@@ -40,6 +40,7 @@ pub(super) fn unary_f64(u: Unary, x: f64) -> f64 {
         Unary::Erf => erf(x),
         Unary::Relu => x.max(0.0),
         Unary::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Unary::Silu => x / (1.0 + (-x).exp()),
         Unary::Abs => x.abs(),
         Unary::Reciprocal => 1.0 / x,
         Unary::Floor => x.floor(),
@@ -159,6 +160,7 @@ fn unary_f32(u: Unary, x: f32) -> f32 {
         Unary::Tanh => x.tanh(),
         Unary::Sqrt => x.sqrt(),
         Unary::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        Unary::Silu => x / (1.0 + (-x).exp()),
         _ => unary_f64(u, x as f64) as f32,
     }
 }
@@ -176,6 +178,10 @@ fn unary_grad_f64(u: Unary, x: f64) -> f64 {
         Unary::Sigmoid => {
             let s = 1.0 / (1.0 + (-x).exp());
             s * (1.0 - s)
+        }
+        Unary::Silu => {
+            let s = 1.0 / (1.0 + (-x).exp());
+            s * (1.0 + x * (1.0 - s))
         }
         Unary::Abs => x.signum() * (x != 0.0) as u8 as f64,
         Unary::Reciprocal => -1.0 / (x * x),
@@ -334,6 +340,10 @@ fn derivative_f32(u: Unary, v: f32) -> f32 {
     match u {
         Unary::Relu => (v > 0.0) as u8 as f32,
         Unary::GeluTanh => gelu_tanh_grad(v),
+        Unary::Silu => {
+            let s = 1.0 / (1.0 + (-v).exp());
+            s * (1.0 + v * (1.0 - s))
+        }
         Unary::Tanh => {
             let t = v.tanh();
             1.0 - t * t

@@ -183,6 +183,9 @@ pub enum Unary {
         negative: bool,
         positive: bool,
     },
+    /// x·σ(x) (SiLU, Swish with β = 1): no ONNX op of the opsets read here; `fuse::silu` makes
+    /// it from the Sigmoid and Mul that models are exported as.
+    Silu,
 }
 
 impl Unary {
@@ -231,6 +234,7 @@ impl Unary {
             Clip { .. } => 38,
             IsNaN => 39,
             IsInf { .. } => 40,
+            Silu => 41,
         }
     }
 
@@ -1666,48 +1670,56 @@ impl Op {
         let onnx = |n| (n, "");
         let internal = |n| (n, TF_DOMAIN);
         match self {
-            Op::Unary(u) => onnx(match u {
-                Unary::Neg => "Neg",
-                Unary::Exp => "Exp",
-                Unary::Log => "Log",
-                Unary::Sqrt => "Sqrt",
-                Unary::Tanh => "Tanh",
-                Unary::Erf => "Erf",
-                Unary::Relu => "Relu",
-                Unary::Sigmoid => "Sigmoid",
-                Unary::Abs => "Abs",
-                Unary::Reciprocal => "Reciprocal",
-                Unary::Floor => "Floor",
-                Unary::Ceil => "Ceil",
-                Unary::Not => "Not",
-                Unary::Gelu | Unary::GeluTanh => "Gelu",
-                Unary::Sin => "Sin",
-                Unary::Cos => "Cos",
-                Unary::Tan => "Tan",
-                Unary::Asin => "Asin",
-                Unary::Acos => "Acos",
-                Unary::Atan => "Atan",
-                Unary::Sinh => "Sinh",
-                Unary::Cosh => "Cosh",
-                Unary::Asinh => "Asinh",
-                Unary::Acosh => "Acosh",
-                Unary::Atanh => "Atanh",
-                Unary::Sign => "Sign",
-                Unary::Round => "Round",
-                Unary::Softplus => "Softplus",
-                Unary::Softsign => "Softsign",
-                Unary::Mish => "Mish",
-                Unary::HardSwish => "HardSwish",
-                Unary::HardSigmoid { .. } => "HardSigmoid",
-                Unary::LeakyRelu { .. } => "LeakyRelu",
-                Unary::Elu { .. } => "Elu",
-                Unary::Selu { .. } => "Selu",
-                Unary::Celu { .. } => "Celu",
-                Unary::ThresholdedRelu { .. } => "ThresholdedRelu",
-                Unary::Clip { .. } => "Clip",
-                Unary::IsNaN => "IsNaN",
-                Unary::IsInf { .. } => "IsInf",
-            }),
+            Op::Unary(u) => {
+                let name = match u {
+                    Unary::Neg => "Neg",
+                    Unary::Exp => "Exp",
+                    Unary::Log => "Log",
+                    Unary::Sqrt => "Sqrt",
+                    Unary::Tanh => "Tanh",
+                    Unary::Erf => "Erf",
+                    Unary::Relu => "Relu",
+                    Unary::Sigmoid => "Sigmoid",
+                    Unary::Abs => "Abs",
+                    Unary::Reciprocal => "Reciprocal",
+                    Unary::Floor => "Floor",
+                    Unary::Ceil => "Ceil",
+                    Unary::Not => "Not",
+                    Unary::Gelu | Unary::GeluTanh => "Gelu",
+                    Unary::Sin => "Sin",
+                    Unary::Cos => "Cos",
+                    Unary::Tan => "Tan",
+                    Unary::Asin => "Asin",
+                    Unary::Acos => "Acos",
+                    Unary::Atan => "Atan",
+                    Unary::Sinh => "Sinh",
+                    Unary::Cosh => "Cosh",
+                    Unary::Asinh => "Asinh",
+                    Unary::Acosh => "Acosh",
+                    Unary::Atanh => "Atanh",
+                    Unary::Sign => "Sign",
+                    Unary::Round => "Round",
+                    Unary::Softplus => "Softplus",
+                    Unary::Softsign => "Softsign",
+                    Unary::Mish => "Mish",
+                    Unary::HardSwish => "HardSwish",
+                    Unary::HardSigmoid { .. } => "HardSigmoid",
+                    Unary::LeakyRelu { .. } => "LeakyRelu",
+                    Unary::Elu { .. } => "Elu",
+                    Unary::Selu { .. } => "Selu",
+                    Unary::Celu { .. } => "Celu",
+                    Unary::ThresholdedRelu { .. } => "ThresholdedRelu",
+                    Unary::Clip { .. } => "Clip",
+                    Unary::IsNaN => "IsNaN",
+                    Unary::IsInf { .. } => "IsInf",
+                    Unary::Silu => "Silu",
+                };
+                if *u == Unary::Silu {
+                    internal(name)
+                } else {
+                    onnx(name)
+                }
+            }
             Op::Binary(b) => onnx(match b {
                 Binary::Add => "Add",
                 Binary::Sub => "Sub",

@@ -2349,7 +2349,7 @@ mod tests {
             Sin, Cos, Tan, Asin, Acos, Atan, Sinh, Cosh, Asinh, Acosh, Atanh, Sign, Round, Softplus, Softsign,
             Mish, HardSwish, HardSigmoid { alpha: a, beta: b }, LeakyRelu { alpha: a }, Elu { alpha: a },
             Selu { alpha: a, gamma: b }, Celu { alpha: a }, ThresholdedRelu { alpha: a }, Clip { min: a, max: b },
-            IsNaN, IsInf { negative: true, positive: false },
+            IsNaN, IsInf { negative: true, positive: false }, Silu,
         ];
         for (code, u) in unary.iter().enumerate() {
             assert_eq!(u.code(), code as i32, "{u:?}");

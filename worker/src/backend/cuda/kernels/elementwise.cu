@@ -73,6 +73,7 @@ __device__ C unary_f(int op, C x, float p0, float p1) {
     case 35: return b * (x > (C)0 ? x : a * expm1_of(x));
     case 36: return max_of(x, (C)0) + min_of((C)0, a * expm1_of(x / a));
     case 37: return x > a ? x : (C)0;
+    case 41: return x * sigmoid_of(x);
     default: return clip_of(x, a, b);  // 38
     }
 }
@@ -123,6 +124,7 @@ __device__ C unary_df(int op, C x, float p0, float p1) {
     case 36: return x > (C)0 ? (C)1 : exp_of(x / a);
     case 37: return x > a ? (C)1 : (C)0;
     case 38: return (x >= a && x <= b) ? (C)1 : (C)0;
+    case 41: { C s = sigmoid_of(x); return s * ((C)1 + x * ((C)1 - s)); }
     default: return (C)0;  // 10, 11, 12, 26, 27
     }
 }
