@@ -26,6 +26,9 @@ export RUSTC_WORKSPACE_WRAPPER=$driver RUSTFLAGS="-D warnings" CARGO_PROFILE_REL
 
 times=()
 started=$SECONDS
+# A stage's function runs as the left side of `||`, where bash ignores `set -e` (in the
+# subshells and jobs it starts too): every function below chains its commands with && or
+# `|| return`/`|| exit`, so that a failed command fails its stage.
 stage() {
     local name=$1 t0=$SECONDS status=0
     shift
@@ -89,17 +92,18 @@ trap summary EXIT
 
 helm_checks() {
     local bin
-    bin="$(bash e2e/control-plane/build.sh | tail -n 1)"
-    "$bin/helm" lint --strict charts/tensorfleet
-    "$bin/helm" template tensorfleet charts/tensorfleet >/dev/null
-    "$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
+    bin="$(bash e2e/control-plane/build.sh | tail -n 1)" &&
+        "$bin/helm" lint --strict charts/tensorfleet &&
+        "$bin/helm" template tensorfleet charts/tensorfleet >/dev/null &&
+        "$bin/helm" template tensorfleet charts/tensorfleet --set 'watchNamespaces={team-a,team-b}' >/dev/null
 }
 
 # Every cargo test of the workspace but the end-to-end crate's, with what they need around them.
 cargo_tests() {
     local venv=$PWD/.venv status=0
     cluster="$(mktemp -d /tmp/tensorfleet-test-cluster.XXXXXX)"
-    TENSORFLEET_K8S_BIN="$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$cluster" >/dev/null
+    TENSORFLEET_K8S_BIN="$(bash e2e/control-plane/build.sh | tail -n 1)" bash e2e/control-plane/up.sh "$cluster" >/dev/null ||
+        return
     (
         export TENSORFLEET_PYTHON=$venv/bin/python TENSORFLEET_TEST_KUBECONFIG=$cluster/kubeconfig
         TENSORFLEET_ONNX_NODE_TESTS="$("$venv/bin/python" .ci/onnx_node_tests_dir.py)"
@@ -108,15 +112,15 @@ cargo_tests() {
         export TENSORFLEET_ONNX_NODE_TESTS TENSORFLEET_PTXAS TENSORFLEET_REQUIRE_NCCL=1
         export LD_LIBRARY_PATH="$cuda_libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
         run=("$CARGO" test --workspace --release --exclude tensorfleet-e2e --)
-        "${run[@]}" --include-ignored --skip on_the_gpu --skip on_two_gpus
+        "${run[@]}" --include-ignored --skip on_the_gpu --skip on_two_gpus || exit
         gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
         if ((gpus >= 1)); then
-            "${run[@]}" --ignored on_the_gpu
+            "${run[@]}" --ignored on_the_gpu || exit
         else
             echo "test: no GPU here (nvidia-smi finds none): the tests ignored as needing one (on_the_gpu) did not run"
         fi
         if ((gpus >= 2)); then
-            "${run[@]}" --ignored on_two_gpus
+            "${run[@]}" --ignored on_two_gpus || exit
         else
             echo "test: fewer than 2 GPUs here: the tests ignored as needing 2 (on_two_gpus) did not run"
         fi
@@ -131,9 +135,9 @@ cargo_tests() {
 # for a failure. The cluster, once up, idles until its stage.
 e2e_builds_and_cluster() {
     local bin
-    bin="$(bash e2e/control-plane/build.sh --nodes | tail -n 1)"
-    "$MAKE" --no-print-directory images
-    TENSORFLEET_K8S_BIN="$bin" bash e2e/cluster/up.sh "$e2e_cluster"
+    bin="$(bash e2e/control-plane/build.sh --nodes | tail -n 1)" &&
+        "$MAKE" --no-print-directory images &&
+        TENSORFLEET_K8S_BIN="$bin" bash e2e/cluster/up.sh "$e2e_cluster"
 }
 tests_and_e2e_builds() {
     local status=0

@@ -268,7 +268,9 @@ fn profiles_a_step_range_as_a_chrome_trace_and_serves_progress() {
     for _ in 0..600 {
         if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
             use std::io::{Read, Write};
-            s.write_all(b"GET /progress HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+            // Connection: close, or read_to_string waits for the end of the kept-alive connection
+            // (the worker's exit), and a first answer at step 0 leaves nothing to poll.
+            s.write_all(b"GET /progress HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
             let mut text = String::new();
             let _ = s.read_to_string(&mut text);
             if let Some(body) = text.split("\r\n\r\n").nth(1) {
