@@ -393,7 +393,7 @@ struct AttentionChain {
 /// before mixed precision's casts.
 fn rms_norm(g: &mut Graph, keep: &[ValueId]) -> usize {
     let (producers, uses) = (g.producers(), g.use_counts());
-    let m = RmsNormMatcher { g, producers: &producers, uses: &uses, keep };
+    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
     let chains: Vec<(usize, RmsNormChain)> =
         (0..g.nodes.len()).filter_map(|i| Some((i, rms_norm_chain(&m, i)?))).collect();
     let mut gone = vec![false; g.nodes.len()];
@@ -403,11 +403,7 @@ fn rms_norm(g: &mut Graph, keep: &[ValueId]) -> usize {
         node.op = Op::LayerNorm { axis: c.axis, epsilon: c.epsilon, rms: true };
         node.inputs = vec![Some(c.x), Some(c.scale)];
     }
-    let mut index = 0;
-    g.nodes.retain(|_| {
-        index += 1;
-        !gone[index - 1]
-    });
+    drop_nodes(g, &gone);
     chains.len()
 }
 
@@ -422,7 +418,7 @@ struct RmsNormChain {
 }
 
 /// The RMSNorm whose scaling (the last Mul) is node `i`, if it is one.
-fn rms_norm_chain(m: &RmsNormMatcher, i: usize) -> Option<RmsNormChain> {
+fn rms_norm_chain(m: &ChainMatcher, i: usize) -> Option<RmsNormChain> {
     let (g, node) = (m.g, &m.g.nodes[i]);
     if node.op != Op::Binary(Binary::Mul) {
         return None;
@@ -465,45 +461,53 @@ fn rms_norm_chain(m: &RmsNormMatcher, i: usize) -> Option<RmsNormChain> {
 /// gradients, the sigmoid's and their sum), and no sigmoid kept for the backward pass.
 fn silu(g: &mut Graph, keep: &[ValueId]) -> usize {
     let (producers, uses) = (g.producers(), g.use_counts());
+    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
     let mut gone = vec![false; g.nodes.len()];
-    let mut fused = 0;
-    for i in 0..g.nodes.len() {
-        let node = &g.nodes[i];
+    let mut rewrites = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
         let (Some(a), Some(b)) = (node.input(0), node.input(1)) else { continue };
         if node.op != Op::Binary(Binary::Mul) {
             continue;
         }
         let sigmoid_of = |s: ValueId, x: ValueId| {
-            let p = producers[s].filter(|_| uses[s] == 1 && !keep.contains(&s) && !g.outputs.contains(&s))?;
+            let p = m.inner(s)?;
             (g.nodes[p].op == Op::Unary(Unary::Sigmoid) && g.nodes[p].input(0) == Some(x) && !gone[p]).then_some(p)
         };
         let Some((x, p)) = sigmoid_of(b, a).map(|p| (a, p)).or_else(|| sigmoid_of(a, b).map(|p| (b, p))) else {
             continue;
         };
         gone[p] = true;
+        rewrites.push((i, x));
+    }
+    for &(i, x) in &rewrites {
         let node = &mut g.nodes[i];
         node.op = Op::Unary(Unary::Silu);
         node.inputs = vec![Some(x)];
-        fused += 1;
     }
+    drop_nodes(g, &gone);
+    rewrites.len()
+}
+
+/// Removes the nodes marked in `gone` (indexed as `g.nodes` is).
+fn drop_nodes(g: &mut Graph, gone: &[bool]) {
     let mut index = 0;
     g.nodes.retain(|_| {
         index += 1;
         !gone[index - 1]
     });
-    fused
 }
 
-/// The steps of `rms_norm_chain`: each checks that a value is made by the op it expects and
-/// read only by the chain, and notes that op's node as replaced.
-struct RmsNormMatcher<'a> {
+/// Steps over a chain of ops that a forward pass replaces: each checks that a value is made by
+/// the op it expects and read only by the chain, and (the RMSNorm's) notes that op's node as
+/// replaced.
+struct ChainMatcher<'a> {
     g: &'a Graph,
     producers: &'a [Option<usize>],
     uses: &'a [usize],
     keep: &'a [ValueId],
 }
 
-impl RmsNormMatcher<'_> {
+impl ChainMatcher<'_> {
     /// The node making `v`, if `v` is read once (by the chain) and kept by no one.
     fn inner(&self, v: ValueId) -> Option<usize> {
         (self.uses[v] == 1 && !self.keep.contains(&v) && !self.g.outputs.contains(&v)).then_some(())?;
@@ -773,11 +777,7 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
         node.inputs = qkv.iter().map(|&x| Some(x)).collect();
         node.outputs[0] = Some(merged);
     }
-    let mut index = 0;
-    g.nodes.retain(|_| {
-        index += 1;
-        !gone[index - 1]
-    });
+    drop_nodes(g, &gone);
     rewrites.len()
 }
 
