@@ -1514,6 +1514,33 @@ fn pointwise_ops_of_exported_models_match_the_cpu_backend_on_the_emulated_kernel
     assert_eq!(not[0].bytes(), &[1, 1, 0, 0], "Not");
 }
 
+/// The rotary embedding (`fuse::rotary`) and its gradient on the emulated kernels against the
+/// CPU backend, its tables reaching x [B, H, T, D] each way a binary op's operand may: its own
+/// layout, repeated along the leading dims ([T, D], [1, 1, T, D]) and through strides
+/// ([B, 1, T, D], Hugging Face's with a batch of positions). f32 and f64 within a few units of
+/// f32's last place (the GPU may fuse a product into the sum), bf16 within one of its units.
+#[test]
+fn rotary_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let x_shape = [2, 3, 5, 8];
+    let n: usize = x_shape.iter().product();
+    for (t, tol) in [(DType::F32, 4e-6), (DType::F64, 4e-6), (DType::BF16, 2f32.powi(-8))] {
+        let tensor = |shape: &[usize], salt| {
+            let len = shape.iter().product();
+            Tensor::from_vec(shape, values(len, salt)).cast(t)
+        };
+        let (x, out) = (tensor(&x_shape, 3), [Meta::new(t, &x_shape)]);
+        for table in [&x_shape[..], &[5, 8], &[1, 1, 5, 8], &[2, 1, 5, 8]] {
+            let (cos, sin) = (tensor(table, 7), tensor(table, 13));
+            for op in [Op::Rotary, Op::RotaryGrad] {
+                let inputs = [x.clone(), cos.clone(), sin.clone()];
+                let (g, c) = (run_typed(&gpu, &op, &inputs, &out), run_typed(&cpu, &op, &inputs, &out));
+                close_as_f32(&format!("{t} {op:?}, tables {table:?} against x of {n}"), &g, &c, tol);
+            }
+        }
+    }
+}
+
 /// GatherElements along each axis of a 3-D tensor, with repeated and negative indices, and its
 /// gradient (a scatter-add where indices repeat) on the emulated kernels against the CPU.
 #[test]

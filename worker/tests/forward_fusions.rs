@@ -2,9 +2,9 @@
 //! attention becomes one Attention node whose backward recomputes the probabilities, and
 //! training with it follows training without it (`disabled_passes: ["attention"]`) while
 //! planning less memory; `attention_token_major` then runs it on the heads as the projections
-//! lay them out, without the heads' transposes, to the same bits. `rms_norm` and `silu`: the
-//! Llama's written-out RMSNorms and SwiGLU gates become LayerNorm { rms } and Silu nodes, and
-//! train as the ops they replace.
+//! lay them out, without the heads' transposes, to the same bits. `rms_norm`, `silu` and
+//! `rotary`: the Llama's written-out RMSNorms, SwiGLU gates and rotary embeddings become
+//! LayerNorm { rms }, Silu and Rotary nodes, and train as the ops they replace.
 
 mod common;
 use std::sync::Arc;
@@ -124,11 +124,11 @@ fn llama(disabled: &[&str]) -> Session<CpuBackend> {
 }
 
 /// Each block's two RMSNorms and the final one become one node forward and one backward, each
-/// block's SiLU one node each way, and training follows the written-out ops' losses, gradient
-/// norms and weights.
+/// block's SiLU and its two rotary embeddings (q's and k's) one node each way, and training
+/// follows the written-out ops' losses, gradient norms and weights.
 #[test]
-fn the_llamas_rms_norms_and_silus_fuse_and_train_as_the_written_out_ops() {
-    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu"]));
+fn the_llamas_rms_norms_silus_and_rotaries_fuse_and_train_as_the_written_out_ops() {
+    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu", "rotary"]));
     let rms = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. }));
     let rms_grad = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNormGrad { rms: true, .. }));
     assert_eq!((rms(&fused), rms_grad(&fused)), (5, 5));
@@ -140,6 +140,12 @@ fn the_llamas_rms_norms_and_silus_fuse_and_train_as_the_written_out_ops() {
         [Op::Unary(Unary::Silu), Op::UnaryGrad(Unary::Silu), Op::Unary(Unary::Sigmoid)].map(|w| count(s, |op| *op == w))
     };
     assert_eq!((silu(&fused), silu(&plain)[0]), ([2, 2, 0], 0));
+    // The rotary embeddings forward and backward, and the halves' Concat, Split and Neg left.
+    let rotary = |s: &Session<CpuBackend>| {
+        let halves = |op: &Op| matches!(op, Op::Concat { .. } | Op::Split { .. } | Op::Unary(Unary::Neg));
+        [count(s, |op| *op == Op::Rotary), count(s, |op| *op == Op::RotaryGrad), count(s, halves)]
+    };
+    assert_eq!((rotary(&fused), rotary(&plain)[0]), ([4, 4, 0], 0));
     let batches = [batch(2, 16, 64, 1), batch(2, 16, 64, 2)];
     for k in 0..4 {
         let (x, y) = (fused.step(&batches, 3e-3, 1.0, k).unwrap(), plain.step(&batches, 3e-3, 1.0, k).unwrap());

@@ -50,12 +50,13 @@ fn trains_like_pytorch(model: &str, exporter: &str, kind: &str) {
         .unwrap_or_else(|err| panic!("{case}: {err}"));
     trains_the_module_parameters(&case, &s, m, export);
     if model == "llama" {
-        // Its RMSNorms (two a block and the last) and SwiGLU gates, as either exporter writes
-        // them, are fused.
+        // Its RMSNorms (two a block and the last), SwiGLU gates and rotary embeddings (q's and
+        // k's), as either exporter writes them, are fused.
         let count = |pick: fn(&Op) -> bool| s.train.graph.nodes.iter().filter(|n| pick(&n.op)).count();
         let rms = count(|op| matches!(op, Op::LayerNorm { rms: true, .. }));
         let silu = count(|op| *op == Op::Unary(Unary::Silu));
-        assert_eq!((rms, silu), (5, 2), "{case}: RMSNorms and SiLUs fused");
+        let rotary = count(|op| *op == Op::Rotary);
+        assert_eq!((rms, silu, rotary), (5, 2, 4), "{case}: RMSNorms, SiLUs and rotary embeddings fused");
     }
 
     let mut losses = Vec::new();

@@ -423,6 +423,18 @@ fn fused_attention() {
 }
 
 #[test]
+fn fused_rotary() {
+    // x [B 2, H 3, T 4, D 6]; cos repeated along the leading dims ([T, D]), sin broadcast over
+    // the heads ([B, 1, T, D]): both tables trained too, so that their gradients are checked.
+    let mut b = CaseBuilder::new(47);
+    let x = b.param("x", &[2, 3, 4, 6], -1.5, 1.5);
+    let cos = b.param("cos", &[4, 6], -1.0, 1.0);
+    let sin = b.param("sin", &[2, 1, 4, 6], -1.0, 1.0);
+    let y = b.g.op1("y", Op::Rotary, &[x, cos, sin]);
+    check("Rotary", b.done(y));
+}
+
+#[test]
 fn softmax_layernorm_and_losses() {
     for (name, op) in [("Softmax", Op::Softmax { axis: -1 }), ("LogSoftmax", Op::LogSoftmax { axis: 1 })] {
         let mut b = CaseBuilder::new(11);

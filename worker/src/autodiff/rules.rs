@@ -480,6 +480,33 @@ pub fn backward(
             let outs = b.emit(&name, op, &[dy, x(0), x(1), x(2), y, lse], 3)?;
             outs.into_iter().map(Some).collect()
         }
+        Op::Rotary => {
+            let (v, cos, sin) = (x(0), x(1), x(2));
+            let dx = if want(0) { Some(b.emit1(&name, Op::RotaryGrad, &[dy, cos, sin])?) } else { None };
+            // The tables' gradients, wanted only where they are computed from weights: dY·x and
+            // dY·rotate_half(x), summed over the dims they broadcast along.
+            let mul = Op::Binary(Binary::Mul);
+            let dcos = if want(1) {
+                let t = b.emit1(&format!("{name}_cos"), mul.clone(), &[dy, v])?;
+                Some(b.sum_to(&format!("{name}_cos_sum"), t, &shape_of(b, cos))?)
+            } else {
+                None
+            };
+            let dsin = if want(2) {
+                // Emitted ops carry normalized axes (inference's form, which the kernels read).
+                let shape = shape_of(b, v);
+                let (last, h) = (shape.len() as i64 - 1, (*shape.last().unwrap_or(&0) / 2) as i64);
+                let split = Op::Split { axis: last, sizes: vec![h, h], num_outputs: None };
+                let halves = b.emit(&format!("{name}_halves"), split, &[v], 2)?;
+                let neg = b.emit1(&format!("{name}_neg"), Op::Unary(Unary::Neg), &[halves[1]])?;
+                let rotated = b.emit1(&format!("{name}_rotated"), Op::Concat { axis: last }, &[neg, halves[0]])?;
+                let t = b.emit1(&format!("{name}_sin"), mul, &[dy, rotated])?;
+                Some(b.sum_to(&format!("{name}_sin_sum"), t, &shape_of(b, sin))?)
+            } else {
+                None
+            };
+            vec![dx, dcos, dsin]
+        }
         // Megatron's conjugate pair: a sum over the group passes its (replicated) gradient
         // through; a copy into the group sums its ranks' partial gradients.
         Op::AllReduce { op: crate::comm::ReduceOp::Sum } => vec![Some(dy)],

@@ -3,7 +3,7 @@
 
 use super::ir::{Graph, Meta, Node, ValueId};
 use crate::op::{AttentionShape, Binary, Op, Reduce, Unary};
-use crate::shape::norm_axis;
+use crate::shape::{norm_axis, slice_range};
 use crate::tensor::{DType, Tensor};
 
 /// The passes over the training graph, after autodiff, in the order they run.
@@ -19,7 +19,7 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "attention", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "rotary", "attention", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -32,6 +32,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
         let n = match p {
             "rms_norm" => rms_norm(g, keep),
             "silu" => silu(g, keep),
+            "rotary" => rotary(g, keep),
             "attention" => attention(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
             _ => 0,
@@ -488,6 +489,66 @@ fn silu(g: &mut Graph, keep: &[ValueId]) -> usize {
     rewrites.len()
 }
 
+/// x · cos + Concat(−x₂, x₁) · sin  ⇒  Rotary(x, cos, sin): the rotary position embedding as the
+/// builtin Llama and Hugging Face's `apply_rotary_pos_emb` (both PyTorch exporters) write it,
+/// x's halves taken along the last dim by a Split or two Slices. One kernel each way instead of
+/// six forward (Split, Neg, Concat, two products and their sum) and about as many backward.
+fn rotary(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
+    let chains: Vec<(usize, RotaryChain)> =
+        (0..g.nodes.len()).filter_map(|i| Some((i, rotary_chain(&m, i)?))).collect();
+    let mut gone = vec![false; g.nodes.len()];
+    for (i, c) in &chains {
+        c.gone.iter().for_each(|&n| gone[n] = true);
+        let node = &mut g.nodes[*i];
+        node.op = Op::Rotary;
+        node.inputs = vec![Some(c.x), Some(c.cos), Some(c.sin)];
+    }
+    drop_nodes(g, &gone);
+    chains.len()
+}
+
+/// A rotary embedding found by `rotary_chain`: its input, tables, and the nodes before the sum
+/// that the fused node replaces.
+struct RotaryChain {
+    x: ValueId,
+    cos: ValueId,
+    sin: ValueId,
+    gone: Vec<usize>,
+}
+
+/// The rotary embedding whose sum (an Add) is node `i`, if it is one.
+fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<RotaryChain> {
+    let (g, node) = (m.g, &m.g.nodes[i]);
+    if node.op != Op::Binary(Binary::Add) {
+        return None;
+    }
+    let (a, b) = (node.input(0)?, node.input(1)?);
+    // A Mul node's two operands.
+    let factors = |p: usize| Some((g.nodes[p].input(0)?, g.nodes[p].input(1)?));
+    [(a, b), (b, a)].into_iter().find_map(|(straight, turned)| {
+        let (p, q) = (m.inner(straight)?, m.inner(turned)?);
+        let mul = Op::Binary(Binary::Mul);
+        (g.nodes[p].op == mul && g.nodes[q].op == mul).then_some(())?;
+        let (l, r) = factors(q)?;
+        let mut gone = vec![p, q];
+        let (x, sin) = match m.rotated_half(l, &mut gone) {
+            Some(x) => (x, r),
+            None => (m.rotated_half(r, &mut gone)?, l),
+        };
+        let cos = match factors(p)? {
+            (v, cos) if v == x => cos,
+            (cos, v) if v == x => cos,
+            _ => return None,
+        };
+        let xm = g.meta(x)?;
+        let tables = [cos, sin].iter().all(|&t| g.meta(t).is_some_and(|t| t.dtype == xm.dtype));
+        (tables && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
+        Some(RotaryChain { x, cos, sin, gone })
+    })
+}
+
 /// Removes the nodes marked in `gone` (indexed as `g.nodes` is).
 fn drop_nodes(g: &mut Graph, gone: &[bool]) {
     let mut index = 0;
@@ -512,6 +573,50 @@ impl ChainMatcher<'_> {
     fn inner(&self, v: ValueId) -> Option<usize> {
         (self.uses[v] == 1 && !self.keep.contains(&v) && !self.g.outputs.contains(&v)).then_some(())?;
         self.producers[v]
+    }
+
+    /// `v` = Concat(−x₂, x₁) along the last dim, x₁ and x₂ x's halves there (a Split's two
+    /// outputs or two Slices): x.
+    fn rotated_half(&self, v: ValueId, gone: &mut Vec<usize>) -> Option<ValueId> {
+        let g = self.g;
+        let cat = self.inner(v)?;
+        let (neg, first) = (g.nodes[cat].input(0)?, g.nodes[cat].input(1)?);
+        let rank = g.meta(v)?.shape.len();
+        let last = Some(rank.checked_sub(1)?);
+        let Op::Concat { axis } = g.nodes[cat].op else { return None };
+        (g.nodes[cat].inputs.len() == 2 && norm_axis(axis, rank) == last).then_some(())?;
+        let n = self.inner(neg)?;
+        (g.nodes[n].op == Op::Unary(Unary::Neg)).then_some(())?;
+        let second = g.nodes[n].input(0)?;
+        let (s1, s2) = (self.inner(first)?, self.inner(second)?);
+        let x = g.nodes[s1].input(0)?;
+        let d = *g.meta(x)?.shape.last()?;
+        let halves = match (&g.nodes[s1].op, &g.nodes[s2].op) {
+            (Op::Split { axis, .. }, _) if s1 == s2 => {
+                let outs = &g.nodes[s1].outputs;
+                let halved = [first, second].iter().all(|&h| g.meta(h).and_then(|m| m.shape.last()) == Some(&(d / 2)));
+                halved && norm_axis(*axis, rank) == last && outs[..] == [Some(first), Some(second)]
+            }
+            (Op::Slice { .. }, Op::Slice { .. }) => {
+                g.nodes[s2].input(0) == Some(x) && self.half_of(s1, d) == Some(0) && self.half_of(s2, d) == Some(1)
+            }
+            _ => false,
+        };
+        (halves && d % 2 == 0).then_some(())?;
+        gone.extend(if s1 == s2 { vec![cat, n, s1] } else { vec![cat, n, s1, s2] });
+        Some(x)
+    }
+
+    /// Which half (0 or 1) of the last dim, of size `d`, Slice node `s` takes, if it takes one.
+    fn half_of(&self, s: usize, d: usize) -> Option<usize> {
+        let Op::Slice { starts, ends, axes, steps } = &self.g.nodes[s].op else { return None };
+        let rank = self.g.meta(self.g.nodes[s].input(0)?)?.shape.len();
+        let one_axis =
+            axes.len() == 1 && norm_axis(axes[0], rank) == Some(rank.checked_sub(1)?) && steps.first() == Some(&1);
+        let (start, _, count) = slice_range(*starts.first()?, *ends.first()?, 1, d);
+        let h = d / 2;
+        (one_axis && count == h).then_some(())?;
+        [0, h as i64].iter().position(|&s| s == start)
     }
 
     /// The value of a constant scalar.

@@ -281,6 +281,16 @@ pub fn infer_node(
             (op, vec![q.clone(), Meta::new(DType::F32, &AttentionShape::lse_shape(&q.shape, *token_major))])
         }
         Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
+        Op::Rotary | Op::RotaryGrad => {
+            let x = m(0)?;
+            same_dtype(&[0, 1, 2])?;
+            let fits = |t: &Meta| broadcast(&t.shape, &x.shape).as_deref() == Some(&x.shape[..]);
+            if x.shape.last().is_none_or(|d| d % 2 != 0) || !fits(m(1)?) || !fits(m(2)?) {
+                let (c, s) = (&m(1)?.shape, &m(2)?.shape);
+                return Err(err(node, format!("cos {c:?} and sin {s:?} against x {:?} of even last dim", x.shape)));
+            }
+            (op, vec![x.clone()])
+        }
         Op::FusedMatMul { trans_a, trans_b, .. } | Op::MatMulUnaryGrad { trans_a, trans_b, .. } => {
             let (a, b) = (m(0)?, m(1)?);
             let t = |s: &[usize], tr: bool| {

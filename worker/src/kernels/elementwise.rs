@@ -1,10 +1,12 @@
-//! Pointwise ops: unary activations and their gradients, broadcasting binary ops, Where.
+//! Pointwise ops: unary activations and their gradients, broadcasting binary ops, Where, the
+//! rotary embedding.
 
 use super::{KResult, PAR_MIN};
 use crate::op::{Binary, Unary};
 use crate::refused;
 use crate::tensor::{strides, DType, Element, TensorView, TensorViewMut};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044715;
@@ -661,6 +663,74 @@ pub fn where_(cond: &TensorView, x: &TensorView, y: &TensorView, out: &mut Tenso
         }
     }
     Ok(())
+}
+
+/// Rotary (`grad` false: x·cos + [−x₂, x₁]·sin over the last dim's halves) or RotaryGrad (x
+/// the output's gradient: x·cos + [x₂·sin₂, −x₁·sin₁]), cos and sin broadcast to x. Each
+/// element is rounded as the written-out ops round it (a product, a product, their sum).
+pub fn rotary(grad: bool, x: &TensorView, cos: &TensorView, sin: &TensorView, out: &mut TensorViewMut) -> KResult {
+    let d = x.shape.last().copied().unwrap_or(0);
+    if d % 2 != 0 || out.shape != x.shape {
+        return refused!("Rotary of {:?} into {:?} (an even last dim expected)", x.shape, out.shape);
+    }
+    macro_rules! rotate_t {
+        ($t:ty) => {
+            rotate::<$t>(
+                grad,
+                d,
+                x.as_slice(),
+                &rotary_table(cos, x.shape),
+                &rotary_table(sin, x.shape),
+                out.as_mut_slice(),
+            )
+        };
+    }
+    match x.dtype {
+        DType::F32 => rotate_t!(f32),
+        DType::F64 => rotate_t!(f64),
+        t => return refused!("Rotary of {t} on the CPU"),
+    }
+    Ok(())
+}
+
+/// A cos or sin table as `rotate` reads it: repeated along x's leading dims (the table itself,
+/// where its dims after leading 1s are x's last ones), else expanded to x's shape.
+fn rotary_table<'a, T: Element>(t: &'a TensorView, x_shape: &[usize]) -> Cow<'a, [T]> {
+    let own = &t.shape[t.shape.iter().take_while(|&&n| n == 1).count()..];
+    if !own.is_empty() && x_shape.ends_with(own) {
+        return Cow::Borrowed(t.as_slice());
+    }
+    let mut full = vec![T::default(); x_shape.iter().product()];
+    zip_broadcast(t.as_slice::<T>(), t.shape, &[0u8][..], &[], &mut full, x_shape, |v, _| v);
+    Cow::Owned(full)
+}
+
+/// Each row of `d` elements of x against the table's row that broadcasts to it (the tables'
+/// lengths are multiples of `d`).
+fn rotate<T: num_traits::Float + Send + Sync>(grad: bool, d: usize, x: &[T], cos: &[T], sin: &[T], out: &mut [T]) {
+    if d == 0 {
+        return;
+    }
+    let h = d / 2;
+    let row = |r: usize, o: &mut [T], x: &[T]| {
+        let (bc, bs) = (r * d % cos.len(), r * d % sin.len());
+        let (c, s) = (&cos[bc..bc + d], &sin[bs..bs + d]);
+        for j in 0..h {
+            let (x1, x2) = (x[j], x[j + h]);
+            if grad {
+                o[j] = x1 * c[j] + x2 * s[j + h];
+                o[j + h] = x2 * c[j + h] - x1 * s[j];
+            } else {
+                o[j] = x1 * c[j] - x2 * s[j];
+                o[j + h] = x2 * c[j + h] + x1 * s[j + h];
+            }
+        }
+    };
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(d).zip(x.par_chunks(d)).enumerate().for_each(|(r, (o, x))| row(r, o, x));
+    } else {
+        out.chunks_mut(d).zip(x.chunks(d)).enumerate().for_each(|(r, (o, x))| row(r, o, x));
+    }
 }
 
 #[cfg(test)]

@@ -90,6 +90,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             let ins = [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, &x(5)?];
             attention::backward(*scale, *causal, *token_major, ins, outputs)
         }
+        Op::Rotary | Op::RotaryGrad => {
+            elementwise::rotary(matches!(op, Op::RotaryGrad), &x(0)?, &x(1)?, &x(2)?, &mut outputs[0])
+        }
         Op::FusedMatMul { trans_a, trans_b, activation } => {
             let (y, pre) = match outputs {
                 [y, pre] => (y, Some(pre)),

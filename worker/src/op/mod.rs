@@ -1092,6 +1092,12 @@ pub enum Op {
         causal: bool,
         token_major: bool,
     },
+    /// x, cos, sin -> x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] of the last dim's
+    /// halves: the rotary position embedding as Hugging Face's Llama applies it (the halves, not
+    /// interleaved pairs), cos and sin broadcast to x [.., D]; emitted by `fuse::rotary`.
+    Rotary,
+    /// dY, cos, sin -> dX of Rotary: dY·cos plus the rotation transposed, [dY₂·sin₂, −dY₁·sin₁].
+    RotaryGrad,
     /// A·B (+ bias) (then GELU): MatMul + Add (+ Gelu) fused; emitted by the fusion pass. With
     /// an activation it may have a second output, the pre-activation, for the gradient to read.
     FusedMatMul {
@@ -1840,6 +1846,8 @@ impl Op {
             Op::SoftmaxCrossEntropyLseGrad { .. } => internal("SoftmaxCrossEntropyLseGrad"),
             Op::Attention { .. } => internal("Attention"),
             Op::AttentionGrad { .. } => internal("AttentionGrad"),
+            Op::Rotary => internal("Rotary"),
+            Op::RotaryGrad => internal("RotaryGrad"),
             Op::AllReduce { .. } => internal("AllReduce"),
             Op::TensorParallelCopy => internal("TensorParallelCopy"),
             Op::ShardGather { .. } => internal("ShardGather"),

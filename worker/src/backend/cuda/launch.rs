@@ -704,6 +704,26 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             }
             Ok(())
         }
+        Op::Rotary | Op::RotaryGrad => {
+            let (a, cos, sin) = (x(0)?, x(1)?, x(2)?);
+            if cos.dtype() != a.dtype() || sin.dtype() != a.dtype() {
+                return refused!("Rotary of {} with tables of {} and {}", a.dtype(), cos.dtype(), sin.dtype());
+            }
+            let half = a.shape().last().copied().unwrap_or(0) / 2;
+            let pairs = a.n() / 2;
+            if half == 0 || pairs == 0 {
+                return Ok(());
+            }
+            let grad = matches!(op, Op::RotaryGrad) as i32;
+            let d = dims(y.shape())?;
+            let (sc, ss) = (broadcast(cos.shape(), y.shape())?, broadcast(sin.shape(), y.shape())?);
+            let ((kc, pc), (ks, ps)) = (reach(cos.shape(), y.shape()), reach(sin.shape(), y.shape()));
+            dev.kernel(
+                &float_kernel("rotary", a.dtype())?,
+                elementwise(pairs),
+                &mut params![grad, pairs as i64, half as i64, d, a.at, cos.at, sc, kc, pc, sin.at, ss, ks, ps, y.at],
+            )
+        }
         Op::Where => {
             let (c, a, b) = (x(0)?, x(1)?, x(2)?);
             if c.dtype() != DType::Bool || a.dtype() != b.dtype() {

@@ -292,6 +292,45 @@ extern "C" __global__ void binary_f64(int op, i64 n, Dims d, const double* a, St
     binary<F64>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 
+// The rotary embedding over the last dim's halves of `h` elements (RoPE as Hugging Face's Llama
+// applies it), one thread per pair (j, j + h) of a row: forward y = x·cos + [−x₂, x₁]·sin;
+// backward (grad 1, x the output's gradient) dx = x·cos + [x₂·sin₂, −x₁·sin₁]. cos and sin
+// reach their elements as a binary op's operands do (reach above).
+template <class S>
+__device__ void rotary(int grad, i64 pairs, i64 h, const Dims& d, const typename S::T* x, const typename S::T* cosine,
+                       const Strides& sc, int kc, i64 pc, const typename S::T* sine, const Strides& ss, int ks, i64 ps,
+                       typename S::T* out) {
+    typedef typename S::C C;
+    for (i64 p = first_index(); p < pairs; p += grid_stride()) {
+        i64 i1 = p / h * 2 * h + p % h, i2 = i1 + h;
+        C x1 = S::load(x[i1]), x2 = S::load(x[i2]);
+        C c1 = S::load(cosine[reach(kc, pc, i1, d, sc)]), c2 = S::load(cosine[reach(kc, pc, i2, d, sc)]);
+        C s1 = S::load(sine[reach(ks, ps, i1, d, ss)]), s2 = S::load(sine[reach(ks, ps, i2, d, ss)]);
+        out[i1] = S::store(grad ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);
+        out[i2] = S::store(grad ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);
+    }
+}
+extern "C" __global__ void rotary_f32(int grad, i64 pairs, i64 h, Dims d, const float* x, const float* cosine,
+                                   Strides sc, int kc, i64 pc, const float* sine, Strides ss, int ks, i64 ps,
+                                   float* out) {
+    rotary<F32>(grad, pairs, h, d, x, cosine, sc, kc, pc, sine, ss, ks, ps, out);
+}
+extern "C" __global__ void rotary_f16(int grad, i64 pairs, i64 h, Dims d, const u16* x, const u16* cosine,
+                                   Strides sc, int kc, i64 pc, const u16* sine, Strides ss, int ks, i64 ps,
+                                   u16* out) {
+    rotary<F16>(grad, pairs, h, d, x, cosine, sc, kc, pc, sine, ss, ks, ps, out);
+}
+extern "C" __global__ void rotary_bf16(int grad, i64 pairs, i64 h, Dims d, const u16* x, const u16* cosine,
+                                   Strides sc, int kc, i64 pc, const u16* sine, Strides ss, int ks, i64 ps,
+                                   u16* out) {
+    rotary<BF16>(grad, pairs, h, d, x, cosine, sc, kc, pc, sine, ss, ks, ps, out);
+}
+extern "C" __global__ void rotary_f64(int grad, i64 pairs, i64 h, Dims d, const double* x, const double* cosine,
+                                   Strides sc, int kc, i64 pc, const double* sine, Strides ss, int ks, i64 ps,
+                                   double* out) {
+    rotary<F64>(grad, pairs, h, d, x, cosine, sc, kc, pc, sine, ss, ks, ps, out);
+}
+
 template <class S>
 __device__ void compare(int op, i64 n, const Dims& d, const typename S::T* a, const Strides& sa,
                         const typename S::T* b, const Strides& sb, u8* out) {
