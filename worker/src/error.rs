@@ -76,6 +76,11 @@ pub enum BackendError {
 }
 
 impl BackendError {
+    /// A kernel's refusal from its message: what a helper's own check says (`map_err`, `ok_or_else`).
+    pub fn refused(why: impl Into<String>) -> BackendError {
+        BackendError::Refused(why.into())
+    }
+
     /// The same failure, its message led by `place` (the node or value it happened at).
     pub fn at(self, place: impl fmt::Display) -> BackendError {
         match self {
@@ -86,19 +91,6 @@ impl BackendError {
                 BackendError::OutOfMemory { place: format!("{place} on {on}"), bytes, free }
             }
         }
-    }
-}
-
-/// A kernel's own refusal, written as a message: `?` on it makes a [`BackendError::Refused`].
-impl From<String> for BackendError {
-    fn from(why: String) -> BackendError {
-        BackendError::Refused(why)
-    }
-}
-
-impl From<&str> for BackendError {
-    fn from(why: &str) -> BackendError {
-        BackendError::Refused(why.to_string())
     }
 }
 

@@ -7,13 +7,15 @@
 
 use super::fastmath::{dot, max};
 use super::{KResult, SharedSlice};
+use crate::error::BackendError;
 use crate::op::AttentionShape;
+use crate::refused;
 use crate::tensor::{TensorView, TensorViewMut};
 use rayon::prelude::*;
 
-fn shape_of(q: &TensorView, k: &TensorView, token_major: bool) -> Result<AttentionShape, String> {
+fn shape_of(q: &TensorView, k: &TensorView, token_major: bool) -> Result<AttentionShape, BackendError> {
     AttentionShape::of(q.shape, k.shape, token_major)
-        .ok_or_else(|| format!("attention over q {:?} and k {:?}", q.shape, k.shape))
+        .ok_or_else(|| BackendError::refused(format!("attention over q {:?} and k {:?}", q.shape, k.shape)))
 }
 
 /// y += a·x.
@@ -41,7 +43,7 @@ pub fn forward(
     let a = shape_of(q, k, token_major)?;
     let (h, tq, tk, d) = (a.interleaved, a.tq, a.tk, a.d);
     let (qs, ks, vs) = (q.as_slice::<f32>(), k.as_slice::<f32>(), v.as_slice::<f32>());
-    let (y, rest) = outputs.split_first_mut().ok_or("Attention has no output")?;
+    let (y, rest) = outputs.split_first_mut().ok_or_else(|| BackendError::refused("Attention has no output"))?;
     let lse = rest.first_mut().map(|l| SharedSlice::new(l.as_mut_slice::<f32>()));
     // Each worker's row of scores, reused from row to row. Rows of y in memory order: group
     // g's row i is y's row (g / h · tq + i) · h + g % h.
@@ -93,7 +95,7 @@ pub fn backward(
         y.as_slice::<f32>(),
         lse.as_slice::<f32>(),
     );
-    let [dq, dk, dv] = outputs else { return Err("AttentionGrad has three outputs".into()) };
+    let [dq, dk, dv] = outputs else { return refused!("AttentionGrad has three outputs") };
     let at = |t: usize| t * d..(t + 1) * d;
     let grads: Vec<[Vec<f32>; 3]> = (0..a.groups)
         .into_par_iter()

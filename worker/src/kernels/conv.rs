@@ -5,6 +5,7 @@
 
 use super::matmul::{parallelism, sgemm, Mat};
 use super::KResult;
+use crate::error::BackendError;
 use crate::op::{PoolKind, Window};
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
@@ -33,7 +34,7 @@ pub(crate) struct Geo {
     pub(crate) pw_end: usize,
 }
 
-pub(crate) fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String> {
+pub(crate) fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, BackendError> {
     match x.len() {
         4 => Ok(Geo {
             c: x[1],
@@ -69,7 +70,7 @@ pub(crate) fn geo(win: &Window, x: &[usize], y: &[usize]) -> Result<Geo, String>
             ph_end: 0,
             pw_end: win.pads[1],
         }),
-        r => Err(format!("{}-D spatial windows are not implemented (1-D and 2-D are)", r.saturating_sub(2))),
+        r => refused!("{}-D spatial windows are not implemented (1-D and 2-D are)", r.saturating_sub(2)),
     }
 }
 
@@ -261,7 +262,7 @@ pub fn conv_grad(
     w: &TensorView,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    let [dx, dw, db] = outs else { return Err("ConvGrad needs 3 outputs".into()) };
+    let [dx, dw, db] = outs else { return refused!("ConvGrad needs 3 outputs") };
     conv_data_grad(win, group, dy, w, dx)?;
     conv_weight_grad(win, group, dy, x, dw)?;
     channel_sums(dy, db);
@@ -295,7 +296,7 @@ pub fn conv_transpose_grad(
     w: &TensorView,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    let [dx, dw, db] = outs else { return Err("ConvTransposeGrad needs 3 outputs".into()) };
+    let [dx, dw, db] = outs else { return refused!("ConvTransposeGrad needs 3 outputs") };
     conv(win, group, dy, w, None, dx)?;
     conv_weight_grad(win, group, x, dy, dw)?;
     channel_sums(dy, db);
@@ -567,7 +568,7 @@ pub fn pool(kind: PoolKind, win: &Window, x: &TensorView, outs: &mut [TensorView
 /// Indices output: the general path behind [`pool`]'s f32 1-D/2-D one.
 fn pool_nd(kind: PoolKind, win: &Window, x: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
     let nd = x.shape.len() - 2;
-    let (y, rest) = outs.split_first_mut().ok_or("pooling needs an output")?;
+    let (y, rest) = outs.split_first_mut().ok_or_else(|| BackendError::refused("pooling needs an output"))?;
     let (size_in, size_out) = (&x.shape[2..], y.shape[2..].to_vec());
     let (plane_in, plane_out): (usize, usize) = (size_in.iter().product(), size_out.iter().product());
     let planes = x.shape[0] * x.shape[1];

@@ -13,7 +13,7 @@ use std::cmp::Ordering;
 /// the position's own coordinates, the one along `axis` replaced by the index there (negative
 /// indices count from the end).
 fn element_offsets(axis: usize, data_shape: &[usize], idx: &TensorView) -> Result<Vec<usize>, BackendError> {
-    let ids = idx.to_i64_vec().ok_or("indices must be integers")?;
+    let ids = idx.to_i64_vec().ok_or_else(|| BackendError::refused("indices must be integers"))?;
     let (ds, dim) = (strides(data_shape), data_shape[axis]);
     let mut coord = vec![0usize; idx.shape.len()];
     let mut out = Vec::with_capacity(ids.len());
@@ -107,8 +107,8 @@ fn combine_into(
 /// each k-tuple's element offset (within its batch: the first `batch` dims of data and indices
 /// are shared), and the slice's length (the product of data's dims past batch + k).
 fn nd_slices(batch: usize, data_shape: &[usize], idx: &TensorView) -> Result<(Vec<usize>, usize), BackendError> {
-    let ids = idx.to_i64_vec().ok_or("indices must be integers")?;
-    let k = *idx.shape.last().ok_or("indices have no axes")?;
+    let ids = idx.to_i64_vec().ok_or_else(|| BackendError::refused("indices must be integers"))?;
+    let k = *idx.shape.last().ok_or_else(|| BackendError::refused("indices have no axes"))?;
     let st = strides(data_shape);
     let per_batch: usize = idx.shape[batch..idx.shape.len() - 1].iter().product();
     let batch_stride: usize = data_shape[batch..].iter().product();

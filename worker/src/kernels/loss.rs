@@ -17,7 +17,7 @@ fn layout(scores: &[usize]) -> (usize, usize, usize) {
 
 /// Labels as indices; `None` where ignored. Out-of-range labels are an error naming the label.
 fn labels_of(labels: &TensorView, classes: usize, ignore: Option<i64>) -> Result<Vec<Option<usize>>, BackendError> {
-    let raw = labels.to_i64_vec().ok_or("labels must be integers")?;
+    let raw = labels.to_i64_vec().ok_or_else(|| BackendError::refused("labels must be integers"))?;
     raw.iter()
         .map(|&l| {
             if Some(l) == ignore {

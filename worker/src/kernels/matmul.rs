@@ -3,6 +3,7 @@
 
 use super::elementwise::gelu_tanh;
 use super::KResult;
+use crate::error::BackendError;
 use crate::op::Unary;
 use crate::refused;
 use crate::tensor::cast::cast_into;
@@ -92,7 +93,7 @@ pub fn matmul_activation(
     pre: Option<&mut TensorViewMut>,
 ) -> KResult {
     let Some(pre) = pre else { return matmul(a, b, bias, trans_a, trans_b, act, y) };
-    let act = act.ok_or("a pre-activation output without an activation")?;
+    let act = act.ok_or_else(|| BackendError::refused("a pre-activation output without an activation"))?;
     matmul(a, b, bias, trans_a, trans_b, None, pre)?;
     super::elementwise::unary(act, &pre.as_view(), y)
 }
@@ -115,7 +116,8 @@ pub fn matmul(
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
     let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
-    let batch = crate::shape::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let batch = crate::shape::broadcast(&a_batch, &b_batch)
+        .ok_or_else(|| BackendError::refused("batch dims do not broadcast"))?;
     let offsets = |src_batch: &[usize], mat: usize| batch_offsets(&batch, src_batch, mat);
     let a_off = offsets(&a_batch, m * k);
     let b_off = offsets(&b_batch, k * n);
@@ -227,7 +229,8 @@ fn matmul_reference(
     let b_shape: Vec<usize> = if b.shape.len() == 1 { vec![b.shape[0], 1] } else { b.shape.to_vec() };
     let (a_batch, m, k, _) = as_2d(&a_shape, trans_a);
     let (b_batch, _, n, _) = as_2d(&b_shape, trans_b);
-    let batch = crate::shape::broadcast(&a_batch, &b_batch).ok_or("batch dims do not broadcast")?;
+    let batch = crate::shape::broadcast(&a_batch, &b_batch)
+        .ok_or_else(|| BackendError::refused("batch dims do not broadcast"))?;
     let (a_off, b_off) = (batch_offsets(&batch, &a_batch, m * k), batch_offsets(&batch, &b_batch, k * n));
     if m * n == 0 {
         return Ok(());
@@ -258,7 +261,7 @@ fn matmul_reference(
     if let Some(u) = act {
         return refused!("the activation {u:?} needs float operands, not {}", a.dtype);
     }
-    let need = || "MatMul needs numbers".to_string();
+    let need = || BackendError::refused("MatMul needs numbers");
     let (x, y) = (a.to_i64_vec().ok_or_else(need)?, b.to_i64_vec().ok_or_else(need)?);
     let bv = bias.map(|t| t.to_i64_vec().ok_or_else(need)).transpose()?;
     let mut o = vec![0i64; a_off.len() * m * n];

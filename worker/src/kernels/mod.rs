@@ -20,6 +20,7 @@ pub mod resize;
 pub mod shape;
 pub mod shard;
 
+use crate::error::BackendError;
 use crate::op::Op;
 use crate::refused;
 use crate::tensor::cast;
@@ -28,7 +29,7 @@ use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
 /// Elements below which a kernel stays on one thread (rayon's fork/join costs more).
 pub const PAR_MIN: usize = 1 << 14;
 
-pub type KResult = Result<(), crate::error::BackendError>;
+pub type KResult = Result<(), BackendError>;
 
 /// A mutable slice that parallel workers write through at disjoint indices (lanes of a
 /// softmax, say) where the disjointness is not a contiguous split `par_chunks_mut` could show.
@@ -62,7 +63,9 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
     if computes(op) && (half_in || half_from_f32) {
         return run_half_in_f32(op, inputs, outputs);
     }
-    let x = |i: usize| inputs.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
+    let x = |i: usize| {
+        inputs.get(i).copied().flatten().ok_or_else(|| BackendError::refused(format!("input {i} is missing")))
+    };
     match op {
         Op::Unary(u) => elementwise::unary(*u, &x(0)?, &mut outputs[0]),
         Op::UnaryGrad(u) => elementwise::unary_grad(*u, &x(0)?, &x(1)?, &mut outputs[0]),
@@ -97,7 +100,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             let (y, pre) = match outputs {
                 [y, pre] => (y, Some(pre)),
                 [y, ..] => (y, None),
-                [] => return Err("FusedMatMul has no output".into()),
+                [] => return refused!("FusedMatMul has no output"),
             };
             let bias = inputs.get(2).copied().flatten();
             matmul::matmul_activation(&x(0)?, &x(1)?, bias, *trans_a, *trans_b, *activation, y, pre)

@@ -1,6 +1,7 @@
 //! Softmax, LogSoftmax and LayerNormalization, forward and backward side by side.
 
 use super::{fastmath, KResult, SharedSlice, PAR_MIN};
+use crate::error::BackendError;
 use crate::refused;
 use crate::shape::norm_axis;
 use crate::tensor::{DType, TensorView, TensorViewMut};
@@ -23,7 +24,7 @@ fn for_each_lane(total: usize, outer: usize, inner: usize, f: impl Fn(usize, usi
 }
 
 pub fn softmax(axis: i64, log: bool, x: &TensorView, y: &mut TensorViewMut) -> KResult {
-    let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
+    let a = norm_axis(axis, x.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;
     let (outer, n, inner) = around(x.shape, a);
     match x.dtype {
         DType::F32 if inner == 1 => {
@@ -87,7 +88,7 @@ pub fn softmax(axis: i64, log: bool, x: &TensorView, y: &mut TensorViewMut) -> K
 
 /// Softmax: dX = Y ⊙ (dY − Σ dY⊙Y). LogSoftmax: dX = dY − exp(Y) Σ dY.
 pub fn softmax_grad(axis: i64, log: bool, dy: &TensorView, y: &TensorView, dx: &mut TensorViewMut) -> KResult {
-    let a = norm_axis(axis, y.shape.len()).ok_or("axis out of range")?;
+    let a = norm_axis(axis, y.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;
     let (outer, n, inner) = around(y.shape, a);
     let (dys, ys) = (dy.as_slice::<f32>(), y.as_slice::<f32>());
     if inner == 1 {
@@ -134,7 +135,7 @@ pub fn layer_norm(
     bias: Option<TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
+    let a = norm_axis(axis, x.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();
     if x.dtype != DType::F32 {
@@ -147,7 +148,7 @@ pub fn layer_norm(
         return refused!("scale/bias must have {cols} elements (the normalized dims)");
     }
     let mut stats = vec![(0f32, 0f32); rows];
-    let (y, rest) = outs.split_first_mut().ok_or("no output")?;
+    let (y, rest) = outs.split_first_mut().ok_or_else(|| BackendError::refused("no output"))?;
     y.as_mut_slice::<f32>().par_chunks_mut(cols.max(1)).zip(stats.par_iter_mut()).enumerate().for_each(
         |(r, (yr, st))| {
             let xr = &xs[r * cols..(r + 1) * cols];
@@ -218,12 +219,12 @@ pub fn layer_norm_grad(
     inv_std: &TensorView,
     outs: &mut [TensorViewMut],
 ) -> KResult {
-    let a = norm_axis(axis, x.shape.len()).ok_or("axis out of range")?;
+    let a = norm_axis(axis, x.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;
     let rows: usize = x.shape[..a].iter().product();
     let cols: usize = x.shape[a..].iter().product();
     let (dys, xs, g) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), scale.as_slice::<f32>());
     let (mu, inv) = (mean.as_slice::<f32>(), inv_std.as_slice::<f32>());
-    let [dx, dscale, dbias] = outs else { return Err("LayerNormGrad needs 3 outputs".into()) };
+    let [dx, dscale, dbias] = outs else { return refused!("LayerNormGrad needs 3 outputs") };
     // Per-thread partial sums of dScale and dBias, merged after: rows are split across threads.
     let chunk = rows.div_ceil(rayon::current_num_threads().max(1)).max(1);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dx

@@ -6,6 +6,7 @@
 //! with a fixed order of terms. The CUDA backend builds the same taps here and uploads them.
 
 use super::KResult;
+use crate::error::BackendError;
 use crate::op::resize::{Coordinates, Interpolation, NearestMode, Resize};
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
@@ -43,10 +44,10 @@ impl AxisTaps {
 pub type Taps = Vec<Option<AxisTaps>>;
 
 /// The taps of `r` from an input of shape `input` to the output `output`.
-pub fn taps(r: &Resize, input: &[usize], output: &[usize]) -> Result<Taps, String> {
-    let g = r.geometry(input)?;
+pub fn taps(r: &Resize, input: &[usize], output: &[usize]) -> Result<Taps, BackendError> {
+    let g = r.geometry(input).map_err(BackendError::refused)?;
     if g.output != output {
-        return Err(format!("Resize of {input:?} gives {:?}, not {output:?}", g.output));
+        return refused!("Resize of {input:?} gives {:?}, not {output:?}", g.output);
     }
     Ok((0..input.len()).map(|a| axis_taps(r, input[a], output[a], g.scales[a], g.roi[a])).collect())
 }

@@ -154,7 +154,7 @@ pub fn slice_grad(
 }
 
 fn indices_of(idx: &TensorView, dim: usize) -> Result<Vec<usize>, BackendError> {
-    let raw = idx.to_i64_vec().ok_or("indices must be integers")?;
+    let raw = idx.to_i64_vec().ok_or_else(|| BackendError::refused("indices must be integers"))?;
     raw.iter()
         .map(|&i| {
             let j = if i < 0 { i + dim as i64 } else { i };
@@ -349,7 +349,7 @@ pub fn cumsum(axis: usize, exclusive: bool, reverse: bool, x: &TensorView, y: &m
         let out = scan!(x.to_f64_vec(), 0f64, |a: f64, v: f64| a + v);
         super::write_f64(&out, y);
     } else {
-        let vals = x.to_i64_vec().ok_or_else(|| format!("CumSum of {}", x.dtype))?;
+        let vals = x.to_i64_vec().ok_or_else(|| BackendError::refused(format!("CumSum of {}", x.dtype)))?;
         let out = scan!(vals, 0i64, |a: i64, v: i64| a.wrapping_add(v));
         let t = Tensor::from_vec(y.shape, out).cast(y.dtype);
         y.bytes.copy_from_slice(t.bytes());

@@ -18,7 +18,7 @@ fn f32_only(x: &TensorView, what: &str) -> KResult {
 
 /// Indices relative to the slice `start..start + len`: `None` outside it.
 fn local_ids(ids: &TensorView, start: i64, len: usize) -> Result<Vec<Option<usize>>, BackendError> {
-    let raw = ids.to_i64_vec().ok_or("indices must be integers")?;
+    let raw = ids.to_i64_vec().ok_or_else(|| BackendError::refused("indices must be integers"))?;
     raw.iter()
         .map(|&i| {
             if i < 0 {
@@ -74,8 +74,8 @@ fn local_labels(
     start: i64,
     len: usize,
     ignore: Option<i64>,
-) -> Result<Vec<Option<usize>>, String> {
-    let raw = labels.to_i64_vec().ok_or("labels must be integers")?;
+) -> Result<Vec<Option<usize>>, BackendError> {
+    let raw = labels.to_i64_vec().ok_or_else(|| BackendError::refused("labels must be integers"))?;
     Ok(raw
         .iter()
         .map(|&l| {
@@ -132,8 +132,12 @@ pub fn cross_entropy_grad(start: i64, ignore: Option<i64>, ins: [&TensorView; 5]
 }
 
 /// The rows that count, and the divisor of a mean over them.
-fn counted(labels: &TensorView, ignore: Option<i64>, reduction: LossReduction) -> Result<(Vec<bool>, f64), String> {
-    let raw = labels.to_i64_vec().ok_or("labels must be integers")?;
+fn counted(
+    labels: &TensorView,
+    ignore: Option<i64>,
+    reduction: LossReduction,
+) -> Result<(Vec<bool>, f64), BackendError> {
+    let raw = labels.to_i64_vec().ok_or_else(|| BackendError::refused("labels must be integers"))?;
     let keep: Vec<bool> = raw.iter().map(|&l| Some(l) != ignore).collect();
     let den = match reduction {
         LossReduction::Mean => keep.iter().filter(|&&k| k).count() as f64,

@@ -8,6 +8,8 @@ pub mod scaler;
 pub mod schedule;
 
 use crate::config::ParamGroup;
+use crate::error::BackendError;
+use crate::refused;
 use crate::tensor::TensorViewMut;
 use rayon::prelude::*;
 
@@ -88,7 +90,7 @@ pub fn cpu_step(
     p: &mut [f32],
     g: &[f32],
     state: &mut [TensorViewMut],
-) -> Result<(), String> {
+) -> Result<(), BackendError> {
     let lr = h.lr;
     let gs = h.grad_scale;
     match *update {
@@ -99,7 +101,10 @@ pub fn cpu_step(
                     *p -= lr * d;
                 });
             } else {
-                let buf = state.get_mut(0).ok_or("SGD with momentum needs its buffer")?.as_mut_slice::<f32>();
+                let buf = state
+                    .get_mut(0)
+                    .ok_or_else(|| BackendError::refused("SGD with momentum needs its buffer"))?
+                    .as_mut_slice::<f32>();
                 let first = h.step == 1;
                 p.par_iter_mut().zip(g.par_iter()).zip(buf.par_iter_mut()).for_each(|((p, &g), b)| {
                     let d = g * gs + weight_decay * *p;
@@ -110,7 +115,7 @@ pub fn cpu_step(
             }
         }
         Update::Adam { beta1, beta2, epsilon, weight_decay, decoupled } => {
-            let [m, v] = state else { return Err("Adam needs two state buffers".into()) };
+            let [m, v] = state else { return refused!("Adam needs two state buffers") };
             let (m, v) = (m.as_mut_slice::<f32>(), v.as_mut_slice::<f32>());
             let t = h.step as i32;
             let bc1 = 1.0 - (beta1 as f64).powi(t);
@@ -134,7 +139,7 @@ pub fn cpu_step(
             );
         }
         Update::Lamb { beta1, beta2, epsilon, weight_decay } => {
-            let [m, v] = state else { return Err("LAMB needs two state buffers".into()) };
+            let [m, v] = state else { return refused!("LAMB needs two state buffers") };
             let (m, v) = (m.as_mut_slice::<f32>(), v.as_mut_slice::<f32>());
             let t = h.step as i32;
             let bc1 = (1.0 - (beta1 as f64).powi(t)) as f32;

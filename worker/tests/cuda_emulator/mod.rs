@@ -322,7 +322,7 @@ impl Target for EmulatedGpu {
     fn gemm(&self, p: &Product) -> Result<(), BackendError> {
         // cuBLASLt takes no empty matrix (the dispatch keeps such products from it).
         if p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0 {
-            return Err(format!("an empty product reached cuBLASLt's stand-in: {p:?}").into());
+            return Err(BackendError::refused(format!("an empty product reached cuBLASLt's stand-in: {p:?}")));
         }
         // f32 accumulation (in f64 here), half elements widened on load and rounded on store, as
         // cuBLASLt's CUBLAS_COMPUTE_32F does with f16/bf16 matrices; the epilogue on the f32 sum.
@@ -428,7 +428,9 @@ impl Backend for EmulatedGpu {
         if !self.device_collectives.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
-        let group = group.detach().ok_or("the device's collectives need MPI_THREAD_MULTIPLE")?.into_group();
+        // The MPI library at hand offers too low a threading level: no retry changes that.
+        let threads = || BackendError::refused("the device's collectives need MPI_THREAD_MULTIPLE");
+        let group = group.detach().ok_or_else(threads)?.into_group();
         Ok(Some(Box::new(Collectives { group, calls: self.collective_calls.clone() })))
     }
 

@@ -66,7 +66,7 @@ struct NdSlices {
 
 impl NdSlices {
     fn of(batch: usize, data: &[usize], ids: &[usize]) -> Result<NdSlices, BackendError> {
-        let k = *ids.last().ok_or("indices have no axes")?;
+        let k = *ids.last().ok_or_else(|| BackendError::refused("indices have no axes"))?;
         if data.len() < batch + k || ids.len() <= batch {
             return refused!("indices {ids:?} do not index {data:?} with {batch} batch dims");
         }
@@ -379,24 +379,20 @@ pub struct Dev<'a>(pub &'a dyn Target);
 
 impl Dev<'_> {
     fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), BackendError> {
-        let declared = signatures().get(name).ok_or_else(|| format!("no CUDA kernel named {name}"))?;
+        let declared =
+            signatures().get(name).ok_or_else(|| BackendError::refused(format!("no CUDA kernel named {name}")))?;
         let passed: Vec<&str> = params.iter().map(P::declared).collect();
         if *declared != passed {
-            return Err(format!(
-                "kernel {name} declares ({}) but is passed ({})",
-                declared.join(", "),
-                passed.join(", ")
-            )
-            .into());
+            return refused!("kernel {name} declares ({}) but is passed ({})", declared.join(", "), passed.join(", "));
         }
         // CUDA's limits, checked here so that check mode and the emulator refuse what a GPU would.
         let ((gx, gy, gz), (bx, by, bz)) = (cfg.grid_dim, cfg.block_dim);
         if gx > i32::MAX as u32 || gy > 65535 || gz > 65535 || bx * by * bz > 1024 {
-            return Err(format!(
+            return refused!(
                 "kernel {name}: grid {:?} × block {:?} is over CUDA's limits",
-                cfg.grid_dim, cfg.block_dim
-            )
-            .into());
+                cfg.grid_dim,
+                cfg.block_dim
+            );
         }
         if gx == 0 || gy == 0 || gz == 0 {
             return Ok(()); // no rows: nothing to launch
@@ -683,8 +679,9 @@ fn norm_axis(axis: i64, rank: usize) -> Result<usize, BackendError> {
 }
 
 fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), BackendError> {
-    let x = |i: usize| ins.get(i).copied().flatten().ok_or_else(|| format!("input {i} is missing"));
-    let y = *outs.first().ok_or("the op has no output")?;
+    let x =
+        |i: usize| ins.get(i).copied().flatten().ok_or_else(|| BackendError::refused(format!("input {i} is missing")));
+    let y = *outs.first().ok_or_else(|| BackendError::refused("the op has no output"))?;
     match op {
         Op::Unary(u) => unary(dev, *u, x(0)?, y),
         Op::UnaryGrad(u) => {
@@ -824,7 +821,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             let a = x(0)?;
             let r = a.shape().len();
             if r < 2 {
-                return Err("Trilu needs at least 2 dimensions".into());
+                return refused!("Trilu needs at least 2 dimensions");
             }
             let kernel = sized("trilu", a.dtype())?;
             let n = a.n();
@@ -862,7 +859,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             }
             let (a, b) = (x(0)?, x(1)?);
             if a.shape().len() != 2 || b.shape().len() != 2 {
-                return Err("Gemm takes 2-D operands".into());
+                return refused!("Gemm takes 2-D operands");
             }
             let beta = if c.is_some() { *beta } else { 0.0 };
             product(dev, a, b, *trans_a, *trans_b, *alpha, beta, None, Epilogue::Plain, y)
@@ -898,7 +895,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
             if scale.n() != cols || ins.get(2).copied().flatten().is_some_and(|b| b.n() != cols) {
-                return Err("LayerNormalization's scale and bias must cover the normalized dims".into());
+                return refused!("LayerNormalization's scale and bias must cover the normalized dims");
             }
             let bias = ins.get(2).copied().flatten().map_or(NULL, |b| b.at);
             let (mean, inv) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |m| m.at));
@@ -1258,7 +1255,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             // Rows [N, C] only (fuse::loss_lse): no log-probabilities, each row's log-sum-exp.
             let (scores, labels) = (x(0)?, x(1)?);
             let kernel = typed("cross_entropy_rows", scores.dtype())?;
-            let [loss, lse] = outs else { return Err("SoftmaxCrossEntropyLse has 2 outputs (loss, lse)".into()) };
+            let [loss, lse] = outs else { return refused!("SoftmaxCrossEntropyLse has 2 outputs (loss, lse)") };
             need_f32(loss, "the loss")?;
             need_f32(lse, "the log-sum-exp")?;
             let (rows, cols) = scores_rows(&scores)?;
@@ -1318,14 +1315,14 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
         }
         Op::Conv { window, group } => window::conv(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y),
         Op::ConvGrad { window, group } => {
-            let [dx, dw, db] = outs else { return Err("ConvGrad has 3 outputs (dX, dW, dB)".into()) };
+            let [dx, dw, db] = outs else { return refused!("ConvGrad has 3 outputs (dX, dW, dB)") };
             window::conv_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
         }
         Op::ConvTranspose { window, group, .. } => {
             window::conv_transpose(dev, window, *group, x(0)?, x(1)?, ins.get(2).copied().flatten(), y)
         }
         Op::ConvTransposeGrad { window, group } => {
-            let [dx, dw, db] = outs else { return Err("ConvTransposeGrad has 3 outputs (dX, dW, dB)".into()) };
+            let [dx, dw, db] = outs else { return refused!("ConvTransposeGrad has 3 outputs (dX, dW, dB)") };
             window::conv_transpose_grad(dev, window, *group, x(0)?, x(1)?, x(2)?, [*dx, *dw, *db])
         }
         Op::Resize(r) => resize::resize(dev, r, x(0)?, y),
@@ -1335,7 +1332,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             attention::forward(dev, spec, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
         }
         Op::AttentionGrad { scale, causal, token_major } => {
-            let [dq, dk, dv] = outs else { return Err("AttentionGrad has 3 outputs".into()) };
+            let [dq, dk, dv] = outs else { return refused!("AttentionGrad has 3 outputs") };
             let spec = attention::Spec { scale: *scale, causal: *causal, token_major: *token_major };
             let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?];
             attention::backward(dev, spec, ins, [*dq, *dk, *dv])
@@ -1368,7 +1365,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
         Op::ShardGather { start } => shard::gather(dev, *start, x(0)?, x(1)?, y),
         Op::ShardGatherGrad { start, .. } => shard::gather_grad(dev, *start, x(0)?, x(1)?, y),
         Op::VocabShardCrossEntropy { start, ignore_index, .. } => {
-            let [sums, targets] = outs else { return Err("VocabShardCrossEntropy has 2 outputs".into()) };
+            let [sums, targets] = outs else { return refused!("VocabShardCrossEntropy has 2 outputs") };
             shard::cross_entropy(dev, *start, *ignore_index, [x(0)?, x(1)?, x(2)?], [*sums, *targets])
         }
         Op::VocabShardCrossEntropyGrad { start, ignore_index } => {
@@ -1379,7 +1376,7 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             shard::loss(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], y)
         }
         Op::VocabParallelLossGrad { reduction, ignore_index } => {
-            let [dsums, dtargets] = outs else { return Err("VocabParallelLossGrad has 2 outputs".into()) };
+            let [dsums, dtargets] = outs else { return refused!("VocabParallelLossGrad has 2 outputs") };
             shard::loss_grad(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], [*dsums, *dtargets])
         }
         Op::BatchNorm { epsilon, momentum, training } => {
@@ -1867,13 +1864,12 @@ fn plain_product(dev: Dev, a: V, b: V, trans_a: bool, trans_b: bool, y: V) -> Re
     let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
     if a.dtype() != y.dtype() || b.dtype() != y.dtype() || ra < 2 || rb < 2 {
         let (sa, sb) = (a.shape(), b.shape());
-        return Err(format!(
+        return refused!(
             "a product of {} {sa:?} and {} {sb:?} into {} has no CUDA path",
             a.dtype(),
             b.dtype(),
             y.dtype()
-        )
-        .into());
+        );
     }
     let (m, k) = if trans_a { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
     let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
@@ -1923,17 +1919,16 @@ fn product(
 ) -> Result<(), BackendError> {
     let dtype = a.dtype();
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) || b.dtype() != dtype || y.dtype() != dtype {
-        return Err(format!(
+        return refused!(
             "a product of {} and {} into {} has no CUDA path (f32, f16 or bf16 throughout)",
             a.dtype(),
             b.dtype(),
             y.dtype()
-        )
-        .into());
+        );
     }
     let (ra, rb, ry) = (a.shape().len(), b.shape().len(), y.shape().len());
     if ra < 2 || rb < 2 {
-        return Err("MatMul of a 1-D operand has no CUDA path yet".into());
+        return refused!("MatMul of a 1-D operand has no CUDA path yet");
     }
     let (m, k) = if trans_a { (a.shape()[ra - 1], a.shape()[ra - 2]) } else { (a.shape()[ra - 2], a.shape()[ra - 1]) };
     let n = if trans_b { b.shape()[rb - 2] } else { b.shape()[rb - 1] };
@@ -2297,7 +2292,7 @@ pub fn optimizer_step(dev: Dev, update: &Update, h: StepHyper, slots: &[Slot]) -
             let bc1 = (1.0 - (beta1 as f64).powi(t)) as f32;
             let bc2 = (1.0 - (beta2 as f64).powi(t)) as f32;
             for s in slots {
-                let [m, v] = s.state[..] else { return Err("LAMB needs two state buffers".into()) };
+                let [m, v] = s.state[..] else { return refused!("LAMB needs two state buffers") };
                 let (p, g, n) = (s.p.at, s.g.at, s.p.n() as i64);
                 let cfg = elementwise(s.p.n());
                 let blocks = cfg.grid_dim.0 as usize;

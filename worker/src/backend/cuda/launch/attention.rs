@@ -78,7 +78,7 @@ fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, BackendErro
 pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), BackendError> {
     let a = dims(spec, &q, &k, &v)?;
     if lse.is_some_and(|l| l.dtype() != DType::F32) {
-        return Err("attention's log-sum-exp must be f32".into());
+        return refused!("attention's log-sum-exp must be f32");
     }
     let lse = lse.map_or(NULL, |l| l.at);
     let (scale, causal) = (spec.scale, spec.causal as i32);
