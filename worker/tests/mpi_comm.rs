@@ -415,9 +415,12 @@ fn adasum_gives_every_rank_the_pairwise_tree() {
     }
 }
 
-/// NCCL's communicator id, drawn by rank 0 and broadcast over MPI, reaches every rank.
+/// NCCL's communicator id, drawn by rank 0 and broadcast over MPI, reaches every rank. NCCL's
+/// library needs no GPU to draw an id, but it must be found: make test puts the one of the
+/// NVIDIA wheels in its Python environment on LD_LIBRARY_PATH.
 #[cfg(feature = "cuda")]
 #[test]
+#[ignore = "needs NCCL (libnccl.so.2 on LD_LIBRARY_PATH): make test provides it"]
 fn nccl_ids_reach_every_rank() {
     use tensorfleet_worker::backend::cuda::nccl;
 
@@ -427,12 +430,7 @@ fn nccl_ids_reach_every_rank() {
     }
     let w = world();
     let g = w.world_group();
-    if !nccl::present() {
-        let required = std::env::var("TENSORFLEET_REQUIRE_NCCL").is_ok_and(|v| v == "1");
-        assert!(!required, "rank {}: TENSORFLEET_REQUIRE_NCCL=1 but NCCL (libnccl.so.2) cannot be loaded", w.rank());
-        eprintln!("skipped: NCCL (libnccl.so.2) is not on this machine");
-        return;
-    }
+    assert!(nccl::present(), "rank {}: NCCL (libnccl.so.2) cannot be loaded", w.rank());
     let id = nccl::shared_id(&g).unwrap().expect("NCCL loads on every rank");
     let mine: Vec<f64> = bytemuck_f64(&id.bytes);
     let mut all = vec![0f64; mine.len() * w.size()];
