@@ -1,5 +1,6 @@
-//! A training session: a model bound to the batch shapes, differentiated, fused and planned
-//! on a backend, with the optimizer state beside it. `step` runs one weight update over the
+//! A training session: the graph `TrainingGraph::build` makes of a model without a backend
+//! (bound to the batch shapes, differentiated, fused) planned on a backend, with the optimizer
+//! state beside it. `step` runs one weight update over the
 //! micro-batches of gradient accumulation; `evaluate` runs the forward graph with dropout off.
 //!
 //! Under parallelism a session is one rank's share of the training (DESIGN.md, "Parallelism"):
@@ -18,10 +19,11 @@ pub mod buffers;
 mod overlap;
 mod sharded;
 mod stage;
+mod training_graph;
 
 pub use overlap::CommSpan;
+pub use training_graph::{trained_weights, TrainedWeight, TrainingGraph};
 
-use crate::autodiff;
 use crate::backend::{Arg, Backend, Group, Slot};
 use crate::checkpoint::keys::{self, LOSS_SCALE_KEY, STEP_KEY};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
@@ -225,54 +227,12 @@ pub struct Session<B: Backend> {
     pub step: u64,
 }
 
-/// Weight `value`'s update rule and learning-rate scale: weight decay applies to matrices (and
-/// convolution kernels), not to biases and normalization weights (the PyTorch/Megatron
-/// convention), unless name patterns say; a parameter group's keys override the optimizer's.
-fn weight_update(opts: &SessionOptions, g: &Graph, value: ValueId) -> (Update, f64) {
-    let name = g.name_of(value);
-    let decays = if opts.no_decay.is_empty() {
-        g.meta(value).is_some_and(|m| m.shape.len() >= 2)
-    } else {
-        !opts.no_decay.iter().any(|pat| name.contains(pat.as_str()))
-    };
-    let base = if decays { opts.update } else { opts.update.without_decay() };
-    let group = opts.groups.iter().find(|gr| gr.matches(name));
-    let update = group.map_or(base, |gr| base.with_group(gr));
-    (update, group.and_then(|gr| gr.lr_scale).unwrap_or(1.0))
-}
-
 /// The buffers of a weight's shape a session allocates for it: how many optimizer state tensors
 /// (none under ZeRO, whose shard of them is allocated when the replicas are known), and whether
 /// a gradient accumulator (not at ZeRO-2, which accumulates only its shard).
 fn whole_buffers(opts: &SessionOptions, update: &Update, accumulation: usize) -> (usize, bool) {
     let state = if opts.zero > 0 { 0 } else { update.state_count() };
     (state, accumulation > 1 && opts.zero < 2)
-}
-
-/// What a session allocates beside its executor's plan, counted with the plan before anything
-/// is allocated: each weight's optimizer state and gradient accumulator, or under ZeRO the
-/// largest replica's shard of them (allocated in `join`).
-fn state_bytes(
-    opts: &SessionOptions,
-    g: &Graph,
-    held: &[ValueId],
-    updates: &[(Update, f64)],
-    accumulation: usize,
-) -> usize {
-    let whole: usize = held
-        .iter()
-        .zip(updates)
-        .map(|(&v, (update, _))| {
-            let (state, accum) = whole_buffers(opts, update, accumulation);
-            (state + usize::from(accum)).saturating_mul(g.meta(v).map_or(0, Meta::bytes))
-        })
-        .fold(0, usize::saturating_add);
-    if opts.zero == 0 {
-        return whole;
-    }
-    let lens: Vec<usize> = held.iter().map(|&v| g.meta(v).map_or(0, Meta::numel)).collect();
-    let counts: Vec<usize> = updates.iter().map(|(u, _)| u.state_count()).collect();
-    whole.saturating_add(sharded::largest_shard_bytes(&lens, &counts, opts.data_replicas))
 }
 
 /// Update `step` of every slot, by parameter group: the weights that share an update rule and
@@ -361,145 +321,31 @@ impl<B: Backend> Session<B> {
         accumulation: usize,
         opts: &SessionOptions,
     ) -> Result<Session<B>> {
-        let g = &model.graph;
-        let (params, tracked) = trained_weights(g, &opts.trainable, &opts.frozen)?;
-        // A NaN or infinite weight makes every loss NaN from the first step on: damaged data.
-        // (Constants may hold infinities, as attention masks do; they are not weights.)
-        if let Some(&v) = params.iter().find(|&&v| g.initializers[&v].first_non_finite().is_some()) {
-            return Err(Error::Corrupt(format!("the model's weight '{}' holds NaN or infinite values", g.name_of(v))));
-        }
-        if !tracked.is_empty() && opts.pipeline.is_some() {
-            return Err(Error::Config(format!(
-                "parallelism.pipeline: the model's {} BatchNormalization running statistics are not updated across \
-                 pipeline stages yet; train without pipeline parallelism, or list them in frozenWeights to keep them \
-                 as they are",
-                tracked.len()
-            )));
-        }
-        if params.is_empty() {
-            return Err(Error::Config(
-                "the model has no trainable weights: no float32 initializer that a gradient reaches (running \
-                 statistics and constants do not train) is left by frozenWeights / weightsToTrain"
-                    .into(),
-            ));
-        }
-        for (i, group) in opts.groups.iter().enumerate() {
-            if let Some(p) = group
-                .weights
-                .iter()
-                .find(|p| !params.iter().any(|&v| p.as_str() == "*" || g.name_of(v).contains(p.as_str())))
-            {
-                return Err(Error::Config(format!(
-                    "optimizer.groups[{i}].weights: '{p}' matches no trainable weight of the model"
-                )));
-            }
-        }
-        // Values that change from step to step: never folded into their readers.
-        let variables: HashSet<ValueId> = params.iter().chain(&tracked).copied().collect();
-        let bindings = bindings_for(g, sample, &variables)?;
-
-        // The forward graph in training mode (BatchNormalization too, whatever the export
-        // says), each dropout with its own seed (so that a recomputed clone, or a pipeline
-        // stage's second forward pass, draws the same mask).
-        let mut bound = bind(&buffers::training_form(g, &tracked), &bindings, true)?;
-        check_loss(&bound, model.loss)?;
-        let running = buffers::running_statistics(&bound, &tracked)?;
-        autodiff::recompute::pin_dropout_seeds(&mut bound);
-        let all_weights: Vec<(String, Meta)> =
-            params.iter().map(|&v| (g.name_of(v).to_string(), bound.meta(v).cloned().expect("bound"))).collect();
-        // Tensor parallelism splits the whole forward graph, before a pipeline cuts it.
-        let mut pipeline = opts.pipeline.clone();
-        let mut splits = BTreeMap::new();
-        if let Some(t) = opts.tensor {
-            // Balanced cuts are chosen on the unsplit graph, so that every tensor-parallel rank
-            // cuts alike (an uneven vocabulary split makes the ranks' FLOPs differ).
-            if let Some(p) = pipeline.as_mut().filter(|p| p.cuts.is_empty()) {
-                p.cuts = crate::parallel::pipeline::balanced_cuts(&bound, model.loss, p.stages, &params)?;
-            }
-            splits = crate::parallel::tensor::shard(&mut bound, model.loss, t.rank, t.size)?;
-        }
-        // This rank's part: the whole graph, or a stage with its boundary.
-        let (mut train, loss, mut part, stage_weights) = match &pipeline {
-            None => (bound, model.loss, None, vec![params.clone()]),
-            Some(p) => stage::cut(bound, model.loss, p, &params)?,
-        };
-        let held: Vec<ValueId> = params.iter().copied().filter(|v| train.initializers.contains_key(v)).collect();
-        if held.is_empty() {
-            return Err(Error::Config(format!(
-                "pipeline stage {} holds no trainable weight; move parallelism.pipelineCuts",
-                opts.pipeline.as_ref().map_or(0, |p| p.stage)
-            )));
-        }
-        let receives: Vec<ValueId> = part.as_ref().map_or(vec![], |p: &stage::StagePart| p.receives.clone());
-        let updated: Vec<ValueId> = running.iter().map(|r| r.updated).collect();
-        let kept: Vec<ValueId> =
-            part.as_ref().map_or(&[][..], |p| &p.sends[..]).iter().chain(&updated).copied().collect();
-        forward_passes(&mut train, loss, &kept, &opts.disabled_passes, opts.half, &variables)?;
-        // fp16: the loss's gradient is the loss scale, fed each step (the last stage's loss is
-        // the model's; the other stages' backward passes start from gradients already scaled).
-        let loss_scale_input = (opts.loss_scaler.is_some() && part.as_ref().is_none_or(|p| p.is_last())).then(|| {
-            let v = train.fresh("loss_scale");
-            let name = train.name_of(v).to_string();
-            train.add_input(&name, DType::F32, vec![]);
-            train.values[v].meta = Some(Meta::new(DType::F32, &[]));
-            v
-        });
-
-        // Backward: gradients of the weights, and of the activations the stage received.
-        let n_forward = train.nodes.len();
-        let wrt: Vec<ValueId> = held.iter().chain(&receives).copied().collect();
-        let mut all_grads = autodiff::gradients_of(&mut train, loss, &wrt, loss_scale_input)?;
-        let input_grads = all_grads.split_off(held.len());
-        let grads: Vec<ValueId> = held
-            .iter()
-            .zip(all_grads)
-            .map(|(&p, dp)| {
-                dp.ok_or_else(|| {
-                    Error::Config(format!("weight '{}' does not affect the loss; freeze it or remove it", g.name_of(p)))
-                })
-            })
-            .collect::<Result<_>>()?;
-        autodiff::recompute::apply(&mut train, n_forward, opts.recompute)?;
-        // A pipeline stage reports the scalars it computes; the others come from other stages.
-        // (A stage's graph knows every forward value's name, and its own backward values.)
-        let computed = train.producers();
-        let mut scalars: Vec<(String, ValueId)> = Vec::new();
-        for name in &opts.scalars {
-            let v = train.find(name).filter(|&v| train.meta(v).is_some_and(|m| m.numel() == 1)).ok_or_else(|| {
-                Error::Config(format!("logging.scalars: '{name}' is not a scalar value of the training graph"))
-            })?;
-            if part.is_none() || computed.get(v).is_some_and(|p| p.is_some()) {
-                scalars.push((name.clone(), v));
-            }
-        }
-        // Gradients are outputs too: the optimizer reads them after each run; so are the
-        // reported scalars, the activations a stage sends and the new running statistics,
-        // which keeps fusion from folding them away.
-        let sends: Vec<ValueId> = part.as_ref().map_or(vec![], |p| p.sends.clone());
-        train.outputs = std::iter::once(loss)
-            .chain(grads.iter().copied())
-            .chain(input_grads.iter().flatten().copied())
-            .chain(scalars.iter().map(|&(_, v)| v))
-            .chain(sends.iter().copied())
-            .chain(updated.iter().copied())
-            .collect();
-        fuse::run(&mut train, &opts.disabled_passes);
-        let updates: Vec<(Update, f64)> = held.iter().map(|&v| weight_update(opts, &train, v)).collect();
-        let state_bytes = state_bytes(opts, &train, &held, &updates, accumulation);
-        let train = Executor::with_state(backend.clone(), train, &[], state_bytes)?;
-        if let Some(p) = part.as_mut() {
+        let TrainingGraph {
+            graph,
+            loss,
+            weights,
+            input_grads,
+            mut stage,
+            stage_weights,
+            splits,
+            running,
+            variables,
+            all_weights,
+            scalars,
+            loss_scale_input,
+            state_bytes,
+            forward,
+            flops_per_batch,
+            inputs,
+        } = TrainingGraph::build(model, sample, accumulation, opts)?;
+        let train = Executor::with_state(backend.clone(), graph, &[], state_bytes)?;
+        if let Some(p) = stage.as_mut() {
             p.plan(&train, input_grads);
         }
 
-        // Model FLOPs count on the whole forward graph as the model states it, before fusion.
-        // Evaluation runs it with BatchNormalization in inference mode.
-        let mut forward = g.clone();
-        forward.outputs = vec![model.loss];
-        crate::models::inference_batch_norm(&mut forward);
-        let flops_per_batch = crate::graph::flops::training(&bind(&forward, &bindings, false)?);
-
-        let mut ps = Vec::new();
-        for ((&value, &grad), (update, lr_scale)) in held.iter().zip(&grads).zip(updates) {
+        let mut params = Vec::new();
+        for TrainedWeight { value, grad, update, lr_scale } in weights {
             let meta = train.graph.meta(value).cloned().expect("bound");
             let name = train.graph.name_of(value);
             let alloc = || backend.alloc(meta.bytes());
@@ -507,9 +353,9 @@ impl<B: Backend> Session<B> {
             let state = (0..state_count).map(|_| Ok(alloc()?)).collect::<Result<Vec<_>>>()?;
             let accum = if has_accum { Some(alloc()?) } else { None };
             let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
-            let first_stage = holders.first() == Some(&part.as_ref().map_or(0, |p| p.index));
+            let first_stage = holders.first() == Some(&stage.as_ref().map_or(0, |p| p.index));
             let owner = first_stage && (splits.contains_key(name) || opts.tensor.is_none_or(|t| t.rank == 0));
-            ps.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
+            params.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
         let loss_sum = match train.graph.meta(loss) {
             Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&loss) => {
@@ -517,21 +363,13 @@ impl<B: Backend> Session<B> {
             }
             _ => None,
         };
-        // Batch inputs only: a stage's received activations and their gradients are fed apart.
-        let inputs = train
-            .graph
-            .inputs
-            .iter()
-            .filter(|d| g.inputs.iter().any(|m| m.value == d.value))
-            .map(|d| (train.graph.name_of(d.value).to_string(), d.value))
-            .collect();
         Ok(Session {
             train,
             eval: None,
             forward,
             variables,
             disabled_passes: opts.disabled_passes.clone(),
-            params: ps,
+            params,
             running,
             loss,
             eval_loss: model.loss,
@@ -540,7 +378,7 @@ impl<B: Backend> Session<B> {
             flops_per_batch,
             data_parallel: None,
             pipeline: None,
-            stage: part,
+            stage,
             zero_stage: opts.zero,
             bucket_bytes: opts.bucket_bytes,
             device_collectives: opts.device_collectives,
@@ -1196,61 +1034,4 @@ fn optimizer_state(
         )));
     }
     Ok(Tensor::from_vec(&meta.shape, t.as_slice::<f32>().to_vec()))
-}
-
-/// The backward pass starts from the loss with a gradient of 1, so the loss must be one float
-/// number: a tensor there (a model's logits named as its loss, without a `type` to attach one)
-/// would train the sum of its elements, silently.
-fn check_loss(bound: &Graph, loss: ValueId) -> Result<()> {
-    let meta = bound.meta(loss).expect("bound graphs give every value a meta");
-    if meta.dtype.is_float() && meta.shape.iter().product::<usize>() == 1 {
-        return Ok(());
-    }
-    Err(Error::Config(format!(
-        "model.onnx.loss.output: '{}' is {} {:?}, not one number: name the output that is the model's loss, \
-         or give loss.type (softmaxCrossEntropy, mse) to attach a loss to this one",
-        bound.name_of(loss),
-        meta.dtype,
-        meta.shape
-    )))
-}
-
-/// What trains in `g`, by the weightsToTrain (`trainable`) and frozenWeights (`frozen`) lists:
-/// the parameters, and the running statistics that training forward passes update. Training
-/// and `export` (which needs every parameter from the checkpoint) choose alike here.
-pub fn trained_weights(g: &Graph, trainable: &[String], frozen: &[String]) -> Result<(Vec<ValueId>, HashSet<ValueId>)> {
-    for (key, names) in [("frozenWeights", frozen), ("weightsToTrain", trainable)] {
-        for f in names {
-            if g.find(f).is_none_or(|v| !g.initializers.contains_key(&v)) {
-                return Err(Error::Config(format!("{key}: '{f}' is not a weight (initializer) of the model")));
-            }
-        }
-    }
-    // What trains: the float32 initializers that are parameters by how the graph reads them
-    // (`buffers::roles`: not BatchNormalization's running statistics, not constants an
-    // exporter lifted into initializers), unless frozenWeights lists them; weightsToTrain,
-    // when given, names exactly what trains. Other float types (a float64 constant, say)
-    // stay as they are. The running statistics no list names are updated by every training
-    // forward pass, as PyTorch's are.
-    let roles = buffers::roles(g);
-    let role = |v: ValueId| roles.get(&v).copied();
-    let listed = |names: &[String], v: ValueId| names.iter().any(|f| f == g.name_of(v));
-    let f32_initializers = || g.float_initializers().into_iter().filter(|v| g.initializers[v].dtype() == DType::F32);
-    let params: Vec<ValueId> = f32_initializers()
-        .filter(|&v| {
-            let chosen =
-                if trainable.is_empty() { role(v) == Some(buffers::Role::Parameter) } else { listed(trainable, v) };
-            chosen && !listed(frozen, v)
-        })
-        .collect();
-    let tracked: HashSet<ValueId> = f32_initializers()
-        .filter(|&v| role(v) == Some(buffers::Role::RunningStatistic) && !listed(frozen, v) && !listed(trainable, v))
-        .collect();
-    tracing::debug!(
-        parameters = params.len(),
-        running_statistics = tracked.len(),
-        constants = roles.values().filter(|&&r| r == buffers::Role::Constant).count(),
-        "float initializers by role"
-    );
-    Ok((params, tracked))
 }
