@@ -525,8 +525,8 @@ fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<RotaryChain> {
         return None;
     }
     let (a, b) = (node.input(0)?, node.input(1)?);
-    // A Mul node's two operands.
     let factors = |p: usize| Some((g.nodes[p].input(0)?, g.nodes[p].input(1)?));
+    // The sum's terms in either order: x · cos (straight), the rotated halves' product (turned).
     [(a, b), (b, a)].into_iter().find_map(|(straight, turned)| {
         let (p, q) = (m.inner(straight)?, m.inner(turned)?);
         let mul = Op::Binary(Binary::Mul);
@@ -543,8 +543,9 @@ fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<RotaryChain> {
             _ => return None,
         };
         let xm = g.meta(x)?;
+        // Float only: the kernels rotate floats (an integer chain stays as it is).
         let tables = [cos, sin].iter().all(|&t| g.meta(t).is_some_and(|t| t.dtype == xm.dtype));
-        (tables && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
+        (xm.dtype.is_float() && tables && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
         Some(RotaryChain { x, cos, sin, gone })
     })
 }
@@ -580,22 +581,22 @@ impl ChainMatcher<'_> {
     fn rotated_half(&self, v: ValueId, gone: &mut Vec<usize>) -> Option<ValueId> {
         let g = self.g;
         let cat = self.inner(v)?;
-        let (neg, first) = (g.nodes[cat].input(0)?, g.nodes[cat].input(1)?);
+        let (neg, x1) = (g.nodes[cat].input(0)?, g.nodes[cat].input(1)?);
         let rank = g.meta(v)?.shape.len();
         let last = Some(rank.checked_sub(1)?);
         let Op::Concat { axis } = g.nodes[cat].op else { return None };
         (g.nodes[cat].inputs.len() == 2 && norm_axis(axis, rank) == last).then_some(())?;
         let n = self.inner(neg)?;
         (g.nodes[n].op == Op::Unary(Unary::Neg)).then_some(())?;
-        let second = g.nodes[n].input(0)?;
-        let (s1, s2) = (self.inner(first)?, self.inner(second)?);
+        let x2 = g.nodes[n].input(0)?;
+        let (s1, s2) = (self.inner(x1)?, self.inner(x2)?);
         let x = g.nodes[s1].input(0)?;
         let d = *g.meta(x)?.shape.last()?;
         let halves = match (&g.nodes[s1].op, &g.nodes[s2].op) {
             (Op::Split { axis, .. }, _) if s1 == s2 => {
                 let outs = &g.nodes[s1].outputs;
-                let halved = [first, second].iter().all(|&h| g.meta(h).and_then(|m| m.shape.last()) == Some(&(d / 2)));
-                halved && norm_axis(*axis, rank) == last && outs[..] == [Some(first), Some(second)]
+                let halved = [x1, x2].iter().all(|&h| g.meta(h).and_then(|m| m.shape.last()) == Some(&(d / 2)));
+                halved && norm_axis(*axis, rank) == last && outs[..] == [Some(x1), Some(x2)]
             }
             (Op::Slice { .. }, Op::Slice { .. }) => {
                 g.nodes[s2].input(0) == Some(x) && self.half_of(s1, d) == Some(0) && self.half_of(s2, d) == Some(1)

@@ -2,9 +2,10 @@
 //! rotary embedding.
 
 use super::{KResult, PAR_MIN};
+use crate::error::BackendError;
 use crate::op::{Binary, Unary};
 use crate::refused;
-use crate::tensor::{strides, DType, Element, TensorView, TensorViewMut};
+use crate::tensor::{strides, DType, Element, Tensor, TensorView, TensorViewMut};
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -666,12 +667,16 @@ pub fn where_(cond: &TensorView, x: &TensorView, y: &TensorView, out: &mut Tenso
 }
 
 /// Rotary (`grad` false: x·cos + [−x₂, x₁]·sin over the last dim's halves) or RotaryGrad (x
-/// the output's gradient: x·cos + [x₂·sin₂, −x₁·sin₁]), cos and sin broadcast to x. Each
-/// element is rounded as the written-out ops round it (a product, a product, their sum).
+/// the output's gradient: x·cos + [x₂·sin₂, −x₁·sin₁]), cos and sin broadcast to x. In f32
+/// and f64 each element is rounded as the written-out ops round it (a product, a product,
+/// their sum), so the fused op gives their bits.
 pub fn rotary(grad: bool, x: &TensorView, cos: &TensorView, sin: &TensorView, out: &mut TensorViewMut) -> KResult {
     let d = x.shape.last().copied().unwrap_or(0);
     if d % 2 != 0 || out.shape != x.shape {
         return refused!("Rotary of {:?} into {:?} (an even last dim expected)", x.shape, out.shape);
+    }
+    if cos.dtype != x.dtype || sin.dtype != x.dtype {
+        return refused!("Rotary of {} with tables of {} and {}", x.dtype, cos.dtype, sin.dtype);
     }
     macro_rules! rotate_t {
         ($t:ty) => {
@@ -679,8 +684,8 @@ pub fn rotary(grad: bool, x: &TensorView, cos: &TensorView, sin: &TensorView, ou
                 grad,
                 d,
                 x.as_slice(),
-                &rotary_table(cos, x.shape),
-                &rotary_table(sin, x.shape),
+                &rotary_table(cos, x.shape)?,
+                &rotary_table(sin, x.shape)?,
                 out.as_mut_slice(),
             )
         };
@@ -695,14 +700,14 @@ pub fn rotary(grad: bool, x: &TensorView, cos: &TensorView, sin: &TensorView, ou
 
 /// A cos or sin table as `rotate` reads it: repeated along x's leading dims (the table itself,
 /// where its dims after leading 1s are x's last ones), else expanded to x's shape.
-fn rotary_table<'a, T: Element>(t: &'a TensorView, x_shape: &[usize]) -> Cow<'a, [T]> {
+fn rotary_table<'a, T: Element>(t: &'a TensorView, x_shape: &[usize]) -> Result<Cow<'a, [T]>, BackendError> {
     let own = &t.shape[t.shape.iter().take_while(|&&n| n == 1).count()..];
     if !own.is_empty() && x_shape.ends_with(own) {
-        return Cow::Borrowed(t.as_slice());
+        return Ok(Cow::Borrowed(t.as_slice()));
     }
-    let mut full = vec![T::default(); x_shape.iter().product()];
-    zip_broadcast(t.as_slice::<T>(), t.shape, &[0u8][..], &[], &mut full, x_shape, |v, _| v);
-    Cow::Owned(full)
+    let mut full = Tensor::zeros(t.dtype, x_shape);
+    super::shape::expand(t, &mut full.view_mut())?;
+    Ok(Cow::Owned(full.as_slice::<T>().to_vec()))
 }
 
 /// Each row of `d` elements of x against the table's row that broadcasts to it (the tables'

@@ -1,6 +1,6 @@
 //! A training session: the graph `TrainingGraph::build` makes of a model without a backend
-//! (bound to the batch shapes, differentiated, fused) planned on a backend, with the optimizer
-//! state beside it. `step` runs one weight update over the
+//! (bound to the batch shapes, differentiated, fused), planned on a backend, with the
+//! optimizer state beside it. `step` runs one weight update over the
 //! micro-batches of gradient accumulation; `evaluate` runs the forward graph with dropout off.
 //!
 //! Under parallelism a session is one rank's share of the training (DESIGN.md, "Parallelism"):
@@ -321,44 +321,29 @@ impl<B: Backend> Session<B> {
         accumulation: usize,
         opts: &SessionOptions,
     ) -> Result<Session<B>> {
-        let TrainingGraph {
-            graph,
-            loss,
-            weights,
-            input_grads,
-            mut stage,
-            stage_weights,
-            splits,
-            running,
-            variables,
-            all_weights,
-            scalars,
-            loss_scale_input,
-            state_bytes,
-            forward,
-            flops_per_batch,
-            inputs,
-        } = TrainingGraph::build(model, sample, accumulation, opts)?;
-        let train = Executor::with_state(backend.clone(), graph, &[], state_bytes)?;
+        let t = TrainingGraph::build(model, sample, accumulation, opts)?;
+        let train = Executor::with_state(backend.clone(), t.graph, &[], t.state_bytes)?;
+        let mut stage = t.stage;
         if let Some(p) = stage.as_mut() {
-            p.plan(&train, input_grads);
+            p.plan(&train, t.input_grads);
         }
 
         let mut params = Vec::new();
-        for TrainedWeight { value, grad, update, lr_scale } in weights {
+        for TrainedWeight { value, grad, update, lr_scale } in t.weights {
             let meta = train.graph.meta(value).cloned().expect("bound");
             let name = train.graph.name_of(value);
             let alloc = || backend.alloc(meta.bytes());
             let (state_count, has_accum) = whole_buffers(opts, &update, accumulation);
             let state = (0..state_count).map(|_| Ok(alloc()?)).collect::<Result<Vec<_>>>()?;
             let accum = if has_accum { Some(alloc()?) } else { None };
-            let holders: Vec<usize> = (0..stage_weights.len()).filter(|&s| stage_weights[s].contains(&value)).collect();
+            let holders: Vec<usize> =
+                (0..t.stage_weights.len()).filter(|&s| t.stage_weights[s].contains(&value)).collect();
             let first_stage = holders.first() == Some(&stage.as_ref().map_or(0, |p| p.index));
-            let owner = first_stage && (splits.contains_key(name) || opts.tensor.is_none_or(|t| t.rank == 0));
+            let owner = first_stage && (t.splits.contains_key(name) || opts.tensor.is_none_or(|p| p.rank == 0));
             params.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
-        let loss_sum = match train.graph.meta(loss) {
-            Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&loss) => {
+        let loss_sum = match train.graph.meta(t.loss) {
+            Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&t.loss) => {
                 Some(backend.alloc(m.bytes())?)
             }
             _ => None,
@@ -366,16 +351,16 @@ impl<B: Backend> Session<B> {
         Ok(Session {
             train,
             eval: None,
-            forward,
-            variables,
+            forward: t.forward,
+            variables: t.variables,
             disabled_passes: opts.disabled_passes.clone(),
             params,
-            running,
-            loss,
+            running: t.running,
+            loss: t.loss,
             eval_loss: model.loss,
-            inputs,
-            scalars,
-            flops_per_batch,
+            inputs: t.inputs,
+            scalars: t.scalars,
+            flops_per_batch: t.flops_per_batch,
             data_parallel: None,
             pipeline: None,
             stage,
@@ -387,16 +372,16 @@ impl<B: Backend> Session<B> {
             zero: None,
             overlap: None,
             messages: Vec::new(),
-            all_weights,
+            all_weights: t.all_weights,
             report_gradients: opts.report_gradients,
             tensor: opts.tensor,
             half: opts.half,
             scaler: opts.loss_scaler.clone(),
-            loss_scale_input,
+            loss_scale_input: t.loss_scale_input,
             last_loss_scale: 1.0,
             loss_sum,
             losses_summed: 0,
-            splits,
+            splits: t.splits,
             tensor_group: None,
             step: 0,
         })

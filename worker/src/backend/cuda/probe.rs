@@ -16,8 +16,7 @@ pub struct Unavailable(pub String);
 /// How many GPUs the driver sees, once every library the backend needs loads. Err names the
 /// first thing missing.
 pub fn gpu_count() -> Result<usize, Unavailable> {
-    // SAFETY: each is_culib_present only tries to dlopen the library's candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver_present() {
         return Err(Unavailable(format!("{DRIVER} could not be loaded (no NVIDIA driver on this machine?)")));
     }
     driver::init().map_err(|e| Unavailable(format!("the CUDA driver did not initialise: {e:?}")))?;
@@ -47,6 +46,13 @@ pub fn libraries() -> Result<(), Unavailable> {
         return Err(missing(CUBLASLT));
     }
     Ok(())
+}
+
+/// The driver's library (libcuda) loads: the machine has an NVIDIA driver, with or without a
+/// GPU the process may use.
+pub fn driver_present() -> bool {
+    // SAFETY: a dlopen of candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
 /// Only NVRTC, for compiling the kernels where there is no GPU (the kernels' own tests).
