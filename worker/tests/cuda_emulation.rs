@@ -1514,6 +1514,30 @@ fn pointwise_ops_of_exported_models_match_the_cpu_backend_on_the_emulated_kernel
     assert_eq!(not[0].bytes(), &[1, 1, 0, 0], "Not");
 }
 
+/// SwiGLU (`fuse::swiglu`) and its gradient on the emulated kernels against the CPU backend:
+/// f32 and f64 within a few units of f32's last place, bf16 within one of its units.
+#[test]
+fn swiglu_and_its_gradient_match_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let n = 200;
+    for (t, tol) in [(DType::F32, 4e-6), (DType::F64, 4e-6), (DType::BF16, 2f32.powi(-8))] {
+        let tensor = |salt, scale: f32| {
+            Tensor::from_vec(&[n / 8, 8], values(n, salt).iter().map(|v| v * scale).collect()).cast(t)
+        };
+        let (gate, up, dy) = (tensor(3, 4.0), tensor(7, 1.0), tensor(11, 1.0));
+        let one = [Meta::new(t, &[n / 8, 8])];
+        let (g, c) = (
+            run_typed(&gpu, &Op::Swiglu, &[gate.clone(), up.clone()], &one),
+            run_typed(&cpu, &Op::Swiglu, &[gate.clone(), up.clone()], &one),
+        );
+        close_as_f32(&format!("{t} Swiglu"), &g, &c, tol);
+        let two = [one[0].clone(), one[0].clone()];
+        let inputs = [dy, gate, up];
+        let (g, c) = (run_typed(&gpu, &Op::SwigluGrad, &inputs, &two), run_typed(&cpu, &Op::SwigluGrad, &inputs, &two));
+        close_as_f32(&format!("{t} SwigluGrad"), &g, &c, tol);
+    }
+}
+
 /// The rotary embedding (`fuse::rotary`) and its gradient on the emulated kernels against the
 /// CPU backend, its tables reaching x [B, H, T, D] each way a binary op's operand may: its own
 /// layout, repeated along the leading dims ([T, D], [1, 1, T, D]) and through strides

@@ -2,9 +2,9 @@
 //! attention becomes one Attention node whose backward recomputes the probabilities, and
 //! training with it follows training without it (`disabled_passes: ["attention"]`) while
 //! planning less memory; `attention_token_major` then runs it on the heads as the projections
-//! lay them out, without the heads' transposes, to the same bits. `rms_norm`, `silu` and
-//! `rotary`: the Llama's written-out RMSNorms, SwiGLU gates and rotary embeddings become
-//! LayerNorm { rms }, Silu and Rotary nodes, and train as the ops they replace.
+//! lay them out, without the heads' transposes, to the same bits. `rms_norm`, `silu`, `swiglu`
+//! and `rotary`: the Llama's written-out RMSNorms, SwiGLU MLPs and rotary embeddings become
+//! LayerNorm { rms }, Swiglu and Rotary nodes, and train as the ops they replace.
 
 mod common;
 use std::sync::Arc;
@@ -124,22 +124,22 @@ fn llama(disabled: &[&str]) -> Session<CpuBackend> {
 }
 
 /// Each block's two RMSNorms and the final one become one node forward and one backward, each
-/// block's SiLU and its two rotary embeddings (q's and k's) one node each way, and training
+/// block's SwiGLU and its two rotary embeddings (q's and k's) one node each way, and training
 /// follows the written-out ops' losses, gradient norms and weights.
 #[test]
-fn the_llamas_rms_norms_silus_and_rotaries_fuse_and_train_as_the_written_out_ops() {
-    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu", "rotary"]));
+fn the_llamas_rms_norms_swiglus_and_rotaries_fuse_and_train_as_the_written_out_ops() {
+    let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu", "swiglu", "rotary"]));
     let rms = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. }));
     let rms_grad = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNormGrad { rms: true, .. }));
     assert_eq!((rms(&fused), rms_grad(&fused)), (5, 5));
     assert_eq!((rms(&plain), rms_grad(&plain)), (0, 0));
     let sqrt = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Unary(Unary::Sqrt)));
     assert_eq!(sqrt(&fused), 0, "every RMSNorm's square root is gone");
-    // The SiLU forward, its gradient, and the sigmoids left.
-    let silu = |s: &Session<CpuBackend>| {
-        [Op::Unary(Unary::Silu), Op::UnaryGrad(Unary::Silu), Op::Unary(Unary::Sigmoid)].map(|w| count(s, |op| *op == w))
+    // SwiGLU forward and backward, and the SiLUs and sigmoids left (SwiGLU took the SiLUs).
+    let swiglu = |s: &Session<CpuBackend>| {
+        [Op::Swiglu, Op::SwigluGrad, Op::Unary(Unary::Silu), Op::Unary(Unary::Sigmoid)].map(|w| count(s, |op| *op == w))
     };
-    assert_eq!((silu(&fused), silu(&plain)[0]), ([2, 2, 0], 0));
+    assert_eq!((swiglu(&fused), swiglu(&plain)[0]), ([2, 2, 0, 0], 0));
     // The rotary embeddings forward and backward, and the halves' Concat, Split and Neg left.
     let rotary = |s: &Session<CpuBackend>| {
         let halves = |op: &Op| matches!(op, Op::Concat { .. } | Op::Split { .. } | Op::Unary(Unary::Neg));

@@ -423,6 +423,15 @@ fn fused_attention() {
 }
 
 #[test]
+fn fused_swiglu() {
+    let mut b = CaseBuilder::new(48);
+    let gate = b.param("gate", &[3, 8], -3.0, 3.0);
+    let up = b.param("up", &[3, 8], -1.5, 1.5);
+    let y = b.g.op1("y", Op::Swiglu, &[gate, up]);
+    check("Swiglu", b.done(y));
+}
+
+#[test]
 fn fused_rotary() {
     // x [B 2, H 3, T 4, D 6]; cos repeated along the leading dims ([T, D]), sin broadcast over
     // the heads ([B, 1, T, D]): both tables trained too, so that their gradients are checked.

@@ -480,6 +480,10 @@ pub fn backward(
             let outs = b.emit(&name, op, &[dy, x(0), x(1), x(2), y, lse], 3)?;
             outs.into_iter().map(Some).collect()
         }
+        Op::Swiglu => {
+            let outs = b.emit(&name, Op::SwigluGrad, &[dy, x(0), x(1)], 2)?;
+            vec![Some(outs[0]), Some(outs[1])]
+        }
         Op::Rotary => {
             let (v, cos, sin) = (x(0), x(1), x(2));
             let dx = if want(0) { Some(b.emit1(&name, Op::RotaryGrad, &[dy, cos, sin])?) } else { None };

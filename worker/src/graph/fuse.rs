@@ -19,7 +19,7 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "rotary", "attention", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "swiglu", "rotary", "attention", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -32,6 +32,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
         let n = match p {
             "rms_norm" => rms_norm(g, keep),
             "silu" => silu(g, keep),
+            "swiglu" => swiglu(g, keep),
             "rotary" => rotary(g, keep),
             "attention" => attention(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
@@ -484,6 +485,41 @@ fn silu(g: &mut Graph, keep: &[ValueId]) -> usize {
         let node = &mut g.nodes[i];
         node.op = Op::Unary(Unary::Silu);
         node.inputs = vec![Some(x)];
+    }
+    drop_nodes(g, &gone);
+    rewrites.len()
+}
+
+/// Silu(a) · b  ⇒  Swiglu(a, b): Llama's MLP gate times its up projection (after `silu` made the
+/// gate one op), a and b of one shape. One kernel each way instead of two forward and three
+/// backward (the product's two gradients and the SiLU's), and no SiLU(a) kept for the backward.
+fn swiglu(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
+    let mut gone = vec![false; g.nodes.len()];
+    let mut rewrites = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let (Some(l), Some(r)) = (node.input(0), node.input(1)) else { continue };
+        if node.op != Op::Binary(Binary::Mul) || g.meta(l) != g.meta(r) {
+            continue;
+        }
+        // The gate may be either factor.
+        let gate_of = |s: ValueId| {
+            let p = m.inner(s)?;
+            let a = g.nodes[p].input(0)?;
+            (g.nodes[p].op == Op::Unary(Unary::Silu) && !gone[p] && g.meta(a) == g.meta(s)).then_some((p, a))
+        };
+        let Some(((p, a), up)) = gate_of(l).map(|v| (v, r)).or_else(|| gate_of(r).map(|v| (v, l))) else { continue };
+        if !g.meta(a).is_some_and(|t| t.dtype.is_float()) {
+            continue;
+        }
+        gone[p] = true;
+        rewrites.push((i, a, up));
+    }
+    for &(i, a, up) in &rewrites {
+        let node = &mut g.nodes[i];
+        node.op = Op::Swiglu;
+        node.inputs = vec![Some(a), Some(up)];
     }
     drop_nodes(g, &gone);
     rewrites.len()

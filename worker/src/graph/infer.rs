@@ -281,6 +281,18 @@ pub fn infer_node(
             (op, vec![q.clone(), Meta::new(DType::F32, &AttentionShape::lse_shape(&q.shape, *token_major))])
         }
         Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
+        Op::Swiglu | Op::SwigluGrad => {
+            // The gate and up projection (and the gradient) alike in type and shape.
+            let k = usize::from(matches!(op, Op::SwigluGrad));
+            same_dtype(&[0, 1])?;
+            same_dtype(&[k, k + 1])?;
+            let (a, b) = (m(k)?, m(k + 1)?);
+            if a.shape != b.shape || m(0)?.shape != a.shape {
+                return Err(err(node, format!("SwiGLU of {:?} and {:?} (the same shape expected)", a.shape, b.shape)));
+            }
+            let outs = if k == 0 { vec![a.clone()] } else { vec![a.clone(), b.clone()] };
+            (op, outs)
+        }
         Op::Rotary | Op::RotaryGrad => {
             let x = m(0)?;
             same_dtype(&[0, 1, 2])?;

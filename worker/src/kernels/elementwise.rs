@@ -666,6 +666,58 @@ pub fn where_(cond: &TensorView, x: &TensorView, y: &TensorView, out: &mut Tenso
     Ok(())
 }
 
+/// SwiGLU's SiLU(a)·b (`Op::Swiglu`), a and b of one shape.
+pub fn swiglu(a: &TensorView, b: &TensorView, out: &mut TensorViewMut) -> KResult {
+    swiglu_both(None, a, b, std::slice::from_mut(out))
+}
+
+/// SwiGLU's gradient: dA = dY·b·SiLU'(a) into `outs[0]`, dB = dY·SiLU(a) into `outs[1]`.
+pub fn swiglu_grad(dy: &TensorView, a: &TensorView, b: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    swiglu_both(Some(dy), a, b, outs)
+}
+
+/// SwiGLU forward (no `dy`) or backward, elementwise over a and b.
+fn swiglu_both(dy: Option<&TensorView>, a: &TensorView, b: &TensorView, outs: &mut [TensorViewMut]) -> KResult {
+    let wanted = if dy.is_some() { 2 } else { 1 };
+    let alike = [Some(a), Some(b), dy].iter().flatten().all(|t| t.dtype == a.dtype && t.shape == a.shape);
+    if !alike || outs.len() < wanted || outs.iter().any(|o| o.shape != a.shape) {
+        return refused!(
+            "SwiGLU of {} {:?} and {} {:?}: one type and shape expected",
+            a.dtype,
+            a.shape,
+            b.dtype,
+            b.shape
+        );
+    }
+    match a.dtype {
+        DType::F32 => swiglu_t::<f32>(dy.map(|t| t.as_slice()), a.as_slice(), b.as_slice(), outs),
+        DType::F64 => swiglu_t::<f64>(dy.map(|t| t.as_slice()), a.as_slice(), b.as_slice(), outs),
+        t => return refused!("SwiGLU of {t} on the CPU"),
+    }
+    Ok(())
+}
+
+fn swiglu_t<T: num_traits::Float + Element>(dy: Option<&[T]>, a: &[T], b: &[T], outs: &mut [TensorViewMut]) {
+    // SiLU as `Unary::Silu` computes it, so that the fused op rounds as the ops it replaces.
+    let silu = |x: T| x / (T::one() + (-x).exp());
+    match (dy, outs) {
+        (None, [y, ..]) => {
+            let y = y.as_mut_slice::<T>();
+            y.par_iter_mut().zip(a.par_iter().zip(b)).for_each(|(y, (&a, &b))| *y = silu(a) * b);
+        }
+        (Some(dy), [da, db, ..]) => {
+            let (da, db) = (da.as_mut_slice::<T>(), db.as_mut_slice::<T>());
+            let grads = da.par_iter_mut().zip(db.par_iter_mut());
+            grads.zip(dy.par_iter().zip(a.par_iter().zip(b))).for_each(|((da, db), (&g, (&a, &b)))| {
+                let s = T::one() / (T::one() + (-a).exp());
+                *da = g * b * (s * (T::one() + a * (T::one() - s)));
+                *db = g * silu(a);
+            });
+        }
+        _ => {} // swiglu_both checked the outputs' count
+    }
+}
+
 /// Rotary (`grad` false: x·cos + [−x₂, x₁]·sin over the last dim's halves) or RotaryGrad (x
 /// the output's gradient: x·cos + [x₂·sin₂, −x₁·sin₁]), cos and sin broadcast to x. In f32
 /// and f64 each element is rounded as the written-out ops round it (a product, a product,

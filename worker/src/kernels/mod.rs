@@ -93,6 +93,8 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             let ins = [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, &x(5)?];
             attention::backward(*scale, *causal, *token_major, ins, outputs)
         }
+        Op::Swiglu => elementwise::swiglu(&x(0)?, &x(1)?, &mut outputs[0]),
+        Op::SwigluGrad => elementwise::swiglu_grad(&x(0)?, &x(1)?, &x(2)?, outputs),
         Op::Rotary | Op::RotaryGrad => {
             elementwise::rotary(matches!(op, Op::RotaryGrad), &x(0)?, &x(1)?, &x(2)?, &mut outputs[0])
         }

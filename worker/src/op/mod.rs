@@ -1092,6 +1092,11 @@ pub enum Op {
         causal: bool,
         token_major: bool,
     },
+    /// a, b -> SiLU(a)·b: SwiGLU's gate times its up projection, as Llama's MLP computes it;
+    /// emitted by `fuse::swiglu`.
+    Swiglu,
+    /// dY, a, b -> dA = dY·b·SiLU'(a), dB = dY·SiLU(a).
+    SwigluGrad,
     /// x, cos, sin -> x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂, x₁] of the last dim's
     /// halves: the rotary position embedding as Hugging Face's Llama applies it (the halves, not
     /// interleaved pairs), cos and sin broadcast to x [.., D]; emitted by `fuse::rotary`.
@@ -1846,6 +1851,8 @@ impl Op {
             Op::SoftmaxCrossEntropyLseGrad { .. } => internal("SoftmaxCrossEntropyLseGrad"),
             Op::Attention { .. } => internal("Attention"),
             Op::AttentionGrad { .. } => internal("AttentionGrad"),
+            Op::Swiglu => internal("Swiglu"),
+            Op::SwigluGrad => internal("SwigluGrad"),
             Op::Rotary => internal("Rotary"),
             Op::RotaryGrad => internal("RotaryGrad"),
             Op::AllReduce { .. } => internal("AllReduce"),

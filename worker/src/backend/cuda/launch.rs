@@ -701,6 +701,26 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             }
             Ok(())
         }
+        Op::Swiglu | Op::SwigluGrad => {
+            let grad = matches!(op, Op::SwigluGrad);
+            let k = usize::from(grad);
+            let (a, b) = (x(k)?, x(k + 1)?);
+            let dy = if grad { x(0)?.at } else { NULL };
+            if b.dtype() != a.dtype() || (grad && x(0)?.dtype() != a.dtype()) {
+                return refused!("SwiGLU of {} and {}", a.dtype(), b.dtype());
+            }
+            let db = if grad {
+                outs.get(1).ok_or_else(|| BackendError::refused("SwiGLU's gradient has 2 outputs"))?.at
+            } else {
+                NULL
+            };
+            let n = a.n();
+            dev.kernel(
+                &float_kernel("swiglu", a.dtype())?,
+                elementwise(n),
+                &mut params![n as i64, dy, a.at, b.at, y.at, db],
+            )
+        }
         Op::Rotary | Op::RotaryGrad => {
             let (a, cos, sin) = (x(0)?, x(1)?, x(2)?);
             if cos.dtype() != a.dtype() || sin.dtype() != a.dtype() {

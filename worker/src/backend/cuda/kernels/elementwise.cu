@@ -292,6 +292,36 @@ extern "C" __global__ void binary_f64(int op, i64 n, Dims d, const double* a, St
     binary<F64>(op, n, d, a, sa, ka, pa, b, sb, kb, pb, out);
 }
 
+// SwiGLU's SiLU(a)·b (dy null), or its gradient: da = dy·b·SiLU'(a), db = dy·SiLU(a).
+template <class S>
+__device__ void swiglu(i64 n, const typename S::T* dy, const typename S::T* a, const typename S::T* b,
+                       typename S::T* out, typename S::T* db) {
+    typedef typename S::C C;
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        C x = S::load(a[i]), u = S::load(b[i]), s = sigmoid_of(x);
+        if (!dy) {
+            out[i] = S::store(x * s * u);
+            continue;
+        }
+        C g = S::load(dy[i]);
+        out[i] = S::store(g * u * (s * ((C)1 + x * ((C)1 - s))));
+        db[i] = S::store(g * (x * s));
+    }
+}
+extern "C" __global__ void swiglu_f32(i64 n, const float* dy, const float* a, const float* b, float* out, float* db) {
+    swiglu<F32>(n, dy, a, b, out, db);
+}
+extern "C" __global__ void swiglu_f16(i64 n, const u16* dy, const u16* a, const u16* b, u16* out, u16* db) {
+    swiglu<F16>(n, dy, a, b, out, db);
+}
+extern "C" __global__ void swiglu_bf16(i64 n, const u16* dy, const u16* a, const u16* b, u16* out, u16* db) {
+    swiglu<BF16>(n, dy, a, b, out, db);
+}
+extern "C" __global__ void swiglu_f64(i64 n, const double* dy, const double* a, const double* b, double* out,
+                                      double* db) {
+    swiglu<F64>(n, dy, a, b, out, db);
+}
+
 // The rotary embedding over the last dim's halves of `h` elements (RoPE as Hugging Face's Llama
 // applies it), one thread per pair (j, j + h) of a row: forward y = x·cos + [−x₂, x₁]·sin;
 // backward (grad 1, x the output's gradient) dx = x·cos + [x₂·sin₂, −x₁·sin₁]. cos and sin
