@@ -394,33 +394,11 @@ struct AttentionChain {
 /// twice as many backward. f32 only: the kernels read an f32 x, and the forward passes run
 /// before mixed precision's casts.
 fn rms_norm(g: &mut Graph, keep: &[ValueId]) -> usize {
-    let (producers, uses) = (g.producers(), g.use_counts());
-    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
-    let chains: Vec<(usize, RmsNormChain)> =
-        (0..g.nodes.len()).filter_map(|i| Some((i, rms_norm_chain(&m, i)?))).collect();
-    let mut gone = vec![false; g.nodes.len()];
-    for (i, c) in &chains {
-        c.gone.iter().for_each(|&n| gone[n] = true);
-        let node = &mut g.nodes[*i];
-        node.op = Op::LayerNorm { axis: c.axis, epsilon: c.epsilon, rms: true };
-        node.inputs = vec![Some(c.x), Some(c.scale)];
-    }
-    drop_nodes(g, &gone);
-    chains.len()
-}
-
-/// An RMSNorm found by `rms_norm_chain`: its input, scale, first normalized axis and ε, and the
-/// nodes before the scaling that the fused node replaces.
-struct RmsNormChain {
-    x: ValueId,
-    scale: ValueId,
-    axis: i64,
-    epsilon: f32,
-    gone: Vec<usize>,
+    rewrite_chains(g, keep, rms_norm_chain)
 }
 
 /// The RMSNorm whose scaling (the last Mul) is node `i`, if it is one.
-fn rms_norm_chain(m: &ChainMatcher, i: usize) -> Option<RmsNormChain> {
+fn rms_norm_chain(m: &ChainMatcher, i: usize) -> Option<Fused> {
     let (g, node) = (m.g, &m.g.nodes[i]);
     if node.op != Op::Binary(Binary::Mul) {
         return None;
@@ -454,7 +432,8 @@ fn rms_norm_chain(m: &ChainMatcher, i: usize) -> Option<RmsNormChain> {
         let (xm, sm) = (g.meta(x)?, g.meta(scale)?);
         let fits = xm.dtype == DType::F32 && sm.dtype == DType::F32 && sm.shape == xm.shape[axis..];
         (fits && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
-        Some(RmsNormChain { x, scale, axis: axis as i64, epsilon, gone })
+        let op = Op::LayerNorm { axis: axis as i64, epsilon, rms: true };
+        Some(Fused { op, inputs: vec![x, scale], gone })
     })
 }
 
@@ -530,32 +509,11 @@ fn swiglu(g: &mut Graph, keep: &[ValueId]) -> usize {
 /// x's halves taken along the last dim by a Split or two Slices. One kernel each way instead of
 /// six forward (Split, Neg, Concat, two products and their sum) and about as many backward.
 fn rotary(g: &mut Graph, keep: &[ValueId]) -> usize {
-    let (producers, uses) = (g.producers(), g.use_counts());
-    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
-    let chains: Vec<(usize, RotaryChain)> =
-        (0..g.nodes.len()).filter_map(|i| Some((i, rotary_chain(&m, i)?))).collect();
-    let mut gone = vec![false; g.nodes.len()];
-    for (i, c) in &chains {
-        c.gone.iter().for_each(|&n| gone[n] = true);
-        let node = &mut g.nodes[*i];
-        node.op = Op::Rotary;
-        node.inputs = vec![Some(c.x), Some(c.cos), Some(c.sin)];
-    }
-    drop_nodes(g, &gone);
-    chains.len()
-}
-
-/// A rotary embedding found by `rotary_chain`: its input, tables, and the nodes before the sum
-/// that the fused node replaces.
-struct RotaryChain {
-    x: ValueId,
-    cos: ValueId,
-    sin: ValueId,
-    gone: Vec<usize>,
+    rewrite_chains(g, keep, rotary_chain)
 }
 
 /// The rotary embedding whose sum (an Add) is node `i`, if it is one.
-fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<RotaryChain> {
+fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<Fused> {
     let (g, node) = (m.g, &m.g.nodes[i]);
     if node.op != Op::Binary(Binary::Add) {
         return None;
@@ -582,8 +540,33 @@ fn rotary_chain(m: &ChainMatcher, i: usize) -> Option<RotaryChain> {
         // Float only: the kernels rotate floats (an integer chain stays as it is).
         let tables = [cos, sin].iter().all(|&t| g.meta(t).is_some_and(|t| t.dtype == xm.dtype));
         (xm.dtype.is_float() && tables && g.meta(node.output(0)?) == Some(xm)).then_some(())?;
-        Some(RotaryChain { x, cos, sin, gone })
+        Some(Fused { op: Op::Rotary, inputs: vec![x, cos, sin], gone })
     })
+}
+
+/// A chain a forward pass found: the op and inputs its last node takes, and the nodes before it
+/// that the fused node replaces.
+struct Fused {
+    op: Op,
+    inputs: Vec<ValueId>,
+    gone: Vec<usize>,
+}
+
+/// Makes each node for which `find` finds a chain the fused op, dropping the nodes it replaces;
+/// returns how many.
+fn rewrite_chains(g: &mut Graph, keep: &[ValueId], find: fn(&ChainMatcher, usize) -> Option<Fused>) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let m = ChainMatcher { g, producers: &producers, uses: &uses, keep };
+    let chains: Vec<(usize, Fused)> = (0..g.nodes.len()).filter_map(|i| Some((i, find(&m, i)?))).collect();
+    let mut gone = vec![false; g.nodes.len()];
+    for (i, c) in chains.iter() {
+        c.gone.iter().for_each(|&n| gone[n] = true);
+        let node = &mut g.nodes[*i];
+        node.op = c.op.clone();
+        node.inputs = c.inputs.iter().map(|&v| Some(v)).collect();
+    }
+    drop_nodes(g, &gone);
+    chains.len()
 }
 
 /// Removes the nodes marked in `gone` (indexed as `g.nodes` is).
