@@ -1,7 +1,9 @@
 //! Mutation fuzzing of every input format the worker reads, on stable Rust. Valid inputs made
 //! by the worker itself (a tiny run's token shard, checkpoint, exported model and configuration,
 //! and a sample shard), and what prepare-data reads (JSON Lines and Parquet documents, a Hugging
-//! Face tokenizer.json, PNG and JPEG images: the committed fixtures of tests/data/) are mutated: bits flipped, bytes set to edge values, integers to boundary
+//! Face tokenizer.json, PNG and JPEG images: the committed fixtures of tests/data/), and the
+//! models PyTorch's exporters wrote (tests/data/torch_hf/, torch_cnn/), which are built into
+//! training graphs, are mutated: bits flipped, bytes set to edge values, integers to boundary
 //! values, numbers in text to extreme ones, cuts, repeats and insertions. Each reader must give
 //! a value or an error for every input: a panic, or a read that takes longer than `TIMEOUT`,
 //! fails the target and saves the input under `fuzz/<target>/` in cargo's target directory (an
@@ -14,7 +16,10 @@
 //! run per target (docs/RELIABILITY.md).
 
 mod common;
+mod torch_oracle;
 
+use prost::Message;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::mpsc;
@@ -24,13 +29,20 @@ use tensorfleet_worker::checkpoint;
 use tensorfleet_worker::config::TrainingConfig;
 use tensorfleet_worker::data::samples::{self, SampleLoader};
 use tensorfleet_worker::data::tokens::{write_shard as write_token_shard, TokenLoader};
-use tensorfleet_worker::data::{Batching, Feeds, Loader, Partition};
+use tensorfleet_worker::data::{Batch, Batching, Feeds, Loader, Partition};
+use tensorfleet_worker::models;
+use tensorfleet_worker::onnx::{ModelProto, TensorProto};
+use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::prepare::{prepare_images, prepare_text, ImageOptions, TextOptions};
 use tensorfleet_worker::rng::Rng;
+use tensorfleet_worker::session::{SessionOptions, TrainingGraph};
 use tensorfleet_worker::tensor::Tensor;
 
 /// Inputs per target in `make test`.
 const ROUNDS: usize = 10_000;
+/// Inputs per training-graph target in `make test`: each builds a whole training graph
+/// (differentiated, fused), about five times a reader's work.
+const GRAPH_ROUNDS: usize = 2_000;
 /// The longest one read may take (a tiny input; a hang shows as this).
 const TIMEOUT: Duration = Duration::from_secs(20);
 const FIXED_SEED: u64 = 0x7E45_0F1E_E7F0_22ED;
@@ -97,6 +109,45 @@ fn onnx(dir: &Path, input: &[u8]) {
     let path = dir.join("model.onnx");
     std::fs::write(&path, input).unwrap();
     let _ = tensorfleet_worker::inspect::inspect(&path, &["batch=2".into()]);
+}
+
+/// What `train` makes of a model before its first step: the model loaded as a user configures
+/// an export (cross-entropy on `logits`, labels -100 ignored), bound to the first batch of
+/// `data` (a file of tests/data/), differentiated, fused and given its updates
+/// (`TrainingGraph::build`, which needs no backend).
+fn training_graph(dir: &Path, input: &[u8], data: &str) {
+    std::fs::write(dir.join("model.onnx"), input).unwrap();
+    let spec = torch_oracle::spec(dir, "model.onnx", Some(-100), Default::default());
+    if let Ok(model) = models::load(&spec, 0) {
+        let _ = TrainingGraph::build(&model, &first_batch(data), 1, &adamw());
+    }
+}
+
+/// Hugging Face's GPT-2 and Llama as both PyTorch exporters write them.
+fn training_transformers(dir: &Path, input: &[u8]) {
+    training_graph(dir, input, "torch_hf/gpt2.pb");
+}
+
+/// torchvision's ResNet-18 as both PyTorch exporters write it.
+fn training_cnn(dir: &Path, input: &[u8]) {
+    training_graph(dir, input, "torch_cnn/batches.pb");
+}
+
+fn adamw() -> SessionOptions {
+    SessionOptions::new(Update::Adam { beta1: 0.9, beta2: 0.95, epsilon: 1e-8, weight_decay: 0.1, decoupled: true })
+}
+
+/// The first batch of a sample shard of tests/data/ (of the size its export.py fixed, which
+/// expected.json beside it gives), read once.
+fn first_batch(data: &str) -> Batch {
+    static BATCHES: OnceLock<std::sync::Mutex<BTreeMap<String, Batch>>> = OnceLock::new();
+    let mut batches = BATCHES.get_or_init(Default::default).lock().unwrap();
+    let batch = batches.entry(data.to_string()).or_insert_with(|| {
+        let path = PathBuf::from(fixture(data));
+        let batch = torch_oracle::expected(path.parent().unwrap())["batch"].as_u64().unwrap() as usize;
+        torch_oracle::batches(&path, batch, 1).remove(0)
+    });
+    batch.clone()
 }
 
 fn config(_: &Path, input: &[u8]) {
@@ -257,6 +308,112 @@ fn mutate(rng: &mut Rng, data: &mut Vec<u8>) {
     }
 }
 
+/// One to three changes to a model's structure, re-encoded: byte-level mutations of an ONNX
+/// file nearly all stop at the protobuf decoder (the `onnx` target has those), while these
+/// reach shape inference, autodiff and the fusions. A node's attribute set to an edge value or
+/// dropped, its operator swapped for another node's, an input dropped, repeated or taken from
+/// another node, an element of a small integer tensor (a shape, axes, indices, as exports keep
+/// them in initializers and Constant nodes) set to an edge value, a weight's dims reordered.
+fn mutate_model(rng: &mut Rng, data: &mut Vec<u8>) {
+    let mut model = match ModelProto::decode(&data[..]) {
+        Ok(m) if m.graph.as_ref().is_some_and(|g| !g.node.is_empty()) => m,
+        _ => return mutate(rng, data),
+    };
+    let g = model.graph.as_mut().unwrap();
+    for _ in 0..1 + rng.below(3) {
+        let n = rng.below(g.node.len());
+        match rng.below(6) {
+            0 => {
+                let attrs = &mut g.node[n].attribute;
+                if let Some(a) = pick(rng, attrs.len()).map(|k| &mut attrs[k]) {
+                    if a.i.is_some() {
+                        a.i = Some(edge_int(rng));
+                    }
+                    if let Some(k) = pick(rng, a.ints.len()) {
+                        a.ints[k] = edge_int(rng);
+                    }
+                    if a.f.is_some() {
+                        a.f = Some([0.0, -1.0, f32::NAN, f32::INFINITY, 1e30][rng.below(5)]);
+                    }
+                    if let Some(t) = a.t.as_mut() {
+                        set_small_int(rng, t);
+                    }
+                }
+            }
+            1 => {
+                let other = g.node[rng.below(g.node.len())].op_type.clone();
+                g.node[n].op_type = other;
+            }
+            2 => {
+                let from = g.node[rng.below(g.node.len())].output.first().cloned().unwrap_or_default();
+                let inputs = &mut g.node[n].input;
+                match (pick(rng, inputs.len()), rng.below(3)) {
+                    (Some(k), 0) => drop(inputs.remove(k)),
+                    (Some(k), 1) => inputs.push(inputs[k].clone()),
+                    (Some(k), _) => inputs[k] = from,
+                    (None, _) => {}
+                }
+            }
+            3 => {
+                let small: Vec<usize> = (0..g.initializer.len())
+                    .filter(|&k| {
+                        matches!(g.initializer[k].data_type, Some(6 | 7))
+                            && g.initializer[k].dims.iter().product::<i64>() <= 16
+                    })
+                    .collect();
+                if let Some(k) = pick(rng, small.len()) {
+                    set_small_int(rng, &mut g.initializer[small[k]]);
+                }
+            }
+            4 => {
+                if let Some(t) = pick(rng, g.initializer.len()).map(|k| &mut g.initializer[k]) {
+                    match rng.below(2) {
+                        0 => t.dims.reverse(),
+                        _ => t.dims.push(1),
+                    }
+                }
+            }
+            _ => {
+                let attrs = &mut g.node[n].attribute;
+                if let Some(k) = pick(rng, attrs.len()) {
+                    attrs.remove(k);
+                }
+            }
+        }
+    }
+    *data = model.encode_to_vec();
+}
+
+fn pick(rng: &mut Rng, len: usize) -> Option<usize> {
+    (len > 0).then(|| rng.below(len))
+}
+
+fn edge_int(rng: &mut Rng) -> i64 {
+    [0, 1, -1, 2, -2, 3, 7, 1 << 31, -(1 << 31), i64::MAX, i64::MIN][rng.below(11)]
+}
+
+/// One element of an INT64 or INT32 tensor (raw or typed) set to an edge value.
+fn set_small_int(rng: &mut Rng, t: &mut TensorProto) {
+    let v = edge_int(rng);
+    match (t.data_type, t.raw_data.as_mut()) {
+        (Some(7), Some(raw)) if raw.len() >= 8 => {
+            let k = rng.below(raw.len() / 8) * 8;
+            raw[k..k + 8].copy_from_slice(&v.to_le_bytes());
+        }
+        (Some(6), Some(raw)) if raw.len() >= 4 => {
+            let k = rng.below(raw.len() / 4) * 4;
+            raw[k..k + 4].copy_from_slice(&(v as i32).to_le_bytes());
+        }
+        _ => {
+            if let Some(k) = pick(rng, t.int64_data.len()) {
+                t.int64_data[k] = v;
+            } else if let Some(k) = pick(rng, t.int32_data.len()) {
+                t.int32_data[k] = v as i32;
+            }
+        }
+    }
+}
+
 /// A run of ASCII digits (in a configuration or a manifest) replaced by an extreme number.
 fn replace_a_number(rng: &mut Rng, data: &mut Vec<u8>) {
     let starts: Vec<usize> =
@@ -303,6 +460,13 @@ fn check(target: &str, read: Reader, dir: &Path, input: Vec<u8>) {
 /// Replays the committed inputs of `target`, then runs its mutated seeds: `ROUNDS` of them from
 /// the fixed seed, or for TENSORFLEET_FUZZ_SECONDS from the clock's.
 fn fuzz(target: &str, read: Reader, seeds: &[&[u8]]) {
+    fuzz_rounds(target, read, seeds, ROUNDS, mutate);
+}
+
+/// A mutation of an input in place.
+type Mutator = fn(&mut Rng, &mut Vec<u8>);
+
+fn fuzz_rounds(target: &str, read: Reader, seeds: &[&[u8]], rounds: usize, mutator: Mutator) {
     let dir = common::scratch(&format!("fuzz-{target}"));
     let committed = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/fuzz").join(target);
     let mut replayed = 0;
@@ -324,10 +488,10 @@ fn fuzz(target: &str, read: Reader, seeds: &[&[u8]]) {
     let mut runs = 0;
     while match seconds {
         Some(s) => start.elapsed() < Duration::from_secs(s),
-        None => runs < ROUNDS,
+        None => runs < rounds,
     } {
         let mut input = seeds[rng.below(seeds.len())].to_vec();
-        mutate(&mut rng, &mut input);
+        mutator(&mut rng, &mut input);
         check(target, read, &dir, input);
         runs += 1;
     }
@@ -364,6 +528,33 @@ fn fuzz_safetensors() {
 #[test]
 fn fuzz_onnx_models() {
     fuzz("onnx", onnx, &[&seeds().model]);
+}
+
+/// The training graph's build (binding, autodiff, the fusions) from mutated exports: the seeds
+/// must build whole, or the target would fuzz no more than the loader.
+fn fuzz_training_graph(target: &str, read: Reader, data: &str, files: &[&str]) {
+    let seeds: Vec<Vec<u8>> = files.iter().map(|f| read_fixture(f)).collect();
+    let dir = common::scratch(&format!("fuzz-{target}-seeds"));
+    for (file, seed) in files.iter().zip(&seeds) {
+        std::fs::write(dir.join("model.onnx"), seed).unwrap();
+        let model = models::load(&torch_oracle::spec(&dir, "model.onnx", Some(-100), Default::default()), 0)
+            .unwrap_or_else(|e| panic!("seed {file}: {e}"));
+        TrainingGraph::build(&model, &first_batch(data), 1, &adamw()).unwrap_or_else(|e| panic!("seed {file}: {e}"));
+    }
+    fuzz_rounds(target, read, &seeds.iter().map(Vec::as_slice).collect::<Vec<_>>(), GRAPH_ROUNDS, mutate_model);
+}
+
+#[test]
+fn fuzz_transformer_training_graphs() {
+    let files =
+        ["gpt2_dynamo", "gpt2_torchscript", "llama_dynamo", "llama_torchscript"].map(|m| format!("torch_hf/{m}.onnx"));
+    fuzz_training_graph("training", training_transformers, "torch_hf/gpt2.pb", &files.each_ref().map(String::as_str));
+}
+
+#[test]
+fn fuzz_cnn_training_graphs() {
+    let files = ["resnet18_dynamo", "resnet18_torchscript"].map(|m| format!("torch_cnn/{m}.onnx"));
+    fuzz_training_graph("training_cnn", training_cnn, "torch_cnn/batches.pb", &files.each_ref().map(String::as_str));
 }
 
 #[test]

@@ -71,19 +71,20 @@ fn addressable(node: &Node, m: &Meta) -> Result<()> {
     }
 }
 
-/// Folding computes a constant in this machine's memory: one larger than the memory (a
-/// constant expanded to 2^40 elements) is refused, naming the node and both sizes, rather than
-/// aborting the process when the allocation fails. Exit 2: the model asks more than the
-/// machine has, which a larger machine may give.
-fn fits_in_memory(node: &Node, m: &Meta) -> Result<()> {
-    let total = crate::host::memory_bytes();
-    match total {
-        Some(total) if m.bytes() > total => Err(Error::Config(format!(
-            "{}: folding its constant output {}{:?} needs {} bytes; this machine has {total}",
+/// Folding computes a constant in this machine's memory, beside its inputs and the copies its
+/// consumers make of it (an Expand's shape operand read as integers): constants larger than a
+/// quarter of the memory (a constant expanded to 2^31 elements) are refused, naming the node and
+/// both sizes, rather than the process being killed or aborted when memory runs out. No model
+/// folds anything near that (what folds are shapes, masks and position tables). Exit 2: the
+/// model asks more than the machine has, which a larger machine may give.
+fn fits_in_memory(node: &Node, outs: &[Meta]) -> Result<()> {
+    let bytes: usize = outs.iter().map(Meta::bytes).fold(0, usize::saturating_add);
+    match crate::host::memory_bytes() {
+        Some(total) if bytes > total / 4 => Err(Error::Config(format!(
+            "{}: folding its constant output {} needs {bytes} bytes; a quarter of this machine's memory is {} (this machine has {total})",
             node.describe(),
-            m.dtype,
-            m.shape,
-            m.bytes()
+            outs.iter().map(|m| format!("{}{:?}", m.dtype, m.shape)).collect::<Vec<_>>().join(", "),
+            total / 4
         ))),
         _ => Ok(()),
     }
@@ -464,6 +465,7 @@ pub fn infer_node(
                 }
                 shape[a] += x.shape[a];
             }
+            same_dtype(&(0..node.inputs.len()).collect::<Vec<_>>())?;
             (Op::Concat { axis: a as i64 }, vec![Meta::new(first.dtype, &shape)])
         }
         Op::Split { axis, sizes, num_outputs } => {
@@ -1116,7 +1118,7 @@ fn fold(
             let v = value.reshaped_scalar();
             let meta = Meta::new(v.dtype(), &shape);
             addressable(node, &meta)?;
-            fits_in_memory(node, &meta)?;
+            fits_in_memory(node, std::slice::from_ref(&meta))?;
             let mut out = Tensor::zeros(v.dtype(), &shape);
             kernels::broadcast_fill(&v, &mut out);
             return Ok(Some(vec![out]));
@@ -1138,9 +1140,7 @@ fn fold(
         return Ok(None);
     }
     let inputs: Vec<Option<&Tensor>> = consts.to_vec();
-    for m in outs {
-        fits_in_memory(node, m)?;
-    }
+    fits_in_memory(node, outs)?;
     let mut outputs: Vec<Tensor> = outs.iter().map(|m| Tensor::zeros(m.dtype, &m.shape)).collect();
     kernels::run_on_tensors(op, &inputs, &mut outputs).map_err(|e| err(node, e))?;
     Ok(Some(outputs))

@@ -91,6 +91,7 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
             }
         }
         let op = Op::from_onnx(n.op_type(), n.domain(), &attrs, opset)?;
+        check_arity(n, opset, &describe)?;
         let inputs = n.input.iter().map(|s| (!s.is_empty()).then(|| g.value(s))).collect();
         let outputs = n.output.iter().map(|s| (!s.is_empty()).then(|| g.value(s))).collect();
         g.nodes.push(super::ir::Node { name, op, inputs, outputs });
@@ -113,6 +114,28 @@ pub fn from_model(model: &ModelProto, origin: &str) -> Result<Graph> {
     }
     check_defined(&g, origin)?;
     Ok(g)
+}
+
+/// A node of the default domain gives the inputs its op's schema requires and no more than it
+/// takes (`onnx_input_arity`): the engine's own ops of [`TF_DOMAIN`] are checked where they are
+/// made.
+fn check_arity(n: &NodeProto, opset: i64, describe: &str) -> Result<()> {
+    if !matches!(n.domain(), "" | "ai.onnx") {
+        return Ok(());
+    }
+    let Some((required, most)) = crate::op::onnx_input_arity(n.op_type(), opset) else { return Ok(()) };
+    if let Some(k) = (0..required).find(|&k| n.input.get(k).is_none_or(|s| s.is_empty())) {
+        return Err(Error::Corrupt(format!(
+            "{describe}: input {k} is missing: it needs {required} inputs, {} given",
+            n.input.iter().filter(|s| !s.is_empty()).count()
+        )));
+    }
+    match most {
+        Some(most) if n.input.len() > most => {
+            Err(Error::Corrupt(format!("{describe}: {} inputs given; it takes at most {most}", n.input.len())))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A node's name in the graph and in messages: its own, or `OpType_index` when it has none.
@@ -339,6 +362,38 @@ mod tests {
             domain: (!domain.is_empty()).then(|| domain.into()),
             name: Some(name.into()),
             ..Default::default()
+        }
+    }
+
+    /// A node missing a required input, or giving more than its op takes, is refused naming it
+    /// (a LayerNormalization without its scale reached the gradient rule, which panicked); an
+    /// optional input left out by an empty name in the middle passes.
+    #[test]
+    fn nodes_are_held_to_their_ops_input_counts() {
+        let with = |op: &str, inputs: &[&str]| NodeProto {
+            input: inputs.iter().map(|s| s.to_string()).collect(),
+            ..node(op, "", "n")
+        };
+        let refused = |n: NodeProto, opset: i64| check_arity(&n, opset, "m.onnx: node 'n'").unwrap_err().to_string();
+        assert_eq!(
+            refused(with("LayerNormalization", &["x"]), 17),
+            "m.onnx: node 'n': input 1 is missing: it needs 2 inputs, 1 given"
+        );
+        assert_eq!(
+            refused(with("Where", &["c", "", "y"]), 17),
+            "m.onnx: node 'n': input 1 is missing: it needs 3 inputs, 2 given"
+        );
+        assert_eq!(refused(with("Relu", &["x", "x"]), 17), "m.onnx: node 'n': 2 inputs given; it takes at most 1");
+        assert_eq!(
+            refused(with("Slice", &["x", "s"]), 13),
+            "m.onnx: node 'n': input 2 is missing: it needs 3 inputs, 2 given"
+        );
+        check_arity(&with("Slice", &["x"]), 9, "").expect("Slice's starts and ends are attributes before opset 10");
+        check_arity(&with("Clip", &["x", "", "max"]), 13, "").expect("Clip without min");
+        check_arity(&with("Concat", &["a", "b", "c", "d"]), 13, "").expect("variadic");
+        check_arity(&with("Attention", &[]), 13, "").expect("not an op of the default domain's schema here");
+        for op in SUPPORTED_ONNX_OPS {
+            assert!(crate::op::onnx_input_arity(op, 21).is_some(), "{op} has no input arity");
         }
     }
 

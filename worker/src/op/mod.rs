@@ -1322,6 +1322,61 @@ pub const SUPPORTED_ONNX_OPS: &[&str] = &[
     "Xor",
 ];
 
+/// The inputs an ONNX op of the default domain takes, as its schema says: how many must be
+/// given (at the front; later ones are optional, an empty name standing for one left out) and
+/// at most how many (None: variadic). At `opset`, for the ops whose inputs were attributes in
+/// early opsets. Kernels, inference and the gradient rules read the required inputs without
+/// looking: `graph::onnx_io` refuses a node that breaks this before anything reads it. None
+/// for an op type not in [`SUPPORTED_ONNX_OPS`].
+pub fn onnx_input_arity(op_type: &str, opset: i64) -> Option<(usize, Option<usize>)> {
+    let from = |early: usize, since: i64, later: usize| if opset >= since { later } else { early };
+    Some(match op_type {
+        "Constant" | "SequenceEmpty" => (0, Some(0)),
+        "Concat" | "Einsum" | "Max" | "Mean" | "Min" | "SequenceConstruct" | "Sum" => (1, None),
+        "ArgMax" | "ArgMin" | "AveragePool" | "Cast" | "ConcatFromSequence" | "ConstantOfShape" | "Flatten"
+        | "GlobalAveragePool" | "Identity" | "LogSoftmax" | "MaxPool" | "SequenceLength" | "Shape" | "Size"
+        | "Softmax" | "Transpose" => (1, Some(1)),
+        "ReduceL1" | "ReduceL2" | "ReduceLogSum" | "ReduceLogSumExp" | "ReduceMax" | "ReduceMean" | "ReduceMin"
+        | "ReduceProd" | "ReduceSum" | "ReduceSumSquare" | "Squeeze" | "Split" | "SplitToSequence" | "Trilu" => {
+            (1, Some(2))
+        }
+        "Unsqueeze" => (1, Some(from(1, 13, 2))),
+        "TopK" => (from(1, 10, 2), Some(from(1, 10, 2))),
+        "Upsample" => (from(1, 9, 2), Some(from(1, 9, 2))),
+        "Clip" | "Dropout" => (1, Some(3)),
+        "Pad" => (1, Some(4)),
+        "Resize" => (1, Some(4)),
+        "Slice" => (from(1, 10, 3), Some(from(1, 10, 5))),
+        "Reshape" => (from(1, 5, 2), Some(from(1, 5, 2))),
+        "Add" | "And" | "BitShift" | "CastLike" | "CumSum" | "Div" | "Equal" | "Expand" | "Gather"
+        | "GatherElements" | "GatherND" | "Greater" | "GreaterOrEqual" | "Less" | "LessOrEqual" | "MatMul" | "Mod"
+        | "Mul" | "Or" | "PRelu" | "Pow" | "SequenceAt" | "Sub" | "Tile" | "Xor" => (2, Some(2)),
+        "SequenceErase" => (1, Some(2)),
+        "SequenceInsert" => (2, Some(3)),
+        "RMSNormalization" => (2, Some(2)),
+        "Conv"
+        | "ConvTranspose"
+        | "Gemm"
+        | "LayerNormalization"
+        | "NegativeLogLikelihoodLoss"
+        | "SoftmaxCrossEntropyLoss" => (2, Some(3)),
+        "GroupNormalization"
+        | "InstanceNormalization"
+        | "OneHot"
+        | "Range"
+        | "Scatter"
+        | "ScatterElements"
+        | "ScatterND"
+        | "Where" => (3, Some(3)),
+        "BatchNormalization" => (5, Some(5)),
+        "GRU" | "RNN" => (3, Some(6)),
+        "LSTM" => (3, Some(8)),
+        // One input, the rest attributes: the element-wise functions.
+        op if SUPPORTED_ONNX_OPS.contains(&op) => (1, Some(1)),
+        _ => return None,
+    })
+}
+
 fn window(a: &Attrs, spatial_from_kernel: bool) -> Result<Window> {
     let kernel = a.ints("kernel_shape")?.unwrap_or_default();
     if spatial_from_kernel && kernel.is_empty() {
