@@ -154,17 +154,16 @@ tests_and_e2e_builds() {
 
 stage "deps (.ci/deps.sh)" bash .ci/deps.sh
 stage "rustfmt" "$CARGO" fmt --all -- --check
-# Every target of the workspace, and the e2e crate's tests (its stage runs them; its load bench
-# is make bench-load's): one build for every later stage. The control plane's Go builds (the
-# operator's tests and helm need them) run beside it: on two cores each leaves the other's
-# single-threaded stretches (rustc's front end of a crate, Go's links) a core to fill.
+# Every target of the workspace, the e2e crate's tests (its stage runs them) and load bench
+# (make bench-load's) among them, in one cargo command, so that the e2e crate compiles beside
+# the worker's test binaries instead of after them: one build for every later stage. The
+# control plane's Go builds (the operator's tests and helm need them) run beside it: on two
+# cores each leaves the other's single-threaded stretches (rustc's front end of a crate, Go's
+# links) a core to fill.
 build_every_target() {
-    local e2e_tests=(e2e/scenarios/tests/*.rs) status=0
-    e2e_tests=("${e2e_tests[@]##*/}")
-    e2e_tests=("${e2e_tests[@]%.rs}")
+    local status=0
     start_beside target/control-plane-build.log bash e2e/control-plane/build.sh
-    { "$CARGO" test --workspace --release --exclude tensorfleet-e2e --all-targets --no-run &&
-        "$CARGO" test --workspace --release --no-run "${e2e_tests[@]/#/--test=}"; } || status=$?
+    "$CARGO" test --workspace --release --all-targets --no-run || status=$?
     if await_beside "the control plane's Go builds"; then
         grep '^\[build.sh' "$beside_log" || true
     else

@@ -67,20 +67,23 @@ fn nvrtc_compiles_the_kernels() {
     require_nvrtc();
     // Hopper (the H100's 9.0) and Ampere (8.0): the kernels use nothing newer than sm_80; and
     // Turing (7.5), where the tensor-core instructions give way (the attention runs on the
-    // warp kernels there).
-    for (major, minor) in [(9, 0), (8, 0), (7, 5)] {
-        // Compiled here, whatever the kernel cache holds.
-        let ptx = compile::compile_in(None, major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
-        let text = ptx.to_src();
-        for name in compile::kernel_names() {
-            assert!(
-                text.contains(&format!(".entry {name}(")),
-                "the PTX for compute_{major}{minor} lacks kernel {name}"
-            );
+    // warp kernels there). The three at once: each compile is one thread's work for a while.
+    std::thread::scope(|scope| {
+        for (major, minor) in [(9, 0), (8, 0), (7, 5)] {
+            scope.spawn(move || compiles_for(major, minor));
         }
-        if let Ok(ptxas) = std::env::var("TENSORFLEET_PTXAS") {
-            assemble(&ptxas, &text, major, minor);
-        }
+    });
+}
+
+fn compiles_for(major: i32, minor: i32) {
+    // Compiled here, whatever the kernel cache holds.
+    let ptx = compile::compile_in(None, major, minor).unwrap_or_else(|e| panic!("compute_{major}{minor}: {e}"));
+    let text = ptx.to_src();
+    for name in compile::kernel_names() {
+        assert!(text.contains(&format!(".entry {name}(")), "the PTX for compute_{major}{minor} lacks kernel {name}");
+    }
+    if let Ok(ptxas) = std::env::var("TENSORFLEET_PTXAS") {
+        assemble(&ptxas, &text, major, minor);
     }
 }
 
