@@ -9,7 +9,7 @@ use crate::error::BackendError;
 use crate::op::{PoolKind, Window};
 use crate::refused;
 use crate::tensor::{DType, TensorView, TensorViewMut};
-use gemm::Parallelism;
+use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 /// Geometry of a 2-D window op, with 1-D lifted to 2-D. The CUDA backend's window kernels

@@ -1,5 +1,6 @@
-//! Matrix products on the `gemm` crate (blocked, SIMD, multithreaded): MatMul with numpy batch
-//! broadcasting, Gemm, and the fused MatMul + bias (+ GELU) the fusion pass emits.
+//! Matrix products on `gemm-f32`, the `gemm` crate's f32 kernels (blocked, SIMD,
+//! multithreaded): MatMul with numpy batch broadcasting, Gemm, and the fused MatMul + bias
+//! (+ GELU) the fusion pass emits.
 
 use super::elementwise::gelu_tanh;
 use super::KResult;
@@ -8,7 +9,7 @@ use crate::op::Unary;
 use crate::refused;
 use crate::tensor::cast::cast_into;
 use crate::tensor::{strides, DType, Tensor, TensorView, TensorViewMut};
-use gemm::Parallelism;
+use gemm_common::Parallelism;
 use rayon::prelude::*;
 
 /// A strided matrix operand: element offset, row stride, column stride.
@@ -39,7 +40,7 @@ pub unsafe fn sgemm(
     scale: f32,
     par: Parallelism,
 ) {
-    gemm::gemm(
+    gemm_f32::gemm::f32::get_gemm_fn()(
         m,
         n,
         k,
