@@ -747,7 +747,7 @@ pub fn infer_node(
             let win = resolve_window(&win, &x.shape[2..]);
             same_dtype(&[0, 1, 2])?;
             has_len(2, w.shape[0], "the bias")?;
-            if x.shape[1] != w.shape[1] * group || w.shape[0] % group != 0 {
+            if w.shape[1].checked_mul(*group) != Some(x.shape[1]) || w.shape[0] % group != 0 {
                 return Err(err(
                     node,
                     format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape),
@@ -976,7 +976,9 @@ fn conv_transpose(op: &Op, x: &Meta, w: &Meta) -> std::result::Result<(Op, Meta)
             win.pads = vec![0; 2 * n];
         }
     }
-    let mut padding: Vec<i64> = output_padding.iter().map(|&p| p as i64).collect();
+    // In i128: attributes near i64's limits make sizes no machine addresses, refused below
+    // rather than wrapped.
+    let mut padding: Vec<i128> = output_padding.iter().map(|&p| p as i128).collect();
     padding.resize(n, 0);
     let fits = win.kernel == w.shape[2..] && win.strides.len() == n && win.dilations.len() == n;
     if !fits
@@ -992,13 +994,14 @@ fn conv_transpose(op: &Op, x: &Meta, w: &Meta) -> std::result::Result<(Op, Meta)
     if w.shape[0] != x.shape[1] || !x.shape[1].is_multiple_of(*group) {
         return Err(format!("channels of X {:?} and W {:?} do not match group {group}", x.shape, w.shape));
     }
-    let mut pads: Vec<i64> = win.pads.iter().map(|&p| p as i64).collect();
-    let mut shape = vec![x.shape[0], w.shape[1] * group];
+    let mut pads: Vec<i128> = win.pads.iter().map(|&p| p as i128).collect();
+    let channels = w.shape[1].checked_mul(*group).ok_or("the output's channels overflow")?;
+    let mut shape = vec![x.shape[0], channels];
     for i in 0..n {
-        let (stride, size) = (win.strides[i] as i64, x.shape[2 + i] as i64);
-        let span = stride * (size - 1) + (win.kernel[i] as i64 - 1) * win.dilations[i] as i64 + 1;
+        let (stride, size) = (win.strides[i] as i128, x.shape[2 + i] as i128);
+        let span = stride * (size - 1) + (win.kernel[i] as i128 - 1) * win.dilations[i] as i128 + 1;
         let target = match (output_shape, win.auto_pad.as_str()) {
-            (Some(shape), _) => Some(shape[i] as i64),
+            (Some(shape), _) => Some(shape[i] as i128),
             (None, "SAME_UPPER" | "SAME_LOWER") => Some(size * stride),
             (None, "VALID") => Some(span + padding[i]),
             _ => None,
@@ -1019,14 +1022,17 @@ fn conv_transpose(op: &Op, x: &Meta, w: &Meta) -> std::result::Result<(Op, Meta)
             pads[i + n] = 0;
         }
         let out = span + padding[i] - pads[i] - pads[i + n];
-        if out <= 0 {
-            return Err(format!("the output's axis {} would have {out} elements", i + 2));
+        match usize::try_from(out) {
+            Ok(out) if out > 0 && out <= isize::MAX as usize => shape.push(out),
+            _ => return Err(format!("the output's axis {} would have {out} elements", i + 2)),
         }
-        shape.push(out as usize);
     }
-    win.pads = pads.iter().map(|&p| p as usize).collect();
+    let to_usize = |v: &[i128], what: &str| -> std::result::Result<Vec<usize>, String> {
+        v.iter().map(|&p| usize::try_from(p).map_err(|_| format!("{what} {p} is out of range"))).collect()
+    };
+    win.pads = to_usize(&pads, "a pad")?;
     win.auto_pad = "NOTSET".into();
-    let output_padding = padding.iter().map(|&p| p as usize).collect();
+    let output_padding = to_usize(&padding, "an output padding")?;
     let op = Op::ConvTranspose { window: win, group: *group, output_padding, output_shape: None };
     Ok((op, Meta::new(x.dtype, &shape)))
 }
@@ -1416,7 +1422,7 @@ fn expand_norm(
             if c % groups != 0 {
                 return Err(err(node, format!("{c} channels do not split into {groups} groups")));
             }
-            let rest = x.numel() / (x.shape[0] * groups).max(1);
+            let rest = x.numel() / x.shape[0].saturating_mul(groups).max(1);
             let per_group = (scale.numel() == groups && groups != c).then(|| vec![groups, 1]);
             (vec![x.shape[0], groups, rest], vec![2], per_group)
         }
