@@ -99,7 +99,8 @@ e2e-cluster: deps
 
 # A fuzzing campaign (worker/tests/fuzz.rs) over every reader of inputs (token and sample
 # shards, checkpoint manifests, safetensors, ONNX models, configurations, and prepare-data's
-# JSON Lines, Parquet, tokenizer.json and images): FUZZ_SECONDS per
+# JSON Lines, Parquet, tokenizer.json and images) and the training graph's build from
+# structurally mutated exports (transformers and a CNN): FUZZ_SECONDS per
 # target from a fresh seed, inputs that fail saved under target/fuzz-overflow/fuzz/. Built
 # with integer overflow checks (in its own target directory, the release profile otherwise),
 # so that arithmetic a hostile size wraps around panics instead of passing. `make test` runs

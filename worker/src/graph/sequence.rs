@@ -78,7 +78,8 @@ pub fn resolve(
                         && g.values[input(1).expect("given")].meta.as_ref().is_some_and(|m| m.shape.is_empty()) =>
                 {
                     let c = s[0].max(1);
-                    (0..(n + c - 1) / c).map(|i| c.min(n - i * c)).collect()
+                    let parts = (n as u64).div_ceil(c as u64) as i64;
+                    (0..parts).map(|i| c.min(n - i * c)).collect()
                 }
                 Some(s) => s.clone(),
                 None => vec![1; n as usize],
