@@ -116,11 +116,14 @@ fn onnx(dir: &Path, input: &[u8]) {
 /// `data` (a file of tests/data/), differentiated, fused and given its updates
 /// (`TrainingGraph::build`, which needs no backend).
 fn training_graph(dir: &Path, input: &[u8], data: &str) {
-    std::fs::write(dir.join("model.onnx"), input).unwrap();
-    let spec = torch_oracle::spec(dir, "model.onnx", Some(-100), Default::default());
-    if let Ok(model) = models::load(&spec, 0) {
-        let _ = TrainingGraph::build(&model, &first_batch(data), 1, &adamw());
-    }
+    let _ = build_training_graph(dir, input, data);
+}
+
+/// The model in `bytes` loaded and built into a training graph for `data`'s first batch.
+fn build_training_graph(dir: &Path, bytes: &[u8], data: &str) -> tensorfleet_worker::error::Result<()> {
+    std::fs::write(dir.join("model.onnx"), bytes).unwrap();
+    let model = models::load(&torch_oracle::spec(dir, "model.onnx", Some(-100), Default::default()), 0)?;
+    TrainingGraph::build(&model, &first_batch(data), 1, &adamw()).map(drop)
 }
 
 /// Hugging Face's GPT-2 and Llama as both PyTorch exporters write them.
@@ -139,13 +142,13 @@ fn adamw() -> SessionOptions {
 
 /// The first batch of a sample shard of tests/data/ (of the size its export.py fixed, which
 /// expected.json beside it gives), read once.
-fn first_batch(data: &str) -> Batch {
-    static BATCHES: OnceLock<std::sync::Mutex<BTreeMap<String, Batch>>> = OnceLock::new();
+fn first_batch(data: &str) -> std::sync::Arc<Batch> {
+    static BATCHES: OnceLock<std::sync::Mutex<BTreeMap<String, std::sync::Arc<Batch>>>> = OnceLock::new();
     let mut batches = BATCHES.get_or_init(Default::default).lock().unwrap();
     let batch = batches.entry(data.to_string()).or_insert_with(|| {
         let path = PathBuf::from(fixture(data));
         let batch = torch_oracle::expected(path.parent().unwrap())["batch"].as_u64().unwrap() as usize;
-        torch_oracle::batches(&path, batch, 1).remove(0)
+        std::sync::Arc::new(torch_oracle::batches(&path, batch, 1).remove(0))
     });
     batch.clone()
 }
@@ -536,10 +539,7 @@ fn fuzz_training_graph(target: &str, read: Reader, data: &str, files: &[&str]) {
     let seeds: Vec<Vec<u8>> = files.iter().map(|f| read_fixture(f)).collect();
     let dir = common::scratch(&format!("fuzz-{target}-seeds"));
     for (file, seed) in files.iter().zip(&seeds) {
-        std::fs::write(dir.join("model.onnx"), seed).unwrap();
-        let model = models::load(&torch_oracle::spec(&dir, "model.onnx", Some(-100), Default::default()), 0)
-            .unwrap_or_else(|e| panic!("seed {file}: {e}"));
-        TrainingGraph::build(&model, &first_batch(data), 1, &adamw()).unwrap_or_else(|e| panic!("seed {file}: {e}"));
+        build_training_graph(&dir, seed, data).unwrap_or_else(|e| panic!("seed {file}: {e}"));
     }
     fuzz_rounds(target, read, &seeds.iter().map(Vec::as_slice).collect::<Vec<_>>(), GRAPH_ROUNDS, mutate_model);
 }
