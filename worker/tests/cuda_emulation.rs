@@ -703,13 +703,13 @@ fn epilogues_applied_after_a_plain_product_match_the_cpu_backend() {
     assert!(declined > 0, "no epilogue ran as a kernel");
 }
 
-/// Adasum's kernels (`Backend::adasum`) against `parallel::adasum::combine_pair`: tensors of
+/// Adasum's kernels (`Backend::adasum`) against `kernels::adasum::combine_pair`: tensors of
 /// several 32 Ki-element pieces and a remainder, an empty one, all at offsets in one buffer per
 /// side; the lower and the higher partner end with the same bits.
 #[test]
 fn adasum_kernels_match_the_cpu_combination_on_the_emulated_kernels() {
     use tensorfleet_worker::backend::Arg;
-    use tensorfleet_worker::parallel::adasum::combine_pair;
+    use tensorfleet_worker::kernels::adasum::combine_pair;
     let gpu = EmulatedGpu::new();
     let sizes = [2 * 32768 + 1234, 0, 77, 40000];
     let metas: Vec<Meta> = sizes.iter().map(|&n| Meta::new(DType::F32, &[n])).collect();

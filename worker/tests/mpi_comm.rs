@@ -405,7 +405,7 @@ fn adasum_gives_every_rank_the_pairwise_tree() {
         for r in (0..np).step_by(2 * d) {
             let higher = all[r + d].clone();
             for (a, b) in all[r].iter_mut().zip(&higher) {
-                adasum::combine(a, b);
+                tensorfleet_worker::kernels::adasum::combine(a, b);
             }
         }
         d *= 2;

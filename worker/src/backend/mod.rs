@@ -62,8 +62,8 @@ pub fn write_f32<B: Backend>(backend: &B, x: Arg<B::Buffer>, src: &[f32]) -> cra
     Ok(())
 }
 
-pub trait Backend: Send + Sync {
-    type Buffer: Send + Sync;
+pub trait Backend: Send + Sync + 'static {
+    type Buffer: Send + Sync + 'static;
 
     fn name(&self) -> String;
 
@@ -107,7 +107,7 @@ pub trait Backend: Send + Sync {
         slots: &[Slot<Self::Buffer>],
     ) -> Result<(), BackendError>;
 
-    /// Adasum of each pair of f32 values (`parallel::adasum::combine_pair`): `mine[i]` becomes
+    /// Adasum of each pair of f32 values (`kernels::adasum::combine_pair`): `mine[i]` becomes
     /// adasum(lower rank's, higher rank's) of it and `theirs[i]`, the partner's (which may be
     /// overwritten), the same floats on both ranks of the pair. A device does it without waiting.
     fn adasum(

@@ -1,6 +1,7 @@
 //! Running a bound graph on a backend: the plan ([`plan`]) and the executor that owns the
 //! device memory it describes.
 
+pub mod optimizer;
 pub mod plan;
 
 use crate::backend::{Arg, Backend, Group};

@@ -7,6 +7,7 @@
 //! planner already checked; what they return as `Err` are data-dependent faults (an index out of
 //! range, say), phrased for the node that ran them.
 
+pub mod adasum;
 pub mod attention;
 pub mod conv;
 pub mod elementwise;

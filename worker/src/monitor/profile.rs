@@ -48,7 +48,7 @@ impl Trace {
 
     /// The data-parallel all-reduces of `step`, on their own track: where they overlap the
     /// backward pass's ops.
-    pub fn comm(&mut self, step: u64, spans: &[crate::session::CommSpan]) {
+    pub fn comm(&mut self, step: u64, spans: &[crate::parallel::CommSpan]) {
         for s in spans {
             let ts = self.micros(s.start);
             self.events.push(json!({

@@ -4,10 +4,10 @@
 //! micro-batches of gradient accumulation; `evaluate` runs the forward graph with dropout off.
 //!
 //! Under parallelism a session is one rank's share of the training (DESIGN.md, "Parallelism"):
-//! - data parallel: gradients averaged over the replicas before the update (`join`), in
-//!   buckets all-reduced while the backward pass still runs (`overlap`);
-//! - ZeRO (`sharded`): gradients reduce-scattered, each replica updating its shard of the
-//!   weights with its shard of the optimizer state, the updated weights all-gathered;
+//! - data parallel and ZeRO: `join` chooses the rank's `parallel::GradientSync` once (the
+//!   replicas' gradients averaged after the backward pass or in buckets during it, combined by
+//!   Adasum, or reduce-scattered so that each replica updates its shard of the weights with
+//!   its shard of the optimizer state), and `step` calls it without asking which;
 //! - pipeline (`stage`): the session trains one stage of the model, exchanging activations and
 //!   their gradients with its neighbours in the order of a schedule;
 //! - tensor parallel (`parallel::tensor`): the bound forward graph is sharded Megatron-style
@@ -16,27 +16,26 @@
 //!   gets the same gradient on every tensor-parallel rank and counts once, on rank 0.
 
 pub mod buffers;
-mod overlap;
-mod sharded;
 mod stage;
 mod training_graph;
 
-pub use overlap::CommSpan;
 pub use training_graph::{trained_weights, TrainedWeight, TrainingGraph};
 
-use crate::backend::{Arg, Backend, Group, Slot};
+use crate::backend::{Arg, Backend, Group};
 use crate::checkpoint::keys::{self, LOSS_SCALE_KEY, STEP_KEY};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
 use crate::config::{ParamGroup, PipelineSchedule, Recompute};
 use crate::error::{Error, Result};
+use crate::exec::optimizer::{OptimizerState, Param, StepValues};
 use crate::exec::Executor;
 use crate::graph::fuse;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::scaler::LossScaler;
-use crate::optim::{StepHyper, Update};
+use crate::optim::Update;
 use crate::parallel::tensor::TensorSplit;
+use crate::parallel::{CommSpan, GradientSync, Replicas, SyncOptions};
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
@@ -133,25 +132,6 @@ impl SessionOptions {
     }
 }
 
-/// A trainable weight and its device-side companions.
-struct Param<B: Backend> {
-    value: ValueId,
-    grad: ValueId,
-    update: Update,
-    /// Multiplies the scheduled learning rate (optimizer.groups[].lrScale).
-    lr_scale: f64,
-    /// Optimizer state (momentum, or Adam's moments).
-    state: Vec<B::Buffer>,
-    /// The sum of micro-batch gradients, when accumulating.
-    accum: Option<B::Buffer>,
-    /// This stage is the first that holds the weight (it sends it for export).
-    first_stage: bool,
-    /// This rank counts the weight in the gradient norm and writes it to checkpoints: its first
-    /// stage does, on tensor-parallel rank 0 unless the weight is split (then every rank writes
-    /// its slice).
-    owner: bool,
-}
-
 pub struct StepResult {
     /// Mean loss over the micro-batches, before the update.
     pub loss: f64,
@@ -175,7 +155,8 @@ pub struct Session<B: Backend> {
     forward: Graph,
     variables: HashSet<ValueId>,
     disabled_passes: Vec<String>,
-    params: Vec<Param<B>>,
+    /// The trained weights with their gradients and optimizer state.
+    optimizer: OptimizerState<B>,
     /// BatchNormalization's running statistics, updated after every training forward pass.
     running: Vec<buffers::RunningStatistic>,
     loss: ValueId,
@@ -192,22 +173,15 @@ pub struct Session<B: Backend> {
     pipeline: Option<Group<B>>,
     /// This rank's stage, when the model is cut into stages.
     stage: Option<stage::StagePart>,
-    zero_stage: u8,
-    bucket_bytes: usize,
-    adasum: bool,
-    /// Under Adasum with device collectives, where the partner's gradients arrive (one buffer
-    /// per weight, allocated on the first step).
-    adasum_theirs: Vec<B::Buffer>,
+    /// What `join` chooses the gradient sync by, and whether collectives run on the device.
+    sync_options: SyncOptions,
     device_collectives: bool,
-    /// ZeRO's shard of the training state (after `join`, when ZeRO is on).
-    zero: Option<sharded::Shard<B>>,
-    /// The gradient all-reduce overlapping the backward pass (plain data parallelism).
-    overlap: Option<overlap::Overlap>,
+    /// How the replicas' gradients become the update: chosen by `join` (None before it).
+    sync: Option<Box<dyn GradientSync<B>>>,
     /// A pipeline stage's messages, per micro-batch (allocated on the first step).
     messages: Vec<stage::Messages<B>>,
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
-    report_gradients: bool,
     /// Mixed precision's half type (evaluation graphs are cast alike).
     half: Option<DType>,
     /// fp16's loss scale, and the training graph's input that takes it.
@@ -233,28 +207,6 @@ pub struct Session<B: Backend> {
 fn whole_buffers(opts: &SessionOptions, update: &Update, accumulation: usize) -> (usize, bool) {
     let state = if opts.zero > 0 { 0 } else { update.state_count() };
     (state, accumulation > 1 && opts.zero < 2)
-}
-
-/// Update `step` of every slot, by parameter group: the weights that share an update rule and
-/// a learning-rate scale go to the backend together (one launch on a GPU).
-fn update_in_groups<'a, B: Backend + 'a>(
-    backend: &B,
-    (lr, step, grad_scale): (f64, u64, f64),
-    slots: impl IntoIterator<Item = (&'a Param<B>, Slot<'a, B::Buffer>)>,
-) -> Result<()> {
-    // Each group with its first weight, which says the group's update and scale.
-    let mut groups: Vec<(&Param<B>, Vec<_>)> = Vec::new();
-    for (p, slot) in slots {
-        match groups.iter_mut().find(|(first, _)| first.update == p.update && first.lr_scale == p.lr_scale) {
-            Some((_, group)) => group.push(slot),
-            None => groups.push((p, vec![slot])),
-        }
-    }
-    for (first, group) in &groups {
-        let hyper = StepHyper { lr: (lr * first.lr_scale) as f32, step, grad_scale: grad_scale as f32 };
-        backend.optimizer_step(&first.update, hyper, group)?;
-    }
-    Ok(())
 }
 
 /// The passes over a forward graph (training's or evaluation's) before it is differentiated or
@@ -354,7 +306,7 @@ impl<B: Backend> Session<B> {
             forward: t.forward,
             variables: t.variables,
             disabled_passes: opts.disabled_passes.clone(),
-            params,
+            optimizer: OptimizerState { params },
             running: t.running,
             loss: t.loss,
             eval_loss: model.loss,
@@ -364,16 +316,16 @@ impl<B: Backend> Session<B> {
             data_parallel: None,
             pipeline: None,
             stage,
-            zero_stage: opts.zero,
-            bucket_bytes: opts.bucket_bytes,
+            sync_options: SyncOptions {
+                zero: opts.zero,
+                adasum: opts.adasum,
+                bucket_bytes: opts.bucket_bytes,
+                report_gradients: opts.report_gradients,
+            },
             device_collectives: opts.device_collectives,
-            adasum: opts.adasum,
-            adasum_theirs: Vec::new(),
-            zero: None,
-            overlap: None,
+            sync: None,
             messages: Vec::new(),
             all_weights: t.all_weights,
-            report_gradients: opts.report_gradients,
             tensor: opts.tensor,
             half: opts.half,
             scaler: opts.loss_scaler.clone(),
@@ -419,35 +371,13 @@ impl<B: Backend> Session<B> {
             )));
         }
         if data.size() > 1 {
-            let weights: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.train.arg(p.value)).collect();
+            let weights: Vec<Arg<B::Buffer>> = self.optimizer.params.iter().map(|p| self.train.arg(p.value)).collect();
             data.broadcast_values(&backend, &weights, 0)?;
         }
-        if self.adasum && !data.size().is_power_of_two() {
-            return Err(Error::Config(format!(
-                "parallelism.adasum: Adasum combines replicas in pairs, so parallelism.data must be a power of two, \
-                 not {}",
-                data.size()
-            )));
-        }
-        if self.zero_stage > 0 {
-            self.zero = Some(sharded::Shard::new(self, data.size(), data.rank())?);
-        } else if self.stage.is_none() && !self.adasum {
-            // (A pipeline stage's backward passes interleave with its neighbours'; its replicas
-            // all-reduce after the schedule.) Device collectives overlap on a communication
-            // stream, host ones on a thread with a duplicate of the group. The stream only where
-            // the data group's is the one communicator: NCCL can deadlock when two
-            // communicators' work runs at once on two streams (a tensor group's all-reduces
-            // beside the buckets), since nothing makes every rank launch them in one order.
-            let carrier = match data.on_device() {
-                true => (ranks == 1).then_some(None),
-                false => data.detach().map(Some),
-            };
-            if let Some(host) = carrier {
-                let o = overlap::Overlap::new(self, host, self.bucket_bytes)?;
-                tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");
-                self.overlap = Some(o);
-            }
-        }
+        let replicas = (data.size(), data.rank());
+        let group = (data.size() > 1).then_some(&data);
+        let r = Replicas { ex: &self.train, weights: &self.optimizer, group };
+        self.sync = Some(crate::parallel::choose(&self.sync_options, &r, replicas, self.stage.is_some(), ranks)?);
         self.data_parallel = (data.size() > 1).then_some(data);
         self.pipeline = if stages > 1 { Some(open(pipeline)?) } else { None };
         Ok(())
@@ -493,9 +423,20 @@ impl<B: Backend> Session<B> {
     /// After micro-batch `k` of `n`'s backward pass: adds its loss (where the graph computes
     /// the model's: `has_loss`) and scalars to the sums, and its gradients to the accumulated
     /// ones.
-    fn collect_micro_batch(&mut self, k: usize, n: usize, has_loss: bool, sums: &mut [f64]) -> Result<()> {
+    fn collect_micro_batch(
+        &mut self,
+        sync: &mut dyn GradientSync<B>,
+        (k, n): (usize, usize),
+        has_loss: bool,
+        sums: &mut [f64],
+    ) -> Result<()> {
         self.collect_losses(has_loss, sums)?;
-        self.accumulate(k, n)
+        sync.micro_batch_done(&self.replicas(), k, n)
+    }
+
+    /// What the gradient sync works on.
+    fn replicas(&self) -> Replicas<'_, B> {
+        Replicas { ex: &self.train, weights: &self.optimizer, group: self.data_parallel.as_ref() }
     }
 
     /// Adds the run's loss (where it computes the model's) and scalars to `sums`. An f32 loss is
@@ -530,31 +471,31 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    /// Adds micro-batch `k` of `n`'s gradients to the accumulated ones.
-    fn accumulate(&mut self, k: usize, n: usize) -> Result<()> {
-        if self.zero_stage == 2 {
-            // ZeRO-2 keeps no whole accumulated gradient: each micro-batch's is reduce-scattered
-            // at once and only this rank's shard accumulates (as DeepSpeed's stage 2 does).
-            return self.accumulate_gradient_shard(k, n);
-        }
-        if n > 1 {
-            // Σ over micro-batches of grad/n: the gradient of the mean loss.
-            for p in &self.params {
-                let g = self.train.arg(p.grad);
-                let acc = Arg { buf: p.accum.as_ref().expect("allocated when accumulating"), offset: 0, meta: g.meta };
-                let keep = if k == 0 { 0.0 } else { 1.0 };
-                self.train.backend.accumulate(acc, keep, g, 1.0 / n as f32)?;
-            }
-        }
-        Ok(())
-    }
-
     /// One weight update over `batches` (one per micro-batch). `lr` is this update's learning
     /// rate, `clip` the global grad-norm threshold (0 = off), `seed` varies dropout.
     pub fn step(&mut self, batches: &[BTreeMap<String, Tensor>], lr: f64, clip: f64, seed: u64) -> Result<StepResult> {
-        if self.zero_stage > 0 && self.zero.is_none() {
-            return Err(Error::Runtime("parallelism.zero: the session must join its data-parallel group first".into()));
-        }
+        let mut sync = match self.sync.take() {
+            Some(sync) => sync,
+            None if self.sync_options.zero > 0 => {
+                return Err(Error::Runtime(
+                    "parallelism.zero: the session must join its data-parallel group first".into(),
+                ))
+            }
+            // A session that joined no group trains on its own gradients.
+            None => Box::new(crate::parallel::data::Replicated::average()),
+        };
+        let result = self.step_with(&mut *sync, batches, (lr, clip), seed);
+        self.sync = Some(sync);
+        result
+    }
+
+    fn step_with(
+        &mut self,
+        sync: &mut dyn GradientSync<B>,
+        batches: &[BTreeMap<String, Tensor>],
+        (lr, clip): (f64, f64),
+        seed: u64,
+    ) -> Result<StepResult> {
         let n = batches.len();
         if let (Some(v), Some(scaler)) = (self.loss_scale_input, &self.scaler) {
             self.train.feed(v, &Tensor::from_vec(&[], vec![scaler.scale as f32]))?;
@@ -562,51 +503,30 @@ impl<B: Backend> Session<B> {
         // The loss, then each reported scalar, summed over the micro-batches.
         let mut sums = vec![0.0; 1 + self.scalars.len()];
         if self.stage.is_some() {
-            self.run_pipeline(batches, seed, &mut sums)?;
+            self.run_pipeline(sync, batches, seed, &mut sums)?;
         } else {
             for (k, batch) in batches.iter().enumerate() {
                 Self::feed(&self.train, &self.inputs, batch)?;
                 let seed = crate::rng::mix(seed ^ k as u64);
-                match (self.overlap.as_mut(), self.data_parallel.as_ref()) {
-                    (Some(overlap), Some(group)) if k + 1 == n => {
-                        // The last micro-batch: each bucket's all-reduce starts as soon as the
-                        // backward pass has finished its gradients.
-                        let scale = (n > 1).then_some(1.0 / n as f32);
-                        let params = &self.params;
-                        self.train.run_observed(seed, |_| true, &mut |ex, node| {
-                            overlap.node_done(ex, params, group, node, scale)
-                        })?;
-                        overlap.finish(&self.train, &self.params, group)?;
-                        self.update_running_statistics()?;
-                        self.collect_losses(true, &mut sums)?;
-                    }
-                    _ => {
-                        self.train.run(seed)?;
-                        self.update_running_statistics()?;
-                        self.collect_micro_batch(k, n, true, &mut sums)?;
-                    }
+                let weights = (&self.optimizer, self.data_parallel.as_ref());
+                if k + 1 == n && sync.run_last_overlapped(&mut self.train, weights, seed, n)? {
+                    self.update_running_statistics()?;
+                    self.collect_losses(true, &mut sums)?;
+                } else {
+                    self.train.run(seed)?;
+                    self.update_running_statistics()?;
+                    self.collect_micro_batch(sync, (k, n), true, &mut sums)?;
                 }
             }
         }
         // A weight held by several stages (a tied embedding) gets the sum of their gradients.
         self.sum_shared_gradients()?;
-        // Data parallelism: every replica's gradient becomes the replicas' mean, the gradient
-        // of the loss over the global batch, so that the updates below agree everywhere.
-        match self.zero_stage {
-            0 if self.overlap.is_some() && self.stage.is_none() => {} // reduced during backward
-            0 if self.adasum => self.adasum_gradients()?,
-            0 => {
-                if let Some(group) = &self.data_parallel {
-                    let grads: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.grad_of(p)).collect();
-                    group.all_reduce_values(&self.train.backend, &grads, ReduceOp::Average)?;
-                }
-            }
-            1 => self.reduce_scatter_gradients()?,
-            _ => {} // ZeRO-2 reduced each micro-batch already
-        }
+        // Data parallelism: every replica's gradient becomes the replicas' combination, the
+        // gradient of the loss over the global batch, so that the updates below agree.
+        sync.reduce(&self.replicas())?;
         // This rank's share of the global gradient norm, then the loss summed on the device:
         // the step's one wait for a device, which has done all of the step's work by then.
-        let mut sq = [self.local_sum_squares()?];
+        let mut sq = [sync.sum_squares(&self.replicas())?];
         self.read_loss_sum(&mut sums)?;
         // Per-stage values: the scalars this stage computed, the loss on the last stage.
         let mut means: Vec<f64> = sums.iter().map(|s| s / n as f64).collect();
@@ -632,16 +552,7 @@ impl<B: Backend> Session<B> {
         let clip_scale = if clip > 0.0 { (clip / (grad_norm + 1e-6)).min(1.0) } else { 1.0 };
         let grad_scale = clip_scale / loss_scale.unwrap_or(1.0);
         self.step += 1;
-        if self.zero.is_some() {
-            self.update_shard(lr, grad_scale)?;
-        } else {
-            let slots = self.params.iter().map(|p| {
-                let meta: &Meta = self.train.graph.meta(p.value).expect("bound");
-                let state = p.state.iter().map(|buf| Arg { buf, offset: 0, meta }).collect();
-                (p, Slot { param: self.train.arg(p.value), grad: self.grad_of(p), state })
-            });
-            update_in_groups(&*self.train.backend, (lr, self.step, grad_scale), slots)?;
-        }
+        sync.update(&self.replicas(), StepValues { lr, step: self.step, grad_scale })?;
         Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
     }
 
@@ -664,66 +575,13 @@ impl<B: Backend> Session<B> {
             .collect()
     }
 
-    /// Replaces every gradient with the Adasum of the replicas' (see `parallel::adasum`): with
-    /// device collectives, exchanged by them and combined by the backend, without a wait;
-    /// otherwise in host memory over MPI.
-    fn adasum_gradients(&mut self) -> Result<()> {
-        let Some(group) = &self.data_parallel else { return Ok(()) };
-        let backend = &*self.train.backend;
-        if group.on_device() {
-            if self.adasum_theirs.is_empty() {
-                let bytes = |p: &Param<B>| overlap::gradient(&self.train, p).meta.bytes();
-                let buffers = self.params.iter().map(|p| Ok(backend.alloc(bytes(p))?));
-                self.adasum_theirs = buffers.collect::<Result<_>>()?;
-            }
-            let mine: Vec<Arg<B::Buffer>> = self.params.iter().map(|p| self.grad_of(p)).collect();
-            let theirs: Vec<Arg<B::Buffer>> =
-                self.adasum_theirs.iter().zip(&mine).map(|(buf, g)| Arg { buf, offset: 0, meta: g.meta }).collect();
-            return crate::parallel::adasum::recursive_doubling(
-                group.size(),
-                group.rank(),
-                |partner, mine_is_lower| {
-                    for (m, t) in mine.iter().zip(&theirs) {
-                        group.send_recv_values(backend, *m, partner, *t, partner)?;
-                    }
-                    Ok(backend.adasum(&mine, &theirs, mine_is_lower)?)
-                },
-            );
-        }
-        let mut grads: Vec<Vec<f32>> = Vec::with_capacity(self.params.len());
-        for p in &self.params {
-            let g = self.grad_of(p);
-            grads.push(crate::backend::read_f32(backend, g)?);
-        }
-        let mut views: Vec<&mut [f32]> = grads.iter_mut().map(|g| &mut g[..]).collect();
-        crate::parallel::adasum::all_reduce(&**group, &mut views)?;
-        for (p, g) in self.params.iter().zip(&grads) {
-            crate::backend::write_f32(backend, self.grad_of(p), g)?;
-        }
-        Ok(())
-    }
-
-    /// Σ g² over the gradients this rank counts: its weights (a shared one on its first stage
-    /// only), or under ZeRO its shard, summed over the data-parallel replicas.
-    fn local_sum_squares(&self) -> Result<f64> {
-        if let Some(z) = &self.zero {
-            let mut sq = [z.sum_squares(self)?];
-            if let Some(group) = &self.data_parallel {
-                group.all_reduce(&mut sq[..], ReduceOp::Sum)?;
-            }
-            return Ok(sq[0]);
-        }
-        let grads: Vec<Arg<B::Buffer>> = self.params.iter().filter(|p| p.owner).map(|p| self.grad_of(p)).collect();
-        Ok(self.train.backend.sum_squares(&grads)?)
-    }
-
     /// Sums the gradients of weights several stages hold over the pipeline group. Every stage
     /// takes part for every shared weight, in one order, a stage without it giving zeros.
     fn sum_shared_gradients(&self) -> Result<()> {
         let (Some(group), Some(part)) = (&self.pipeline, &self.stage) else { return Ok(()) };
         for (name, meta) in &part.shared {
-            match self.params.iter().find(|p| self.train.graph.name_of(p.value) == name) {
-                Some(p) => group.all_reduce_values(&self.train.backend, &[self.grad_of(p)], ReduceOp::Sum)?,
+            match self.optimizer.params.iter().find(|p| self.train.graph.name_of(p.value) == name) {
+                Some(p) => group.all_reduce_values(&self.train.backend, &[p.gradient(&self.train)], ReduceOp::Sum)?,
                 None => {
                     // Zeros of the weight's size, where this stage's collective expects them.
                     let zeros = self.train.backend.alloc(meta.bytes())?;
@@ -738,15 +596,10 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    /// Where a parameter's gradient for the update is: the accumulator, or the graph's output.
-    fn grad_of<'a>(&'a self, p: &'a Param<B>) -> Arg<'a, B::Buffer> {
-        overlap::gradient(&self.train, p)
-    }
-
     /// The gradient all-reduces of the last step, as they overlapped the backward pass (none
     /// without plain data parallelism).
     pub fn comm_spans(&self) -> &[CommSpan] {
-        self.overlap.as_ref().map_or(&[], |o| &o.spans)
+        self.sync.as_ref().map_or(&[], |s| s.comm_spans())
     }
 
     /// Mean loss of the forward graph (dropout off) over `batches`, with the current weights
@@ -772,7 +625,7 @@ impl<B: Backend> Session<B> {
             self.eval = Some((shapes, ex));
         }
         let eval = &mut self.eval.as_mut().expect("planned above").1;
-        for v in self.params.iter().map(|p| p.value).chain(self.running.iter().map(|r| r.value)) {
+        for v in self.optimizer.params.iter().map(|p| p.value).chain(self.running.iter().map(|r| r.value)) {
             let w = self.train.fetch(v)?;
             eval.feed(v, &w)?;
         }
@@ -806,12 +659,12 @@ impl<B: Backend> Session<B> {
     /// its own weights only; ZeRO keeps whole gradients only with `report_gradients`.
     pub fn weights_and_gradients(&self, select: impl Fn(&str) -> bool) -> Result<Vec<(String, Tensor, Tensor)>> {
         let mut out = Vec::new();
-        for (i, p) in self.params.iter().enumerate() {
+        for (i, p) in self.optimizer.params.iter().enumerate() {
             let name = self.train.graph.name_of(p.value);
             if select(name) {
-                let mut grad = match &self.zero {
-                    Some(z) => z.reported_gradient(i, self.train.graph.meta(p.value).expect("bound"))?,
-                    None => self.train.backend.download(self.grad_of(p))?,
+                let mut grad = match &self.sync {
+                    Some(sync) => sync.gradient(&self.replicas(), i)?,
+                    None => self.train.backend.download(p.gradient(&self.train))?,
                 };
                 if self.last_loss_scale != 1.0 {
                     let unscale = (1.0 / self.last_loss_scale) as f32;
@@ -830,7 +683,8 @@ impl<B: Backend> Session<B> {
 
     /// This rank's trainable weights by name (its stage's, under pipeline parallelism).
     pub fn weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.params
+        self.optimizer
+            .params
             .iter()
             .map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?)))
             .collect()
@@ -894,7 +748,7 @@ impl<B: Backend> Session<B> {
     pub fn state(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut out = BTreeMap::new();
         let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
-        for p in self.params.iter().filter(|p| p.owner && replica0) {
+        for p in self.optimizer.params.iter().filter(|p| p.owner && replica0) {
             let name = self.train.graph.name_of(p.value);
             out.insert(name.to_string(), self.train.fetch(p.value)?);
             let meta = self.train.graph.meta(p.value).expect("bound");
@@ -903,9 +757,10 @@ impl<B: Backend> Session<B> {
                 out.insert(keys::optimizer_key(name, k), t);
             }
         }
-        if let Some(z) = &self.zero {
-            for (key, t) in z.state_pieces(self)? {
-                out.insert(key, t);
+        if let Some(sync) = &self.sync {
+            for piece in sync.state_pieces(&self.replicas())? {
+                let name = self.train.graph.name_of(self.optimizer.params[piece.weight].value);
+                out.insert(keys::piece_key(&keys::optimizer_key(name, piece.k), piece.start), piece.value);
             }
         }
         if replica0 && self.tensor.is_none_or(|t| t.rank == 0) {
@@ -955,7 +810,7 @@ impl<B: Backend> Session<B> {
             None => state,
         };
         let missing = |what: &str| Error::Corrupt(format!("{origin}: '{what}' is missing"));
-        for p in &self.params {
+        for p in &self.optimizer.params {
             let name = self.train.graph.name_of(p.value).to_string();
             let meta = self.train.graph.meta(p.value).expect("bound").clone();
             let w = state.get(&name).ok_or_else(|| missing(&name))?;
@@ -979,9 +834,14 @@ impl<B: Backend> Session<B> {
             let t = state.get(name).ok_or_else(|| missing(name))?;
             self.train.feed(r.value, t).map_err(|e| Error::Corrupt(format!("{origin}: running statistic {e}")))?;
         }
-        if let Some(mut z) = self.zero.take() {
-            let loaded = z.load(self, state, origin);
-            self.zero = Some(z);
+        if let Some(mut sync) = self.sync.take() {
+            let params = &self.optimizer.params;
+            let whole = |i: usize, k| {
+                let p: &Param<B> = &params[i];
+                optimizer_state(state, self.train.graph.name_of(p.value), k, p.meta(&self.train), origin)
+            };
+            let loaded = sync.load_pieces(&self.replicas(), &whole);
+            self.sync = Some(sync);
             loaded?;
         }
         let step = state.get(STEP_KEY).and_then(|t| t.to_i64_vec()).and_then(|v| v.first().copied());

@@ -28,6 +28,7 @@ use crate::graph::ir::{Dim, Graph, InputDecl, Meta, ValueId};
 use crate::op::{Binary, Op, Reduce};
 use crate::parallel::pipeline;
 use crate::parallel::schedule::{self, Action};
+use crate::parallel::GradientSync;
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 
@@ -239,7 +240,7 @@ impl StagePart {
         group: &HostGroup,
     ) -> Result<Option<BTreeMap<String, Tensor>>> {
         if self.index > 0 {
-            for p in session.params.iter().filter(|p| p.first_stage) {
+            for p in session.optimizer.params.iter().filter(|p| p.first_stage) {
                 let w = session.train.fetch(p.value)?;
                 group.send(w.as_slice::<f32>(), 0)?;
             }
@@ -263,18 +264,20 @@ impl<B: Backend> Session<B> {
     /// gradients as the whole model's session would.
     pub(super) fn run_pipeline(
         &mut self,
+        sync: &mut dyn GradientSync<B>,
         batches: &[BTreeMap<String, Tensor>],
         seed: u64,
         sums: &mut [f64],
     ) -> Result<()> {
         let part = self.stage.take().expect("a pipeline session has a stage");
-        let result = self.run_schedule(&part, batches, seed, sums);
+        let result = self.run_schedule(sync, &part, batches, seed, sums);
         self.stage = Some(part);
         result
     }
 
     fn run_schedule(
         &mut self,
+        sync: &mut dyn GradientSync<B>,
         part: &StagePart,
         batches: &[BTreeMap<String, Tensor>],
         seed: u64,
@@ -285,18 +288,18 @@ impl<B: Backend> Session<B> {
         };
         // Each micro-batch's messages, allocated on the first step and kept.
         let mut messages = std::mem::take(&mut self.messages);
-        let result = self.run_actions(part, &group, &mut messages, batches, seed, sums);
+        let result = self.run_actions(sync, part, &group, &mut messages, (batches, seed), sums);
         (self.pipeline, self.messages) = (Some(group), messages);
         result
     }
 
     fn run_actions(
         &mut self,
+        sync: &mut dyn GradientSync<B>,
         part: &StagePart,
         group: &Group<B>,
         messages: &mut Vec<Messages<B>>,
-        batches: &[BTreeMap<String, Tensor>],
-        seed: u64,
+        (batches, seed): (&[BTreeMap<String, Tensor>], u64),
         sums: &mut [f64],
     ) -> Result<()> {
         let n = batches.len();
@@ -322,7 +325,7 @@ impl<B: Backend> Session<B> {
                     if part.is_last() {
                         // The loss is here: forward and backward in one run.
                         self.train.run(seed)?;
-                        self.collect_micro_batch(mb, n, part.is_last(), sums)?;
+                        self.collect_micro_batch(sync, (mb, n), part.is_last(), sums)?;
                         pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
                     } else {
                         let nodes = &part.forward_nodes;
@@ -340,7 +343,7 @@ impl<B: Backend> Session<B> {
                         unpack(&self.train, &part.receives, &m.acts)?;
                         unpack(&self.train, &part.send_grads, &m.grads_in)?;
                         self.train.run(crate::rng::mix(seed ^ mb as u64))?;
-                        self.collect_micro_batch(mb, n, part.is_last(), sums)?;
+                        self.collect_micro_batch(sync, (mb, n), part.is_last(), sums)?;
                         if part.index > 0 {
                             pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
                         }

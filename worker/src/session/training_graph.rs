@@ -4,7 +4,7 @@
 //! differentiated (with recomputation), fused, and each trained weight given its gradient and
 //! update rule. `Session::new` plans it on a backend and allocates what the weights need beside it.
 
-use super::{bindings_for, buffers, forward_passes, sharded, stage, whole_buffers, SessionOptions};
+use super::{bindings_for, buffers, forward_passes, stage, whole_buffers, SessionOptions};
 use crate::autodiff;
 use crate::error::{Error, Result};
 use crate::graph::fuse;
@@ -326,7 +326,7 @@ fn state_bytes(
     }
     let lens: Vec<usize> = held.iter().map(|&v| g.meta(v).map_or(0, Meta::numel)).collect();
     let counts: Vec<usize> = updates.iter().map(|(u, _)| u.state_count()).collect();
-    whole.saturating_add(sharded::largest_shard_bytes(&lens, &counts, opts.data_replicas))
+    whole.saturating_add(crate::parallel::zero::largest_shard_bytes(&lens, &counts, opts.data_replicas))
 }
 
 /// The backward pass starts from the loss with a gradient of 1, so the loss must be one float

@@ -123,7 +123,7 @@ impl Backend for CpuBackend {
     ) -> Result<(), BackendError> {
         for (m, t) in mine.iter().zip(theirs) {
             let (mut m, mut t) = (view_mut(m), view_mut(t));
-            crate::parallel::adasum::combine_pair(m.as_mut_slice::<f32>(), t.as_mut_slice::<f32>(), mine_is_lower);
+            crate::kernels::adasum::combine_pair(m.as_mut_slice::<f32>(), t.as_mut_slice::<f32>(), mine_is_lower);
         }
         Ok(())
     }

@@ -8,15 +8,15 @@
 //! accumulate: no communication until the update. Two carriers:
 //! - host values: the bucket is copied out and handed to a communication thread, which
 //!   all-reduces it on its own duplicate of the data-parallel communicator; after the run the
-//!   session waits for every bucket and copies the averages back;
+//!   sync waits for every bucket and copies the averages back;
 //! - a device with collectives of its own (NCCL): the bucket's all-reduce is enqueued on the
 //!   group's communication stream, after the kernels that computed it and beside the ones that
 //!   follow; after the run the compute stream joins it, and nothing waits on the host.
 
-use super::{Param, Session};
 use crate::backend::{Arg, Backend, Group};
 use crate::comm::{Collective, DetachedHostGroup, ReduceOp};
 use crate::error::{Error, Result};
+use crate::exec::optimizer::{OptimizerState, Param};
 use crate::exec::Executor;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -37,8 +37,8 @@ pub struct CommSpan {
 /// A bucket back from the communication thread: its index, the averaged gradients, the span.
 type Reply = (usize, Vec<f32>, Result<CommSpan>);
 
-pub(super) struct Overlap {
-    /// Each bucket's weights (indices into the session's params), in the order laid out.
+pub struct Overlap {
+    /// Each bucket's weights (indices into the optimizer state), in the order laid out.
     buckets: Vec<Vec<usize>>,
     /// For each node of the training graph, the buckets whose last gradient it computes.
     ready: Vec<Vec<usize>>,
@@ -90,31 +90,22 @@ impl Drop for HostThread {
     }
 }
 
-/// Where the update reads a weight's gradient: its accumulator, or the graph's output.
-pub(super) fn gradient<'a, B: Backend>(ex: &'a Executor<B>, p: &'a Param<B>) -> Arg<'a, B::Buffer> {
-    let g = ex.arg(p.grad);
-    match &p.accum {
-        Some(buf) => Arg { buf, offset: 0, meta: g.meta },
-        None => g,
-    }
-}
-
 impl Overlap {
-    /// Buckets of about `bucket_bytes` for `session`'s weights, all-reduced by a thread on
+    /// Buckets of about `bucket_bytes` for the weights of `weights`, all-reduced by a thread on
     /// `host` (a detached duplicate of the data-parallel group), or, without one, on the data
     /// group's device collectives.
     pub fn new<B: Backend>(
-        session: &Session<B>,
+        ex: &Executor<B>,
+        weights: &OptimizerState<B>,
         host: Option<DetachedHostGroup>,
         bucket_bytes: usize,
     ) -> Result<Overlap> {
-        let ex = &session.train;
         let producers = ex.graph.producers();
         let position: std::collections::HashMap<usize, usize> =
             ex.plan.steps.iter().enumerate().map(|(pos, &node)| (node, pos)).collect();
         let last = ex.plan.steps.len().saturating_sub(1);
         // (position of the step that finishes the gradient, its node, weight index)
-        let mut order: Vec<(usize, usize, usize)> = session
+        let mut order: Vec<(usize, usize, usize)> = weights
             .params
             .iter()
             .enumerate()
@@ -132,7 +123,7 @@ impl Overlap {
         let mut bytes = 0;
         let mut last_node = 0;
         for &(_, node, i) in &order {
-            let size = ex.graph.meta(session.params[i].value).expect("bound").bytes();
+            let size = ex.graph.meta(weights.params[i].value).expect("bound").bytes();
             if buckets.is_empty() || (bytes > 0 && bytes + size > bucket_bytes) {
                 if !buckets.is_empty() {
                     ready[last_node].push(buckets.len() - 1);
@@ -174,13 +165,13 @@ impl Overlap {
                 }
             }
             let Some(thread) = self.thread.as_mut() else {
-                let grads: Vec<Arg<B::Buffer>> = self.buckets[b].iter().map(|&i| gradient(ex, &params[i])).collect();
+                let grads: Vec<Arg<B::Buffer>> = self.buckets[b].iter().map(|&i| params[i].gradient(ex)).collect();
                 group.start_all_reduce(&grads, ReduceOp::Average)?;
                 continue;
             };
             let mut flat = Vec::new();
             for &i in &self.buckets[b] {
-                ex.backend.with_host_f32(gradient(ex, &params[i]), &mut |g| {
+                ex.backend.with_host_f32(params[i].gradient(ex), &mut |g| {
                     flat.extend_from_slice(g);
                     Ok::<_, Error>(())
                 })?;
@@ -205,7 +196,7 @@ impl Overlap {
             self.spans.push(span?);
             let mut at = 0;
             for &i in &self.buckets[b] {
-                ex.backend.with_host_f32(gradient(ex, &params[i]), &mut |g| {
+                ex.backend.with_host_f32(params[i].gradient(ex), &mut |g| {
                     g.copy_from_slice(&flat[at..at + g.len()]);
                     at += g.len();
                     Ok::<_, Error>(())
