@@ -6,7 +6,7 @@
 //! - `zero`: ZeRO stages 1 and 2, the optimizer state (and gradients) split among the replicas.
 //! - `pipeline`: the forward graph cut into pipeline stages (balanced cuts, or the user's);
 //!   `schedule`: the order of a stage's forward and backward passes and its messages (1F1B,
-//!   GPipe).
+//!   GPipe); `stage`: one rank's stage, its boundary and a step's passes in that order.
 //! - `tensor`: Megatron's tensor parallelism as a pass over the bound forward graph (column- and
 //!   row-parallel pairs, vocab-parallel embedding and cross-entropy) and `TensorSplit`, how a
 //!   weight is divided among the tensor-parallel ranks.
@@ -20,6 +20,7 @@ pub mod data;
 pub mod overlap;
 pub mod pipeline;
 pub mod schedule;
+pub mod stage;
 pub mod tensor;
 pub mod zero;
 

@@ -8,23 +8,24 @@
 //!   replicas' gradients averaged after the backward pass or in buckets during it, combined by
 //!   Adasum, or reduce-scattered so that each replica updates its shard of the weights with
 //!   its shard of the optimizer state), and `step` calls it without asking which;
-//! - pipeline (`stage`): the session trains one stage of the model, exchanging activations and
-//!   their gradients with its neighbours in the order of a schedule;
+//! - pipeline (`parallel::stage`): the session trains one stage of the model, whose step
+//!   exchanges activations and their gradients with its neighbours in the order of a schedule;
 //! - tensor parallel (`parallel::tensor`): the bound forward graph is sharded Megatron-style
 //!   before anything else, so the session trains this rank's slices of the split weights; the
 //!   executors run the graph's all-reduces over the tensor-parallel group. A replicated weight
 //!   gets the same gradient on every tensor-parallel rank and counts once, on rank 0.
 
 pub mod buffers;
-mod stage;
+mod losses;
 mod training_graph;
 
+pub use crate::parallel::stage::PipelineOptions;
 pub use training_graph::{trained_weights, TrainedWeight, TrainingGraph};
 
 use crate::backend::{Arg, Backend, Group};
 use crate::checkpoint::keys::{self, LOSS_SCALE_KEY, STEP_KEY};
 use crate::comm::{Collective, HostGroup, ProcessGroup, ReduceOp};
-use crate::config::{ParamGroup, PipelineSchedule, Recompute};
+use crate::config::{ParamGroup, Recompute};
 use crate::error::{Error, Result};
 use crate::exec::optimizer::{OptimizerState, Param, StepValues};
 use crate::exec::Executor;
@@ -34,9 +35,11 @@ use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::scaler::LossScaler;
 use crate::optim::Update;
+use crate::parallel::stage::{Messages, StagePart};
 use crate::parallel::tensor::TensorSplit;
 use crate::parallel::{CommSpan, GradientSync, Replicas, SyncOptions};
 use crate::tensor::{DType, Tensor};
+use losses::Losses;
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
@@ -96,16 +99,6 @@ pub struct TensorPlace {
     pub size: usize,
 }
 
-/// Which pipeline stage a session trains, and how.
-#[derive(Clone, Debug)]
-pub struct PipelineOptions {
-    pub stage: usize,
-    pub stages: usize,
-    /// parallelism.pipelineCuts; empty: balanced automatically.
-    pub cuts: Vec<Vec<String>>,
-    pub schedule: PipelineSchedule,
-}
-
 impl SessionOptions {
     /// Every float32 initializer trains with `update`, decayed by the default rule.
     pub fn new(update: Update) -> SessionOptions {
@@ -159,11 +152,10 @@ pub struct Session<B: Backend> {
     optimizer: OptimizerState<B>,
     /// BatchNormalization's running statistics, updated after every training forward pass.
     running: Vec<buffers::RunningStatistic>,
-    loss: ValueId,
+    /// The step's loss and reported scalars, summed over its micro-batches.
+    losses: Losses<B>,
     eval_loss: ValueId,
     inputs: BTreeMap<String, ValueId>,
-    /// The scalar values a step reports (SessionOptions::scalars).
-    scalars: Vec<(String, ValueId)>,
     /// Model FLOPs of one micro-batch's forward and backward pass (graph::flops).
     pub flops_per_batch: f64,
     /// The data-parallel group whose gradients, losses and evaluation losses are averaged
@@ -172,14 +164,14 @@ pub struct Session<B: Backend> {
     /// The pipeline group: the ranks training the other stages of this replica.
     pipeline: Option<Group<B>>,
     /// This rank's stage, when the model is cut into stages.
-    stage: Option<stage::StagePart>,
+    stage: Option<StagePart>,
     /// What `join` chooses the gradient sync by, and whether collectives run on the device.
     sync_options: SyncOptions,
     device_collectives: bool,
     /// How the replicas' gradients become the update: chosen by `join` (None before it).
     sync: Option<Box<dyn GradientSync<B>>>,
     /// A pipeline stage's messages, per micro-batch (allocated on the first step).
-    messages: Vec<stage::Messages<B>>,
+    messages: Vec<Messages<B>>,
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
     /// Mixed precision's half type (evaluation graphs are cast alike).
@@ -189,9 +181,6 @@ pub struct Session<B: Backend> {
     loss_scale_input: Option<ValueId>,
     /// The scale the last step's gradients carry (1 without loss scaling).
     last_loss_scale: f64,
-    /// The step's micro-batch losses, summed on the device (an f32 loss), and how many so far.
-    loss_sum: Option<B::Buffer>,
-    losses_summed: usize,
     /// Tensor parallelism: this rank's place, and how each split weight is divided.
     tensor: Option<TensorPlace>,
     splits: BTreeMap<String, TensorSplit>,
@@ -294,12 +283,7 @@ impl<B: Backend> Session<B> {
             let owner = first_stage && (t.splits.contains_key(name) || opts.tensor.is_none_or(|p| p.rank == 0));
             params.push(Param { value, grad, update, lr_scale, state, accum, first_stage, owner });
         }
-        let loss_sum = match train.graph.meta(t.loss) {
-            Some(m) if m.dtype == DType::F32 && !train.graph.initializers.contains_key(&t.loss) => {
-                Some(backend.alloc(m.bytes())?)
-            }
-            _ => None,
-        };
+        let losses = Losses::new(&train, t.loss, t.scalars)?;
         Ok(Session {
             train,
             eval: None,
@@ -308,10 +292,9 @@ impl<B: Backend> Session<B> {
             disabled_passes: opts.disabled_passes.clone(),
             optimizer: OptimizerState { params },
             running: t.running,
-            loss: t.loss,
+            losses,
             eval_loss: model.loss,
             inputs: t.inputs,
-            scalars: t.scalars,
             flops_per_batch: t.flops_per_batch,
             data_parallel: None,
             pipeline: None,
@@ -331,8 +314,6 @@ impl<B: Backend> Session<B> {
             scaler: opts.loss_scaler.clone(),
             loss_scale_input: t.loss_scale_input,
             last_loss_scale: 1.0,
-            loss_sum,
-            losses_summed: 0,
             splits: t.splits,
             tensor_group: None,
             step: 0,
@@ -416,10 +397,6 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    fn scalar(t: &Tensor) -> f64 {
-        t.to_f64_vec().first().copied().unwrap_or(f64::NAN)
-    }
-
     /// After micro-batch `k` of `n`'s backward pass: adds its loss (where the graph computes
     /// the model's: `has_loss`) and scalars to the sums, and its gradients to the accumulated
     /// ones.
@@ -430,45 +407,13 @@ impl<B: Backend> Session<B> {
         has_loss: bool,
         sums: &mut [f64],
     ) -> Result<()> {
-        self.collect_losses(has_loss, sums)?;
+        self.losses.collect(&self.train, has_loss, sums)?;
         sync.micro_batch_done(&self.replicas(), k, n)
     }
 
     /// What the gradient sync works on.
     fn replicas(&self) -> Replicas<'_, B> {
         Replicas { ex: &self.train, weights: &self.optimizer, group: self.data_parallel.as_ref() }
-    }
-
-    /// Adds the run's loss (where it computes the model's) and scalars to `sums`. An f32 loss is
-    /// summed on the device and read once, at the end of the step (`read_loss_sum`), so that a
-    /// micro-batch does not wait for the device before the next is enqueued.
-    fn collect_losses(&mut self, has_loss: bool, sums: &mut [f64]) -> Result<()> {
-        if has_loss {
-            match &self.loss_sum {
-                Some(buf) => {
-                    let loss = self.train.arg(self.loss);
-                    let sum = Arg { buf, offset: 0, meta: loss.meta };
-                    let keep = if self.losses_summed == 0 { 0.0 } else { 1.0 };
-                    self.train.backend.accumulate(sum, keep, loss, 1.0)?;
-                    self.losses_summed += 1;
-                }
-                None => sums[0] += Self::scalar(&self.train.fetch(self.loss)?),
-            }
-        }
-        for (i, &(_, v)) in self.scalars.iter().enumerate() {
-            sums[1 + i] += Self::scalar(&self.train.fetch(v)?);
-        }
-        Ok(())
-    }
-
-    /// Adds the losses summed on the device this step to `sums[0]` (one wait for the device).
-    fn read_loss_sum(&mut self, sums: &mut [f64]) -> Result<()> {
-        if let (Some(buf), true) = (&self.loss_sum, self.losses_summed > 0) {
-            let meta = self.train.graph.meta(self.loss).expect("bound");
-            sums[0] += Self::scalar(&self.train.backend.download(Arg { buf, offset: 0, meta })?);
-        }
-        self.losses_summed = 0;
-        Ok(())
     }
 
     /// One weight update over `batches` (one per micro-batch). `lr` is this update's learning
@@ -501,9 +446,20 @@ impl<B: Backend> Session<B> {
             self.train.feed(v, &Tensor::from_vec(&[], vec![scaler.scale as f32]))?;
         }
         // The loss, then each reported scalar, summed over the micro-batches.
-        let mut sums = vec![0.0; 1 + self.scalars.len()];
-        if self.stage.is_some() {
-            self.run_pipeline(sync, batches, seed, &mut sums)?;
+        let mut sums = vec![0.0; 1 + self.losses.scalars.len()];
+        if let Some(part) = &self.stage {
+            let group = self.pipeline.as_ref().ok_or_else(|| {
+                Error::Runtime("a pipeline stage must join its pipeline group before training".into())
+            })?;
+            let (inputs, losses) = (&self.inputs, &mut self.losses);
+            let (weights, data) = (&self.optimizer, self.data_parallel.as_ref());
+            let feed = |ex: &Executor<B>, mb: usize| Self::feed(ex, inputs, &batches[mb]);
+            // After the run that computed micro-batch `mb`'s gradients (its backward pass).
+            let mut done = |ex: &Executor<B>, mb: usize| {
+                losses.collect(ex, part.is_last(), &mut sums)?;
+                sync.micro_batch_done(&Replicas { ex, weights, group: data }, mb, n)
+            };
+            part.run_step(&mut self.train, group, &mut self.messages, (n, seed), &feed, &mut done)?;
         } else {
             for (k, batch) in batches.iter().enumerate() {
                 Self::feed(&self.train, &self.inputs, batch)?;
@@ -511,7 +467,7 @@ impl<B: Backend> Session<B> {
                 let weights = (&self.optimizer, self.data_parallel.as_ref());
                 if k + 1 == n && sync.run_last_overlapped(&mut self.train, weights, seed, n)? {
                     self.update_running_statistics()?;
-                    self.collect_losses(true, &mut sums)?;
+                    self.losses.collect(&self.train, true, &mut sums)?;
                 } else {
                     self.train.run(seed)?;
                     self.update_running_statistics()?;
@@ -527,10 +483,10 @@ impl<B: Backend> Session<B> {
         // This rank's share of the global gradient norm, then the loss summed on the device:
         // the step's one wait for a device, which has done all of the step's work by then.
         let mut sq = [sync.sum_squares(&self.replicas())?];
-        self.read_loss_sum(&mut sums)?;
+        self.losses.read(&self.train, &mut sums)?;
         // Per-stage values: the scalars this stage computed, the loss on the last stage.
         let mut means: Vec<f64> = sums.iter().map(|s| s / n as f64).collect();
-        let names: Vec<String> = self.scalars.iter().map(|(name, _)| name.clone()).collect();
+        let names: Vec<String> = self.losses.scalars.iter().map(|(name, _)| name.clone()).collect();
         self.sum_over_stages(&mut means)?;
         self.average_over_replicas(&mut means)?;
         let scalars = names.into_iter().zip(means[1..].iter().copied()).collect();
@@ -638,12 +594,12 @@ impl<B: Backend> Session<B> {
                     eval.run(0)?;
                     part.send_activations(eval, group)?;
                     if part.is_last() {
-                        total[0] += Self::scalar(&eval.fetch(self.eval_loss)?);
+                        total[0] += losses::scalar(&eval.fetch(self.eval_loss)?);
                     }
                 }
                 _ => {
                     eval.run(0)?;
-                    total[0] += Self::scalar(&eval.fetch(self.eval_loss)?);
+                    total[0] += losses::scalar(&eval.fetch(self.eval_loss)?);
                 }
             }
         }
@@ -696,7 +652,7 @@ impl<B: Backend> Session<B> {
     pub fn gather_weights(&self) -> Result<Option<BTreeMap<String, Tensor>>> {
         let replica0 = self.data_parallel.as_ref().is_none_or(|g| g.rank() == 0);
         let stages = match (&self.stage, &self.pipeline) {
-            (Some(part), Some(group)) if replica0 => part.gather_weights(self, group)?,
+            (Some(part), Some(group)) if replica0 => part.gather_weights(&self.train, &self.optimizer, group)?,
             _ if replica0 => Some(self.weights()?.into_iter().chain(self.running_statistics()?).collect()),
             _ => None,
         };

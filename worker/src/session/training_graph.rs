@@ -4,7 +4,7 @@
 //! differentiated (with recomputation), fused, and each trained weight given its gradient and
 //! update rule. `Session::new` plans it on a backend and allocates what the weights need beside it.
 
-use super::{bindings_for, buffers, forward_passes, stage, whole_buffers, SessionOptions};
+use super::{bindings_for, buffers, forward_passes, whole_buffers, SessionOptions};
 use crate::autodiff;
 use crate::error::{Error, Result};
 use crate::graph::fuse;
@@ -12,6 +12,7 @@ use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::Update;
+use crate::parallel::stage::{self, StagePart};
 use crate::parallel::tensor::TensorSplit;
 use crate::tensor::{DType, Tensor};
 use std::collections::{BTreeMap, HashSet};
@@ -37,7 +38,7 @@ pub struct TrainingGraph {
     /// The gradients of the activations this pipeline stage received, in their order.
     pub input_grads: Vec<Option<ValueId>>,
     /// This rank's pipeline stage (its boundary, planned once the graph has an executor).
-    pub(super) stage: Option<stage::StagePart>,
+    pub(super) stage: Option<StagePart>,
     /// The weights each stage holds (one entry without a pipeline).
     pub stage_weights: Vec<Vec<ValueId>>,
     /// How tensor parallelism divided each split weight.
@@ -189,7 +190,7 @@ fn checked_weights(g: &Graph, opts: &SessionOptions) -> Result<(Vec<ValueId>, Ha
 struct RankGraph {
     graph: Graph,
     loss: ValueId,
-    part: Option<stage::StagePart>,
+    part: Option<StagePart>,
     stage_weights: Vec<Vec<ValueId>>,
     splits: BTreeMap<String, TensorSplit>,
     running: Vec<buffers::RunningStatistic>,
@@ -237,7 +238,7 @@ impl RankGraph {
 /// fp16: the loss's gradient is the loss scale, fed each step to a new input of `train` (the
 /// last stage's loss is the model's; the other stages' backward passes start from gradients
 /// already scaled).
-fn loss_scale_input(train: &mut Graph, part: Option<&stage::StagePart>, opts: &SessionOptions) -> Option<ValueId> {
+fn loss_scale_input(train: &mut Graph, part: Option<&StagePart>, opts: &SessionOptions) -> Option<ValueId> {
     (opts.loss_scaler.is_some() && part.is_none_or(|p| p.is_last())).then(|| {
         let v = train.fresh("loss_scale");
         let name = train.name_of(v).to_string();

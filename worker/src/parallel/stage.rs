@@ -1,5 +1,7 @@
-//! A session that trains one pipeline stage (`parallel::pipeline` cuts the graph,
-//! `parallel::schedule` orders the work).
+//! One rank's pipeline stage: its part of the training graph, its boundary with its
+//! neighbours, and a step's forward and backward passes over the micro-batches in the order of
+//! its schedule (`pipeline` cuts the graph, `schedule` orders the work; the session trains the
+//! stage).
 //!
 //! A stage's training graph is its forward part plus the backward pass of a stand-in loss: on
 //! the last stage the model's loss; elsewhere Σ_v sum(v ⊙ dv) over the activations v it sends,
@@ -17,23 +19,32 @@
 //! pipeline group carries the buffers (NCCL's send and receive on GPUs; host memory and MPI
 //! elsewhere).
 
-use super::Session;
+use super::pipeline;
+use super::schedule::{self, Action};
 use crate::autodiff::Builder;
 use crate::backend::{Arg, Backend, Group};
 use crate::comm::{Collective, HostGroup};
 use crate::config::PipelineSchedule;
 use crate::error::{Error, Result};
+use crate::exec::optimizer::OptimizerState;
 use crate::exec::Executor;
 use crate::graph::ir::{Dim, Graph, InputDecl, Meta, ValueId};
 use crate::op::{Binary, Op, Reduce};
-use crate::parallel::pipeline;
-use crate::parallel::schedule::{self, Action};
-use crate::parallel::GradientSync;
 use crate::tensor::{DType, Tensor};
 use std::collections::BTreeMap;
 
+/// Which pipeline stage a session trains, and how.
+#[derive(Clone, Debug)]
+pub struct PipelineOptions {
+    pub stage: usize,
+    pub stages: usize,
+    /// parallelism.pipelineCuts; empty: balanced automatically.
+    pub cuts: Vec<Vec<String>>,
+    pub schedule: PipelineSchedule,
+}
+
 /// This rank's stage and its boundary.
-pub(super) struct StagePart {
+pub struct StagePart {
     pub index: usize,
     pub count: usize,
     schedule: PipelineSchedule,
@@ -58,11 +69,11 @@ pub(super) struct StagePart {
 
 /// What `cut` gives the session: the stage's forward graph, its loss, its boundary, and the
 /// trained weights each stage holds.
-pub(super) type Cut = (Graph, ValueId, Option<StagePart>, Vec<Vec<ValueId>>);
+pub type Cut = (Graph, ValueId, Option<StagePart>, Vec<Vec<ValueId>>);
 
 /// The graph, loss and boundary of stage `opts.stage` of `bound` (the forward graph in
 /// training mode), and the trained weights (of `params`) each stage holds.
-pub(super) fn cut(bound: Graph, loss: ValueId, opts: &super::PipelineOptions, params: &[ValueId]) -> Result<Cut> {
+pub fn cut(bound: Graph, loss: ValueId, opts: &PipelineOptions, params: &[ValueId]) -> Result<Cut> {
     let cuts = if opts.cuts.is_empty() {
         pipeline::balanced_cuts(&bound, loss, opts.stages, params)?
     } else {
@@ -232,21 +243,25 @@ impl StagePart {
         Ok(())
     }
 
-    /// Collects every stage's weights on stage 0: each later stage sends the weights it is
-    /// first to hold, in name order.
+    /// Collects every stage's trained weights on stage 0 (this stage's are those of `weights`
+    /// in `ex`): each later stage sends the weights it is first to hold, in order.
     pub fn gather_weights<B: Backend>(
         &self,
-        session: &Session<B>,
+        ex: &Executor<B>,
+        weights: &OptimizerState<B>,
         group: &HostGroup,
     ) -> Result<Option<BTreeMap<String, Tensor>>> {
         if self.index > 0 {
-            for p in session.optimizer.params.iter().filter(|p| p.first_stage) {
-                let w = session.train.fetch(p.value)?;
+            for p in weights.params.iter().filter(|p| p.first_stage) {
+                let w = ex.fetch(p.value)?;
                 group.send(w.as_slice::<f32>(), 0)?;
             }
             return Ok(None);
         }
-        let mut out = session.weights()?;
+        let mut out = BTreeMap::new();
+        for p in &weights.params {
+            out.insert(ex.graph.name_of(p.value).to_string(), ex.fetch(p.value)?);
+        }
         for (s, weights) in self.owned.iter().enumerate().skip(1) {
             for (name, meta) in weights {
                 let mut buf = vec![0f32; meta.numel()];
@@ -258,94 +273,62 @@ impl StagePart {
     }
 }
 
-impl<B: Backend> Session<B> {
-    /// One step's forward and backward passes of every micro-batch on this stage, in the
-    /// schedule's order; adds the loss (last stage) and scalars to `sums`, and accumulates the
-    /// gradients as the whole model's session would.
-    pub(super) fn run_pipeline(
-        &mut self,
-        sync: &mut dyn GradientSync<B>,
-        batches: &[BTreeMap<String, Tensor>],
-        seed: u64,
-        sums: &mut [f64],
-    ) -> Result<()> {
-        let part = self.stage.take().expect("a pipeline session has a stage");
-        let result = self.run_schedule(sync, &part, batches, seed, sums);
-        self.stage = Some(part);
-        result
-    }
-
-    fn run_schedule(
-        &mut self,
-        sync: &mut dyn GradientSync<B>,
-        part: &StagePart,
-        batches: &[BTreeMap<String, Tensor>],
-        seed: u64,
-        sums: &mut [f64],
-    ) -> Result<()> {
-        let Some(group) = self.pipeline.take() else {
-            return Err(Error::Runtime("a pipeline stage must join its pipeline group before training".into()));
-        };
-        // Each micro-batch's messages, allocated on the first step and kept.
-        let mut messages = std::mem::take(&mut self.messages);
-        let result = self.run_actions(sync, part, &group, &mut messages, (batches, seed), sums);
-        (self.pipeline, self.messages) = (Some(group), messages);
-        result
-    }
-
-    fn run_actions(
-        &mut self,
-        sync: &mut dyn GradientSync<B>,
-        part: &StagePart,
+impl StagePart {
+    /// One step's forward and backward passes of `n` micro-batches on this stage, in the
+    /// schedule's order, exchanging activations and their gradients over `group` through
+    /// `messages` (allocated on the first step and kept). `feed(ex, mb)` gives the executor
+    /// micro-batch `mb`'s data; `done(ex, mb)` follows the run that computed its gradients.
+    pub fn run_step<B: Backend>(
+        &self,
+        ex: &mut Executor<B>,
         group: &Group<B>,
         messages: &mut Vec<Messages<B>>,
-        (batches, seed): (&[BTreeMap<String, Tensor>], u64),
-        sums: &mut [f64],
+        (n, seed): (usize, u64),
+        feed: &dyn Fn(&Executor<B>, usize) -> Result<()>,
+        done: &mut dyn FnMut(&Executor<B>, usize) -> Result<()>,
     ) -> Result<()> {
-        let n = batches.len();
-        let (prev, next) = (part.index.wrapping_sub(1), part.index + 1);
-        let ins = Meta::new(DType::F32, &[message_len(&self.train.graph, &part.receives)]);
-        let outs = Meta::new(DType::F32, &[message_len(&self.train.graph, &part.sends)]);
+        let (prev, next) = (self.index.wrapping_sub(1), self.index + 1);
+        let ins = Meta::new(DType::F32, &[message_len(&ex.graph, &self.receives)]);
+        let outs = Meta::new(DType::F32, &[message_len(&ex.graph, &self.sends)]);
         while messages.len() < n {
-            let ex = &self.train;
             let (acts, grads_out) = (message(ex, ins.numel())?, message(ex, ins.numel())?);
             let (outs, grads_in) = (message(ex, outs.numel())?, message(ex, outs.numel())?);
             messages.push(Messages { acts, outs, grads_in, grads_out });
         }
-        let backend = self.train.backend.clone();
+        let backend = ex.backend.clone();
         let m = |mb: usize| &messages[mb];
-        for action in schedule::actions(part.schedule, part.index, part.count, n) {
+        for action in schedule::actions(self.schedule, self.index, self.count, n) {
             match action {
                 Action::RecvForward(mb) => group.recv_value(&backend, whole::<B>(&m(mb).acts, &ins), prev)?,
                 Action::Forward(mb) => {
                     let m = m(mb);
-                    Self::feed(&self.train, &self.inputs, &batches[mb])?;
-                    unpack(&self.train, &part.receives, &m.acts)?;
+                    feed(ex, mb)?;
+                    unpack(ex, &self.receives, &m.acts)?;
                     let seed = crate::rng::mix(seed ^ mb as u64);
-                    if part.is_last() {
+                    if self.is_last() {
                         // The loss is here: forward and backward in one run.
-                        self.train.run(seed)?;
-                        self.collect_micro_batch(sync, (mb, n), part.is_last(), sums)?;
-                        pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
+                        ex.run(seed)?;
+                        done(ex, mb)?;
+                        pack(ex, &self.input_grads, &self.receives, &m.grads_out)?;
                     } else {
-                        let nodes = &part.forward_nodes;
-                        self.train.run_where(seed, |i| nodes[i])?;
-                        let sends: Vec<Option<ValueId>> = part.sends.iter().map(|&v| Some(v)).collect();
-                        pack(&self.train, &sends, &part.sends, &m.outs)?;
+                        let nodes = &self.forward_nodes;
+                        ex.run_where(seed, |i| nodes[i])?;
+                        let sends: Vec<Option<ValueId>> = self.sends.iter().map(|&v| Some(v)).collect();
+                        pack(ex, &sends, &self.sends, &m.outs)?;
                     }
                 }
                 Action::SendForward(mb) => group.send_value(&backend, whole::<B>(&m(mb).outs, &outs), next)?,
                 Action::RecvBackward(mb) => group.recv_value(&backend, whole::<B>(&m(mb).grads_in, &outs), next)?,
                 Action::Backward(mb) => {
                     let m = m(mb);
-                    if !part.is_last() {
-                        Self::feed(&self.train, &self.inputs, &batches[mb])?;
-                        unpack(&self.train, &part.receives, &m.acts)?;
-                        unpack(&self.train, &part.send_grads, &m.grads_in)?;
-                        self.train.run(crate::rng::mix(seed ^ mb as u64))?;
-                        self.collect_micro_batch(sync, (mb, n), part.is_last(), sums)?;
-                        if part.index > 0 {
-                            pack(&self.train, &part.input_grads, &part.receives, &m.grads_out)?;
+                    if !self.is_last() {
+                        feed(ex, mb)?;
+                        unpack(ex, &self.receives, &m.acts)?;
+                        unpack(ex, &self.send_grads, &m.grads_in)?;
+                        ex.run(crate::rng::mix(seed ^ mb as u64))?;
+                        done(ex, mb)?;
+                        if self.index > 0 {
+                            pack(ex, &self.input_grads, &self.receives, &m.grads_out)?;
                         }
                     }
                 }
@@ -373,7 +356,7 @@ impl<B: Backend> Session<B> {
 /// One micro-batch's messages on a stage, in the backend's memory (f32, kept across steps):
 /// the activations received (kept for its backward pass), the activations sent, the gradients
 /// received for them, and the gradients sent back.
-pub(super) struct Messages<B: Backend> {
+pub struct Messages<B: Backend> {
     acts: B::Buffer,
     outs: B::Buffer,
     grads_in: B::Buffer,
