@@ -9,6 +9,8 @@ use crate::backend::{Arg, Backend, Slot};
 use crate::error::Result;
 use crate::graph::ir::{Meta, ValueId};
 use crate::optim::{StepHyper, Update};
+use crate::tensor::Tensor;
+use std::collections::BTreeMap;
 
 /// A trained weight and its device-side companions.
 pub struct Param<B: Backend> {
@@ -89,6 +91,11 @@ impl<B: Backend> OptimizerState<B> {
     pub fn sum_squares(&self, ex: &Executor<B>) -> Result<f64> {
         let grads: Vec<Arg<B::Buffer>> = self.params.iter().filter(|p| p.owner).map(|p| p.gradient(ex)).collect();
         Ok(ex.backend.sum_squares(&grads)?)
+    }
+
+    /// Every weight by name, as it is now.
+    pub fn weights(&self, ex: &Executor<B>) -> Result<BTreeMap<String, Tensor>> {
+        self.params.iter().map(|p| Ok((ex.graph.name_of(p.value).to_string(), ex.fetch(p.value)?))).collect()
     }
 
     /// Every weight's gradient as the update reads it.

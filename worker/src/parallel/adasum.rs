@@ -9,8 +9,9 @@
 //! Over 2^k ranks it is applied as a binary tree by recursive doubling: at level d a rank
 //! exchanges its current vectors with rank XOR 2^d and both combine them, the lower rank's as
 //! `a`, so that after k levels every rank holds the same result, bit for bit. In host memory
-//! here ([`all_reduce`], with `kernels::adasum`'s combination); on a device its backend combines (`Backend::adasum`, kernels that sum
-//! the dot products in a fixed order) and its collectives exchange (NCCL send/receive).
+//! here ([`all_reduce`], with `kernels::adasum`'s combination); on a device its backend
+//! combines (`Backend::adasum`, kernels that sum the dot products in a fixed order) and its
+//! collectives exchange (NCCL send/receive).
 
 use crate::comm::Collective;
 use crate::error::{Error, Result};

@@ -47,15 +47,15 @@ impl<B: Backend> Replicated<B> {
         group: &Group<B>,
         bucket_bytes: usize,
         tensor_ranks: usize,
-    ) -> Result<Box<dyn GradientSync<B>>> {
+    ) -> Result<Replicated<B>> {
         let carrier = match group.on_device() {
             true => (tensor_ranks == 1).then_some(None),
             false => group.detach().map(Some),
         };
-        let Some(host) = carrier else { return Ok(Box::new(Replicated::average())) };
-        let o = Overlap::new(r.ex, r.weights, host, bucket_bytes)?;
+        let Some(host) = carrier else { return Ok(Replicated::average()) };
+        let o = Overlap::new(r.ex, r.optimizer, host, bucket_bytes)?;
         tracing::debug!(buckets = o.bucket_count(), "gradient all-reduce overlaps the backward pass");
-        Ok(Box::new(Replicated { combine: Combine::Overlapped(o) }))
+        Ok(Replicated { combine: Combine::Overlapped(o) })
     }
 }
 
@@ -63,7 +63,7 @@ impl<B: Backend> GradientSync<B> for Replicated<B> {
     fn run_last_overlapped(
         &mut self,
         ex: &mut Executor<B>,
-        (weights, group): (&OptimizerState<B>, Option<&Group<B>>),
+        (optimizer, group): (&OptimizerState<B>, Option<&Group<B>>),
         seed: u64,
         n: usize,
     ) -> Result<bool> {
@@ -71,35 +71,35 @@ impl<B: Backend> GradientSync<B> for Replicated<B> {
         // Each bucket's all-reduce starts as soon as the backward pass has finished its
         // gradients; this micro-batch's are added to the accumulated ones first.
         let scale = (n > 1).then_some(1.0 / n as f32);
-        let params = &weights.params;
+        let params = &optimizer.params;
         ex.run_observed(seed, |_| true, &mut |ex, node| overlap.node_done(ex, params, group, node, scale))?;
         overlap.finish(ex, params, group)?;
         Ok(true)
     }
 
     fn micro_batch_done(&mut self, r: &Replicas<B>, k: usize, n: usize) -> Result<()> {
-        r.weights.accumulate(r.ex, k, n)
+        r.optimizer.accumulate(r.ex, k, n)
     }
 
     fn reduce(&mut self, r: &Replicas<B>) -> Result<()> {
         let Some(group) = r.group else { return Ok(()) };
         match &mut self.combine {
-            Combine::Average => group.all_reduce_values(&r.ex.backend, &r.weights.gradients(r.ex), ReduceOp::Average),
+            Combine::Average => group.all_reduce_values(&r.ex.backend, &r.optimizer.gradients(r.ex), ReduceOp::Average),
             Combine::Overlapped(_) => Ok(()), // reduced during the backward pass
             Combine::Adasum(theirs) => adasum(r, group, theirs),
         }
     }
 
     fn sum_squares(&self, r: &Replicas<B>) -> Result<f64> {
-        r.weights.sum_squares(r.ex)
+        r.optimizer.sum_squares(r.ex)
     }
 
     fn update(&mut self, r: &Replicas<B>, values: StepValues) -> Result<()> {
-        r.weights.update(r.ex, values)
+        r.optimizer.update(r.ex, values)
     }
 
     fn gradient(&self, r: &Replicas<B>, i: usize) -> Result<Tensor> {
-        Ok(r.ex.backend.download(r.weights.params[i].gradient(r.ex))?)
+        Ok(r.ex.backend.download(r.optimizer.params[i].gradient(r.ex))?)
     }
 
     fn comm_spans(&self) -> &[CommSpan] {
@@ -115,7 +115,7 @@ impl<B: Backend> GradientSync<B> for Replicated<B> {
 /// otherwise in host memory over MPI.
 fn adasum<B: Backend>(r: &Replicas<B>, group: &Group<B>, theirs: &mut Vec<B::Buffer>) -> Result<()> {
     let backend = &*r.ex.backend;
-    let mine = r.weights.gradients(r.ex);
+    let mine = r.optimizer.gradients(r.ex);
     if group.on_device() {
         if theirs.is_empty() {
             *theirs = mine.iter().map(|g| Ok(backend.alloc(g.meta.bytes())?)).collect::<Result<_>>()?;

@@ -13,7 +13,7 @@
 //!
 //! A session chooses its [`GradientSync`] once, when it joins its groups ([`choose`]), and its
 //! step calls it at four points: after each micro-batch, after the last, for the gradient norm
-//! and for the update. Nothing in a step branches on the scheme.
+//! and for the update. Nothing in a step branches on how the replicas combine their gradients.
 
 pub mod adasum;
 pub mod data;
@@ -36,7 +36,7 @@ use crate::tensor::Tensor;
 /// optimizer state, and its data-parallel group (None: the rank trains alone).
 pub struct Replicas<'a, B: Backend> {
     pub ex: &'a Executor<B>,
-    pub weights: &'a OptimizerState<B>,
+    pub optimizer: &'a OptimizerState<B>,
     pub group: Option<&'a Group<B>>,
 }
 
@@ -57,7 +57,7 @@ pub trait GradientSync<B: Backend> {
     fn run_last_overlapped(
         &mut self,
         _ex: &mut Executor<B>,
-        _r: (&OptimizerState<B>, Option<&Group<B>>),
+        _on: (&OptimizerState<B>, Option<&Group<B>>),
         _seed: u64,
         _n: usize,
     ) -> Result<bool> {
@@ -110,17 +110,16 @@ pub struct SyncOptions {
     pub report_gradients: bool,
 }
 
-/// The gradient sync of a rank in data group `r.group` (None: alone). `pipelined`: the rank
+/// The gradient sync of replica `rank` of `size` (`r.group`: None alone). `pipelined`: the rank
 /// trains a pipeline stage, whose backward passes interleave with its neighbours', so its
 /// replicas all-reduce after the schedule. `tensor_ranks`: the tensor-parallel group's size.
 pub fn choose<B: Backend>(
     opts: &SyncOptions,
     r: &Replicas<B>,
-    replicas: (usize, usize),
+    (size, rank): (usize, usize),
     pipelined: bool,
     tensor_ranks: usize,
 ) -> Result<Box<dyn GradientSync<B>>> {
-    let (size, rank) = replicas;
     if opts.zero > 0 {
         return Ok(Box::new(zero::Sharded::new(r, opts, size, rank)?));
     }
@@ -134,7 +133,9 @@ pub fn choose<B: Backend>(
         return Ok(Box::new(data::Replicated::adasum()));
     }
     match r.group {
-        Some(group) if !pipelined => data::Replicated::overlapped(r, group, opts.bucket_bytes, tensor_ranks),
+        Some(group) if !pipelined => {
+            Ok(Box::new(data::Replicated::overlapped(r, group, opts.bucket_bytes, tensor_ranks)?))
+        }
         _ => Ok(Box::new(data::Replicated::average())),
     }
 }

@@ -91,12 +91,12 @@ impl Drop for HostThread {
 }
 
 impl Overlap {
-    /// Buckets of about `bucket_bytes` for the weights of `weights`, all-reduced by a thread on
+    /// Buckets of about `bucket_bytes` for the weights of `optimizer`, all-reduced by a thread on
     /// `host` (a detached duplicate of the data-parallel group), or, without one, on the data
     /// group's device collectives.
     pub fn new<B: Backend>(
         ex: &Executor<B>,
-        weights: &OptimizerState<B>,
+        optimizer: &OptimizerState<B>,
         host: Option<DetachedHostGroup>,
         bucket_bytes: usize,
     ) -> Result<Overlap> {
@@ -105,7 +105,7 @@ impl Overlap {
             ex.plan.steps.iter().enumerate().map(|(pos, &node)| (node, pos)).collect();
         let last = ex.plan.steps.len().saturating_sub(1);
         // (position of the step that finishes the gradient, its node, weight index)
-        let mut order: Vec<(usize, usize, usize)> = weights
+        let mut order: Vec<(usize, usize, usize)> = optimizer
             .params
             .iter()
             .enumerate()
@@ -123,7 +123,7 @@ impl Overlap {
         let mut bytes = 0;
         let mut last_node = 0;
         for &(_, node, i) in &order {
-            let size = ex.graph.meta(weights.params[i].value).expect("bound").bytes();
+            let size = ex.graph.meta(optimizer.params[i].value).expect("bound").bytes();
             if buckets.is_empty() || (bytes > 0 && bytes + size > bucket_bytes) {
                 if !buckets.is_empty() {
                     ready[last_node].push(buckets.len() - 1);

@@ -243,25 +243,22 @@ impl StagePart {
         Ok(())
     }
 
-    /// Collects every stage's trained weights on stage 0 (this stage's are those of `weights`
-    /// in `ex`): each later stage sends the weights it is first to hold, in order.
+    /// Collects every stage's trained weights on stage 0 (this stage's are those of
+    /// `optimizer` in `ex`): each later stage sends the weights it is first to hold, in order.
     pub fn gather_weights<B: Backend>(
         &self,
         ex: &Executor<B>,
-        weights: &OptimizerState<B>,
+        optimizer: &OptimizerState<B>,
         group: &HostGroup,
     ) -> Result<Option<BTreeMap<String, Tensor>>> {
         if self.index > 0 {
-            for p in weights.params.iter().filter(|p| p.first_stage) {
+            for p in optimizer.params.iter().filter(|p| p.first_stage) {
                 let w = ex.fetch(p.value)?;
                 group.send(w.as_slice::<f32>(), 0)?;
             }
             return Ok(None);
         }
-        let mut out = BTreeMap::new();
-        for p in &weights.params {
-            out.insert(ex.graph.name_of(p.value).to_string(), ex.fetch(p.value)?);
-        }
+        let mut out = optimizer.weights(ex)?;
         for (s, weights) in self.owned.iter().enumerate().skip(1) {
             for (name, meta) in weights {
                 let mut buf = vec![0f32; meta.numel()];
@@ -271,9 +268,7 @@ impl StagePart {
         }
         Ok(Some(out))
     }
-}
 
-impl StagePart {
     /// One step's forward and backward passes of `n` micro-batches on this stage, in the
     /// schedule's order, exchanging activations and their gradients over `group` through
     /// `messages` (allocated on the first step and kept). `feed(ex, mb)` gives the executor

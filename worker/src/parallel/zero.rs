@@ -1,7 +1,7 @@
 //! ZeRO's partition of the training state among the data-parallel ranks (Rajbhandari et al.,
 //! stages 1 and 2, as DeepSpeed lays them out).
 //!
-//! The weights, in the session's order, are laid end to end as one flat f32 vector of `total`
+//! The weights, in the optimizer state's order, are laid end to end as one flat f32 vector of `total`
 //! elements, padded to `ranks · shard` so that every rank owns an equal, contiguous `shard`:
 //!
 //! ```text
@@ -40,7 +40,7 @@ use crate::tensor::{DType, Tensor};
 /// A contiguous range of one weight's (flattened) elements inside a rank's shard.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Piece {
-    /// Index of the weight in the session's order.
+    /// Index of the weight in the optimizer state's order.
     pub weight: usize,
     /// First element of the range within the weight.
     pub start: usize,
@@ -93,6 +93,16 @@ impl FlatLayout {
     }
 }
 
+/// The buffers of a weight's shape a rank allocates beside it at ZeRO stage `zero` (0: off):
+/// how many optimizer state tensors (none under ZeRO, whose shard of them [`Sharded::new`]
+/// allocates when the replicas are known), and whether a gradient accumulator (not at stage 2,
+/// which accumulates only its shard: `Sharded` reads `Param::gradient`, which would be a stale
+/// accumulator if one were allocated).
+pub fn whole_buffers(zero: u8, update: &Update, accumulation: usize) -> (usize, bool) {
+    let state = if zero > 0 { 0 } else { update.state_count() };
+    (state, accumulation > 1 && zero < 2)
+}
+
 /// Bytes [`Sharded::new`] allocates on the replica of `replicas` whose pieces hold the most
 /// optimizer state, for weights of `lens` elements keeping `counts` state tensors each: that
 /// state, the padded flat vector, and the shard's gradient and part.
@@ -135,7 +145,7 @@ impl<B: Backend> Sharded<B> {
     /// The shard of replica `rank` of `ranks` for the weights of `r`, its optimizer state
     /// allocated (zeroed, as a fresh optimizer's).
     pub fn new(r: &Replicas<B>, opts: &SyncOptions, ranks: usize, rank: usize) -> Result<Sharded<B>> {
-        let params = &r.weights.params;
+        let params = &r.optimizer.params;
         if params.iter().any(|p| matches!(p.update, Update::Lamb { .. })) {
             return Err(Error::Config(
                 "parallelism.zero: LAMB's trust ratio needs each weight whole, which ZeRO splits; use adam, adamw \
@@ -157,10 +167,8 @@ impl<B: Backend> Sharded<B> {
         let (flat, grad, part) = (alloc(layout.padded())?, alloc(layout.shard)?, alloc(layout.shard)?);
         let (flat_meta, shard_meta) =
             (Meta::new(DType::F32, &[layout.padded()]), Meta::new(DType::F32, &[layout.shard]));
-        let report_gradients = opts.report_gradients;
-        let (stage, reported) = (opts.zero, None);
         Ok(Sharded {
-            stage,
+            stage: opts.zero,
             layout,
             rank,
             pieces,
@@ -171,8 +179,8 @@ impl<B: Backend> Sharded<B> {
             part,
             flat_meta,
             shard_meta,
-            report_gradients,
-            reported,
+            report_gradients: opts.report_gradients,
+            reported: None,
         })
     }
 
@@ -189,7 +197,7 @@ impl<B: Backend> Sharded<B> {
     /// (accumulated, or this micro-batch's), into `into` (`grad` or `part`).
     fn reduce_scatter_mean(&self, r: &Replicas<B>, into: &B::Buffer) -> Result<()> {
         let backend = &*r.ex.backend;
-        for (i, g) in r.weights.gradients(r.ex).into_iter().enumerate() {
+        for (i, g) in r.optimizer.gradients(r.ex).into_iter().enumerate() {
             backend.accumulate(self.flat_arg(self.layout.offsets[i], g.meta), 0.0, g, 1.0)?;
         }
         let recv = self.shard_arg(into);
@@ -221,7 +229,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
     /// and adds only its shard, divided by `n`, to the step's (as DeepSpeed's stage 2 does).
     fn micro_batch_done(&mut self, r: &Replicas<B>, k: usize, n: usize) -> Result<()> {
         if self.stage < 2 {
-            return r.weights.accumulate(r.ex, k, n);
+            return r.optimizer.accumulate(r.ex, k, n);
         }
         self.reduce_scatter_mean(r, &self.part)?;
         let keep = if k == 0 { 0.0 } else { 1.0 };
@@ -240,7 +248,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
     /// replicas' shards.
     fn sum_squares(&self, r: &Replicas<B>) -> Result<f64> {
         let pieces: Vec<Arg<B::Buffer>> = (0..self.pieces.len())
-            .filter(|&i| r.weights.params[self.pieces[i].weight].owner)
+            .filter(|&i| r.optimizer.params[self.pieces[i].weight].owner)
             .map(|i| Arg { buf: &self.grad, offset: self.pieces[i].at * 4, meta: &self.metas[i] })
             .collect();
         let mut sq = [r.ex.backend.sum_squares(&pieces)?];
@@ -257,7 +265,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
         // This shard's piece of each weight it holds a piece of.
         let slot = |i: usize| {
             let piece = &self.pieces[i];
-            let p = &r.weights.params[piece.weight];
+            let p = &r.optimizer.params[piece.weight];
             let meta = &self.metas[i];
             let w = r.ex.arg(p.value);
             let param = Arg { buf: w.buf, offset: w.offset + piece.start * 4, meta };
@@ -280,7 +288,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
                 self.flat_arg(0, &self.flat_meta),
             )?;
         }
-        for (i, p) in r.weights.params.iter().enumerate() {
+        for (i, p) in r.optimizer.params.iter().enumerate() {
             let w = r.ex.arg(p.value);
             backend.accumulate(w, 0.0, self.flat_arg(self.layout.offsets[i], w.meta), 1.0)?;
         }
@@ -296,7 +304,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
             Error::Runtime("under ZeRO a session reports gradients only when asked to keep them".into())
         })?;
         let at = self.layout.offsets[i];
-        let shape = &r.weights.params[i].meta(r.ex).shape;
+        let shape = &r.optimizer.params[i].meta(r.ex).shape;
         Ok(Tensor::from_vec(shape, flat[at..at + self.layout.lens[i]].to_vec()))
     }
 
@@ -305,7 +313,7 @@ impl<B: Backend> GradientSync<B> for Sharded<B> {
     fn state_pieces(&self, r: &Replicas<B>) -> Result<Vec<StatePiece>> {
         let mut out = Vec::new();
         for (i, piece) in self.pieces.iter().enumerate() {
-            if !r.weights.params[piece.weight].owner {
+            if !r.optimizer.params[piece.weight].owner {
                 continue;
             }
             for (k, buf) in self.state[i].iter().enumerate() {

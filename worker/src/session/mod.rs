@@ -165,10 +165,12 @@ pub struct Session<B: Backend> {
     pipeline: Option<Group<B>>,
     /// This rank's stage, when the model is cut into stages.
     stage: Option<StagePart>,
-    /// What `join` chooses the gradient sync by, and whether collectives run on the device.
+    /// What `join` chooses the gradient sync by.
     sync_options: SyncOptions,
+    /// Whether `join` opens the groups' device collectives (parallelism.nccl).
     device_collectives: bool,
-    /// How the replicas' gradients become the update: chosen by `join` (None before it).
+    /// How the replicas' gradients become the update: chosen by `join` (None before it; a
+    /// session that joins no group gets the plain average of one on its first step).
     sync: Option<Box<dyn GradientSync<B>>>,
     /// A pipeline stage's messages, per micro-batch (allocated on the first step).
     messages: Vec<Messages<B>>,
@@ -188,14 +190,6 @@ pub struct Session<B: Backend> {
     tensor_group: Option<Rc<Group<B>>>,
     /// Weight updates done.
     pub step: u64,
-}
-
-/// The buffers of a weight's shape a session allocates for it: how many optimizer state tensors
-/// (none under ZeRO, whose shard of them is allocated when the replicas are known), and whether
-/// a gradient accumulator (not at ZeRO-2, which accumulates only its shard).
-fn whole_buffers(opts: &SessionOptions, update: &Update, accumulation: usize) -> (usize, bool) {
-    let state = if opts.zero > 0 { 0 } else { update.state_count() };
-    (state, accumulation > 1 && opts.zero < 2)
 }
 
 /// The passes over a forward graph (training's or evaluation's) before it is differentiated or
@@ -274,7 +268,7 @@ impl<B: Backend> Session<B> {
             let meta = train.graph.meta(value).cloned().expect("bound");
             let name = train.graph.name_of(value);
             let alloc = || backend.alloc(meta.bytes());
-            let (state_count, has_accum) = whole_buffers(opts, &update, accumulation);
+            let (state_count, has_accum) = crate::parallel::zero::whole_buffers(opts.zero, &update, accumulation);
             let state = (0..state_count).map(|_| Ok(alloc()?)).collect::<Result<Vec<_>>>()?;
             let accum = if has_accum { Some(alloc()?) } else { None };
             let holders: Vec<usize> =
@@ -357,7 +351,7 @@ impl<B: Backend> Session<B> {
         }
         let replicas = (data.size(), data.rank());
         let group = (data.size() > 1).then_some(&data);
-        let r = Replicas { ex: &self.train, weights: &self.optimizer, group };
+        let r = Replicas { ex: &self.train, optimizer: &self.optimizer, group };
         self.sync = Some(crate::parallel::choose(&self.sync_options, &r, replicas, self.stage.is_some(), ranks)?);
         self.data_parallel = (data.size() > 1).then_some(data);
         self.pipeline = if stages > 1 { Some(open(pipeline)?) } else { None };
@@ -397,23 +391,9 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
-    /// After micro-batch `k` of `n`'s backward pass: adds its loss (where the graph computes
-    /// the model's: `has_loss`) and scalars to the sums, and its gradients to the accumulated
-    /// ones.
-    fn collect_micro_batch(
-        &mut self,
-        sync: &mut dyn GradientSync<B>,
-        (k, n): (usize, usize),
-        has_loss: bool,
-        sums: &mut [f64],
-    ) -> Result<()> {
-        self.losses.collect(&self.train, has_loss, sums)?;
-        sync.micro_batch_done(&self.replicas(), k, n)
-    }
-
     /// What the gradient sync works on.
     fn replicas(&self) -> Replicas<'_, B> {
-        Replicas { ex: &self.train, weights: &self.optimizer, group: self.data_parallel.as_ref() }
+        Replicas { ex: &self.train, optimizer: &self.optimizer, group: self.data_parallel.as_ref() }
     }
 
     /// One weight update over `batches` (one per micro-batch). `lr` is this update's learning
@@ -447,34 +427,7 @@ impl<B: Backend> Session<B> {
         }
         // The loss, then each reported scalar, summed over the micro-batches.
         let mut sums = vec![0.0; 1 + self.losses.scalars.len()];
-        if let Some(part) = &self.stage {
-            let group = self.pipeline.as_ref().ok_or_else(|| {
-                Error::Runtime("a pipeline stage must join its pipeline group before training".into())
-            })?;
-            let (inputs, losses) = (&self.inputs, &mut self.losses);
-            let (weights, data) = (&self.optimizer, self.data_parallel.as_ref());
-            let feed = |ex: &Executor<B>, mb: usize| Self::feed(ex, inputs, &batches[mb]);
-            // After the run that computed micro-batch `mb`'s gradients (its backward pass).
-            let mut done = |ex: &Executor<B>, mb: usize| {
-                losses.collect(ex, part.is_last(), &mut sums)?;
-                sync.micro_batch_done(&Replicas { ex, weights, group: data }, mb, n)
-            };
-            part.run_step(&mut self.train, group, &mut self.messages, (n, seed), &feed, &mut done)?;
-        } else {
-            for (k, batch) in batches.iter().enumerate() {
-                Self::feed(&self.train, &self.inputs, batch)?;
-                let seed = crate::rng::mix(seed ^ k as u64);
-                let weights = (&self.optimizer, self.data_parallel.as_ref());
-                if k + 1 == n && sync.run_last_overlapped(&mut self.train, weights, seed, n)? {
-                    self.update_running_statistics()?;
-                    self.losses.collect(&self.train, true, &mut sums)?;
-                } else {
-                    self.train.run(seed)?;
-                    self.update_running_statistics()?;
-                    self.collect_micro_batch(sync, (k, n), true, &mut sums)?;
-                }
-            }
-        }
+        self.run_micro_batches(sync, batches, seed, &mut sums)?;
         // A weight held by several stages (a tied embedding) gets the sum of their gradients.
         self.sum_shared_gradients()?;
         // Data parallelism: every replica's gradient becomes the replicas' combination, the
@@ -510,6 +463,48 @@ impl<B: Backend> Session<B> {
         self.step += 1;
         sync.update(&self.replicas(), StepValues { lr, step: self.step, grad_scale })?;
         Ok(StepResult { loss: means[0], grad_norm, scalars, loss_scale, skipped_steps, skipped: false })
+    }
+
+    /// Every micro-batch's forward and backward pass (a stage's in its schedule's order),
+    /// their losses and scalars added to `sums` and their gradients handed to `sync`.
+    fn run_micro_batches(
+        &mut self,
+        sync: &mut dyn GradientSync<B>,
+        batches: &[BTreeMap<String, Tensor>],
+        seed: u64,
+        sums: &mut [f64],
+    ) -> Result<()> {
+        let n = batches.len();
+        if let Some(part) = &self.stage {
+            let group = self.pipeline.as_ref().ok_or_else(|| {
+                Error::Runtime("a pipeline stage must join its pipeline group before training".into())
+            })?;
+            let (inputs, losses) = (&self.inputs, &mut self.losses);
+            let (optimizer, data) = (&self.optimizer, self.data_parallel.as_ref());
+            let feed = |ex: &Executor<B>, mb: usize| Self::feed(ex, inputs, &batches[mb]);
+            // After the run that computed micro-batch `mb`'s gradients (its backward pass).
+            let mut done = |ex: &Executor<B>, mb: usize| {
+                losses.collect(ex, part.is_last(), sums)?;
+                sync.micro_batch_done(&Replicas { ex, optimizer, group: data }, mb, n)
+            };
+            part.run_step(&mut self.train, group, &mut self.messages, (n, seed), &feed, &mut done)?;
+        } else {
+            for (k, batch) in batches.iter().enumerate() {
+                Self::feed(&self.train, &self.inputs, batch)?;
+                let seed = crate::rng::mix(seed ^ k as u64);
+                let on = (&self.optimizer, self.data_parallel.as_ref());
+                if k + 1 == n && sync.run_last_overlapped(&mut self.train, on, seed, n)? {
+                    self.update_running_statistics()?;
+                    self.losses.collect(&self.train, true, sums)?;
+                } else {
+                    self.train.run(seed)?;
+                    self.update_running_statistics()?;
+                    self.losses.collect(&self.train, true, sums)?;
+                    sync.micro_batch_done(&self.replicas(), k, n)?;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Moves the running statistics to the values the forward pass just computed, as PyTorch
@@ -639,11 +634,7 @@ impl<B: Backend> Session<B> {
 
     /// This rank's trainable weights by name (its stage's, under pipeline parallelism).
     pub fn weights(&self) -> Result<BTreeMap<String, Tensor>> {
-        self.optimizer
-            .params
-            .iter()
-            .map(|p| Ok((self.train.graph.name_of(p.value).to_string(), self.train.fetch(p.value)?)))
-            .collect()
+        self.optimizer.weights(&self.train)
     }
 
     /// Every trained weight of the model, on the rank that holds the first pipeline stage of

@@ -4,7 +4,7 @@
 //! differentiated (with recomputation), fused, and each trained weight given its gradient and
 //! update rule. `Session::new` plans it on a backend and allocates what the weights need beside it.
 
-use super::{bindings_for, buffers, forward_passes, whole_buffers, SessionOptions};
+use super::{bindings_for, buffers, forward_passes, SessionOptions};
 use crate::autodiff;
 use crate::error::{Error, Result};
 use crate::graph::fuse;
@@ -318,7 +318,7 @@ fn state_bytes(
         .iter()
         .zip(updates)
         .map(|(&v, (update, _))| {
-            let (state, accum) = whole_buffers(opts, update, accumulation);
+            let (state, accum) = crate::parallel::zero::whole_buffers(opts.zero, update, accumulation);
             (state + usize::from(accum)).saturating_mul(g.meta(v).map_or(0, Meta::bytes))
         })
         .fold(0, usize::saturating_add);
