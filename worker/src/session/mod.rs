@@ -16,6 +16,7 @@
 //!   gets the same gradient on every tensor-parallel rank and counts once, on rank 0.
 
 pub mod buffers;
+mod evaluation;
 mod losses;
 mod training_graph;
 
@@ -30,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::exec::optimizer::{OptimizerState, Param, StepValues};
 use crate::exec::Executor;
 use crate::graph::fuse;
-use crate::graph::infer::{bind, Bindings};
+use crate::graph::infer::Bindings;
 use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::models::Model;
 use crate::optim::scaler::LossScaler;
@@ -39,13 +40,11 @@ use crate::parallel::stage::{Messages, StagePart};
 use crate::parallel::tensor::TensorSplit;
 use crate::parallel::{CommSpan, GradientSync, Replicas, SyncOptions};
 use crate::tensor::{DType, Tensor};
+use evaluation::{Evaluation, Part};
 use losses::Losses;
 use std::collections::{BTreeMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
-
-/// The shape of each input of a batch, by name.
-type BatchShapes = BTreeMap<String, Vec<usize>>;
 
 /// What the session needs to know beyond the model.
 #[derive(Clone, Debug)]
@@ -141,20 +140,14 @@ pub struct StepResult {
 
 pub struct Session<B: Backend> {
     pub train: Executor<B>,
-    /// The evaluation executor, planned on first use for the shapes of the evaluation batches
-    /// (which need not be the training batches').
-    eval: Option<(BatchShapes, Executor<B>)>,
-    /// The model's forward graph and loss, unbound, with what evaluation binds it with.
-    forward: Graph,
-    variables: HashSet<ValueId>,
-    disabled_passes: Vec<String>,
+    /// The forward graph and loss evaluation runs, planned on first use.
+    eval: Evaluation<B>,
     /// The trained weights with their gradients and optimizer state.
     optimizer: OptimizerState<B>,
     /// BatchNormalization's running statistics, updated after every training forward pass.
     running: Vec<buffers::RunningStatistic>,
     /// The step's loss and reported scalars, summed over its micro-batches.
     losses: Losses<B>,
-    eval_loss: ValueId,
     inputs: BTreeMap<String, ValueId>,
     /// Model FLOPs of one micro-batch's forward and backward pass (graph::flops).
     pub flops_per_batch: f64,
@@ -176,8 +169,6 @@ pub struct Session<B: Backend> {
     messages: Vec<Messages<B>>,
     /// Trained weights of the whole model by name (of every stage), for validation and export.
     all_weights: Vec<(String, Meta)>,
-    /// Mixed precision's half type (evaluation graphs are cast alike).
-    half: Option<DType>,
     /// fp16's loss scale, and the training graph's input that takes it.
     scaler: Option<LossScaler>,
     loss_scale_input: Option<ValueId>,
@@ -280,14 +271,10 @@ impl<B: Backend> Session<B> {
         let losses = Losses::new(&train, t.loss, t.scalars)?;
         Ok(Session {
             train,
-            eval: None,
-            forward: t.forward,
-            variables: t.variables,
-            disabled_passes: opts.disabled_passes.clone(),
+            eval: Evaluation::new((t.forward, model.loss), t.variables, opts.disabled_passes.clone(), opts.half),
             optimizer: OptimizerState { params },
             running: t.running,
             losses,
-            eval_loss: model.loss,
             inputs: t.inputs,
             flops_per_batch: t.flops_per_batch,
             data_parallel: None,
@@ -304,7 +291,6 @@ impl<B: Backend> Session<B> {
             messages: Vec::new(),
             all_weights: t.all_weights,
             tensor: opts.tensor,
-            half: opts.half,
             scaler: opts.loss_scaler.clone(),
             loss_scale_input: t.loss_scale_input,
             last_loss_scale: 1.0,
@@ -557,25 +543,9 @@ impl<B: Backend> Session<B> {
     /// (over the data-parallel replicas' batches too).
     pub fn evaluate(&mut self, batches: &[BTreeMap<String, Tensor>]) -> Result<f64> {
         let Some(first) = batches.first() else { return Ok(f64::NAN) };
-        let shapes: BatchShapes = first.iter().map(|(k, t)| (k.clone(), t.shape().to_vec())).collect();
-        if self.eval.as_ref().is_none_or(|(planned, _)| *planned != shapes) {
-            // Forward + loss in inference mode (dropout off), fused like the training graph; a
-            // pipeline stage's part of it, cut where the training graph was.
-            let mut g = bind(&self.forward, &bindings_for(&self.forward, first, &self.variables)?, false)?;
-            if let Some(t) = self.tensor {
-                crate::parallel::tensor::shard(&mut g, self.eval_loss, t.rank, t.size)?;
-            }
-            if let Some(part) = &self.stage {
-                g = part.eval_graph(g, self.eval_loss)?;
-            }
-            let sends = self.stage.as_ref().map_or(&[][..], |p| &p.sends[..]);
-            forward_passes(&mut g, self.eval_loss, sends, &self.disabled_passes, self.half, &self.variables)?;
-            fuse::run(&mut g, &self.disabled_passes);
-            let mut ex = Executor::new(self.train.backend.clone(), g, &[])?;
-            ex.tensor_group = self.tensor_group.clone();
-            self.eval = Some((shapes, ex));
-        }
-        let eval = &mut self.eval.as_mut().expect("planned above").1;
+        let part = Part { tensor: self.tensor, stage: self.stage.as_ref(), tensor_group: self.tensor_group.clone() };
+        let loss = self.eval.loss;
+        let eval = self.eval.executor(&self.train.backend, first, part)?;
         for v in self.optimizer.params.iter().map(|p| p.value).chain(self.running.iter().map(|r| r.value)) {
             let w = self.train.fetch(v)?;
             eval.feed(v, &w)?;
@@ -589,12 +559,12 @@ impl<B: Backend> Session<B> {
                     eval.run(0)?;
                     part.send_activations(eval, group)?;
                     if part.is_last() {
-                        total[0] += losses::scalar(&eval.fetch(self.eval_loss)?);
+                        total[0] += losses::scalar(&eval.fetch(loss)?);
                     }
                 }
                 _ => {
                     eval.run(0)?;
-                    total[0] += losses::scalar(&eval.fetch(self.eval_loss)?);
+                    total[0] += losses::scalar(&eval.fetch(loss)?);
                 }
             }
         }
