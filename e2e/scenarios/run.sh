@@ -29,10 +29,11 @@ done
 logs=$TENSORFLEET_E2E_CLUSTER/scenario-logs
 mkdir -p "$logs"
 
-# run_one TARGET NAME: the test, its output in its log, its result line printed.
+# run_one TARGET NAME: the test, its output in its log, its result line printed. The tests that
+# need the cluster are ignored by a plain `cargo test`; here they run (--include-ignored).
 run_one() {
     local start=$SECONDS result=ok
-    "${test_cmd[@]}" --test "$1" -- --exact "$2" >"$logs/$1::$2.log" 2>&1 || result=FAILED
+    "${test_cmd[@]}" --test "$1" -- --exact "$2" --include-ignored >"$logs/$1::$2.log" 2>&1 || result=FAILED
     echo "== e2e: $1::$2: $result in $((SECONDS - start)) s"
     [[ $result == ok ]]
 }

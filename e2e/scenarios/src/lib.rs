@@ -129,7 +129,8 @@ fn processes() -> Vec<(u32, Vec<String>)> {
 
 impl Cluster {
     /// The cluster `make e2e` started. Panics with what to do when there is none: these tests
-    /// cannot run without it and must not pass without it.
+    /// cannot run without it and must not pass without it (they are `#[ignore]`d, so a plain
+    /// `cargo test` lists them as ignored; e2e/scenarios/run.sh runs them).
     pub async fn connect() -> Cluster {
         let dir = std::env::var_os(CLUSTER_VAR).map(PathBuf::from).unwrap_or_else(|| {
             panic!("{CLUSTER_VAR} is not set: run the scenarios with `make e2e` (as root), which brings up the local cluster")

@@ -11,6 +11,7 @@ use tensorfleet_e2e::{long_quickstart, losses, metrics, phase, wait_for_path, Cl
 /// Scenario 5: restarting the operator mid-job (deleting its pod; the Deployment makes a new
 /// one) duplicates and orphans nothing, and the job completes.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn restarting_the_operator_mid_job_duplicates_nothing_and_the_job_completes() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("operator-restart").await;
@@ -52,6 +53,7 @@ async fn restarting_the_operator_mid_job_duplicates_nothing_and_the_job_complete
 /// The API server killed and started again mid-job: the operator's watches come back, no pod
 /// is duplicated, recreated or orphaned, and the job completes without a restart.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn restarting_the_api_server_mid_job_duplicates_nothing_and_the_job_completes() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("apiserver-restart").await;
@@ -97,6 +99,7 @@ async fn restarting_the_api_server_mid_job_duplicates_nothing_and_the_job_comple
 /// on the other nodes (its pods there removed at once, their kubelet being gone) and resumes from
 /// the newest checkpoint to the end. The node comes back afterwards.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_lost_node_restarts_the_gang_on_the_other_nodes_which_resumes() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("lost-node").await;

@@ -14,6 +14,7 @@ use tensorfleet_e2e::{long_quickstart, losses, metrics, phase, quickstart, wait_
 /// to Succeeded; its status shows progress while it runs; the claim holds the checkpoints, the
 /// TensorBoard events and the exported model.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn cpu_quickstart_trains_to_succeeded_with_progress_and_outputs_on_the_claim() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("quickstart").await;
@@ -86,6 +87,7 @@ async fn cpu_quickstart_trains_to_succeeded_with_progress_and_outputs_on_the_cla
 /// field named; a job whose model file is corrupt fails at once (exit code 3, no restart) with
 /// the worker's own message in its status.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn bad_input_is_refused_or_fails_fast_with_the_workers_message() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("bad-input").await;
@@ -135,6 +137,7 @@ async fn bad_input_is_refused_or_fails_fast_with_the_workers_message() {
 /// Scenario 8: deleting a running job removes every child object; the claim stays with
 /// reclaimPolicy Retain (the default) and goes, with its directory, with Delete.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn deleting_a_running_job_removes_its_children_and_keeps_the_claim_as_asked() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("delete").await;
@@ -197,6 +200,7 @@ async fn deleting_a_running_job_removes_its_children_and_keeps_the_claim_as_aske
 /// the job's launcher can (and the job trains). The local cluster enforces NetworkPolicy with
 /// kube-router's network policy controller (e2e/nodes/up.sh).
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn network_isolation_admits_only_the_jobs_own_pods() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("isolated").await;
@@ -250,6 +254,7 @@ async fn uninterrupted_losses(cluster: &Cluster, ns: &str, name: &str) -> std::c
 /// Restarting), training resumes from the newest checkpoint, and the final per-step losses are
 /// the uninterrupted run's.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_killed_worker_restarts_the_gang_which_resumes_to_the_uninterrupted_losses() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("kill-worker").await;
@@ -309,6 +314,7 @@ async fn a_killed_worker_restarts_the_gang_which_resumes_to_the_uninterrupted_lo
 /// v1), the job restarts with the reason OOMKilled naming the pod, and resumes from its newest
 /// checkpoint to the end.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_worker_over_its_memory_limit_is_oom_killed_and_the_job_resumes() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("oom").await;
@@ -353,6 +359,7 @@ const HOG: &str = "head -c 3G /dev/zero | tail -n 1 >/dev/null";
 /// Scenario 6: suspending a running job deletes its pods; resuming brings them back, the
 /// active-deadline clock starts again, and the job completes.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn suspend_then_resume_brings_the_pods_back_and_resets_the_deadline_clock() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("suspend").await;
@@ -406,6 +413,7 @@ async fn suspend_then_resume_brings_the_pods_back_and_resets_the_deadline_clock(
 /// partial checkpoint behind (its temporary directory); the restarted gang never loads it,
 /// resumes from the checkpoint before, and ends with the uninterrupted run's losses.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_worker_killed_while_writing_a_checkpoint_never_has_that_checkpoint_loaded() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("kill-in-checkpoint").await;
@@ -475,6 +483,7 @@ async fn a_worker_killed_while_writing_a_checkpoint_never_has_that_checkpoint_lo
 /// Scenario 2: a 3D-parallel job (data 2 × tensor 2 × pipeline 2: 2 worker pods × 4 slots)
 /// trains to Succeeded with the losses of the same training in a single process.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_3d_parallel_job_trains_to_the_losses_of_its_single_process_run() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("three-d").await;
@@ -529,6 +538,7 @@ async fn a_3d_parallel_job_trains_to_the_losses_of_its_single_process_run() {
 /// A job whose image is not on the nodes (pull policy Never, as in this cluster) waits, as the
 /// kubelet keeps trying; its status names the image and the kubelet's reason.
 #[tokio::test]
+#[ignore = "needs the local cluster of `make e2e` (TENSORFLEET_E2E_CLUSTER)"]
 async fn a_missing_image_is_named_in_the_jobs_status() {
     let cluster = Cluster::connect().await;
     let ns = cluster.namespace("missing-image").await;
