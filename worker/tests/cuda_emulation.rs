@@ -594,13 +594,17 @@ fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
 
 /// LayerNorm and RMSNorm (`rms`) forward and backward against the CPU's, with Y written and dY
 /// read in f32, bf16 and f16 (`layer_norm_casts`), over rows of a few columns to more than a
-/// block's threads.
+/// block's threads, and the gradient with another added to dX (`layer_norm_grad_add`).
 #[test]
 fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
-    for (rows, cols) in [(130, 48), (3, 768), (2, 4096 + 40)] {
+    // Rows of one chunk each, chunks of three rows and a last of one, rows of most of 8 · 1024
+    // columns (one sweep), and wider ones (a row kernel and column sums).
+    let shapes = [(130, 48), (2101, 40), (3, 768), (2, 4096 + 40), (2, 8192 + 64)];
+    for (rows, cols) in shapes {
         let x = |shape: &[usize], salt: usize| Tensor::from_vec(shape, values(shape.iter().product(), salt));
         let (a, scale, bias, dy) = (x(&[rows, cols], 1), x(&[cols], 2), x(&[cols], 3), x(&[rows, cols], 4));
+        let added = x(&[rows, cols], 5);
         let stat = Meta::new(DType::F32, &[rows, 1]);
         for (half, rms) in [DType::F32, DType::BF16, DType::F16].into_iter().flat_map(|h| [(h, false), (h, true)]) {
             let what = format!("{} of [{rows}, {cols}], {half} Y and dY", if rms { "RMSNorm" } else { "LayerNorm" });
@@ -609,17 +613,30 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
             let ins = if rms { vec![a.clone(), scale.clone()] } else { vec![a.clone(), scale.clone(), bias.clone()] };
             let (g, c) = (run_typed(&gpu, &ln, &ins, &outs), run_typed(&cpu, &ln, &ins, &outs));
             close_as_f32(&what, &g, &c, if half == DType::F32 { 1e-5 } else { 2f32.powi(-8) });
-            let ins = [dy.cast(half), a.clone(), scale.clone(), c[1].clone(), c[2].clone()];
+            let mut ins = vec![dy.cast(half), a.clone(), scale.clone(), c[1].clone(), c[2].clone()];
             let grad = Op::LayerNormGrad { axis: -1, rms };
             let f32s = |shape: &[usize]| Meta::new(DType::F32, shape);
             let outs = [f32s(&[rows, cols]), f32s(&[cols]), f32s(&[cols])];
             let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
             close_as_f32(&format!("{what}: gradient"), &g, &c, 1e-5);
+            if cols > 8192 {
+                continue;
+            }
+            // With a gradient added to dX (layer_norm_grad_add): dX plus it, the sums unchanged.
+            ins.push(added.clone());
+            let (g_added, c_added) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            let sum: Vec<f32> =
+                c[0].as_slice::<f32>().iter().zip(added.as_slice::<f32>()).map(|(d, e)| d + e).collect();
+            let expected = [Tensor::from_vec(&[rows, cols], sum), c[1].clone(), c[2].clone()];
+            close_as_f32(&format!("{what}: gradient plus another (CPU)"), &c_added, &expected, 1e-5);
+            close_as_f32(&format!("{what}: gradient plus another"), &g_added, &c_added, 1e-5);
         }
     }
     let launches = launches_of(&gpu, &["layer_norm"]);
     let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
-    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(6); 3], [Some(6); 3]));
+    let (forward, one_sweep, wide) =
+        (per_type("layer_norm_rows"), per_type("layer_norm_grad_chunk"), per_type("layer_norm_grad_rows"));
+    assert_eq!((forward, one_sweep, wide), ([Some(10); 3], [Some(16); 3], [Some(2); 3]));
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core

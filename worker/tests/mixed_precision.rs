@@ -167,6 +167,30 @@ fn layer_norms_writing_and_reading_half_change_no_bit() {
     }
 }
 
+/// The layer_norm_grad_add fusion (each LayerNorm's gradient adds the residual branch's
+/// gradient of its input as it writes dX, instead of a sum after it) is exact in f32, bf16 and
+/// fp16: the same losses and weights, bit for bit. In GPT-2 every LayerNorm's input but the
+/// last's also feeds a residual add, so all but ln_f's gradient take one.
+#[test]
+fn layer_norm_gradients_adding_the_residuals_change_no_bit() {
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let run = |disabled: &[&str]| {
+            let mut s = session_without(half, disabled);
+            let g = &s.train.graph;
+            let grads = g.nodes.iter().filter(|n| matches!(n.op, Op::LayerNormGrad { .. }));
+            let adding = grads.clone().filter(|n| n.inputs.len() == 6).count();
+            let sums = g.nodes.iter().filter(|n| n.name.ends_with("_grad_sum")).count();
+            ((grads.count(), adding, sums), losses(&mut s, 3), s.weights().unwrap())
+        };
+        let ((grads, adding, sums), with, w_with) = run(&[]);
+        let ((_, unfused, unfused_sums), without, w_without) = run(&["layer_norm_grad_add"]);
+        assert!(grads == 5 && adding == grads - 1 && unfused == 0, "{half:?}: {adding} of {grads} fused");
+        assert_eq!(unfused_sums - sums, adding, "{half:?}: each fused gradient takes one sum's place");
+        assert_eq!(with, without, "{half:?}: losses");
+        assert!(w_with == w_without, "{half:?}: weights differ");
+    }
+}
+
 /// The loss_lse fusion (the loss keeps each row's log-sum-exp, its gradient recomputes the
 /// softmax from the logits) is exact in f32, bf16 and fp16: the same losses and weights, bit for
 /// bit, as the log-probabilities it no longer stores; and no [N, V] f32 value is left.

@@ -15,6 +15,7 @@ pub const PASSES: &[&str] = &[
     "loss_casts",
     "loss_lse",
     "layer_norm_casts",
+    "layer_norm_grad_add",
 ];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
@@ -58,6 +59,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "loss_casts" => loss_casts(g),
             "loss_lse" => loss_lse(g),
             "layer_norm_casts" => layer_norm_casts(g),
+            "layer_norm_grad_add" => layer_norm_grad_add(g),
             _ => 0,
         };
         report.push((p, n));
@@ -253,6 +255,44 @@ fn layer_norm_casts(g: &mut Graph) -> usize {
                 fused += 1;
             }
             _ => {}
+        }
+    }
+    fused
+}
+
+/// Add(G, LayerNormGrad's dX)  ⇒  LayerNormGrad(…, G) writing the sum: a pre-norm block's
+/// residual stream feeds its LayerNorm and the residual add, so autodiff sums the two gradients
+/// of every block's input, an f32 sweep that reads both and writes the sum. The LayerNorm's
+/// gradient adds G as it writes dX instead (one more read, no sweep). G must be computed before
+/// the LayerNormGrad runs, f32 and shaped like dX (no broadcast), and dX read by the Add alone.
+fn layer_norm_grad_add(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        if g.nodes[i].op != Op::Binary(Binary::Add) || g.nodes[i].inputs.len() != 2 {
+            continue;
+        }
+        let (Some(l), Some(r), Some(sum)) = (g.nodes[i].input(0), g.nodes[i].input(1), g.nodes[i].output(0)) else {
+            continue;
+        };
+        for (dx, other) in [(l, r), (r, l)] {
+            let Some(p) = producers[dx] else { continue };
+            let node = &g.nodes[p];
+            let is_dx = matches!(node.op, Op::LayerNormGrad { .. }) && node.output(0) == Some(dx);
+            let f32_alike = g.meta(dx).is_some_and(|m| m.dtype == DType::F32)
+                && g.meta(other) == g.meta(dx)
+                && g.meta(sum) == g.meta(dx);
+            let ready = producers[other].is_none_or(|q| q < p);
+            if !is_dx || node.inputs.len() != 5 || uses[dx] != 1 || g.outputs.contains(&dx) || !f32_alike || !ready {
+                continue;
+            }
+            g.nodes[p].inputs.push(Some(other));
+            g.nodes[p].outputs[0] = Some(sum);
+            // The Add now writes nothing anyone reads; prune removes it.
+            g.nodes[i].outputs.clear();
+            fused += 1;
+            break;
         }
     }
     fused

@@ -205,9 +205,10 @@ fn layer_norm_reference(
     Ok(())
 }
 
-/// dY, X, scale, mean, inv_std → dX, dScale, dBias.
+/// dY, X, scale, mean, inv_std (, dX_in) → dX, dScale, dBias.
 /// With x̂ = (x−μ)·σ⁻¹ and g = dY⊙scale: dX = σ⁻¹ (g − mean(g) − x̂ mean(g⊙x̂)); RMSNorm's
-/// (`rms`, μ = 0) has no mean(g) term, as nothing was taken out of x.
+/// (`rms`, μ = 0) has no mean(g) term, as nothing was taken out of x. dX_in, where the graph
+/// added a gradient to dX (fuse.rs's layer_norm_grad_add), is added to it.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_norm_grad(
     axis: i64,
@@ -217,6 +218,7 @@ pub fn layer_norm_grad(
     scale: &TensorView,
     mean: &TensorView,
     inv_std: &TensorView,
+    dx_in: Option<&TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
     let a = norm_axis(axis, x.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;
@@ -225,6 +227,10 @@ pub fn layer_norm_grad(
     let (dys, xs, g) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), scale.as_slice::<f32>());
     let (mu, inv) = (mean.as_slice::<f32>(), inv_std.as_slice::<f32>());
     let [dx, dscale, dbias] = outs else { return refused!("LayerNormGrad needs 3 outputs") };
+    let dx_in = dx_in.map(|d| d.as_slice::<f32>());
+    if dx_in.is_some_and(|d| d.len() != xs.len()) {
+        return refused!("LayerNormGrad's added gradient must be shaped like the input");
+    }
     // Per-thread partial sums of dScale and dBias, merged after: rows are split across threads.
     let chunk = rows.div_ceil(rayon::current_num_threads().max(1)).max(1);
     let partials: Vec<(Vec<f32>, Vec<f32>)> = dx
@@ -250,9 +256,10 @@ pub fn layer_norm_grad(
                 }
                 mean_g = if rms { 0.0 } else { mean_g / cols as f32 };
                 mean_gx /= cols as f32;
+                let add = dx_in.map(|d| &d[r * cols..(r + 1) * cols]);
                 for j in 0..cols {
                     let xh = (xr[j] - m) * s;
-                    dxr[j] = s * (dyr[j] * g[j] - mean_g - xh * mean_gx);
+                    dxr[j] = add.map_or(0.0, |a| a[j]) + s * (dyr[j] * g[j] - mean_g - xh * mean_gx);
                 }
             }
             (ds, db)

@@ -929,20 +929,22 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             let (dy, a, scale, mean, inv) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
-            let (dscale, dbias) = (outs.get(1).map(|o| o.at), outs.get(2).map(|o| o.at));
-            dev.kernel(
-                &typed("layer_norm_grad_rows", dy.dtype())?,
-                per_row(rows),
-                &mut params![*rms as i32, cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, y.at],
-            )?;
-            if let Some(dscale) = dscale {
-                let x_hat = Some((a.at, mean.at, inv.at));
-                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, x_hat, dscale)?;
+            let dx_in = ins.get(5).copied().flatten();
+            if dx_in.is_some_and(|d| d.n() != a.n() || d.dtype() != DType::F32) {
+                return refused!("LayerNormGrad's added gradient must be f32 and shaped like the input");
             }
-            if let Some(dbias) = dbias {
-                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, None, dbias)?;
-            }
-            Ok(())
+            let io = LayerNormGradIo {
+                dy,
+                x: a.at,
+                scale: scale.at,
+                mean: mean.at,
+                inv: inv.at,
+                dx_in: dx_in.map(|d| d.at),
+                dx: y.at,
+                dscale: outs.get(1).map(|o| o.at),
+                dbias: outs.get(2).map(|o| o.at),
+            };
+            layer_norm_grad(dev, *rms, [rows, cols], io)
         }
         Op::Gather { axis, .. } => {
             let (data, ids) = (x(0)?, x(1)?);
@@ -1730,6 +1732,71 @@ fn label_weights(
     Ok(wide)
 }
 
+/// What a LayerNorm's gradient reads (dY; the forward pass's input, scale and statistics; the
+/// gradient the graph adds to dX, if any) and writes (dX, and dScale and dBias where read).
+struct LayerNormGradIo<'a> {
+    dy: V<'a>,
+    x: Ptr,
+    scale: Ptr,
+    mean: Ptr,
+    inv: Ptr,
+    dx_in: Option<Ptr>,
+    dx: Ptr,
+    dscale: Option<Ptr>,
+    dbias: Option<Ptr>,
+}
+
+/// The columns of a row each thread of `layer_norm_grad_chunk` holds (rows.cu's LN_GRAD_COLS).
+const LN_GRAD_COLS: usize = 8;
+/// About how many blocks `layer_norm_grad_chunk` is given: enough chunks of rows to fill a GPU
+/// several times over, few enough that adding the chunks' column sums is short.
+const LN_GRAD_CHUNKS: usize = 1024;
+
+/// dX (plus `dx_in`, when the graph added a gradient to it) and the column sums dScale and
+/// dBias, where the step reads them: in one sweep over dY and x for rows a block holds in
+/// registers (`layer_norm_grad_chunk`; every transformer's width), else a row kernel and a
+/// column sum for each.
+fn layer_norm_grad(dev: Dev, rms: bool, [rows, cols]: [usize; 2], io: LayerNormGradIo) -> Result<(), BackendError> {
+    let LayerNormGradIo { dy, x, scale, mean, inv, dx_in, dx, dscale, dbias } = io;
+    let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
+    if cols <= LN_GRAD_COLS * threads {
+        let chunks = rows.clamp(1, LN_GRAD_CHUNKS);
+        let rows_per_chunk = rows.div_ceil(chunks).max(1);
+        let chunks = rows.div_ceil(rows_per_chunk).max(1);
+        let partial = dev.scratch(2 * chunks * cols * 4)?;
+        let cfg =
+            LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+        let (r, c, per) = (rows as i64, cols as i64, rows_per_chunk as i64);
+        dev.kernel(
+            &typed("layer_norm_grad_chunk", dy.dtype())?,
+            cfg,
+            &mut params![rms as i32, r, c, per, dy.at, x, scale, mean, inv, dx_in.unwrap_or(NULL), dx, partial],
+        )?;
+        for (k, out) in [dscale, dbias].into_iter().enumerate() {
+            if let Some(out) = out {
+                let part = Ptr(partial.0 + (k * chunks * cols * 4) as u64);
+                column_sum_finish(dev, DType::F32, chunks, cols, part, out)?;
+            }
+        }
+        return Ok(());
+    }
+    if dx_in.is_some() {
+        return refused!("LayerNormGrad over rows of {cols} (over {}) with an added gradient", LN_GRAD_COLS * 1024);
+    }
+    dev.kernel(
+        &typed("layer_norm_grad_rows", dy.dtype())?,
+        per_row(rows),
+        &mut params![rms as i32, cols as i64, dy.at, x, scale, mean, inv, dx],
+    )?;
+    if let Some(dscale) = dscale {
+        column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, Some((x, mean, inv)), dscale)?;
+    }
+    if let Some(dbias) = dbias {
+        column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, None, dbias)?;
+    }
+    Ok(())
+}
+
 /// Column sums of [rows, cols] at `v` into `out`, optionally of v·x̂ (LayerNorm's dScale):
 /// chunks of rows first, then the chunks in order, so the bits never depend on scheduling.
 /// `v` and `out` of the types `[from, to]`; the sums are f32.
@@ -1756,8 +1823,25 @@ fn column_sum(
         cfg,
         &mut params![rows as i64, cols as i64, ROWS_PER_CHUNK as i64, v, xp, mean, inv, partial],
     )?;
-    let finish = typed("column_sum_finish", to)?;
-    dev.kernel(&finish, elementwise(cols), &mut params![chunks as i64, cols as i64, partial, out])
+    column_sum_finish(dev, to, chunks, cols, partial, out)
+}
+
+/// The chunks' partial column sums ([chunks, cols], f32) added into `out`, of type `to`: a
+/// block of 1024 threads per 32 columns (rows.cu's column_sum_finish).
+fn column_sum_finish(
+    dev: Dev,
+    to: DType,
+    chunks: usize,
+    cols: usize,
+    partial: Ptr,
+    out: Ptr,
+) -> Result<(), BackendError> {
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(32).max(1) as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    dev.kernel(&typed("column_sum_finish", to)?, cfg, &mut params![chunks as i64, cols as i64, partial, out])
 }
 
 /// ReduceSumTo: the gradient of a broadcast, summed back to the operand's shape.

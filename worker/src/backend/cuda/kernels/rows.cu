@@ -145,6 +145,80 @@ extern "C" __global__ void layer_norm_grad_rows_bf16(int rms, i64 cols, const u1
     layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx);
 }
 
+// LayerNormalization's whole backward pass in one sweep over dY and x, for rows of up to
+// LN_GRAD_COLS × blockDim.x columns (launch.rs sizes the block; wider rows take the kernel
+// above and two column_sum passes). A block takes `rows_per_chunk` rows one after another;
+// each thread the columns j ≡ threadIdx.x (mod blockDim.x), whose dY and x̂ it keeps in
+// registers between the row's reduction and its dX, and whose dScale (dY·x̂) and dBias (dY)
+// it sums over the chunk in registers. The chunk's sums go to partial[0][chunk][cols] and
+// partial[1][chunk][cols], which column_sum_finish adds in chunk order, so the bits never
+// depend on scheduling. dx_in, when not null, is the gradient the graph added to dX (the
+// residual branch's: fuse.rs's layer_norm_grad_add), added here instead of in its own sweep.
+#define LN_GRAD_COLS 8
+template <class S>
+__device__ void layer_norm_grad_chunk(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const typename S::T* dy,
+                                      const float* x, const float* scale, const float* mean, const float* inv_std,
+                                      const float* dx_in, float* dx, float* partial) {
+    float sc[LN_GRAD_COLS], ds[LN_GRAD_COLS], db[LN_GRAD_COLS], d[LN_GRAD_COLS], xh[LN_GRAD_COLS];
+#pragma unroll
+    for (int k = 0; k < LN_GRAD_COLS; ++k) {
+        i64 j = threadIdx.x + k * (i64)blockDim.x;
+        sc[k] = j < cols ? scale[j] : 0.f;
+        ds[k] = db[k] = 0.f;
+    }
+    i64 chunk = blockIdx.x, r0 = chunk * rows_per_chunk;
+    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
+    for (i64 r = r0; r < r1; ++r) {
+        float mu = mean[r], inv = inv_std[r], sg = 0.f, sgx = 0.f;
+#pragma unroll
+        for (int k = 0; k < LN_GRAD_COLS; ++k) {
+            i64 j = threadIdx.x + k * (i64)blockDim.x;
+            d[k] = j < cols ? S::load(dy[r * cols + j]) : 0.f;
+            xh[k] = j < cols ? (x[r * cols + j] - mu) * inv : 0.f;
+            float g = d[k] * sc[k];
+            sg += g;
+            sgx += g * xh[k];
+            ds[k] += d[k] * xh[k];
+            db[k] += d[k];
+        }
+        float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
+        float mean_gx = block_sum(sgx) / (float)cols;
+#pragma unroll
+        for (int k = 0; k < LN_GRAD_COLS; ++k) {
+            i64 j = threadIdx.x + k * (i64)blockDim.x;
+            if (j < cols)
+                dx[r * cols + j] = (dx_in ? dx_in[r * cols + j] : 0.f) + inv * (d[k] * sc[k] - mean_g - xh[k] * mean_gx);
+        }
+    }
+    i64 chunks = gridDim.x;
+#pragma unroll
+    for (int k = 0; k < LN_GRAD_COLS; ++k) {
+        i64 j = threadIdx.x + k * (i64)blockDim.x;
+        if (j < cols) {
+            partial[chunk * cols + j] = ds[k];
+            partial[(chunks + chunk) * cols + j] = db[k];
+        }
+    }
+}
+extern "C" __global__ void layer_norm_grad_chunk_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const float* dy,
+                                                     const float* x, const float* scale, const float* mean,
+                                                     const float* inv_std, const float* dx_in, float* dx,
+                                                     float* partial) {
+    layer_norm_grad_chunk<F32>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+extern "C" __global__ void layer_norm_grad_chunk_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const u16* dy,
+                                                     const float* x, const float* scale, const float* mean,
+                                                     const float* inv_std, const float* dx_in, float* dx,
+                                                     float* partial) {
+    layer_norm_grad_chunk<F16>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+extern "C" __global__ void layer_norm_grad_chunk_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const u16* dy,
+                                                      const float* x, const float* scale, const float* mean,
+                                                      const float* inv_std, const float* dx_in, float* dx,
+                                                      float* partial) {
+    layer_norm_grad_chunk<BF16>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and
 // writes its partial sums to partial[chunk, cols]; column_sum_finish adds the chunks in order.
 // With `x_hat`, each element is first multiplied by (x − mean[r])·inv_std[r] (LayerNorm's
@@ -182,12 +256,25 @@ extern "C" __global__ void column_sum_partial_bf16(i64 rows, i64 cols, i64 rows_
     column_sum_partial<BF16>(rows, cols, rows_per_chunk, v, x, mean, inv_std, partial);
 }
 
+// The chunks' partial sums of 32 columns per block (of 1024 threads), added in one fixed order:
+// warp w takes chunks w, w + 32, …, then one warp adds the 32 warps' sums in order. The
+// chunks' loads are spread over the block's warps: one thread per column walking every chunk
+// was a long chain of dependent loads over a grid of a few blocks (a LayerNorm's 768 columns).
+#define FINISH_WARPS 32
 template <class S>
 __device__ void column_sum_finish(i64 chunks, i64 cols, const float* partial, typename S::T* out) {
-    for (i64 c = first_index(); c < cols; c += grid_stride()) {
-        float s = 0.f;
-        for (i64 k = 0; k < chunks; ++k) s += partial[k * cols + c];
-        out[c] = S::store(s);
+    __shared__ float sums[FINISH_WARPS][33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    i64 c = (i64)blockIdx.x * 32 + lane;
+    float s = 0.f;
+    if (c < cols)
+        for (i64 k = w; k < chunks; k += FINISH_WARPS) s += partial[k * cols + c];
+    sums[w][lane] = s;
+    __syncthreads();
+    if (w == 0 && c < cols) {
+        float total = 0.f;
+        for (int k = 0; k < FINISH_WARPS; ++k) total += sums[k][lane];
+        out[c] = S::store(total);
     }
 }
 extern "C" __global__ void column_sum_finish_f32(i64 chunks, i64 cols, const float* partial, float* out) {
