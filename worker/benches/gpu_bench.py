@@ -10,7 +10,10 @@ torchvision, transformers or onnx: the PyTorch models are pytorch_peer.py's).
 
 The models (--model):
   - gpt2: GPT-2 124M as llm.c and nanoGPT train it: 12 layers, 12 heads, embed 768, seq 1024,
-    vocab 50257, tied LM head, tanh GELU, on random tokens; the worker's builtin `model.gpt2`.
+    vocab 50257, tied LM head, tanh GELU, on random tokens; the worker's builtin `model.gpt2`,
+    its vocabulary padded to a multiple of --vocab-multiple (128: 50304, as nanoGPT and
+    Megatron pad it; the padded logits masked, so the same model; 1 leaves it at 50257).
+    PyTorch's rows train the unpadded 50257 (torch.compile pads the products' strides itself).
   - llama: a Llama of 125M parameters: 12 layers, 12 heads, 4 kv-heads, embed 768, SwiGLU
     width 2048, seq 1024, vocab 32000 (Llama 2's), untied LM head, on random tokens; the
     worker's builtin `model.llama`, PyTorch's the same layers (Hugging Face's LlamaForCausalLM
@@ -165,6 +168,9 @@ class Gpt2Bench(Transformer):
     layers, heads, embed, vocab = 12, 12, 768, 50257
     title = "GPT-2 124M, seq 1024"
 
+    def __init__(self, vocab_multiple):
+        self.vocab_multiple = vocab_multiple
+
     def model(self):
         return Gpt2(self.layers, self.embed, self.heads, self.seq, self.vocab)
 
@@ -175,7 +181,7 @@ class Gpt2Bench(Transformer):
 
     def worker_model(self):
         c = {"layers": self.layers, "heads": self.heads, "embed": self.embed}
-        return dict(c, seqLen=self.seq, vocab=self.vocab)
+        return dict(c, seqLen=self.seq, vocab=self.vocab, makeVocabSizeDivisibleBy=self.vocab_multiple)
 
 
 class LlamaBench(Transformer):
@@ -570,14 +576,21 @@ def main():
     ap.add_argument("--no-profile", action="store_true", help="skip tensorfleet's op profile")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: check the harness without a GPU")
     ap.add_argument("--image-size", type=int, default=224, help="resnet50's input (smaller for a CPU check)")
+    ap.add_argument(
+        "--vocab-multiple", type=int, default=128, help="gpt2: the worker pads its vocabulary to a multiple of this"
+    )
     a = ap.parse_args()
     sizes = [int(s) for s in a.micro_batches.split(",")]
     rows = a.rows.split(",")
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         ap.error(f"--rows: {unknown} are not among {ROWS}")
-    bench = {"gpt2": Gpt2Bench, "llama": LlamaBench}.get(a.model)
-    bench = bench() if bench else ResNet50Bench(a.resnet50_export, a.image_size)
+    if a.model == "gpt2":
+        bench = Gpt2Bench(a.vocab_multiple)
+    elif a.model == "llama":
+        bench = LlamaBench()
+    else:
+        bench = ResNet50Bench(a.resnet50_export, a.image_size)
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "the CPU"
     peak = peak_tflops(name, a.peak_tflops)
     os.makedirs(a.out, exist_ok=True)

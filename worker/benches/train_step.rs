@@ -44,7 +44,15 @@ struct Bench {
     config: serde_json::Value,
 }
 
-const GPT2: Gpt2Config = Gpt2Config { layers: 2, heads: 4, embed: 128, seq_len: 128, vocab: 50257, dropout: 0.0 };
+const GPT2: Gpt2Config = Gpt2Config {
+    layers: 2,
+    heads: 4,
+    embed: 128,
+    seq_len: 128,
+    vocab: 50257,
+    dropout: 0.0,
+    make_vocab_size_divisible_by: 1,
+};
 const GPT2_BATCH: usize = 8;
 const SQUEEZENET: SqueezeNetConfig = SqueezeNetConfig { classes: 10, image_size: 64 };
 const SQUEEZENET_BATCH: usize = 8;

@@ -174,6 +174,19 @@ pub struct Gpt2Config {
     /// Dropout probability on embeddings, attention output and MLP output (0 = none).
     #[serde(default)]
     pub dropout: f32,
+    /// Pads the embedding's rows and the logits up to a multiple of this, as Megatron's
+    /// --make-vocab-size-divisible-by and nanoGPT's 50304 do, so that the LM head's products run
+    /// on aligned rows; the padded logits are masked to −∞, so the loss, its gradient and every
+    /// trained value are the unpadded model's (1 = no padding).
+    #[serde(default = "d_one")]
+    pub make_vocab_size_divisible_by: usize,
+}
+
+impl Gpt2Config {
+    /// The vocabulary as the model holds it: `vocab` rounded up to the padding's multiple.
+    pub fn padded_vocab(&self) -> usize {
+        self.vocab.checked_next_multiple_of(self.make_vocab_size_divisible_by.max(1)).unwrap_or(self.vocab)
+    }
 }
 
 fn d_vocab() -> usize {
@@ -1002,6 +1015,14 @@ impl TrainingConfig {
                 if g.layers == 0 || g.heads == 0 || g.embed == 0 || g.seq_len == 0 || g.vocab == 0 {
                     return bad("model.gpt2", "layers, heads, embed, seqLen and vocab must be at least 1".into());
                 }
+                if g.make_vocab_size_divisible_by == 0
+                    || g.vocab.checked_next_multiple_of(g.make_vocab_size_divisible_by).is_none()
+                {
+                    return bad(
+                        "model.gpt2.makeVocabSizeDivisibleBy",
+                        "must be at least 1, and vocab rounded up to it must fit".into(),
+                    );
+                }
                 if g.embed % g.heads != 0 {
                     return bad("model.gpt2.embed", format!("{} is not a multiple of heads ({})", g.embed, g.heads));
                 }
@@ -1107,6 +1128,14 @@ mod tests {
         assert!(e.to_string().contains("optimizer.lr"), "{e}");
         let e = TrainingConfig::parse(BASE, "t.yaml", &["model.gpt2.embed=65".into()]).unwrap_err();
         assert!(e.to_string().contains("model.gpt2.embed"), "{e}");
+        let overflowing = [format!("model.gpt2.vocab={}", usize::MAX), "model.gpt2.makeVocabSizeDivisibleBy=2".into()];
+        for sets in [&["model.gpt2.makeVocabSizeDivisibleBy=0".to_string()][..], &overflowing[..]] {
+            let e = TrainingConfig::parse(BASE, "t.yaml", sets).unwrap_err();
+            assert!(e.to_string().contains("model.gpt2.makeVocabSizeDivisibleBy"), "{e}");
+        }
+        let c = TrainingConfig::parse(BASE, "t.yaml", &["model.gpt2.makeVocabSizeDivisibleBy=128".into()]).unwrap();
+        let ModelConfig::Gpt2(g) = c.model.kind().unwrap() else { panic!("not GPT-2") };
+        assert_eq!((g.vocab, g.padded_vocab()), (50257, 50304));
     }
 
     #[test]

@@ -50,7 +50,15 @@ fn gpt2_batch(batch: usize, seq: usize, vocab: usize) -> BTreeMap<String, Tensor
 
 fn tiny_gpt2(dropout: f32) -> ModelSpec {
     ModelSpec {
-        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout }),
+        gpt2: Some(Gpt2Config {
+            layers: 2,
+            heads: 2,
+            embed: 32,
+            seq_len: 16,
+            vocab: 64,
+            dropout,
+            make_vocab_size_divisible_by: 1,
+        }),
         ..Default::default()
     }
 }

@@ -24,7 +24,15 @@ fn session(fused: bool, half: Option<DType>) -> Session<CpuBackend> {
 
 fn session_without(disabled: &[&str], half: Option<DType>) -> Session<CpuBackend> {
     let spec = ModelSpec {
-        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 32, vocab: 64, dropout: 0.1 }),
+        gpt2: Some(Gpt2Config {
+            layers: 2,
+            heads: 2,
+            embed: 32,
+            seq_len: 32,
+            vocab: 64,
+            dropout: 0.1,
+            make_vocab_size_divisible_by: 1,
+        }),
         ..Default::default()
     };
     let model = models::load(&spec, 3).unwrap();

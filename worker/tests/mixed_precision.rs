@@ -37,7 +37,15 @@ fn session_without(half: Option<DType>, disabled: &[&str]) -> Session<CpuBackend
 /// A 2-layer GPT-2 (vocabulary 64, 16 tokens) on the CPU, batches of 4.
 fn build(opts: &SessionOptions, micro_batches: usize) -> Session<CpuBackend> {
     let spec = ModelSpec {
-        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, dropout: 0.0 }),
+        gpt2: Some(Gpt2Config {
+            layers: 2,
+            heads: 2,
+            embed: 32,
+            seq_len: 16,
+            vocab: 64,
+            dropout: 0.0,
+            make_vocab_size_divisible_by: 1,
+        }),
         ..Default::default()
     };
     let model = models::load(&spec, 5).unwrap();
@@ -188,6 +196,58 @@ fn layer_norm_gradients_adding_the_residuals_change_no_bit() {
         assert_eq!(unfused_sums - sums, adding, "{half:?}: each fused gradient takes one sum's place");
         assert_eq!(with, without, "{half:?}: losses");
         assert!(w_with == w_without, "{half:?}: weights differ");
+    }
+}
+
+/// A vocabulary padded up to a multiple (Megatron's --make-vocab-size-divisible-by) trains as
+/// the unpadded one, in f32 and bf16: the same losses and trained weights within f32's rounding
+/// (the softmax's sums gain zeros), the embedding's padded rows stay zero, and the LM head's
+/// product runs over the padded width with the mask in its bias.
+#[test]
+fn a_padded_vocabulary_trains_as_the_unpadded_one() {
+    let (vocab, padded) = (60, 64);
+    for half in [None, Some(DType::BF16)] {
+        let run = |divisible_by: usize| {
+            let c = Gpt2Config {
+                layers: 2,
+                heads: 2,
+                embed: 32,
+                seq_len: 16,
+                vocab,
+                dropout: 0.0,
+                make_vocab_size_divisible_by: divisible_by,
+            };
+            let model = models::load(&ModelSpec { gpt2: Some(c), ..Default::default() }, 5).unwrap();
+            let opts = SessionOptions { half, ..SessionOptions::new(ADAMW) };
+            let backend = Arc::new(CpuBackend::new());
+            let mut s = Session::new(backend, &model, &batch(4, 16, vocab, 0), 1, &opts).unwrap();
+            let losses: Vec<f64> =
+                (0..3).map(|k| s.step(&[batch(4, 16, vocab, k)], 3e-3, 1.0, k as u64).unwrap().loss).collect();
+            let g = &s.train.graph;
+            let masked_head = g.nodes.iter().any(|n| {
+                let width = g.meta(n.output(0).unwrap()).unwrap().shape.last().copied();
+                matches!(n.op, Op::FusedMatMul { .. }) && n.inputs.len() == 3 && width == Some(padded)
+            });
+            (losses, s.weights().unwrap(), masked_head)
+        };
+        let (plain, w_plain, _) = run(1);
+        let (with, w_with, masked_head) = run(32);
+        assert!(masked_head, "{half:?}: no product of the padded width with the mask as its bias");
+        for (k, (a, b)) in plain.iter().zip(&with).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * a.abs(), "{half:?}, step {k}: loss {b} padded, {a} not");
+        }
+        for (name, w) in &w_plain {
+            let (a, b) = (w.as_slice::<f32>(), w_with[name].as_slice::<f32>());
+            let (real, pad) = b.split_at(a.len());
+            let worst = a.iter().zip(real).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(worst <= 1e-5, "{half:?}: {name} differs by {worst} padded");
+            assert!(
+                pad.iter().all(|&v| v == 0.0),
+                "{half:?}: {name}'s padding trained: {:?}",
+                &pad[..8.min(pad.len())]
+            );
+            assert_eq!(pad.len(), if name == "wte" { (padded - vocab) * 32 } else { 0 }, "{name}");
+        }
     }
 }
 

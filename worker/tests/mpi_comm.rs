@@ -588,7 +588,15 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
     use tensorfleet_worker::session::{PipelineOptions, Session, SessionOptions, TensorPlace};
 
     let spec = ModelSpec {
-        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 8, vocab: 48, dropout: 0.1 }),
+        gpt2: Some(Gpt2Config {
+            layers: 2,
+            heads: 2,
+            embed: 32,
+            seq_len: 8,
+            vocab: 48,
+            dropout: 0.1,
+            make_vocab_size_divisible_by: 1,
+        }),
         ..Default::default()
     };
     let own = if layout == Axis::Data { w.rank() } else { 0 };

@@ -2,8 +2,10 @@
 //! transcendental per element (softmax, cross-entropy over a 50k vocabulary).
 
 /// e^x with about 1 ulp of error over the f32 range (Cephes' expf: round x/ln2 to n, a degree-6
-/// polynomial on the remainder, 2^n from the exponent bits). Below −87 it returns ~1e-38
-/// instead of a denormal or 0, which no sum of probabilities can tell apart.
+/// polynomial on the remainder, 2^n from the exponent bits). Below −87 it returns 0 rather than
+/// a denormal: a masked logit's probability (GPT-2's padded vocabulary, a causal mask) is then
+/// exactly 0, so its gradient is too, as on the GPU, and Adam's normalisation cannot blow a
+/// ~1e-38 gradient up into an update.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
@@ -12,6 +14,7 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     // Adding and subtracting 1.5·2^23 rounds to the nearest integer without a branch.
     const ROUND: f32 = 12_582_912.0;
+    let underflow = x < -87.0;
     let x = x.clamp(-87.0, 88.0);
     let n = (x * LOG2E + ROUND) - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
@@ -24,7 +27,13 @@ pub fn exp(x: f32) -> f32 {
         + 1.0;
     // 2^n: n + 127 lands in the low mantissa bits of 2^23 + n + 127; shift them into the exponent.
     let biased = (n + 8_388_735.0).to_bits() - 0x4B00_0000;
-    p * f32::from_bits(biased << 23)
+    let y = p * f32::from_bits(biased << 23);
+    // A select, not a branch: the loops over a row still vectorize.
+    if underflow {
+        0.0
+    } else {
+        y
+    }
 }
 
 /// max over a slice, in 8 independent lanes so it vectorizes.
@@ -82,7 +91,7 @@ mod tests {
             x += 0.01731;
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
-        assert!(super::exp(f32::NEG_INFINITY) < 1e-37);
+        assert_eq!((super::exp(f32::NEG_INFINITY), super::exp(-87.5), super::exp(-1e9)), (0.0, 0.0, 0.0));
         assert_eq!(super::max(&[1.0, 5.0, -2.0, 3.0, 0.0, 9.0, 1.0, 2.0, 11.0, -4.0]), 11.0);
     }
 }

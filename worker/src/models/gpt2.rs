@@ -1,6 +1,11 @@
 //! GPT-2: token and position embeddings, pre-norm transformer blocks (causal self-attention,
 //! tanh-GELU MLP), a final LayerNorm and logits tied to the token embedding.
 //!
+//! With `make_vocab_size_divisible_by` the embedding holds the padded vocabulary's rows (zeros
+//! past V, which no token reads) and the logits are masked to −∞ past V: exp(−∞) is 0, so the
+//! loss, every gradient and every trained value are the unpadded model's, while the LM head's
+//! products run on rows of whole 16-byte words (50257 logits a row are not; 50304 are).
+//!
 //! Weights are named as Hugging Face's GPT-2 names them, with x·W layouts (W is [in, out]).
 //! Shapes in comments: B batch, T sequence, C width, H heads, D = C/H, V vocabulary.
 
@@ -34,7 +39,7 @@ fn dropout(g: &mut Graph, name: &str, x: ValueId, p: f32, seed: u64) -> ValueId 
 }
 
 pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
-    let (l, h, e, t, v) = (c.layers, c.heads, c.embed, c.seq_len, c.vocab);
+    let (l, h, e, t, v, vp) = (c.layers, c.heads, c.embed, c.seq_len, c.vocab, c.padded_vocab());
     let d = e / h;
     let mut g = Graph::new("gpt2", EXPORT_OPSET);
     let mut init = Init::new(seed);
@@ -43,7 +48,7 @@ pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
     let proj_std = 0.02 / ((2 * l) as f64).sqrt();
 
     let ids = g.add_input("input_ids", DType::I64, vec![Dim::Named("batch".into()), Dim::Fixed(t)]);
-    let wte = g.add_initializer("wte", init.normal(&[v, e], std));
+    let wte = g.add_initializer("wte", padded_rows(init.normal(&[v, e], std), vp));
     let wpe = g.add_initializer("wpe", init.normal(&[t, e], std));
     let tok = g.op1("embed.tokens", Op::Gather { axis: 0, padding_row: None }, &[wte, ids]); // [B,T,C]
     let mut x = g.op1("embed", Op::Binary(Binary::Add), &[tok, wpe]);
@@ -94,15 +99,34 @@ pub fn build(c: &Gpt2Config, seed: u64) -> Result<Graph> {
     }
     let x = layer_norm(&mut g, "ln_f", x, e);
     let wte_t = g.op1("lm_head.weight", Op::Transpose { perm: Some(vec![1, 0]) }, &[wte]); // [C,V]
-    let logits = g.op1("logits", Op::MatMul, &[x, wte_t]); // [B,T,V]
+    let logits = if vp > v {
+        let padded = g.op1("lm_head.padded_logits", Op::MatMul, &[x, wte_t]); // [B,T,Vp]
+        let mask: Vec<f32> = (0..vp).map(|k| if k < v { 0.0 } else { f32::NEG_INFINITY }).collect();
+        let mask = constant(&mut g, "lm_head.vocab_mask", Tensor::from_vec(&[vp], mask));
+        g.op1("logits", Op::Binary(Binary::Add), &[padded, mask])
+    } else {
+        g.op1("logits", Op::MatMul, &[x, wte_t]) // [B,T,V]
+    };
     g.outputs.push(logits);
     Ok(g)
+}
+
+/// `w` ([V, C]) with zero rows appended up to `rows`: the padding is drawn from nothing, so the
+/// weights after it are drawn as without it.
+fn padded_rows(w: Tensor, rows: usize) -> Tensor {
+    let (v, e) = (w.shape()[0], w.shape()[1]);
+    if rows == v {
+        return w;
+    }
+    let mut values = w.as_slice::<f32>().to_vec();
+    values.resize(rows * e, 0.0);
+    Tensor::from_vec(&[rows, e], values)
 }
 
 /// Parameters of a GPT-2 of this shape (tied embeddings counted once), counted in u128 so that
 /// no configuration overflows it.
 pub fn parameter_count(c: &Gpt2Config) -> u128 {
-    let (l, e, t, v) = (c.layers as u128, c.embed as u128, c.seq_len as u128, c.vocab as u128);
+    let (l, e, t, v) = (c.layers as u128, c.embed as u128, c.seq_len as u128, c.padded_vocab() as u128);
     v * e + t * e + l * (12 * e * e + 13 * e) + 2 * e
 }
 
@@ -112,9 +136,25 @@ mod tests {
 
     #[test]
     fn the_124m_shape_builds_with_the_published_parameter_count() {
-        let c = Gpt2Config { layers: 12, heads: 12, embed: 768, seq_len: 1024, vocab: 50257, dropout: 0.0 };
+        let c = Gpt2Config {
+            layers: 12,
+            heads: 12,
+            embed: 768,
+            seq_len: 1024,
+            vocab: 50257,
+            dropout: 0.0,
+            make_vocab_size_divisible_by: 1,
+        };
         assert_eq!(parameter_count(&c), 124_439_808);
-        let small = Gpt2Config { layers: 2, heads: 2, embed: 16, seq_len: 8, vocab: 32, dropout: 0.0 };
+        let small = Gpt2Config {
+            layers: 2,
+            heads: 2,
+            embed: 16,
+            seq_len: 8,
+            vocab: 32,
+            dropout: 0.0,
+            make_vocab_size_divisible_by: 1,
+        };
         let g = build(&small, 1).unwrap();
         let n: usize = g.float_initializers().iter().map(|&v| g.initializers[&v].numel()).sum();
         assert_eq!(n as u128, parameter_count(&small));
