@@ -651,9 +651,9 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     }
     let launches = launches_of(&gpu, &["layer_norm"]);
     let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
-    let (forward, one_sweep, wide) =
-        (per_type("layer_norm_rows"), per_type("layer_norm_grad_chunk"), per_type("layer_norm_grad_rows"));
-    assert_eq!((forward, one_sweep, wide), ([Some(10); 3], [Some(16); 3], [Some(2); 3]));
+    let sweeps = (per_type("layer_norm_grad_chunk4"), per_type("layer_norm_grad_chunk8"));
+    assert_eq!((per_type("layer_norm_rows"), sweeps), ([Some(10); 3], ([Some(12); 3], [Some(4); 3])));
+    assert_eq!(per_type("layer_norm_grad_rows"), [Some(2); 3]);
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core

@@ -1746,7 +1746,8 @@ struct LayerNormGradIo<'a> {
     dbias: Option<Ptr>,
 }
 
-/// The columns of a row each thread of `layer_norm_grad_chunk` holds (rows.cu's LN_GRAD_COLS).
+/// The most columns of a row each thread of `layer_norm_grad_chunk` holds: its kernels hold 4
+/// or 8 (the fewer, the fewer registers, and the more blocks an SM runs at once).
 const LN_GRAD_COLS: usize = 8;
 /// About how many blocks `layer_norm_grad_chunk` is given: enough chunks of rows to fill a GPU
 /// several times over, few enough that adding the chunks' column sums is short.
@@ -1758,8 +1759,9 @@ const LN_GRAD_CHUNKS: usize = 1024;
 /// column sum for each.
 fn layer_norm_grad(dev: Dev, rms: bool, [rows, cols]: [usize; 2], io: LayerNormGradIo) -> Result<(), BackendError> {
     let LayerNormGradIo { dy, x, scale, mean, inv, dx_in, dx, dscale, dbias } = io;
-    let threads = cols.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
-    if cols <= LN_GRAD_COLS * threads {
+    let per_thread = if cols <= 4 * 1024 { 4 } else { LN_GRAD_COLS };
+    let threads = cols.div_ceil(per_thread).next_multiple_of(32).clamp(32, 1024);
+    if cols <= per_thread * threads {
         let chunks = rows.clamp(1, LN_GRAD_CHUNKS);
         let rows_per_chunk = rows.div_ceil(chunks).max(1);
         let chunks = rows.div_ceil(rows_per_chunk).max(1);
@@ -1768,7 +1770,7 @@ fn layer_norm_grad(dev: Dev, rms: bool, [rows, cols]: [usize; 2], io: LayerNormG
             LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
         let (r, c, per) = (rows as i64, cols as i64, rows_per_chunk as i64);
         dev.kernel(
-            &typed("layer_norm_grad_chunk", dy.dtype())?,
+            &typed(&format!("layer_norm_grad_chunk{per_thread}"), dy.dtype())?,
             cfg,
             &mut params![rms as i32, r, c, per, dy.at, x, scale, mean, inv, dx_in.unwrap_or(NULL), dx, partial],
         )?;

@@ -146,35 +146,39 @@ extern "C" __global__ void layer_norm_grad_rows_bf16(int rms, i64 cols, const u1
 }
 
 // LayerNormalization's whole backward pass in one sweep over dY and x, for rows of up to
-// LN_GRAD_COLS × blockDim.x columns (launch.rs sizes the block; wider rows take the kernel
-// above and two column_sum passes). A block takes `rows_per_chunk` rows one after another;
-// each thread the columns j ≡ threadIdx.x (mod blockDim.x), whose dY and x̂ it keeps in
-// registers between the row's reduction and its dX, and whose dScale (dY·x̂) and dBias (dY)
+// K × blockDim.x columns (K is 4 or 8; launch.rs picks it and sizes the block; wider rows take
+// the kernel above and two column_sum passes). A block takes `rows_per_chunk` rows one after
+// another; each thread the columns j ≡ threadIdx.x (mod blockDim.x), whose dY and x̂ it keeps
+// in registers between the row's reduction and its dX, and whose dScale (dY·x̂) and dBias (dY)
 // it sums over the chunk in registers. The chunk's sums go to partial[0][chunk][cols] and
 // partial[1][chunk][cols], which column_sum_finish adds in chunk order, so the bits never
 // depend on scheduling. dx_in, when not null, is the gradient the graph added to dX (the
 // residual branch's: fuse.rs's layer_norm_grad_add), added here instead of in its own sweep.
-#define LN_GRAD_COLS 8
-template <class S>
+// Columns are 32-bit offsets from each row's start: 64-bit indices per column cost registers,
+// and registers bound how many blocks an SM holds.
+template <class S, int K>
 __device__ void layer_norm_grad_chunk(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const typename S::T* dy,
                                       const float* x, const float* scale, const float* mean, const float* inv_std,
                                       const float* dx_in, float* dx, float* partial) {
-    float sc[LN_GRAD_COLS], ds[LN_GRAD_COLS], db[LN_GRAD_COLS], d[LN_GRAD_COLS], xh[LN_GRAD_COLS];
+    int n = (int)cols;
+    float sc[K], ds[K], db[K], d[K], xh[K];
 #pragma unroll
-    for (int k = 0; k < LN_GRAD_COLS; ++k) {
-        i64 j = threadIdx.x + k * (i64)blockDim.x;
-        sc[k] = j < cols ? scale[j] : 0.f;
+    for (int k = 0; k < K; ++k) {
+        int j = threadIdx.x + k * blockDim.x;
+        sc[k] = j < n ? scale[j] : 0.f;
         ds[k] = db[k] = 0.f;
     }
     i64 chunk = blockIdx.x, r0 = chunk * rows_per_chunk;
     i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
     for (i64 r = r0; r < r1; ++r) {
+        const typename S::T* dyr = dy + r * cols;
+        const float* xr = x + r * cols;
         float mu = mean[r], inv = inv_std[r], sg = 0.f, sgx = 0.f;
 #pragma unroll
-        for (int k = 0; k < LN_GRAD_COLS; ++k) {
-            i64 j = threadIdx.x + k * (i64)blockDim.x;
-            d[k] = j < cols ? S::load(dy[r * cols + j]) : 0.f;
-            xh[k] = j < cols ? (x[r * cols + j] - mu) * inv : 0.f;
+        for (int k = 0; k < K; ++k) {
+            int j = threadIdx.x + k * blockDim.x;
+            d[k] = j < n ? S::load(dyr[j]) : 0.f;
+            xh[k] = j < n ? (xr[j] - mu) * inv : 0.f;
             float g = d[k] * sc[k];
             sg += g;
             sgx += g * xh[k];
@@ -183,40 +187,60 @@ __device__ void layer_norm_grad_chunk(int rms, i64 rows, i64 cols, i64 rows_per_
         }
         float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
         float mean_gx = block_sum(sgx) / (float)cols;
+        float* dxr = dx + r * cols;
+        const float* addr = dx_in ? dx_in + r * cols : 0;
 #pragma unroll
-        for (int k = 0; k < LN_GRAD_COLS; ++k) {
-            i64 j = threadIdx.x + k * (i64)blockDim.x;
-            if (j < cols)
-                dx[r * cols + j] = (dx_in ? dx_in[r * cols + j] : 0.f) + inv * (d[k] * sc[k] - mean_g - xh[k] * mean_gx);
+        for (int k = 0; k < K; ++k) {
+            int j = threadIdx.x + k * blockDim.x;
+            if (j < n) dxr[j] = (addr ? addr[j] : 0.f) + inv * (d[k] * sc[k] - mean_g - xh[k] * mean_gx);
         }
     }
-    i64 chunks = gridDim.x;
+    float* ps = partial + chunk * cols;
+    float* pb = partial + (gridDim.x + chunk) * cols;
 #pragma unroll
-    for (int k = 0; k < LN_GRAD_COLS; ++k) {
-        i64 j = threadIdx.x + k * (i64)blockDim.x;
-        if (j < cols) {
-            partial[chunk * cols + j] = ds[k];
-            partial[(chunks + chunk) * cols + j] = db[k];
+    for (int k = 0; k < K; ++k) {
+        int j = threadIdx.x + k * blockDim.x;
+        if (j < n) {
+            ps[j] = ds[k];
+            pb[j] = db[k];
         }
     }
 }
-extern "C" __global__ void layer_norm_grad_chunk_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const float* dy,
-                                                     const float* x, const float* scale, const float* mean,
-                                                     const float* inv_std, const float* dx_in, float* dx,
-                                                     float* partial) {
-    layer_norm_grad_chunk<F32>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+extern "C" __global__ void layer_norm_grad_chunk4_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const float* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<F32, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
 }
-extern "C" __global__ void layer_norm_grad_chunk_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const u16* dy,
-                                                     const float* x, const float* scale, const float* mean,
-                                                     const float* inv_std, const float* dx_in, float* dx,
-                                                     float* partial) {
-    layer_norm_grad_chunk<F16>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+extern "C" __global__ void layer_norm_grad_chunk4_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const u16* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<F16, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
 }
-extern "C" __global__ void layer_norm_grad_chunk_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const u16* dy,
-                                                      const float* x, const float* scale, const float* mean,
-                                                      const float* inv_std, const float* dx_in, float* dx,
-                                                      float* partial) {
-    layer_norm_grad_chunk<BF16>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+extern "C" __global__ void layer_norm_grad_chunk4_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const u16* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<BF16, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+extern "C" __global__ void layer_norm_grad_chunk8_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const float* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<F32, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+extern "C" __global__ void layer_norm_grad_chunk8_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const u16* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<F16, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+}
+extern "C" __global__ void layer_norm_grad_chunk8_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
+                                                        const u16* dy, const float* x, const float* scale,
+                                                        const float* mean, const float* inv_std, const float* dx_in,
+                                                        float* dx, float* partial) {
+    layer_norm_grad_chunk<BF16, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
 }
 
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and
