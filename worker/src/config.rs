@@ -179,6 +179,7 @@ pub struct Gpt2Config {
     /// on aligned rows; the padded logits are masked to −∞, so the loss, its gradient and every
     /// trained value are the unpadded model's (1 = no padding).
     #[serde(default = "d_one")]
+    #[schemars(range(min = 1))]
     pub make_vocab_size_divisible_by: usize,
 }
 

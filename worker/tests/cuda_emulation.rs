@@ -611,12 +611,13 @@ fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
 
 /// LayerNorm and RMSNorm (`rms`) forward and backward against the CPU's, with Y written and dY
 /// read in f32, bf16 and f16 (`layer_norm_casts`), over rows of a few columns to more than a
-/// block's threads, and the gradient with another added to dX (`layer_norm_grad_add`).
+/// block's threads, after a residual add (`residual_layer_norm`), and the gradient with another
+/// added to dX (`layer_norm_grad_add`).
 #[test]
 fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
-    // Rows of one chunk each, chunks of three rows and a last of one, rows of most of 8 · 1024
-    // columns (one sweep), and wider ones (a row kernel and column sums).
+    // Few rows and many (the column sums' chunks of 64 rows: 3, and 33 with a last of 53 rows),
+    // few columns and many more than a block's threads.
     let shapes = [(130, 48), (2101, 40), (3, 768), (2, 4096 + 40), (2, 8192 + 64)];
     for (rows, cols) in shapes {
         let x = |shape: &[usize], salt: usize| Tensor::from_vec(shape, values(shape.iter().product(), salt));
@@ -630,15 +631,34 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
             let ins = if rms { vec![a.clone(), scale.clone()] } else { vec![a.clone(), scale.clone(), bias.clone()] };
             let (g, c) = (run_typed(&gpu, &ln, &ins, &outs), run_typed(&cpu, &ln, &ins, &outs));
             close_as_f32(&what, &g, &c, if half == DType::F32 { 1e-5 } else { 2f32.powi(-8) });
+            // With the residual add before it (residual_layer_norm): the branch of Y's type, the
+            // sum written exactly, Y and the statistics as the LayerNorm's of the sum.
+            let residual = Op::ResidualLayerNorm { axis: -1, epsilon: 1e-5, rms };
+            let branch = added.cast(half);
+            let mut r_ins = vec![a.clone(), branch.clone(), scale.clone()];
+            r_ins.extend((!rms).then(|| bias.clone()));
+            let r_outs = [outs[0].clone(), Meta::new(DType::F32, &[rows, cols]), stat.clone(), stat.clone()];
+            let (g_r, c_r) = (run_typed(&gpu, &residual, &r_ins, &r_outs), run_typed(&cpu, &residual, &r_ins, &r_outs));
+            let widened = branch.cast(DType::F32);
+            let sum: Vec<f32> = a.as_slice::<f32>().iter().zip(widened.as_slice::<f32>()).map(|(x, b)| x + b).collect();
+            close_as_f32(
+                &format!("{what}: the residual's sum"),
+                &g_r[1..2],
+                &[Tensor::from_vec(&[rows, cols], sum)],
+                0.0,
+            );
+            close_as_f32(
+                &format!("{what} after a residual add"),
+                &g_r,
+                &c_r,
+                if half == DType::F32 { 1e-5 } else { 2f32.powi(-8) },
+            );
             let mut ins = vec![dy.cast(half), a.clone(), scale.clone(), c[1].clone(), c[2].clone()];
             let grad = Op::LayerNormGrad { axis: -1, rms };
             let f32s = |shape: &[usize]| Meta::new(DType::F32, shape);
             let outs = [f32s(&[rows, cols]), f32s(&[cols]), f32s(&[cols])];
             let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
             close_as_f32(&format!("{what}: gradient"), &g, &c, 1e-5);
-            if cols > 8192 {
-                continue;
-            }
             // With a gradient added to dX (layer_norm_grad_add): dX plus it, the sums unchanged.
             ins.push(added.clone());
             let (g_added, c_added) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
@@ -651,9 +671,7 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     }
     let launches = launches_of(&gpu, &["layer_norm"]);
     let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
-    let sweeps = (per_type("layer_norm_grad_chunk4"), per_type("layer_norm_grad_chunk8"));
-    assert_eq!((per_type("layer_norm_rows"), sweeps), ([Some(10); 3], ([Some(12); 3], [Some(4); 3])));
-    assert_eq!(per_type("layer_norm_grad_rows"), [Some(2); 3]);
+    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(20); 3], [Some(20); 3]));
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core

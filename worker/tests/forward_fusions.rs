@@ -131,15 +131,20 @@ fn llama(disabled: &[&str]) -> Session<CpuBackend> {
     Session::new(Arc::new(CpuBackend::new()), &model, &batch(2, 16, 64, 0), 2, &opts).unwrap()
 }
 
-/// Each block's two RMSNorms and the final one become one node forward and one backward, each
+/// Each block's two RMSNorms and the final one become one node forward (with the residual add
+/// before it, `residual_layer_norm`) and one backward, each
 /// block's SwiGLU and its two rotary embeddings (q's and k's) one node each way, and training
 /// follows the written-out ops' losses, gradient norms and weights.
 #[test]
 fn the_llamas_rms_norms_swiglus_and_rotaries_fuse_and_train_as_the_written_out_ops() {
     let (mut fused, mut plain) = (llama(&[]), llama(&["rms_norm", "silu", "swiglu", "rotary"]));
-    let rms = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. }));
+    let rms = |s: &Session<CpuBackend>| {
+        count(s, |op| matches!(op, Op::LayerNorm { rms: true, .. } | Op::ResidualLayerNorm { rms: true, .. }))
+    };
     let rms_grad = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::LayerNormGrad { rms: true, .. }));
     assert_eq!((rms(&fused), rms_grad(&fused)), (5, 5));
+    // All but the first block's (which reads the embedding) with the residual add before it.
+    assert_eq!(count(&fused, |op| matches!(op, Op::ResidualLayerNorm { rms: true, .. })), 4);
     assert_eq!((rms(&plain), rms_grad(&plain)), (0, 0));
     let sqrt = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Unary(Unary::Sqrt)));
     assert_eq!(sqrt(&fused), 0, "every RMSNorm's square root is gone");

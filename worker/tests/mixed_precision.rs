@@ -79,7 +79,9 @@ fn bf16_and_fp16_training_follows_fp32_within_half_precision() {
 
 #[test]
 fn products_compute_in_half_while_norms_softmax_loss_and_the_residual_stream_stay_f32() {
-    let s = session(Some(DType::BF16), None);
+    // The types as autocast gives them, before residual_layer_norm folds a branch's cast into
+    // the LayerNorm after it (its own test below).
+    let s = session_without(Some(DType::BF16), &["residual_layer_norm"]);
     let g = &s.train.graph;
     let dtype = |v: usize| g.meta(v).unwrap().dtype;
     let mut seen = BTreeMap::new();
@@ -166,8 +168,10 @@ fn layer_norms_writing_and_reading_half_change_no_bit() {
             let casts = g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
             ((norms.count(), writing, reading, casts), losses(&mut s, 3), s.weights().unwrap())
         };
-        let ((norms, writing, reading, casts), with, w_with) = run(&[]);
-        let ((_, unfused_w, unfused_r, unfused_casts), without, w_without) = run(&["layer_norm_casts"]);
+        // Without residual_layer_norm, which folds more casts where this one runs.
+        let ((norms, writing, reading, casts), with, w_with) = run(&["residual_layer_norm"]);
+        let ((_, unfused_w, unfused_r, unfused_casts), without, w_without) =
+            run(&["layer_norm_casts", "residual_layer_norm"]);
         assert!(norms > 0 && (writing, reading) == (norms, norms), "{half}: {writing} and {reading} of {norms}");
         assert_eq!((unfused_w, unfused_r, unfused_casts - casts), (0, 0, 2 * norms), "{half}: unfused");
         assert_eq!(with, without, "{half}: losses");
@@ -194,6 +198,32 @@ fn layer_norm_gradients_adding_the_residuals_change_no_bit() {
         let ((_, unfused, unfused_sums), without, w_without) = run(&["layer_norm_grad_add"]);
         assert!(grads == 5 && adding == grads - 1 && unfused == 0, "{half:?}: {adding} of {grads} fused");
         assert_eq!(unfused_sums - sums, adding, "{half:?}: each fused gradient takes one sum's place");
+        assert_eq!(with, without, "{half:?}: losses");
+        assert!(w_with == w_without, "{half:?}: weights differ");
+    }
+}
+
+/// The residual_layer_norm fusion (a residual add and the LayerNorm after it as one node, which
+/// reads the half branch under mixed precision) is exact in f32, bf16 and fp16: the same losses
+/// and weights, bit for bit. In GPT-2 every LayerNorm but the first block's (after the
+/// embeddings' broadcast add) follows a residual add; under mixed precision each takes its
+/// branch's widening cast with it.
+#[test]
+fn residual_adds_fused_into_their_layer_norms_change_no_bit() {
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let run = |disabled: &[&str]| {
+            let mut s = session_without(half, disabled);
+            let g = &s.train.graph;
+            let count = |f: fn(&Op) -> bool| g.nodes.iter().filter(|n| f(&n.op)).count();
+            let fused = count(|op| matches!(op, Op::ResidualLayerNorm { .. }));
+            let norms = count(|op| matches!(op, Op::LayerNorm { .. } | Op::ResidualLayerNorm { .. }));
+            let casts = count(|op| matches!(op, Op::Cast { .. }));
+            ((fused, norms, casts), losses(&mut s, 3), s.weights().unwrap())
+        };
+        let ((fused, norms, casts), with, w_with) = run(&[]);
+        let ((unfused, _, unfused_casts), without, w_without) = run(&["residual_layer_norm"]);
+        assert!((fused, norms, unfused) == (4, 5, 0), "{half:?}: {fused} of {norms} fused ({unfused} when off)");
+        assert_eq!(unfused_casts - casts, if half.is_some() { 4 } else { 0 }, "{half:?}: the branches' casts");
         assert_eq!(with, without, "{half:?}: losses");
         assert!(w_with == w_without, "{half:?}: weights differ");
     }

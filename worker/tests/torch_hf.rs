@@ -50,10 +50,11 @@ fn trains_like_pytorch(model: &str, exporter: &str, kind: &str) {
         .unwrap_or_else(|err| panic!("{case}: {err}"));
     trains_the_module_parameters(&case, &s, m, export);
     if model == "llama" {
-        // Its RMSNorms (two a block and the last), SwiGLU MLPs and rotary embeddings (q's and
+        // Its RMSNorms (two a block and the last; with the residual add before them where the
+        // graph lets `residual_layer_norm` fold it), SwiGLU MLPs and rotary embeddings (q's and
         // k's), as either exporter writes them, are fused.
         let count = |pick: fn(&Op) -> bool| s.train.graph.nodes.iter().filter(|n| pick(&n.op)).count();
-        let rms = count(|op| matches!(op, Op::LayerNorm { rms: true, .. }));
+        let rms = count(|op| matches!(op, Op::LayerNorm { rms: true, .. } | Op::ResidualLayerNorm { rms: true, .. }));
         let swiglu = count(|op| *op == Op::Swiglu);
         let rotary = count(|op| *op == Op::Rotary);
         assert_eq!((rms, swiglu, rotary), (5, 2, 4), "{case}: RMSNorms, SwiGLUs and rotary embeddings fused");

@@ -16,6 +16,7 @@ pub const PASSES: &[&str] = &[
     "loss_lse",
     "layer_norm_casts",
     "layer_norm_grad_add",
+    "residual_layer_norm",
 ];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
@@ -60,6 +61,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "loss_lse" => loss_lse(g),
             "layer_norm_casts" => layer_norm_casts(g),
             "layer_norm_grad_add" => layer_norm_grad_add(g),
+            "residual_layer_norm" => residual_layer_norm(g),
             _ => 0,
         };
         report.push((p, n));
@@ -296,6 +298,57 @@ fn layer_norm_grad_add(g: &mut Graph) -> usize {
         }
     }
     fused
+}
+
+/// Add(X, B) → LayerNorm  ⇒  ResidualLayerNorm(X, B, …): a pre-norm block's residual add and
+/// the next block's LayerNorm, one kernel that writes the sum S (the residual stream, which the
+/// next add and the LayerNorm's gradient read) and the normalized Y, instead of an add that
+/// writes S and a LayerNorm that reads it back. Under mixed precision the branch arrives as a
+/// Cast of the half product to f32, read by the add alone: the fused node reads the half value
+/// (the cast goes). X and S are f32 of one shape, B of Y's type. The fused node takes the
+/// LayerNorm's place, so nothing between the two may read S (the add's inputs are ready there).
+fn residual_layer_norm(g: &mut Graph) -> usize {
+    let uses = g.use_counts();
+    let producers = g.producers();
+    let dtype = |v: ValueId| g.meta(v).map(|m| m.dtype);
+    // (the LayerNorm, the add, X, B)
+    let mut rewrites: Vec<(usize, usize, ValueId, ValueId)> = Vec::new();
+    for l in 0..g.nodes.len() {
+        let norm = &g.nodes[l];
+        let (Some(s), Some(y)) = (norm.input(0), norm.output(0)) else { continue };
+        let Some(a) = producers[s].filter(|&a| g.nodes[a].op == Op::Binary(Binary::Add)) else { continue };
+        let (add, Some(sum)) = (&g.nodes[a], g.meta(s)) else { continue };
+        let (Some(p), Some(q)) = (add.input(0), add.input(1)) else { continue };
+        let read_between = g.nodes[a + 1..l].iter().any(|n| n.inputs.contains(&Some(s)));
+        let first = rewrites.iter().all(|&(_, earlier, ..)| earlier != a);
+        let plain = matches!(norm.op, Op::LayerNorm { .. }) && norm.outputs.iter().all(Option::is_some);
+        if !plain || add.inputs.len() != 2 || sum.dtype != DType::F32 || read_between || !first {
+            continue;
+        }
+        let found = [(p, q), (q, p)].into_iter().find_map(|(x, b)| {
+            // The branch, or the half value it was widened from when the add alone reads that.
+            let widened = producers[b].filter(|&c| g.nodes[c].op == (Op::Cast { to: DType::F32 }));
+            let alone = uses[b] == 1 && !g.outputs.contains(&b);
+            let half = widened.and_then(|c| g.nodes[c].input(0)).filter(|&h| alone && dtype(h) == dtype(y));
+            let branch = half.unwrap_or(b);
+            let fits = g.meta(x) == Some(sum) && g.meta(branch).is_some_and(|m| m.shape == sum.shape);
+            (fits && dtype(branch) == dtype(y)).then_some((x, branch))
+        });
+        if let Some((x, branch)) = found {
+            rewrites.push((l, a, x, branch));
+        }
+    }
+    for &(l, a, x, branch) in &rewrites {
+        let s = g.nodes[a].outputs[0];
+        let norm = &mut g.nodes[l];
+        let Op::LayerNorm { axis, epsilon, rms } = norm.op else { unreachable!("checked above") };
+        norm.op = Op::ResidualLayerNorm { axis, epsilon, rms };
+        norm.inputs.splice(0..1, [Some(x), Some(branch)]);
+        norm.outputs.insert(1, s);
+        // The add now writes nothing anyone reads; prune removes it (and a folded cast).
+        g.nodes[a].outputs.clear();
+    }
+    rewrites.len()
 }
 
 /// SoftmaxCrossEntropyLoss → log-probabilities → SoftmaxCrossEntropyLossGrad  ⇒

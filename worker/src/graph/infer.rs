@@ -360,6 +360,17 @@ pub fn infer_node(
             }
             (op.clone(), vec![x.clone(), Meta::new(DType::F32, &stat), Meta::new(DType::F32, &stat)])
         }
+        Op::ResidualLayerNorm { axis, .. } => {
+            let (x, b) = (m(0)?, m(1)?);
+            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
+            if b.shape != x.shape {
+                return Err(err(node, format!("the residual {:?} and the branch {:?} differ", x.shape, b.shape)));
+            }
+            same_dtype(&[0, 2, 3])?;
+            let stat: Vec<usize> = x.shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect();
+            let s = Meta::new(DType::F32, &stat);
+            (op.clone(), vec![x.clone(), x.clone(), s.clone(), s])
+        }
         Op::Reshape | Op::ReshapeAllowZero => {
             let x = m(0)?;
             let target = match ints(1, "shape")? {

@@ -2,10 +2,10 @@
 //! transcendental per element (softmax, cross-entropy over a 50k vocabulary).
 
 /// e^x with about 1 ulp of error over the f32 range (Cephes' expf: round x/ln2 to n, a degree-6
-/// polynomial on the remainder, 2^n from the exponent bits). Below −87 it returns 0 rather than
-/// a denormal: a masked logit's probability (GPT-2's padded vocabulary, a causal mask) is then
-/// exactly 0, so its gradient is too, as on the GPU, and Adam's normalisation cannot blow a
-/// ~1e-38 gradient up into an update.
+/// polynomial on the remainder, 2^n from the exponent bits). Below −87 it returns 0 (where
+/// expf gives a denormal or 0): a logit masked to −∞ (GPT-2's padded vocabulary) then has a
+/// probability of exactly 0, as on the GPU, so its gradient is 0 too, where a ~1e-38 was
+/// blown up into updates by Adam's normalisation.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;

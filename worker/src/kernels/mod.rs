@@ -129,8 +129,12 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::LayerNorm { axis, epsilon, rms } => {
             norm::layer_norm(*axis, *epsilon, *rms, &x(0)?, &x(1)?, inputs.get(2).copied().flatten(), outputs)
         }
+        Op::ResidualLayerNorm { axis, epsilon, rms } => {
+            let bias = inputs.get(3).copied().flatten();
+            norm::residual_layer_norm(*axis, *epsilon, *rms, &x(0)?, &x(1)?, &x(2)?, bias, outputs)
+        }
         Op::LayerNormGrad { axis, rms } => {
-            let dx_in = inputs.get(5).and_then(Option::as_ref);
+            let dx_in = inputs.get(5).copied().flatten();
             norm::layer_norm_grad(*axis, *rms, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, dx_in, outputs)
         }
         Op::Transpose { perm } => shape::transpose(perm.as_deref().unwrap_or(&[]), &x(0)?, &mut outputs[0]),

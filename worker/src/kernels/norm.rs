@@ -2,6 +2,7 @@
 
 use super::{fastmath, KResult, SharedSlice, PAR_MIN};
 use crate::error::BackendError;
+use crate::op::Binary;
 use crate::refused;
 use crate::shape::norm_axis;
 use crate::tensor::{DType, TensorView, TensorViewMut};
@@ -170,6 +171,29 @@ pub fn layer_norm(
     Ok(())
 }
 
+/// X, B, scale (, bias) → Y, S (, mean, inv_std): S = X + B written (by the Add's own kernel),
+/// then S's LayerNorm (f32; a half B arrives widened, as `kernels::run` widens half inputs).
+#[allow(clippy::too_many_arguments)]
+pub fn residual_layer_norm(
+    axis: i64,
+    eps: f32,
+    rms: bool,
+    x: &TensorView,
+    branch: &TensorView,
+    scale: &TensorView,
+    bias: Option<TensorView>,
+    outs: &mut [TensorViewMut],
+) -> KResult {
+    let [y, sum, stats @ ..] = outs else { return refused!("ResidualLayerNorm writes Y and S") };
+    if x.dtype != DType::F32 || branch.dtype != DType::F32 || branch.shape != x.shape {
+        return refused!("ResidualLayerNorm takes f32 X and B of one shape");
+    }
+    super::elementwise::binary(Binary::Add, x, branch, sum)?;
+    let mut norm: Vec<TensorViewMut> =
+        std::iter::once(y.reborrow()).chain(stats.iter_mut().map(TensorViewMut::reborrow)).collect();
+    layer_norm(axis, eps, rms, &sum.as_view(), scale, bias, &mut norm)
+}
+
 /// LayerNormalization of the element types off the f32 path, computed in f64.
 #[allow(clippy::too_many_arguments)]
 fn layer_norm_reference(
@@ -218,7 +242,7 @@ pub fn layer_norm_grad(
     scale: &TensorView,
     mean: &TensorView,
     inv_std: &TensorView,
-    dx_in: Option<&TensorView>,
+    dx_in: Option<TensorView>,
     outs: &mut [TensorViewMut],
 ) -> KResult {
     let a = norm_axis(axis, x.shape.len()).ok_or_else(|| BackendError::refused("axis out of range"))?;

@@ -123,8 +123,9 @@ fn padded_rows(w: Tensor, rows: usize) -> Tensor {
     Tensor::from_vec(&[rows, e], values)
 }
 
-/// Parameters of a GPT-2 of this shape (tied embeddings counted once), counted in u128 so that
-/// no configuration overflows it.
+/// Parameters of a GPT-2 of this shape (tied embeddings counted once, with the padded
+/// vocabulary's rows, which the model holds), counted in u128 so that no configuration
+/// overflows it.
 pub fn parameter_count(c: &Gpt2Config) -> u128 {
     let (l, e, t, v) = (c.layers as u128, c.embed as u128, c.seq_len as u128, c.padded_vocab() as u128);
     v * e + t * e + l * (12 * e * e + 13 * e) + 2 * e

@@ -794,6 +794,15 @@ pub enum Op {
         epsilon: f32,
         rms: bool,
     },
+    /// X (f32), B, scale (, bias) -> Y, S (, mean, inv_std): the residual add S = X + B and the
+    /// LayerNorm (RMSNorm's where `rms`) of S in one sweep, Y and the statistics as LayerNorm's;
+    /// B is of Y's type (f32, or the half type mixed precision writes Y in), widened. Emitted by
+    /// `fuse::residual_layer_norm`.
+    ResidualLayerNorm {
+        axis: i64,
+        epsilon: f32,
+        rms: bool,
+    },
     /// Reshape, Flatten, Squeeze and Unsqueeze all become this once shapes are known.
     Reshape,
     /// Reshape with allowzero=1: a 0 in the target is a dimension of size 0, not a copy of the
@@ -1887,6 +1896,8 @@ impl Op {
             Op::UnaryGrad(_) => internal("UnaryGrad"),
             Op::SoftmaxGrad { .. } => internal("SoftmaxGrad"),
             Op::LogSoftmaxGrad { .. } => internal("LogSoftmaxGrad"),
+            Op::ResidualLayerNorm { rms: false, .. } => internal("ResidualLayerNormalization"),
+            Op::ResidualLayerNorm { rms: true, .. } => internal("ResidualRMSNormalization"),
             Op::LayerNormGrad { rms: false, .. } => internal("LayerNormalizationGrad"),
             Op::LayerNormGrad { rms: true, .. } => internal("RMSNormalizationGrad"),
             Op::SoftmaxCrossEntropyLossGrad { .. } => internal("SoftmaxCrossEntropyLossGrad"),
@@ -2004,7 +2015,9 @@ impl Op {
                 vec![i("axis", *axis)]
             }
             Op::Flatten { axis } => vec![i("axis", *axis)],
-            Op::LayerNorm { axis, epsilon, .. } => vec![i("axis", *axis), f("epsilon", *epsilon)],
+            Op::LayerNorm { axis, epsilon, .. } | Op::ResidualLayerNorm { axis, epsilon, .. } => {
+                vec![i("axis", *axis), f("epsilon", *epsilon)]
+            }
             Op::Transpose { perm: Some(p) } => vec![is("perm", p)],
             // Split's sizes (and Squeeze/Unsqueeze/Reduce axes) are inputs in the opsets we
             // write; `operand_inputs` gives them.

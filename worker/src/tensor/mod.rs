@@ -342,6 +342,10 @@ impl<'a> TensorViewMut<'a> {
     pub fn as_view(&self) -> TensorView<'_> {
         TensorView { dtype: self.dtype, shape: self.shape, bytes: self.bytes }
     }
+    /// The same view for a shorter while (to pass on with others in a new slice).
+    pub fn reborrow(&mut self) -> TensorViewMut<'_> {
+        TensorViewMut { dtype: self.dtype, shape: self.shape, bytes: self.bytes }
+    }
 }
 
 #[cfg(test)]

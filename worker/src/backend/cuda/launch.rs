@@ -910,19 +910,33 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
                 dev.kernel("softmax_grad_strided", lines, &mut params![log, outer, n, inner, dy.at, out.at, y.at])
             }
         }
-        Op::LayerNorm { axis, epsilon, rms } => {
-            let (a, scale) = (x(0)?, x(1)?);
+        Op::LayerNorm { axis, epsilon, rms } | Op::ResidualLayerNorm { axis, epsilon, rms } => {
+            // ResidualLayerNorm: X, B, scale (, bias) -> Y, S (, mean, inv_std); LayerNorm has
+            // neither B nor S.
+            let residual = matches!(op, Op::ResidualLayerNorm { .. });
+            let k = residual as usize;
+            let (a, scale, bias) = (x(0)?, x(1 + k)?, ins.get(2 + k).copied().flatten());
             need_f32(&a, "the input")?;
             let (rows, cols) = split_at_axis(a.shape(), *axis)?;
-            if scale.n() != cols || ins.get(2).copied().flatten().is_some_and(|b| b.n() != cols) {
-                return refused!("LayerNormalization's scale and bias must cover the normalized dims");
+            if scale.n() != cols || bias.is_some_and(|b| b.n() != cols) {
+                return refused!("{}'s scale and bias must cover the normalized dims", op.onnx_name().0);
             }
-            let bias = ins.get(2).copied().flatten().map_or(NULL, |b| b.at);
-            let (mean, inv) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |m| m.at));
+            let (branch, sum) = if residual {
+                let (b, s) = (x(1)?, outs.get(1).ok_or_else(|| BackendError::refused("ResidualLayerNorm writes S"))?);
+                if b.shape() != a.shape() || b.dtype() != y.dtype() || s.meta != a.meta {
+                    return refused!("ResidualLayerNorm's branch must be shaped like the residual and typed like Y");
+                }
+                (b.at, s.at)
+            } else {
+                (NULL, NULL)
+            };
+            let stat = |i: usize| outs.get(i + k).map_or(NULL, |m| m.at);
+            let bias = bias.map_or(NULL, |b| b.at);
+            let (r, c, eps) = (*rms as i32, cols as i64, *epsilon);
             dev.kernel(
                 &typed("layer_norm_rows", y.dtype())?,
                 per_row(rows),
-                &mut params![*rms as i32, cols as i64, *epsilon, a.at, scale.at, bias, y.at, mean, inv],
+                &mut params![r, c, eps, a.at, branch, scale.at, bias, y.at, sum, stat(1), stat(2)],
             )
         }
         Op::LayerNormGrad { axis, rms } => {
@@ -933,18 +947,20 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             if dx_in.is_some_and(|d| d.n() != a.n() || d.dtype() != DType::F32) {
                 return refused!("LayerNormGrad's added gradient must be f32 and shaped like the input");
             }
-            let io = LayerNormGradIo {
-                dy,
-                x: a.at,
-                scale: scale.at,
-                mean: mean.at,
-                inv: inv.at,
-                dx_in: dx_in.map(|d| d.at),
-                dx: y.at,
-                dscale: outs.get(1).map(|o| o.at),
-                dbias: outs.get(2).map(|o| o.at),
-            };
-            layer_norm_grad(dev, *rms, [rows, cols], io)
+            let dx_in = dx_in.map_or(NULL, |d| d.at);
+            dev.kernel(
+                &typed("layer_norm_grad_rows", dy.dtype())?,
+                per_row(rows),
+                &mut params![*rms as i32, cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, dx_in, y.at],
+            )?;
+            if let Some(dscale) = outs.get(1) {
+                let x_hat = Some((a.at, mean.at, inv.at));
+                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, x_hat, dscale.at)?;
+            }
+            if let Some(dbias) = outs.get(2) {
+                column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, None, dbias.at)?;
+            }
+            Ok(())
         }
         Op::Gather { axis, .. } => {
             let (data, ids) = (x(0)?, x(1)?);
@@ -1732,75 +1748,9 @@ fn label_weights(
     Ok(wide)
 }
 
-/// What a LayerNorm's gradient reads (dY; the forward pass's input, scale and statistics; the
-/// gradient the graph adds to dX, if any) and writes (dX, and dScale and dBias where read).
-struct LayerNormGradIo<'a> {
-    dy: V<'a>,
-    x: Ptr,
-    scale: Ptr,
-    mean: Ptr,
-    inv: Ptr,
-    dx_in: Option<Ptr>,
-    dx: Ptr,
-    dscale: Option<Ptr>,
-    dbias: Option<Ptr>,
-}
-
-/// The most columns of a row each thread of `layer_norm_grad_chunk` holds: its kernels hold 4
-/// or 8 (the fewer, the fewer registers, and the more blocks an SM runs at once).
-const LN_GRAD_COLS: usize = 8;
-/// About how many blocks `layer_norm_grad_chunk` is given: enough chunks of rows to fill a GPU
-/// several times over, few enough that adding the chunks' column sums is short.
-const LN_GRAD_CHUNKS: usize = 1024;
-
-/// dX (plus `dx_in`, when the graph added a gradient to it) and the column sums dScale and
-/// dBias, where the step reads them: in one sweep over dY and x for rows a block holds in
-/// registers (`layer_norm_grad_chunk`; every transformer's width), else a row kernel and a
-/// column sum for each.
-fn layer_norm_grad(dev: Dev, rms: bool, [rows, cols]: [usize; 2], io: LayerNormGradIo) -> Result<(), BackendError> {
-    let LayerNormGradIo { dy, x, scale, mean, inv, dx_in, dx, dscale, dbias } = io;
-    let per_thread = if cols <= 4 * 1024 { 4 } else { LN_GRAD_COLS };
-    let threads = cols.div_ceil(per_thread).next_multiple_of(32).clamp(32, 1024);
-    if cols <= per_thread * threads {
-        let chunks = rows.clamp(1, LN_GRAD_CHUNKS);
-        let rows_per_chunk = rows.div_ceil(chunks).max(1);
-        let chunks = rows.div_ceil(rows_per_chunk).max(1);
-        let partial = dev.scratch(2 * chunks * cols * 4)?;
-        let cfg =
-            LaunchConfig { grid_dim: (chunks as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
-        let (r, c, per) = (rows as i64, cols as i64, rows_per_chunk as i64);
-        dev.kernel(
-            &typed(&format!("layer_norm_grad_chunk{per_thread}"), dy.dtype())?,
-            cfg,
-            &mut params![rms as i32, r, c, per, dy.at, x, scale, mean, inv, dx_in.unwrap_or(NULL), dx, partial],
-        )?;
-        for (k, out) in [dscale, dbias].into_iter().enumerate() {
-            if let Some(out) = out {
-                let part = Ptr(partial.0 + (k * chunks * cols * 4) as u64);
-                column_sum_finish(dev, DType::F32, chunks, cols, part, out)?;
-            }
-        }
-        return Ok(());
-    }
-    if dx_in.is_some() {
-        return refused!("LayerNormGrad over rows of {cols} (over {}) with an added gradient", LN_GRAD_COLS * 1024);
-    }
-    dev.kernel(
-        &typed("layer_norm_grad_rows", dy.dtype())?,
-        per_row(rows),
-        &mut params![rms as i32, cols as i64, dy.at, x, scale, mean, inv, dx],
-    )?;
-    if let Some(dscale) = dscale {
-        column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, Some((x, mean, inv)), dscale)?;
-    }
-    if let Some(dbias) = dbias {
-        column_sum(dev, [dy.dtype(), DType::F32], rows, cols, dy.at, None, dbias)?;
-    }
-    Ok(())
-}
-
 /// Column sums of [rows, cols] at `v` into `out`, optionally of v·x̂ (LayerNorm's dScale):
-/// chunks of rows first, then the chunks in order, so the bits never depend on scheduling.
+/// chunks of rows first, then the chunks in a fixed order, so the bits never depend on
+/// scheduling.
 /// `v` and `out` of the types `[from, to]`; the sums are f32.
 fn column_sum(
     dev: Dev,

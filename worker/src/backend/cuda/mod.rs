@@ -57,7 +57,8 @@ pub fn addr(a: &Arg<CudaBuffer>) -> u64 {
     a.buf.at(a.offset)
 }
 
-/// Threads per block of every kernel (`BLOCK` in kernels/common.cuh).
+/// Threads per block of the elementwise and row kernels (`BLOCK` in kernels/common.cuh); the
+/// tensor-core attention and the column sums' finish size their own blocks.
 pub const BLOCK: u32 = 256;
 /// The most blocks a grid-stride kernel is given: enough to fill any current GPU.
 const MAX_BLOCKS: usize = 4096;

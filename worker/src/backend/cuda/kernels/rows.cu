@@ -70,17 +70,29 @@ extern "C" __global__ void softmax_grad_strided(int log, i64 outer, i64 n, i64 i
 // RMSNorm: μ = 0, so σ is the root mean square and nothing is taken out. x, scale and
 // bias are f32; Y is f32, or half where mixed precision's product reads it (fuse.rs's
 // layer_norm_casts), rounded once as a cast after it would round it.
+// With `branch` (of Y's type, widened), the row normalized is the residual add x + branch,
+// written to `sum` on the way (fuse.rs's residual_layer_norm): the same bits as the add
+// followed by the LayerNorm, one read of the residual instead of three sweeps.
 template <class S>
-__device__ void layer_norm_rows(int rms, i64 cols, float eps, const float* x, const float* scale,
-                                const float* bias, typename S::T* y, float* mean_out, float* inv_out) {
+__device__ void layer_norm_rows(int rms, i64 cols, float eps, const float* x, const typename S::T* branch,
+                                const float* scale, const float* bias, typename S::T* y, float* sum,
+                                float* mean_out, float* inv_out) {
     const float* xr = x + blockIdx.x * cols;
     typename S::T* yr = y + blockIdx.x * cols;
-    float mu = 0.f;
-    if (!rms) {
-        float s = 0.f;
+    float s = 0.f;
+    if (branch) {
+        const typename S::T* br = branch + blockIdx.x * cols;
+        float* sr = sum + blockIdx.x * cols;
+        for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
+            float a = xr[j] + S::load(br[j]);
+            sr[j] = a;
+            s += a;
+        }
+        xr = sr;  // each thread reads back only what it wrote
+    } else if (!rms) {
         for (i64 j = threadIdx.x; j < cols; j += blockDim.x) s += xr[j];
-        mu = block_sum(s) / (float)cols;
     }
+    float mu = rms ? 0.f : block_sum(s) / (float)cols;
     float v = 0.f;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float d = xr[j] - mu;
@@ -94,26 +106,34 @@ __device__ void layer_norm_rows(int rms, i64 cols, float eps, const float* x, co
         if (inv_out) inv_out[blockIdx.x] = inv;
     }
 }
-extern "C" __global__ void layer_norm_rows_f32(int rms, i64 cols, float eps, const float* x, const float* scale,
-                                               const float* bias, float* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<F32>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
+extern "C" __global__ void layer_norm_rows_f32(int rms, i64 cols, float eps, const float* x, const float* branch,
+                                               const float* scale, const float* bias, float* y, float* sum,
+                                               float* mean_out, float* inv_out) {
+    layer_norm_rows<F32>(rms, cols, eps, x, branch, scale, bias, y, sum, mean_out, inv_out);
 }
-extern "C" __global__ void layer_norm_rows_f16(int rms, i64 cols, float eps, const float* x, const float* scale,
-                                               const float* bias, u16* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<F16>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
+extern "C" __global__ void layer_norm_rows_f16(int rms, i64 cols, float eps, const float* x, const u16* branch,
+                                               const float* scale, const float* bias, u16* y, float* sum,
+                                               float* mean_out, float* inv_out) {
+    layer_norm_rows<F16>(rms, cols, eps, x, branch, scale, bias, y, sum, mean_out, inv_out);
 }
-extern "C" __global__ void layer_norm_rows_bf16(int rms, i64 cols, float eps, const float* x, const float* scale,
-                                                const float* bias, u16* y, float* mean_out, float* inv_out) {
-    layer_norm_rows<BF16>(rms, cols, eps, x, scale, bias, y, mean_out, inv_out);
+extern "C" __global__ void layer_norm_rows_bf16(int rms, i64 cols, float eps, const float* x, const u16* branch,
+                                                const float* scale, const float* bias, u16* y, float* sum,
+                                                float* mean_out, float* inv_out) {
+    layer_norm_rows<BF16>(rms, cols, eps, x, branch, scale, bias, y, sum, mean_out, inv_out);
 }
 
 // dX of LayerNormalization, per row: with x̂ = (x − μ)·σ⁻¹ and g = dY⊙scale,
 // dX = σ⁻¹·(g − mean(g) − x̂·mean(g⊙x̂)); RMSNorm's (`rms`, μ = 0) has no mean(g) term.
 // dScale and dBias are column sums (below). dY is f32,
 // or half where mixed precision's product wrote it (layer_norm_casts), widened on loading.
+// dx_in, when not null, is a gradient the graph added to dX (the residual branch's: fuse.rs's
+// layer_norm_grad_add), added as dX is written instead of in a sweep of its own.
+// (A block walking 64 rows with dScale and dBias summed on the way, one read of dY and x, ran
+// at less than half this kernel's speed on an H100: docs/PERFORMANCE.md.)
 template <class S>
 __device__ void layer_norm_grad_rows(int rms, i64 cols, const typename S::T* dy, const float* x,
-                                     const float* scale, const float* mean, const float* inv_std, float* dx) {
+                                     const float* scale, const float* mean, const float* inv_std,
+                                     const float* dx_in, float* dx) {
     i64 r = blockIdx.x;
     const typename S::T* dyr = dy + r * cols;
     const float* xr = x + r * cols;
@@ -127,124 +147,31 @@ __device__ void layer_norm_grad_rows(int rms, i64 cols, const typename S::T* dy,
     }
     float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
     float mean_gx = block_sum(sgx) / (float)cols;
+    const float* add = dx_in ? dx_in + r * cols : 0;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float xh = (xr[j] - mu) * inv;
-        dxr[j] = inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
+        dxr[j] = (add ? add[j] : 0.f) + inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
     }
 }
 extern "C" __global__ void layer_norm_grad_rows_f32(int rms, i64 cols, const float* dy, const float* x,
-                                                    const float* scale, const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<F32>(rms, cols, dy, x, scale, mean, inv_std, dx);
+                                                    const float* scale, const float* mean, const float* inv_std,
+                                                    const float* dx_in, float* dx) {
+    layer_norm_grad_rows<F32>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
 }
 extern "C" __global__ void layer_norm_grad_rows_f16(int rms, i64 cols, const u16* dy, const float* x,
-                                                    const float* scale, const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<F16>(rms, cols, dy, x, scale, mean, inv_std, dx);
+                                                    const float* scale, const float* mean, const float* inv_std,
+                                                    const float* dx_in, float* dx) {
+    layer_norm_grad_rows<F16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
 }
 extern "C" __global__ void layer_norm_grad_rows_bf16(int rms, i64 cols, const u16* dy, const float* x,
-                                                     const float* scale, const float* mean, const float* inv_std, float* dx) {
-    layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx);
-}
-
-// LayerNormalization's whole backward pass in one sweep over dY and x, for rows of up to
-// K × blockDim.x columns (K is 4 or 8; launch.rs picks it and sizes the block; wider rows take
-// the kernel above and two column_sum passes). A block takes `rows_per_chunk` rows one after
-// another; each thread the columns j ≡ threadIdx.x (mod blockDim.x), whose dY and x̂ it keeps
-// in registers between the row's reduction and its dX, and whose dScale (dY·x̂) and dBias (dY)
-// it sums over the chunk in registers. The chunk's sums go to partial[0][chunk][cols] and
-// partial[1][chunk][cols], which column_sum_finish adds in chunk order, so the bits never
-// depend on scheduling. dx_in, when not null, is the gradient the graph added to dX (the
-// residual branch's: fuse.rs's layer_norm_grad_add), added here instead of in its own sweep.
-// Columns are 32-bit offsets from each row's start: 64-bit indices per column cost registers,
-// and registers bound how many blocks an SM holds.
-template <class S, int K>
-__device__ void layer_norm_grad_chunk(int rms, i64 rows, i64 cols, i64 rows_per_chunk, const typename S::T* dy,
-                                      const float* x, const float* scale, const float* mean, const float* inv_std,
-                                      const float* dx_in, float* dx, float* partial) {
-    int n = (int)cols;
-    float sc[K], ds[K], db[K], d[K], xh[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int j = threadIdx.x + k * blockDim.x;
-        sc[k] = j < n ? scale[j] : 0.f;
-        ds[k] = db[k] = 0.f;
-    }
-    i64 chunk = blockIdx.x, r0 = chunk * rows_per_chunk;
-    i64 r1 = r0 + rows_per_chunk < rows ? r0 + rows_per_chunk : rows;
-    for (i64 r = r0; r < r1; ++r) {
-        const typename S::T* dyr = dy + r * cols;
-        const float* xr = x + r * cols;
-        float mu = mean[r], inv = inv_std[r], sg = 0.f, sgx = 0.f;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            int j = threadIdx.x + k * blockDim.x;
-            d[k] = j < n ? S::load(dyr[j]) : 0.f;
-            xh[k] = j < n ? (xr[j] - mu) * inv : 0.f;
-            float g = d[k] * sc[k];
-            sg += g;
-            sgx += g * xh[k];
-            ds[k] += d[k] * xh[k];
-            db[k] += d[k];
-        }
-        float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
-        float mean_gx = block_sum(sgx) / (float)cols;
-        float* dxr = dx + r * cols;
-        const float* addr = dx_in ? dx_in + r * cols : 0;
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            int j = threadIdx.x + k * blockDim.x;
-            if (j < n) dxr[j] = (addr ? addr[j] : 0.f) + inv * (d[k] * sc[k] - mean_g - xh[k] * mean_gx);
-        }
-    }
-    float* ps = partial + chunk * cols;
-    float* pb = partial + (gridDim.x + chunk) * cols;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        int j = threadIdx.x + k * blockDim.x;
-        if (j < n) {
-            ps[j] = ds[k];
-            pb[j] = db[k];
-        }
-    }
-}
-extern "C" __global__ void layer_norm_grad_chunk4_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const float* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<F32, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
-}
-extern "C" __global__ void layer_norm_grad_chunk4_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const u16* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<F16, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
-}
-extern "C" __global__ void layer_norm_grad_chunk4_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const u16* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<BF16, 4>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
-}
-extern "C" __global__ void layer_norm_grad_chunk8_f32(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const float* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<F32, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
-}
-extern "C" __global__ void layer_norm_grad_chunk8_f16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const u16* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<F16, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
-}
-extern "C" __global__ void layer_norm_grad_chunk8_bf16(int rms, i64 rows, i64 cols, i64 rows_per_chunk,
-                                                        const u16* dy, const float* x, const float* scale,
-                                                        const float* mean, const float* inv_std, const float* dx_in,
-                                                        float* dx, float* partial) {
-    layer_norm_grad_chunk<BF16, 8>(rms, rows, cols, rows_per_chunk, dy, x, scale, mean, inv_std, dx_in, dx, partial);
+                                                     const float* scale, const float* mean, const float* inv_std,
+                                                     const float* dx_in, float* dx) {
+    layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
 }
 
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and
-// writes its partial sums to partial[chunk, cols]; column_sum_finish adds the chunks in order.
+// writes its partial sums to partial[chunk, cols]; column_sum_finish adds the chunks in a
+// fixed order.
 // With `x_hat`, each element is first multiplied by (x − mean[r])·inv_std[r] (LayerNorm's
 // dScale); without it the sum is plain (dBias, and ReduceSumTo over leading axes).
 // The partial sums are f32 whatever the element type (a bias gradient in bf16 is summed in f32
@@ -280,24 +207,24 @@ extern "C" __global__ void column_sum_partial_bf16(i64 rows, i64 cols, i64 rows_
     column_sum_partial<BF16>(rows, cols, rows_per_chunk, v, x, mean, inv_std, partial);
 }
 
-// The chunks' partial sums of 32 columns per block (of 1024 threads), added in one fixed order:
-// warp w takes chunks w, w + 32, …, then one warp adds the 32 warps' sums in order. The
-// chunks' loads are spread over the block's warps: one thread per column walking every chunk
-// was a long chain of dependent loads over a grid of a few blocks (a LayerNorm's 768 columns).
-#define FINISH_WARPS 32
+// The chunks' partial sums of 32 columns per block (of up to 32 warps), added in one fixed
+// order, so the bits never depend on scheduling: warp w of W takes chunks w, w + W, …, then
+// one warp adds the W warps' sums in order. The chunks' loads are spread over the block's
+// warps: one thread per column walking every chunk was a long chain of loads over a grid of
+// a few blocks (a LayerNorm's 768 columns: 3 blocks).
 template <class S>
 __device__ void column_sum_finish(i64 chunks, i64 cols, const float* partial, typename S::T* out) {
-    __shared__ float sums[FINISH_WARPS][33];
-    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __shared__ float sums[32][33];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, warps = blockDim.x >> 5;
     i64 c = (i64)blockIdx.x * 32 + lane;
     float s = 0.f;
     if (c < cols)
-        for (i64 k = w; k < chunks; k += FINISH_WARPS) s += partial[k * cols + c];
+        for (i64 k = w; k < chunks; k += warps) s += partial[k * cols + c];
     sums[w][lane] = s;
     __syncthreads();
     if (w == 0 && c < cols) {
         float total = 0.f;
-        for (int k = 0; k < FINISH_WARPS; ++k) total += sums[k][lane];
+        for (int k = 0; k < warps; ++k) total += sums[k][lane];
         out[c] = S::store(total);
     }
 }
