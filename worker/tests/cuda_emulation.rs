@@ -612,7 +612,7 @@ fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
 /// LayerNorm and RMSNorm (`rms`) forward and backward against the CPU's, with Y written and dY
 /// read in f32, bf16 and f16 (`layer_norm_casts`), over rows of a few columns to more than a
 /// block's threads, after a residual add (`residual_layer_norm`), and the gradient with another
-/// added to dX (`layer_norm_grad_add`).
+/// added to dX (`layer_norm_grad_add`) and with dX's half copy (`layer_norm_grad_half`).
 #[test]
 fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
@@ -667,11 +667,26 @@ fn layer_norm_matches_the_cpu_backend_on_the_emulated_kernels() {
             let expected = [Tensor::from_vec(&[rows, cols], sum), c[1].clone(), c[2].clone()];
             close_as_f32(&format!("{what}: gradient plus another (CPU)"), &c_added, &expected, 1e-5);
             close_as_f32(&format!("{what}: gradient plus another"), &g_added, &c_added, 1e-5);
+            if half == DType::F32 {
+                continue;
+            }
+            // With dX's half copy as well (layer_norm_grad_half): dX rounded, bit for bit.
+            let copying = [&outs[..], &[Meta::new(half, &[rows, cols])]].concat();
+            let (g_half, c_half) = (run_typed(&gpu, &grad, &ins, &copying), run_typed(&cpu, &grad, &ins, &copying));
+            for (who, run) in [("emulated", &g_half), ("CPU", &c_half)] {
+                let rounded = run[0].cast(half);
+                assert!(run[3] == rounded, "{what}: the {who} half copy of dX is not dX rounded");
+            }
+            close_as_f32(&format!("{what}: gradient with its half copy"), &g_half[..3], &c_half[..3], 1e-5);
+            close_as_f32(&format!("{what}: dX's half copy"), &g_half[3..], &c_half[3..], 2f32.powi(-8));
         }
     }
     let launches = launches_of(&gpu, &["layer_norm"]);
     let per_type = |family: &str| ["f32", "f16", "bf16"].map(|t| launches.get(&format!("{family}_{t}")).copied());
-    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(20); 3], [Some(20); 3]));
+    // The gradient: each shape and norm plain, with a gradient added, and (half dY) with dX's
+    // half copy as well.
+    let grads = [Some(20), Some(30), Some(30)];
+    assert_eq!((per_type("layer_norm_rows"), per_type("layer_norm_grad_rows")), ([Some(20); 3], grads));
 }
 
 /// The attention kernels' loops over more rows (the warp kernels, f32) and tiles (the tensor-core

@@ -16,6 +16,7 @@ pub const PASSES: &[&str] = &[
     "loss_lse",
     "layer_norm_casts",
     "layer_norm_grad_add",
+    "layer_norm_grad_half",
     "residual_layer_norm",
 ];
 
@@ -61,6 +62,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "loss_lse" => loss_lse(g),
             "layer_norm_casts" => layer_norm_casts(g),
             "layer_norm_grad_add" => layer_norm_grad_add(g),
+            "layer_norm_grad_half" => layer_norm_grad_half(g),
             "residual_layer_norm" => residual_layer_norm(g),
             _ => 0,
         };
@@ -296,6 +298,34 @@ fn layer_norm_grad_add(g: &mut Graph) -> usize {
             fused += 1;
             break;
         }
+    }
+    fused
+}
+
+/// LayerNormGrad's dX → Cast(f32 → half)  ⇒  LayerNormGrad writing the half copy as well: under
+/// mixed precision a block's input gradient (f32, the residual stream's, after
+/// `layer_norm_grad_add`) is also read in half by the products before it, through a cast that
+/// read the f32 dX back. The kernel rounds as it writes dX (the same bits as the cast); dX
+/// stays f32 for the residual stream. The half type must be dY's (what the kernel writes).
+fn layer_norm_grad_half(g: &mut Graph) -> usize {
+    let producers = g.producers();
+    let dtype = |g: &Graph, v: ValueId| g.meta(v).map(|m| m.dtype);
+    let mut fused = 0;
+    for i in 0..g.nodes.len() {
+        let Op::Cast { to } = g.nodes[i].op else { continue };
+        let (Some(dx), Some(h)) = (g.nodes[i].input(0), g.nodes[i].output(0)) else { continue };
+        let Some(p) = producers[dx] else { continue };
+        let grad = &g.nodes[p];
+        let is_dx =
+            matches!(grad.op, Op::LayerNormGrad { .. }) && grad.output(0) == Some(dx) && grad.outputs.len() == 3;
+        let dy_type = grad.input(0).and_then(|dy| dtype(g, dy));
+        let half = matches!(to, DType::F16 | DType::BF16) && dy_type == Some(to);
+        if !is_dx || !half || dtype(g, dx) != Some(DType::F32) || grad.outputs.iter().any(Option::is_none) {
+            continue;
+        }
+        g.nodes[p].outputs.push(Some(h));
+        g.nodes[i].outputs.clear();
+        fused += 1;
     }
     fused
 }

@@ -229,7 +229,8 @@ fn layer_norm_reference(
     Ok(())
 }
 
-/// dY, X, scale, mean, inv_std (, dX_in) → dX, dScale, dBias.
+/// dY, X, scale, mean, inv_std (, dX_in) → dX, dScale, dBias (, dX again: the half copy
+/// `layer_norm_casts` asks for, which `kernels::run` rounds as it writes half outputs).
 /// With x̂ = (x−μ)·σ⁻¹ and g = dY⊙scale: dX = σ⁻¹ (g − mean(g) − x̂ mean(g⊙x̂)); RMSNorm's
 /// (`rms`, μ = 0) has no mean(g) term, as nothing was taken out of x. dX_in, where the graph
 /// added a gradient to dX (fuse.rs's layer_norm_grad_add), is added to it.
@@ -250,6 +251,7 @@ pub fn layer_norm_grad(
     let cols: usize = x.shape[a..].iter().product();
     let (dys, xs, g) = (dy.as_slice::<f32>(), x.as_slice::<f32>(), scale.as_slice::<f32>());
     let (mu, inv) = (mean.as_slice::<f32>(), inv_std.as_slice::<f32>());
+    let (outs, half) = outs.split_at_mut(3.min(outs.len()));
     let [dx, dscale, dbias] = outs else { return refused!("LayerNormGrad needs 3 outputs") };
     let dx_in = dx_in.map(|d| d.as_slice::<f32>());
     if dx_in.is_some_and(|d| d.len() != xs.len()) {
@@ -295,6 +297,9 @@ pub fn layer_norm_grad(
     for (ps, pb) in partials {
         ds.iter_mut().zip(ps).for_each(|(o, v)| *o += v);
         db.iter_mut().zip(pb).for_each(|(o, v)| *o += v);
+    }
+    if let Some(copy) = half.first_mut() {
+        copy.as_mut_slice::<f32>().copy_from_slice(dx.as_mut_slice::<f32>());
     }
     Ok(())
 }

@@ -1004,8 +1004,8 @@ pub enum Op {
     LogSoftmaxGrad {
         axis: i64,
     },
-    /// dY, X, scale, mean, inv_std (, dX_in, added to dX) -> dX, dScale, dBias (RMSNorm's where
-    /// `rms`).
+    /// dY, X, scale, mean, inv_std (, dX_in, added to dX) -> dX, dScale, dBias (, dX rounded
+    /// to dY's half type) (RMSNorm's where `rms`).
     LayerNormGrad {
         axis: i64,
         rms: bool,

@@ -947,11 +947,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             if dx_in.is_some_and(|d| d.n() != a.n() || d.dtype() != DType::F32) {
                 return refused!("LayerNormGrad's added gradient must be f32 and shaped like the input");
             }
-            let dx_in = dx_in.map_or(NULL, |d| d.at);
+            let dx_half = outs.get(3);
+            if dx_half.is_some_and(|h| h.dtype() != dy.dtype() || h.n() != a.n()) {
+                return refused!("LayerNormGrad's half dX must be typed like dY and shaped like the input");
+            }
+            let (dx_in, dx_half) = (dx_in.map_or(NULL, |d| d.at), dx_half.map_or(NULL, |h| h.at));
             dev.kernel(
                 &typed("layer_norm_grad_rows", dy.dtype())?,
                 per_row(rows),
-                &mut params![*rms as i32, cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, dx_in, y.at],
+                &mut params![*rms as i32, cols as i64, dy.at, a.at, scale.at, mean.at, inv.at, dx_in, y.at, dx_half],
             )?;
             if let Some(dscale) = outs.get(1) {
                 let x_hat = Some((a.at, mean.at, inv.at));

@@ -127,13 +127,15 @@ extern "C" __global__ void layer_norm_rows_bf16(int rms, i64 cols, float eps, co
 // dScale and dBias are column sums (below). dY is f32,
 // or half where mixed precision's product wrote it (layer_norm_casts), widened on loading.
 // dx_in, when not null, is a gradient the graph added to dX (the residual branch's: fuse.rs's
-// layer_norm_grad_add), added as dX is written instead of in a sweep of its own.
+// layer_norm_grad_add), added as dX is written instead of in a sweep of its own; dx_half, when
+// not null, gets dX rounded to dY's half type as well (the cast the products before the
+// LayerNorm read: layer_norm_casts).
 // (A block walking 64 rows with dScale and dBias summed on the way, one read of dY and x, ran
 // at less than half this kernel's speed on an H100: docs/PERFORMANCE.md.)
 template <class S>
 __device__ void layer_norm_grad_rows(int rms, i64 cols, const typename S::T* dy, const float* x,
                                      const float* scale, const float* mean, const float* inv_std,
-                                     const float* dx_in, float* dx) {
+                                     const float* dx_in, float* dx, typename S::T* dx_half) {
     i64 r = blockIdx.x;
     const typename S::T* dyr = dy + r * cols;
     const float* xr = x + r * cols;
@@ -148,25 +150,28 @@ __device__ void layer_norm_grad_rows(int rms, i64 cols, const typename S::T* dy,
     float mean_g = rms ? 0.f : block_sum(sg) / (float)cols;
     float mean_gx = block_sum(sgx) / (float)cols;
     const float* add = dx_in ? dx_in + r * cols : 0;
+    typename S::T* half = dx_half ? dx_half + r * cols : 0;
     for (i64 j = threadIdx.x; j < cols; j += blockDim.x) {
         float xh = (xr[j] - mu) * inv;
-        dxr[j] = (add ? add[j] : 0.f) + inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
+        float g = (add ? add[j] : 0.f) + inv * (S::load(dyr[j]) * scale[j] - mean_g - xh * mean_gx);
+        dxr[j] = g;
+        if (half) half[j] = S::store(g);
     }
 }
 extern "C" __global__ void layer_norm_grad_rows_f32(int rms, i64 cols, const float* dy, const float* x,
                                                     const float* scale, const float* mean, const float* inv_std,
-                                                    const float* dx_in, float* dx) {
-    layer_norm_grad_rows<F32>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
+                                                    const float* dx_in, float* dx, float* dx_half) {
+    layer_norm_grad_rows<F32>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx, dx_half);
 }
 extern "C" __global__ void layer_norm_grad_rows_f16(int rms, i64 cols, const u16* dy, const float* x,
                                                     const float* scale, const float* mean, const float* inv_std,
-                                                    const float* dx_in, float* dx) {
-    layer_norm_grad_rows<F16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
+                                                    const float* dx_in, float* dx, u16* dx_half) {
+    layer_norm_grad_rows<F16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx, dx_half);
 }
 extern "C" __global__ void layer_norm_grad_rows_bf16(int rms, i64 cols, const u16* dy, const float* x,
                                                      const float* scale, const float* mean, const float* inv_std,
-                                                     const float* dx_in, float* dx) {
-    layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx);
+                                                     const float* dx_in, float* dx, u16* dx_half) {
+    layer_norm_grad_rows<BF16>(rms, cols, dy, x, scale, mean, inv_std, dx_in, dx, dx_half);
 }
 
 // Column sums of [rows, cols] in two deterministic passes: blockIdx.y takes a chunk of rows and
