@@ -72,15 +72,7 @@ fn sizes(measuring: bool) -> Sizes {
     if measuring {
         Sizes {
             // GPT-2 small, 124M weights: the model llm.c and nanoGPT reproduce.
-            gpt2: Gpt2Config {
-                layers: 12,
-                heads: 12,
-                embed: 768,
-                seq_len: 1024,
-                vocab: 50257,
-                dropout: 0.0,
-                make_vocab_size_divisible_by: 1,
-            },
+            gpt2: Gpt2Config { layers: 12, heads: 12, embed: 768, seq_len: 1024, vocab: 50257, ..Default::default() },
             // prepare-data's shard size (prepare::SHARD_TOKENS, llm.c's too: 200 MB a shard).
             // Two shards is the least that shows what crossing shards costs.
             shard_tokens: 100_000_000,
@@ -96,15 +88,7 @@ fn sizes(measuring: bool) -> Sizes {
         }
     } else {
         Sizes {
-            gpt2: Gpt2Config {
-                layers: 1,
-                heads: 2,
-                embed: 32,
-                seq_len: 32,
-                vocab: 512,
-                dropout: 0.0,
-                make_vocab_size_divisible_by: 1,
-            },
+            gpt2: Gpt2Config { layers: 1, heads: 2, embed: 32, seq_len: 32, vocab: 512, ..Default::default() },
             shard_tokens: 20_000,
             token_shards: 2,
             batch: 2,

@@ -183,6 +183,22 @@ pub struct Gpt2Config {
     pub make_vocab_size_divisible_by: usize,
 }
 
+/// GPT-2 small (124M: 12 layers of width 768, 12 heads, 1024 positions) with the keys' defaults,
+/// for code that names only what it changes.
+impl Default for Gpt2Config {
+    fn default() -> Self {
+        Gpt2Config {
+            layers: 12,
+            heads: 12,
+            embed: 768,
+            seq_len: 1024,
+            vocab: d_vocab(),
+            dropout: 0.0,
+            make_vocab_size_divisible_by: d_one(),
+        }
+    }
+}
+
 impl Gpt2Config {
     /// The vocabulary as the model holds it: `vocab` rounded up to the padding's multiple.
     pub fn padded_vocab(&self) -> usize {

@@ -73,15 +73,7 @@ fn squeezenet_fits_a_batch() {
 
 #[test]
 fn gpt2_with_dropout_fits_a_batch() {
-    let c = Gpt2Config {
-        layers: 2,
-        heads: 2,
-        embed: 32,
-        seq_len: 16,
-        vocab: 50,
-        dropout: 0.1,
-        make_vocab_size_divisible_by: 1,
-    };
+    let c = Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 50, dropout: 0.1, ..Default::default() };
     let spec = ModelSpec { gpt2: Some(c), ..Default::default() };
     let ids: Vec<i64> = (0..2 * 17).map(|i| (i * 5 % 50) as i64).collect();
     let batch = [
@@ -120,15 +112,7 @@ fn an_attached_mse_loss_trains_a_regression() {
 
 #[test]
 fn lamb_trains_and_frozen_weights_stay_put() {
-    let c = Gpt2Config {
-        layers: 1,
-        heads: 2,
-        embed: 16,
-        seq_len: 8,
-        vocab: 40,
-        dropout: 0.0,
-        make_vocab_size_divisible_by: 1,
-    };
+    let c = Gpt2Config { layers: 1, heads: 2, embed: 16, seq_len: 8, vocab: 40, ..Default::default() };
     let model = models::load(&ModelSpec { gpt2: Some(c), ..Default::default() }, 2).unwrap();
     let ids: Vec<i64> = (0..2 * 9).map(|i| (i * 7 % 40) as i64).collect();
     let batch: BTreeMap<String, Tensor> = [
@@ -186,15 +170,7 @@ fn lamb_trains_and_frozen_weights_stay_put() {
 fn gpt2_model_flops_match_the_closed_form() {
     let (layers, heads, embed, seq, vocab, batch) = (2, 2, 32, 16, 96, 3);
     let spec = ModelSpec {
-        gpt2: Some(Gpt2Config {
-            layers,
-            heads,
-            embed,
-            seq_len: seq,
-            vocab,
-            dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
-        }),
+        gpt2: Some(Gpt2Config { layers, heads, embed, seq_len: seq, vocab, dropout: 0.1, ..Default::default() }),
         ..Default::default()
     };
     let model = models::load(&spec, 0).unwrap();
@@ -224,7 +200,7 @@ fn recompute_saves_memory_and_changes_nothing_else() {
             seq_len: 32,
             vocab: 64,
             dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     };

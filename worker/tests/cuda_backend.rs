@@ -57,7 +57,7 @@ fn tiny_gpt2(dropout: f32) -> ModelSpec {
             seq_len: 16,
             vocab: 64,
             dropout,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     }

@@ -165,7 +165,7 @@ fn mixed_precision_trains_on_the_emulated_kernels_to_the_cpu_losses() {
             seq_len: 8,
             vocab: 48,
             dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     };
@@ -1319,7 +1319,7 @@ fn a_training_step_waits_for_the_device_once() {
             seq_len: 8,
             vocab: 48,
             dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     };

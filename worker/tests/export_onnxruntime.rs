@@ -95,15 +95,7 @@ fn check(name: &str, spec: ModelSpec, batch: BTreeMap<String, Tensor>) {
 #[test]
 #[ignore = "needs TENSORFLEET_PYTHON: make test sets it"]
 fn exported_models_run_in_onnx_runtime() {
-    let c = Gpt2Config {
-        layers: 2,
-        heads: 2,
-        embed: 32,
-        seq_len: 16,
-        vocab: 100,
-        dropout: 0.1,
-        make_vocab_size_divisible_by: 1,
-    };
+    let c = Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 100, dropout: 0.1, ..Default::default() };
     let ids: Vec<i64> = (0..2 * 17).map(|i| (i * 13 % 100) as i64).collect();
     let batch = [
         ("input_ids".to_string(), Tensor::from_vec(&[2, 16], ids[..32].to_vec())),

@@ -31,7 +31,7 @@ fn session_without(disabled: &[&str], half: Option<DType>) -> Session<CpuBackend
             seq_len: 32,
             vocab: 64,
             dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     };

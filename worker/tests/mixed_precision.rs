@@ -37,15 +37,7 @@ fn session_without(half: Option<DType>, disabled: &[&str]) -> Session<CpuBackend
 /// A 2-layer GPT-2 (vocabulary 64, 16 tokens) on the CPU, batches of 4.
 fn build(opts: &SessionOptions, micro_batches: usize) -> Session<CpuBackend> {
     let spec = ModelSpec {
-        gpt2: Some(Gpt2Config {
-            layers: 2,
-            heads: 2,
-            embed: 32,
-            seq_len: 16,
-            vocab: 64,
-            dropout: 0.0,
-            make_vocab_size_divisible_by: 1,
-        }),
+        gpt2: Some(Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, ..Default::default() }),
         ..Default::default()
     };
     let model = models::load(&spec, 5).unwrap();

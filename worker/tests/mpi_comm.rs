@@ -595,7 +595,7 @@ fn train_in_parallel<B: tensorfleet_worker::backend::Backend>(
             seq_len: 8,
             vocab: 48,
             dropout: 0.1,
-            make_vocab_size_divisible_by: 1,
+            ..Default::default()
         }),
         ..Default::default()
     };

@@ -137,25 +137,9 @@ mod tests {
 
     #[test]
     fn the_124m_shape_builds_with_the_published_parameter_count() {
-        let c = Gpt2Config {
-            layers: 12,
-            heads: 12,
-            embed: 768,
-            seq_len: 1024,
-            vocab: 50257,
-            dropout: 0.0,
-            make_vocab_size_divisible_by: 1,
-        };
+        let c = Gpt2Config { layers: 12, heads: 12, embed: 768, seq_len: 1024, vocab: 50257, ..Default::default() };
         assert_eq!(parameter_count(&c), 124_439_808);
-        let small = Gpt2Config {
-            layers: 2,
-            heads: 2,
-            embed: 16,
-            seq_len: 8,
-            vocab: 32,
-            dropout: 0.0,
-            make_vocab_size_divisible_by: 1,
-        };
+        let small = Gpt2Config { layers: 2, heads: 2, embed: 16, seq_len: 8, vocab: 32, ..Default::default() };
         let g = build(&small, 1).unwrap();
         let n: usize = g.float_initializers().iter().map(|&v| g.initializers[&v].numel()).sum();
         assert_eq!(n as u128, parameter_count(&small));

@@ -196,15 +196,7 @@ mod tests {
     use crate::graph::infer::{bind, Bindings};
 
     fn gpt2(layers: usize) -> (Graph, ValueId) {
-        let c = Gpt2Config {
-            layers,
-            heads: 2,
-            embed: 16,
-            seq_len: 8,
-            vocab: 40,
-            dropout: 0.0,
-            make_vocab_size_divisible_by: 1,
-        };
+        let c = Gpt2Config { layers, heads: 2, embed: 16, seq_len: 8, vocab: 40, ..Default::default() };
         let m = crate::models::load(&crate::config::ModelSpec { gpt2: Some(c), ..Default::default() }, 1).unwrap();
         let mut fwd = m.graph.clone();
         fwd.outputs = vec![m.loss];

@@ -395,15 +395,7 @@ mod tests {
     use crate::session::{PipelineOptions, TensorPlace};
 
     fn gpt2() -> Model {
-        let config = Gpt2Config {
-            layers: 2,
-            heads: 2,
-            embed: 32,
-            seq_len: 16,
-            vocab: 64,
-            dropout: 0.0,
-            make_vocab_size_divisible_by: 1,
-        };
+        let config = Gpt2Config { layers: 2, heads: 2, embed: 32, seq_len: 16, vocab: 64, ..Default::default() };
         crate::models::load(&ModelSpec { gpt2: Some(config), ..Default::default() }, 1).unwrap()
     }
 
