@@ -350,26 +350,21 @@ pub fn infer_node(
             norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
             (op.clone(), same(0)?)
         }
-        Op::LayerNorm { axis, .. } => {
+        Op::LayerNorm { axis, .. } | Op::ResidualLayerNorm { axis, .. } => {
+            // ResidualLayerNorm: X, B, scale (, bias) -> Y, S (, mean, inv_std), S shaped as X.
+            let residual = matches!(op, Op::ResidualLayerNorm { .. });
             let x = m(0)?;
             let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
-            same_dtype(&[0, 1, 2])?;
-            let mut stat = x.shape.clone();
-            for d in stat.iter_mut().skip(a) {
-                *d = 1;
+            let k = residual as usize;
+            same_dtype(&[0, 1 + k, 2 + k])?;
+            if residual && m(1)?.shape != x.shape {
+                return Err(err(node, format!("the residual {:?} and the branch {:?} differ", x.shape, m(1)?.shape)));
             }
-            (op.clone(), vec![x.clone(), Meta::new(DType::F32, &stat), Meta::new(DType::F32, &stat)])
-        }
-        Op::ResidualLayerNorm { axis, .. } => {
-            let (x, b) = (m(0)?, m(1)?);
-            let a = norm_axis(*axis, x.shape.len()).ok_or_else(|| err(node, format!("axis {axis} is out of range")))?;
-            if b.shape != x.shape {
-                return Err(err(node, format!("the residual {:?} and the branch {:?} differ", x.shape, b.shape)));
-            }
-            same_dtype(&[0, 2, 3])?;
             let stat: Vec<usize> = x.shape.iter().enumerate().map(|(i, &d)| if i < a { d } else { 1 }).collect();
-            let s = Meta::new(DType::F32, &stat);
-            (op.clone(), vec![x.clone(), x.clone(), s.clone(), s])
+            let stat = Meta::new(DType::F32, &stat);
+            let sum = residual.then(|| x.clone());
+            let outs = [Some(x.clone()), sum, Some(stat.clone()), Some(stat)].into_iter().flatten().collect();
+            (op.clone(), outs)
         }
         Op::Reshape | Op::ReshapeAllowZero => {
             let x = m(0)?;
