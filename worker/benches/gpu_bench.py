@@ -19,7 +19,7 @@ The models (--model):
     worker's builtin `model.llama`, PyTorch's the same layers (Hugging Face's LlamaForCausalLM
     written out, SDPA with grouped-query attention).
   - resnet50: ResNet-50 (torchvision's v1.5 layout), 224×224 RGB, 1000 classes, on random
-    images; the worker trains the ONNX file the TorchScript exporter wrote from the same PyTorch
+    images, both sides the same samples from the same initial weights; the worker trains the ONNX file the TorchScript exporter wrote from the same PyTorch
     module (export_resnet50.py, run by `make gpu-bundle`; its weights are filled in here from
     the module's seeded init, so that what is carried to the GPU machine stays small), with an
     attached softmaxCrossEntropy loss and BatchNormalization in training mode.
@@ -37,8 +37,8 @@ momentum 0.9, weight decay 1e-4 on the weights of rank 2 or more). For each of
 
 (--rows picks some, in the order given; the tensorfleet rows come first by default, so that a run
 cut short has them) it takes the largest micro-batch of --micro-batches that trains without
-running out of memory, times --steps steps after --warmup, and reports throughput, MFU and peak
-GPU memory:
+running out of memory, times --steps steps after --warmup, and reports throughput, MFU, peak
+GPU memory and the losses of the first and last steps (all of them in the JSON):
 
   - tokens/s (images/s for resnet50): micro-batch × sequence / the median step time
     (tensorfleet: the `itemsPerSec` of its metrics.jsonl lines after the warm-up);
@@ -115,17 +115,24 @@ def tensor_proto(name, data_type, dims, raw):
     return dims_bytes + varint(2 << 3) + varint(data_type) + field(8, name.encode()) + field(9, raw)
 
 
-def write_images(path, count, size, classes):
-    """An ONNX Runtime sample shard (docs: shared notes' formats) of `count` samples, `input`
-    float32 [3, size, size] and `labels` int64 []: 8 random images, repeated (the step's work
-    does not depend on the values)."""
+def image_samples(count, size, classes):
+    """`count` samples of 8 random images, repeated (the step's work does not depend on the
+    values), each with a random label: the images as float32 bytes [3, size, size], the labels
+    as ints. The worker's shard (write_images) and PyTorch's batch are these same samples."""
     rng = random.Random(0)
     images = [array.array("f", (rng.gauss(0.0, 1.0) for _ in range(3 * size * size))).tobytes() for _ in range(8)]
+    return [images[i % 8] for i in range(count)], [rng.randrange(classes) for _ in range(count)]
+
+
+def write_images(path, count, size, classes):
+    """An ONNX Runtime sample shard (docs: shared notes' formats) of image_samples' `count`
+    samples, `input` float32 [3, size, size] and `labels` int64 []."""
+    images, labels = image_samples(count, size, classes)
     with open(path, "wb") as f:
-        for i in range(count):
+        for image, label in zip(images, labels):
             tensors = [
-                tensor_proto("input", 1, [3, size, size], images[i % 8]),
-                tensor_proto("labels", 7, [], struct.pack("<q", rng.randrange(classes))),
+                tensor_proto("input", 1, [3, size, size], image),
+                tensor_proto("labels", 7, [], struct.pack("<q", label)),
             ]
             body = b"".join(struct.pack("<I", len(t)) + t for t in tensors)
             f.write(struct.pack("<I", len(body)) + body)
@@ -231,8 +238,11 @@ class ResNet50Bench:
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
 
     def batch(self, micro_batch, device):
-        x = torch.randn(micro_batch, 3, self.size, self.size, device=device)
-        return x, torch.randint(0, self.classes, (micro_batch,), device=device)
+        """The worker's samples (image_samples), so that both sides' losses can be compared."""
+        images, labels = image_samples(micro_batch, self.size, self.classes)
+        x = torch.frombuffer(bytearray(b"".join(images)), dtype=torch.float32)
+        x = x.view(micro_batch, 3, self.size, self.size).to(device)
+        return x, torch.tensor(labels, device=device)
 
     def flops_per_item(self):
         """Three times the forward's convolutions and classifier, counted on the module (on the
@@ -311,12 +321,13 @@ def torch_run(bench, device, compiled, micro_batch, steps, warmup, dtype=torch.b
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, losses = [], []
     for k in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
         with torch.autocast(device, dtype=dtype):
             loss = step_fn(x, labels)
+        losses.append(loss.detach())  # read after the loop: no wait in the timed steps
         scaler.scale(loss).backward()
         if bench.clip:
             scaler.unscale_(opt)
@@ -329,7 +340,12 @@ def torch_run(bench, device, compiled, micro_batch, steps, warmup, dtype=torch.b
             times.append(time.perf_counter() - t0)
     step = statistics.median(times)
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
-    return {"items_per_s": micro_batch * bench.seq / step, "step_ms": step * 1e3, "peak_bytes": peak}
+    return {
+        "items_per_s": micro_batch * bench.seq / step,
+        "step_ms": step * 1e3,
+        "peak_bytes": peak,
+        "losses": [l.item() for l in losses],
+    }
 
 
 def failure(stderr, code):
@@ -498,7 +514,7 @@ def print_table(summary):
         f"{summary['title']}, bf16 (the _fp16 rows: fp16, dynamic loss scaling), on {summary['gpu']} "
         f"(dense bf16 and fp16 peak {summary['peak_bf16_tflops']} TFLOP/s)"
     )
-    print(f"{'':22} {'micro-batch':>11} {unit + '/s':>10} {'MFU':>6} {'peak GiB':>9}")
+    print(f"{'':22} {'micro-batch':>11} {unit + '/s':>10} {'MFU':>6} {'peak GiB':>9}  loss: first step → last")
     for label in ROWS:
         r = summary["results"].get(label)
         if r is None:
@@ -507,7 +523,12 @@ def print_table(summary):
             print(f"{label:22} {r['error']}")
         else:
             mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-"
-            print(f"{label:22} {r['micro_batch']:>11} {r['items_per_s']:>10.0f} {mfu:>6} {r['peak_bytes'] / 2**30:>9.1f}")
+            losses = [l for l in r.get("losses") or [] if l is not None]
+            trend = f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "-"
+            print(
+                f"{label:22} {r['micro_batch']:>11} {r['items_per_s']:>10.0f} {mfu:>6} "
+                f"{r['peak_bytes'] / 2**30:>9.1f}  {trend}"
+            )
     profile = summary.get("tensorfleet_profile")
     if profile and "error" in profile:
         print(f"tensorfleet op profile: {profile['error']}")

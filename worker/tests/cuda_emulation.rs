@@ -340,6 +340,21 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             &run_op(&cpu, &grad, &inputs, &shapes),
         );
     }
+    // ResNet's max pool (3 × 3, stride 2, padding 1) over ReLU'd values: windows with tied
+    // maxima (all zeros, or equal values), whose first takes dY. With a scratch budget below one
+    // plane's windows, the gradient finds the maxima and gathers plane by plane.
+    let win = Window::explicit(&[3, 3], &[2, 2], &[1, 1], &[1, 1, 1, 1], false);
+    let relu_x = Tensor::from_vec(&x_shape, values(2 * 3 * 7 * 8, 7).iter().map(|v| v.max(0.0)).collect());
+    let y_shape: Vec<usize> = [2, 3].into_iter().chain(window_output(&win, &x_shape[2..]).unwrap()).collect();
+    let inputs = [Tensor::from_vec(&y_shape, values(y_shape.iter().product(), 8)), relu_x];
+    let grad = Op::PoolGrad { kind: PoolKind::Max, window: win };
+    let cpu_dx = run_op(&cpu, &grad, &inputs, std::slice::from_ref(&x_shape));
+    for budget in [64 << 20, 16] {
+        gpu.scratch_budget.store(budget, std::sync::atomic::Ordering::Relaxed);
+        let what = format!("max 3 × 3, stride 2, ties: gradient, scratch budget {budget}");
+        assert_close(&what, &run_op(&gpu, &grad, &inputs, std::slice::from_ref(&x_shape)), &cpu_dx);
+    }
+    gpu.scratch_budget.store(64 << 20, std::sync::atomic::Ordering::Relaxed);
     // Pooling over 3 spatial dims of unequal sizes, each with its own window, in f32 (with
     // MaxPool's Indices) and in integer types (pooled in f64).
     let x3_shape = vec![1, 2, 5, 6, 7];
@@ -1256,6 +1271,38 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
     check("its gradient", &grad, &[dy, image, ones], &[vec![2, 3, 12, 12], vec![3], vec![3]]);
     let empty = Tensor::from_vec(&[0, 3, 4, 4], Vec::<f32>::new());
     check("GlobalAveragePool of no images", &Op::GlobalAveragePool, &[empty], &[vec![0, 3, 1, 1]]);
+}
+
+/// BatchNormalization's kernels cut each channel into shares of 16,384 values that a block each
+/// sums, add the shares per channel, then normalize element-wise (four at a time where a plane's
+/// length is a multiple of four): a channel over two shares whose values sit far from 0 (the
+/// statistics summed around the channel's first value, so the mean does not swamp the
+/// variance), an odd plane, and an empty batch; training (running statistics too), inference
+/// and the gradient all match the CPU's two-pass f64 statistics.
+#[test]
+fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the_emulated_kernels() {
+    let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
+    let check = |what: &str, op: &Op, inputs: &[Tensor], shapes: &[Vec<usize>]| {
+        assert_close(what, &run_op(&gpu, op, inputs, shapes), &run_op(&cpu, op, inputs, shapes));
+    };
+    let train = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true };
+    let infer = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: false };
+    let grad = Op::BatchNormGrad { epsilon: 1e-5 };
+    for (what, shape, offset) in [
+        ("two shares a channel", vec![4, 3, 70, 70], 0.0),
+        ("two shares a channel, far from 0", vec![4, 3, 70, 70], 1000.0),
+        ("a plane of 7 × 7", vec![3, 5, 7, 7], 0.0),
+        ("no images", vec![0, 3, 4, 4], 0.0),
+    ] {
+        let (n, c) = (shape.iter().product::<usize>(), shape[1]);
+        let x = Tensor::from_vec(&shape, values(n, 31).iter().map(|v| v + offset).collect());
+        let stats = |salt| Tensor::from_vec(&[c], values(c, salt).iter().map(|v| v.abs() + 0.5).collect());
+        let with_stats = [x.clone(), stats(32), stats(33), stats(34), stats(35)];
+        check(&format!("{what}: training"), &train, &with_stats, &[shape.clone(), vec![c], vec![c]]);
+        check(&format!("{what}: inference"), &infer, &with_stats, std::slice::from_ref(&shape));
+        let dy = Tensor::from_vec(&shape, values(n, 36));
+        check(&format!("{what}: the gradient"), &grad, &[dy, x, stats(37)], &[shape.clone(), vec![c], vec![c]]);
+    }
 }
 
 /// Outputs that each reduce at least 256 inputs take one block each (`reduce_strided_blocks`):

@@ -213,6 +213,7 @@ macro_rules! params {
 
 // After the macro, which they use.
 mod attention;
+mod channels;
 mod resize;
 mod shard;
 mod window;
@@ -1422,45 +1423,12 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             shard::loss_grad(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], [*dsums, *dtargets])
         }
         Op::BatchNorm { epsilon, momentum, training } => {
-            let (a, scale, bias, mean, var) = (x(0)?, x(1)?, x(2)?, x(3)?, x(4)?);
-            for (v, what) in [(&a, "X"), (&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
-                need_f32(v, what)?;
-            }
-            let (n, c, plane) = channels(a.shape())?;
-            let (new_mean, new_var) = (outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |v| v.at));
-            dev.kernel(
-                "batch_norm_channels",
-                per_row(c),
-                &mut params![
-                    *training as i32,
-                    n,
-                    c as i64,
-                    plane,
-                    *epsilon,
-                    *momentum,
-                    a.at,
-                    scale.at,
-                    bias.at,
-                    mean.at,
-                    var.at,
-                    y.at,
-                    new_mean,
-                    new_var
-                ],
-            )
+            let stats = [outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |v| v.at)];
+            channels::batch_norm(dev, (*epsilon, *momentum, *training), [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?], y, stats)
         }
         Op::BatchNormGrad { epsilon } => {
-            let (dy, a, scale) = (x(0)?, x(1)?, x(2)?);
-            for (v, what) in [(&dy, "dY"), (&a, "X"), (&scale, "scale")] {
-                need_f32(v, what)?;
-            }
-            let (n, c, plane) = channels(a.shape())?;
-            let (dscale, dbias) = (outs.get(1).map_or(NULL, |s| s.at), outs.get(2).map_or(NULL, |b| b.at));
-            dev.kernel(
-                "batch_norm_grad_channels",
-                per_row(c),
-                &mut params![n, c as i64, plane, *epsilon, dy.at, a.at, scale.at, y.at, dscale, dbias],
-            )
+            let sums = [outs.get(1).map_or(NULL, |s| s.at), outs.get(2).map_or(NULL, |b| b.at)];
+            channels::batch_norm_grad(dev, *epsilon, [x(0)?, x(1)?, x(2)?], y, sums)
         }
         other => refused!("{} has no CUDA kernel yet", other.onnx_name().0),
     }

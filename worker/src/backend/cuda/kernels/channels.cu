@@ -1,18 +1,25 @@
-// BatchNormalization over NC… tensors: one block per channel, which reads that channel's
-// N × plane elements (strided by the other channels). The statistics are the CPU backend's
-// (conv.rs): mean and biased variance summed in f64, two passes, then rounded to f32.
+// BatchNormalization over N × C × plane tensors (f32), spread over the whole GPU. Each channel's
+// N·plane elements (image by image, each image's plane contiguous) are cut into `parts` shares
+// of `share` elements; one block per (share, channel) sums its share (`batch_norm_partial`), a
+// thread per channel adds its shares in a fixed order (`batch_norm_finish`,
+// `batch_norm_grad_finish`), so the bits never depend on scheduling, and an element-wise kernel
+// then writes Y or dX. One block per channel, as before, left most of a GPU idle: ResNet-50's
+// first stage has 64 channels of 128 × 56 × 56 values.
+//
+// The statistics are summed in f64 around a shift K, the channel's first element: Σ(x − K) and
+// Σ(x − K)² give the mean and the biased variance in one read, without the cancellation that
+// Σx² − (Σx)²/count suffers when the mean is large against the spread. The gradient's sums
+// ride in the same read: Σ dY and Σ dY·(x − K).
 
-// Channel `ch`'s elements j = threadIdx.x, +blockDim.x, … (0 ≤ j < n·plane) as this thread visits
-// them, j's image and position in the plane carried from one to the next: dividing j by the
-// plane for each element (64-bit, a routine of dozens of instructions) cost more than the
-// element's own arithmetic; now a division runs only where a step crosses into another image.
+// The elements j of a channel in [begin, end) that this thread visits (j = begin + threadIdx.x,
+// then blockDim.x apart), j's image and position in the plane carried from one to the next:
+// a 64-bit division per element cost more than the element's own arithmetic, so one runs only
+// where a step crosses into another image.
 struct ChannelWalk {
-    i64 img, p;
-    // An empty plane has no elements: the walk starts past every image.
-    __device__ explicit ChannelWalk(i64 plane)
-        : img(plane ? (i64)threadIdx.x / plane : (i64)1 << 62), p(plane ? (i64)threadIdx.x % plane : 0) {}
-    __device__ bool within(i64 n) const { return img < n; }
+    i64 j, img, p;
+    __device__ ChannelWalk(i64 begin, i64 plane) : j(begin + threadIdx.x), img(j / plane), p(j % plane) {}
     __device__ void next(i64 plane) {
+        j += blockDim.x;
         p += blockDim.x;
         if (p >= plane) {
             img += p / plane;
@@ -22,65 +29,149 @@ struct ChannelWalk {
     __device__ i64 at(i64 c, i64 plane, i64 ch) const { return (img * c + ch) * plane + p; }
 };
 
-// The batch mean and biased variance of channel `ch`, to every thread of the block.
-__device__ void channel_stats(i64 n, i64 c, i64 plane, const float* x, i64 ch, float* mean, float* var) {
-    i64 count = n * plane;
-    double s = 0.0;
-    for (ChannelWalk w(plane); w.within(n); w.next(plane)) s += (double)x[w.at(c, plane, ch)];
-    double m = block_sum_f64(s) / (double)count;
-    double q = 0.0;
-    for (ChannelWalk w(plane); w.within(n); w.next(plane)) {
-        double d = (double)x[w.at(c, plane, ch)] - m;
+// What a share's block adds up, in f64, for the slot [(ch·parts + k)·4 …]: Σ(x − K), Σ(x − K)²,
+// and with dY, Σ dY, Σ dY·(x − K). Launched over (C, parts) blocks; an empty batch launches none.
+extern "C" __global__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const float* x, const float* dy,
+                                              double* partial) {
+    i64 ch = blockIdx.x, k = blockIdx.y, parts = gridDim.y;
+    i64 begin = k * share, end = begin + share < n * plane ? begin + share : n * plane;
+    double shift = x[ch * plane], s = 0.0, q = 0.0, g = 0.0, gd = 0.0;
+    for (ChannelWalk w(begin, plane); w.j < end; w.next(plane)) {
+        i64 at = w.at(c, plane, ch);
+        double d = (double)x[at] - shift;
+        s += d;
         q += d * d;
+        if (dy) {
+            g += (double)dy[at];
+            gd += (double)dy[at] * d;
+        }
     }
-    *mean = (float)m;
-    *var = (float)(block_sum_f64(q) / (double)count);
-}
-
-// Y = (X − mean)·σ⁻¹·scale + bias with the batch's statistics (training) or the running ones.
-// In training, new_mean and new_var (when not null) get the running statistics updated with
-// ONNX's momentum: running·momentum + batch·(1 − momentum).
-extern "C" __global__ void batch_norm_channels(int training, i64 n, i64 c, i64 plane, float eps, float momentum,
-                                               const float* x, const float* scale, const float* bias,
-                                               const float* running_mean, const float* running_var, float* y,
-                                               float* new_mean, float* new_var) {
-    i64 ch = blockIdx.x;
-    float mean = running_mean[ch], var = running_var[ch];
-    if (training) channel_stats(n, c, plane, x, ch, &mean, &var);
-    float inv = 1.f / sqrtf(var + eps);
-    for (ChannelWalk w(plane); w.within(n); w.next(plane)) {
-        i64 at = w.at(c, plane, ch);
-        y[at] = (x[at] - mean) * inv * scale[ch] + bias[ch];
-    }
-    if (training && threadIdx.x == 0) {
-        if (new_mean) new_mean[ch] = running_mean[ch] * momentum + mean * (1.f - momentum);
-        if (new_var) new_var[ch] = running_var[ch] * momentum + var * (1.f - momentum);
-    }
-}
-
-// Training-mode backward with the batch statistics recomputed from X:
-// dBias = Σ dY, dScale = Σ dY·x̂, dX = scale·σ⁻¹·(dY − dBias/count − x̂·dScale/count).
-extern "C" __global__ void batch_norm_grad_channels(i64 n, i64 c, i64 plane, float eps, const float* dy,
-                                                    const float* x, const float* scale, float* dx, float* dscale,
-                                                    float* dbias) {
-    i64 ch = blockIdx.x, count = n * plane;
-    float mean, var;
-    channel_stats(n, c, plane, x, ch, &mean, &var);
-    float inv = 1.f / sqrtf(var + eps);
-    float sb = 0.f, ss = 0.f;
-    for (ChannelWalk w(plane); w.within(n); w.next(plane)) {
-        i64 at = w.at(c, plane, ch);
-        sb += dy[at];
-        ss += dy[at] * (x[at] - mean) * inv;
-    }
-    float db = block_sum(sb), ds = block_sum(ss);
-    for (ChannelWalk w(plane); w.within(n); w.next(plane)) {
-        i64 at = w.at(c, plane, ch);
-        float xh = (x[at] - mean) * inv;
-        dx[at] = scale[ch] * inv * (dy[at] - db / (float)count - xh * ds / (float)count);
+    double* out = partial + (ch * parts + k) * 4;
+    s = block_sum_f64(s);
+    q = block_sum_f64(q);
+    if (dy) {
+        g = block_sum_f64(g);
+        gd = block_sum_f64(gd);
     }
     if (threadIdx.x == 0) {
+        out[0] = s;
+        out[1] = q;
+        out[2] = g;
+        out[3] = gd;
+    }
+}
+
+// Channel ch's sums over its `parts` shares, in share order (out: the four sums of the partial).
+__device__ void channel_sums(i64 ch, i64 parts, const double* partial, double* out) {
+    for (int i = 0; i < 4; ++i) out[i] = 0.0;
+    for (i64 k = 0; k < parts; ++k)
+        for (int i = 0; i < 4; ++i) out[i] += partial[(ch * parts + k) * 4 + i];
+}
+
+// The shift K of channel ch: its first element (none in an empty batch, whose statistics are
+// 0/0 as on the CPU).
+__device__ double channel_shift(i64 n, i64 plane, const float* x, i64 ch) {
+    return n * plane > 0 ? (double)x[ch * plane] : 0.0;
+}
+
+// The batch's mean and biased variance of channel ch from its sums around the shift K.
+__device__ void channel_stats(const double* sums, double shift, double count, double* mean, double* var) {
+    double m = sums[0] / count;
+    *mean = shift + m;
+    double v = sums[1] / count - m * m;
+    *var = v < 0.0 ? 0.0 : v;  // rounding can take a constant channel's below 0; a NaN stays
+}
+
+// Per channel, `stats` gets the mean and σ⁻¹ that Y is normalized with: the batch's (training:
+// from the shares' sums, parts ≥ 1) or the running ones. In training, new_mean and new_var (when
+// not null) get the running statistics updated with ONNX's momentum: running·momentum +
+// batch·(1 − momentum).
+extern "C" __global__ void batch_norm_finish(int training, i64 n, i64 c, i64 plane, i64 parts, float eps,
+                                             float momentum, const double* partial, const float* x,
+                                             const float* running_mean, const float* running_var, float* stats,
+                                             float* new_mean, float* new_var) {
+    for (i64 ch = first_index(); ch < c; ch += grid_stride()) {
+        float mean = running_mean[ch], var = running_var[ch];
+        if (training) {
+            double sums[4], m, v;
+            channel_sums(ch, parts, partial, sums);
+            channel_stats(sums, channel_shift(n, plane, x, ch), (double)(n * plane), &m, &v);
+            mean = (float)m;
+            var = (float)v;
+            if (new_mean) new_mean[ch] = running_mean[ch] * momentum + mean * (1.f - momentum);
+            if (new_var) new_var[ch] = running_var[ch] * momentum + var * (1.f - momentum);
+        }
+        stats[ch * 4] = mean;
+        stats[ch * 4 + 1] = 1.f / sqrtf(var + eps);
+    }
+}
+
+// Training-mode backward, per channel: the mean and σ⁻¹ recomputed from X, dBias = Σ dY and
+// dScale = Σ dY·x̂; `stats` gets mean, σ⁻¹, dBias/count and dScale/count for dX.
+extern "C" __global__ void batch_norm_grad_finish(i64 n, i64 c, i64 plane, i64 parts, float eps,
+                                                  const double* partial, const float* x, float* stats,
+                                                  float* dscale, float* dbias) {
+    for (i64 ch = first_index(); ch < c; ch += grid_stride()) {
+        double sums[4], mean, var, shift = channel_shift(n, plane, x, ch), count = (double)(n * plane);
+        channel_sums(ch, parts, partial, sums);
+        channel_stats(sums, shift, count, &mean, &var);
+        float m = (float)mean, inv = 1.f / sqrtf((float)var + eps);
+        // Σ dY·(x − mean) = Σ dY·(x − K) − (mean − K)·Σ dY; an empty batch's sums are 0.
+        float db = (float)sums[2], ds = count > 0.0 ? (float)((sums[3] - (mean - shift) * sums[2]) * (double)inv) : 0.f;
+        stats[ch * 4] = m;
+        stats[ch * 4 + 1] = inv;
+        stats[ch * 4 + 2] = db / (float)count;
+        stats[ch * 4 + 3] = ds / (float)count;
         if (dscale) dscale[ch] = ds;
         if (dbias) dbias[ch] = db;
+    }
+}
+
+// The channel of flat element i of an N × C × plane tensor: 32-bit divisions where the tensor
+// allows (a 64-bit one is a routine of dozens of instructions).
+__device__ __forceinline__ i64 channel_of(i64 i, i64 total, i64 c, i64 plane) {
+    if (total <= 0xffffffffll) return (i64)(((u32)i / (u32)plane) % (u32)c);
+    return (i / plane) % c;
+}
+
+// Y = (X − mean)·σ⁻¹·scale + bias, the mean and σ⁻¹ from `stats`; four elements at a time
+// where each plane's length is a multiple of four (the four then share a channel).
+extern "C" __global__ void batch_norm_apply(i64 total, i64 c, i64 plane, const float* x, const float* stats,
+                                            const float* scale, const float* bias, float* y) {
+    if (plane % 4 == 0 && aligned16(x) && aligned16(y)) {
+        for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
+            i64 ch = channel_of(v * 4, total, c, plane);
+            float mean = stats[ch * 4], inv = stats[ch * 4 + 1], s = scale[ch], b = bias[ch];
+            Vec<float, 4> in = ld_vec<float, 4>(x + v * 4), out;
+            for (int e = 0; e < 4; ++e) out.e[e] = (in.e[e] - mean) * inv * s + b;
+            st_vec<float, 4>(y + v * 4, out);
+        }
+        return;
+    }
+    for (i64 i = first_index(); i < total; i += grid_stride()) {
+        i64 ch = channel_of(i, total, c, plane);
+        y[i] = (x[i] - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch];
+    }
+}
+
+// dX = scale·σ⁻¹·(dY − dBias/count − x̂·dScale/count), x̂ = (x − mean)·σ⁻¹, from `stats`.
+__device__ __forceinline__ float batch_norm_dx(float dy, float x, const float* st, float scale) {
+    float xh = (x - st[0]) * st[1];
+    return scale * st[1] * (dy - st[2] - xh * st[3]);
+}
+extern "C" __global__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const float* dy, const float* x,
+                                                 const float* stats, const float* scale, float* dx) {
+    if (plane % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx)) {
+        for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
+            i64 ch = channel_of(v * 4, total, c, plane);
+            Vec<float, 4> g = ld_vec<float, 4>(dy + v * 4), in = ld_vec<float, 4>(x + v * 4), out;
+            for (int e = 0; e < 4; ++e) out.e[e] = batch_norm_dx(g.e[e], in.e[e], stats + ch * 4, scale[ch]);
+            st_vec<float, 4>(dx + v * 4, out);
+        }
+        return;
+    }
+    for (i64 i = first_index(); i < total; i += grid_stride()) {
+        i64 ch = channel_of(i, total, c, plane);
+        dx[i] = batch_norm_dx(dy[i], x[i], stats + ch * 4, scale[ch]);
     }
 }

@@ -252,20 +252,43 @@ extern "C" __global__ void conv_transpose_direct_bf16(i64 images, i64 group, i64
     conv_transpose_direct<BF16>(images, group, cg, mg, g, x, w, bias, y);
 }
 
+// MaxPool's gradient, first pass: the position in its input plane of each output's first
+// maximum (first_max; -1 for a window wholly in the padding), so that the gather below compares
+// one int per reader where it scanned each reader's whole window again for every input element
+// (ResNet-50's max-pool gradient took 20 ms that way).
+template <class S>
+__device__ void pool_argmax(i64 planes, const Pool& g, const typename S::T* x, int* best) {
+    i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
+    for (i64 i = first_index(); i < planes * plane_out; i += grid_stride()) {
+        i64 o[3];
+        pool_position(g, i % plane_out, o);
+        best[i] = (int)first_max<S>(g, x + i / plane_out * plane_in, o);
+    }
+}
+extern "C" __global__ void pool_argmax_f32(i64 planes, Pool g, const float* x, int* best) {
+    pool_argmax<F32>(planes, g, x, best);
+}
+extern "C" __global__ void pool_argmax_f16(i64 planes, Pool g, const u16* x, int* best) {
+    pool_argmax<F16>(planes, g, x, best);
+}
+extern "C" __global__ void pool_argmax_bf16(i64 planes, Pool g, const u16* x, int* best) {
+    pool_argmax<BF16>(planes, g, x, best);
+}
+
 // dX of pooling, gathered per input element from the outputs whose windows read it: max
-// pooling takes dY of the windows whose first maximum it is, average pooling dY / count. The
-// readers are visited in increasing output order (taps from the last back), the order in which
-// the CPU backend scatters, so the sums agree bit for bit.
+// pooling takes dY of the windows whose first maximum it is (`best`, pool_argmax's), average
+// pooling dY / count. The readers are visited in increasing output order (taps from the last
+// back), the order in which the CPU backend scatters, so the sums agree bit for bit.
 template <class S>
 __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, const typename S::T* dy,
-                          const typename S::T* x, typename S::T* dx) {
+                          const int* best, typename S::T* dx) {
     i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
     i64 n = planes * plane_in;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 at = i % plane_in, p = i / plane_in;
         i64 in[3] = {at / (g.in[2] * g.in[1]), (at / g.in[2]) % g.in[1], at % g.in[2]};
-        const typename S::T* xp = x + p * plane_in;
         const typename S::T* dyp = dy + p * plane_out;
+        const int* bestp = best + p * plane_out;
         float s = 0.f;
         i64 o[3];
         for (i64 t0 = g.k[0] - 1; t0 >= 0; --t0) {
@@ -274,9 +297,10 @@ __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, c
                 if ((o[1] = reader_of(in[1], t1, g.s[1], g.d[1], g.pad[1], g.out[1])) < 0) continue;
                 for (i64 t2 = g.k[2] - 1; t2 >= 0; --t2) {
                     if ((o[2] = reader_of(in[2], t2, g.s[2], g.d[2], g.pad[2], g.out[2])) < 0) continue;
-                    float d = S::load(dyp[(o[0] * g.out[1] + o[1]) * g.out[2] + o[2]]);
+                    i64 oi = (o[0] * g.out[1] + o[1]) * g.out[2] + o[2];
+                    float d = S::load(dyp[oi]);
                     if (max) {
-                        if (first_max<S>(g, xp, o) == at) s += d;
+                        if (bestp[oi] == at) s += d;
                     } else {
                         s += d / (float)average_count(g, o, include_pad);
                     }
@@ -287,16 +311,16 @@ __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, c
     }
 }
 extern "C" __global__ void pool_grad_f32(int max, int include_pad, i64 planes, Pool g, const float* dy,
-                                         const float* x, float* dx) {
-    pool_grad<F32>(max, include_pad, planes, g, dy, x, dx);
+                                         const int* best, float* dx) {
+    pool_grad<F32>(max, include_pad, planes, g, dy, best, dx);
 }
-extern "C" __global__ void pool_grad_f16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const u16* x,
+extern "C" __global__ void pool_grad_f16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const int* best,
                                          u16* dx) {
-    pool_grad<F16>(max, include_pad, planes, g, dy, x, dx);
+    pool_grad<F16>(max, include_pad, planes, g, dy, best, dx);
 }
-extern "C" __global__ void pool_grad_bf16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const u16* x,
+extern "C" __global__ void pool_grad_bf16(int max, int include_pad, i64 planes, Pool g, const u16* dy, const int* best,
                                           u16* dx) {
-    pool_grad<BF16>(max, include_pad, planes, g, dy, x, dx);
+    pool_grad<BF16>(max, include_pad, planes, g, dy, best, dx);
 }
 
 // GlobalAveragePool: one block per N·C plane.

@@ -3,7 +3,7 @@
 //! the transposed products and col2im; transposed convolution as that data gradient, and its
 //! own gradient as a convolution and the weight gradient with X and dY exchanged; pooling one
 //! thread per output (and per input element for the gradient, gathered so that no atomics make
-//! the sums' order vary). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
+//! the sums' order vary; max pooling's finds each window's first maximum once, beforehand). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
 //! precision's convolutions: half products with f32 accumulation), transposed ones also over 3
 //! (forward only, a direct kernel); pooling over up to 3 spatial dims in any element type (its
 //! gradient 1-D and 2-D); with the CPU backend's geometry (`crate::kernels::conv`), whose results
@@ -441,12 +441,33 @@ pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> 
     }
     let g = Pool::of(win, x.shape(), dy.shape())?;
     let (max, include_pad) = pool_flags(kind);
-    let planes = (x.shape()[0] * x.shape()[1]) as i64;
-    dev.kernel(
-        &typed("pool_grad", t)?,
-        elementwise(dx.n()),
-        &mut params![max, include_pad, planes, g, dy.at, x.at, dx.at],
-    )
+    let planes = x.shape()[0] * x.shape()[1];
+    let (plane_in, plane_out) = (x.n() / planes.max(1), dy.n() / planes.max(1));
+    let kernel = typed("pool_grad", t)?;
+    if max == 0 {
+        let planes = planes as i64;
+        return dev.kernel(&kernel, elementwise(dx.n()), &mut params![max, include_pad, planes, g, dy.at, NULL, dx.at]);
+    }
+    if plane_in > i32::MAX as usize {
+        return refused!("MaxPool's gradient over planes of {plane_in} values (at most 2^31 - 1)");
+    }
+    // Each output's first maximum (an i32 a window) for as many planes as the scratch budget
+    // holds, then the gather over those planes.
+    let chunk = (dev.scratch_budget() / (4 * plane_out).max(1)).clamp(1, planes.max(1));
+    let best = dev.scratch((4 * chunk * plane_out).max(4))?;
+    for first in (0..planes).step_by(chunk) {
+        let n = chunk.min(planes - first);
+        let (x_at, dy_at) = (at(x.at, first * plane_in, t), at(dy.at, first * plane_out, t));
+        let dx_at = at(dx.at, first * plane_in, t);
+        let argmax = typed("pool_argmax", t)?;
+        dev.kernel(&argmax, elementwise(n * plane_out), &mut params![n as i64, g, x_at, best])?;
+        dev.kernel(
+            &kernel,
+            elementwise(n * plane_in),
+            &mut params![max, include_pad, n as i64, g, dy_at, best, dx_at],
+        )?;
+    }
+    Ok(())
 }
 
 pub fn global_average_pool(dev: Dev, x: V, y: V) -> Result<(), BackendError> {
