@@ -117,6 +117,32 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
     }
 }
 
+/// ResNet-18's topology as PyTorch's TorchScript exporter wrote it (tests/data/torch_cnn, tiny
+/// widths) trains in bf16 on the emulated kernels to the CPU backend's bf16 losses: its
+/// BatchNormalizations read the convolutions' half outputs and their gradients write half dX
+/// (`batch_norm_casts`), the max pool's gradient goes through each window's first maximum. The
+/// first loss within 1e-5, the rest within 2⁻⁶, as the GPU test allows these BatchNorm nets,
+/// whose two backends part with rounding from the first update.
+#[test]
+fn exported_resnet18_trains_in_bf16_on_the_emulated_kernels_to_the_cpu_losses() {
+    let dir = torch_oracle::data_dir("torch_cnn");
+    let e = torch_oracle::expected(&dir);
+    let spec = torch_oracle::spec(&dir, "resnet18_torchscript.onnx", None, Default::default());
+    let batches =
+        torch_oracle::batches(&dir.join(e["data"].as_str().unwrap()), e["batch"].as_u64().unwrap() as usize, 1);
+    let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+    let opts = SessionOptions { half: Some(DType::BF16), ..SessionOptions::new(sgd) };
+    let gpu = train_model(Arc::new(EmulatedGpu::new()), &spec, &batches, &opts, 2);
+    let cpu = train_model(Arc::new(CpuBackend::new()), &spec, &batches, &opts, 2);
+    println!("resnet18 bf16: emulated {:?} then {}, CPU {:?} then {}", gpu.losses, gpu.eval, cpu.losses, cpu.eval);
+    // The first step's loss is the forward pass over the initial weights: within rounding.
+    let (g, c) = (gpu.losses[0], cpu.losses[0]);
+    assert!((g - c).abs() <= 1e-5 * c.abs(), "step 1: emulated GPU loss {g}, CPU {c}");
+    for (k, (g, c)) in gpu.losses.iter().chain([&gpu.eval]).zip(cpu.losses.iter().chain([&cpu.eval])).enumerate() {
+        assert!((g - c).abs() <= c.abs() / 64.0, "loss {k} (the last: evaluation): emulated GPU {g}, CPU {c}");
+    }
+}
+
 /// Models users export: the tiny Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention) and
 /// ViT (patch convolution, erf GELU) that tests/torch_hf.rs trains against PyTorch, from both
 /// exporters, train in bf16 on the emulated kernels to the CPU backend's bf16 losses.
@@ -1278,7 +1304,8 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
 /// length is a multiple of four): a channel over two shares whose values sit far from 0 (the
 /// statistics summed around the channel's first value, so the mean does not swamp the
 /// variance), an odd plane, and an empty batch; training (running statistics too), inference
-/// and the gradient all match the CPU's two-pass f64 statistics.
+/// and the gradient all match the CPU's two-pass f64 statistics, with X in f32 and, as mixed
+/// precision's `batch_norm_casts` leaves it, in bf16 and f16 (dX then rounded to that type).
 #[test]
 fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
@@ -1301,7 +1328,20 @@ fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the
         check(&format!("{what}: training"), &train, &with_stats, &[shape.clone(), vec![c], vec![c]]);
         check(&format!("{what}: inference"), &infer, &with_stats, std::slice::from_ref(&shape));
         let dy = Tensor::from_vec(&shape, values(n, 36));
-        check(&format!("{what}: the gradient"), &grad, &[dy, x, stats(37)], &[shape.clone(), vec![c], vec![c]]);
+        check(&format!("{what}: the gradient"), &grad, &[dy, x.clone(), stats(37)], &[shape.clone(), vec![c], vec![c]]);
+        // Under mixed precision (the pass batch_norm_casts) X and dX are half, read and rounded
+        // as the casts did, everything else f32: Y within f32's rounding, dX within a unit.
+        for (t, unit) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
+            let (f32_of, x) = (|shape: &[usize]| Meta::new(DType::F32, shape), x.cast(t));
+            let ins = [x.clone(), stats(32), stats(33), stats(34), stats(35)];
+            let outs = [f32_of(&shape), f32_of(&[c]), f32_of(&[c])];
+            let (g, c_) = (run_typed(&gpu, &train, &ins, &outs), run_typed(&cpu, &train, &ins, &outs));
+            assert_close(&format!("{what}, X {t}: training"), &g, &c_);
+            let ins = [Tensor::from_vec(&shape, values(n, 36)), x, stats(37)];
+            let outs = [Meta::new(t, &shape), f32_of(&[c]), f32_of(&[c])];
+            let (g, c_) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+            close_as_f32(&format!("{what}, X and dX {t}: the gradient"), &g, &c_, unit);
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! skips overflowing steps, halves and doubles its scale, and resumes from a checkpoint's state.
 
 mod common;
+mod torch_oracle;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
@@ -167,6 +168,46 @@ fn layer_norms_writing_and_reading_half_change_no_bit() {
             run(&[&others[..], &["layer_norm_casts"]].concat());
         assert!(norms > 0 && (writing, reading) == (norms, norms), "{half}: {writing} and {reading} of {norms}");
         assert_eq!((unfused_w, unfused_r, unfused_casts - casts), (0, 0, 2 * norms), "{half}: unfused");
+        assert_eq!(with, without, "{half}: losses");
+        assert!(w_with == w_without, "{half}: weights differ");
+    }
+}
+
+/// The batch_norm_casts fusion (each BatchNormalization and its gradient read the
+/// convolution's half output where a cast widened it, and the gradient writes dX's half value
+/// where a cast rounded it) is exact: the same losses, running statistics and weights, bit for
+/// bit, in bf16 and fp16, on the resnet18 topology PyTorch exported (tests/data/torch_cnn).
+#[test]
+fn batch_norms_reading_and_writing_half_change_no_bit() {
+    let dir = torch_oracle::data_dir("torch_cnn");
+    let e = torch_oracle::expected(&dir);
+    let batches =
+        torch_oracle::batches(&dir.join(e["data"].as_str().unwrap()), e["batch"].as_u64().unwrap() as usize, 2);
+    let model = torch_oracle::load(&dir, "resnet18_torchscript.onnx", None, Default::default());
+    let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+    for half in [DType::BF16, DType::F16] {
+        let run = |disabled: &[&str]| {
+            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+            let opts = SessionOptions { half: Some(half), disabled_passes, ..SessionOptions::new(sgd) };
+            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 1, &opts).unwrap();
+            let g = &s.train.graph;
+            let is_half = |v: Option<usize>| v.is_some_and(|v| g.meta(v).unwrap().dtype == half);
+            let norms = g.nodes.iter().filter(|n| matches!(n.op, Op::BatchNorm { .. }));
+            let reading = norms.clone().filter(|n| is_half(n.input(0))).count();
+            let grads = g.nodes.iter().filter(|n| matches!(n.op, Op::BatchNormGrad { .. }));
+            let grads_reading = grads.clone().filter(|n| is_half(n.input(1))).count();
+            let writing = grads.filter(|n| is_half(n.output(0))).count();
+            let casts = g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
+            let counts = (norms.count(), reading, grads_reading, writing, casts);
+            let losses: Vec<f64> =
+                (0..3u64).map(|k| s.step(&[batches[k as usize % 2].clone()], 0.05, 0.0, k).unwrap().loss).collect();
+            (counts, losses, s.weights().unwrap())
+        };
+        let ((norms, reading, grads_reading, writing, casts), with, w_with) = run(&[]);
+        let ((_, r, gr, w, unfused_casts), without, w_without) = run(&["batch_norm_casts"]);
+        let fused = (reading, grads_reading, writing);
+        assert!(norms > 0 && fused == (norms, norms, norms), "{half}: {fused:?} of {norms}");
+        assert_eq!((r, gr, w, unfused_casts - casts), (0, 0, 0, 2 * norms), "{half}: unfused");
         assert_eq!(with, without, "{half}: losses");
         assert!(w_with == w_without, "{half}: weights differ");
     }

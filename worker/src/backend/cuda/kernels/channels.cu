@@ -10,6 +10,10 @@
 // Σ(x − K)² give the mean and the biased variance in one read, without the cancellation that
 // Σx² − (Σx)²/count suffers when the mean is large against the spread. The gradient's sums
 // ride in the same read: Σ dY and Σ dY·(x − K).
+//
+// Under mixed precision X may be half (the pass batch_norm_casts: the convolution's half output
+// read where a cast widened it) and dX half (rounded as the cast after the gradient did); the
+// arithmetic is f32 (f64 for the sums) either way, Y and dY are f32.
 
 // The elements j of a channel in [begin, end) that this thread visits (j = begin + threadIdx.x,
 // then blockDim.x apart), j's image and position in the plane carried from one to the next:
@@ -30,15 +34,17 @@ struct ChannelWalk {
 };
 
 // What a share's block adds up, in f64, for the slot [(ch·parts + k)·4 …]: Σ(x − K), Σ(x − K)²,
-// and with dY, Σ dY, Σ dY·(x − K). Launched over (C, parts) blocks; an empty batch launches none.
-extern "C" __global__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const float* x, const float* dy,
-                                              double* partial) {
+// and with dY, Σ dY, Σ dY·(x − K); the first share's block writes K to shifts[ch]. Launched over
+// (C, parts) blocks; an empty batch launches none.
+template <class X>
+__device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typename X::T* x, const float* dy,
+                                   double* partial, double* shifts) {
     i64 ch = blockIdx.x, k = blockIdx.y, parts = gridDim.y;
     i64 begin = k * share, end = begin + share < n * plane ? begin + share : n * plane;
-    double shift = x[ch * plane], s = 0.0, q = 0.0, g = 0.0, gd = 0.0;
+    double shift = X::load(x[ch * plane]), s = 0.0, q = 0.0, g = 0.0, gd = 0.0;
     for (ChannelWalk w(begin, plane); w.j < end; w.next(plane)) {
         i64 at = w.at(c, plane, ch);
-        double d = (double)x[at] - shift;
+        double d = (double)X::load(x[at]) - shift;
         s += d;
         q += d * d;
         if (dy) {
@@ -58,7 +64,20 @@ extern "C" __global__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share
         out[1] = q;
         out[2] = g;
         out[3] = gd;
+        if (k == 0) shifts[ch] = shift;
     }
+}
+extern "C" __global__ void batch_norm_partial_f32(i64 n, i64 c, i64 plane, i64 share, const float* x, const float* dy,
+                                                  double* partial, double* shifts) {
+    batch_norm_partial<F32>(n, c, plane, share, x, dy, partial, shifts);
+}
+extern "C" __global__ void batch_norm_partial_f16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const float* dy,
+                                                  double* partial, double* shifts) {
+    batch_norm_partial<F16>(n, c, plane, share, x, dy, partial, shifts);
+}
+extern "C" __global__ void batch_norm_partial_bf16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const float* dy,
+                                                   double* partial, double* shifts) {
+    batch_norm_partial<BF16>(n, c, plane, share, x, dy, partial, shifts);
 }
 
 // Channel ch's sums over its `parts` shares, in share order (out: the four sums of the partial).
@@ -66,12 +85,6 @@ __device__ void channel_sums(i64 ch, i64 parts, const double* partial, double* o
     for (int i = 0; i < 4; ++i) out[i] = 0.0;
     for (i64 k = 0; k < parts; ++k)
         for (int i = 0; i < 4; ++i) out[i] += partial[(ch * parts + k) * 4 + i];
-}
-
-// The shift K of channel ch: its first element (none in an empty batch, whose statistics are
-// 0/0 as on the CPU).
-__device__ double channel_shift(i64 n, i64 plane, const float* x, i64 ch) {
-    return n * plane > 0 ? (double)x[ch * plane] : 0.0;
 }
 
 // The batch's mean and biased variance of channel ch from its sums around the shift K.
@@ -86,8 +99,9 @@ __device__ void channel_stats(const double* sums, double shift, double count, do
 // from the shares' sums, parts ≥ 1) or the running ones. In training, new_mean and new_var (when
 // not null) get the running statistics updated with ONNX's momentum: running·momentum +
 // batch·(1 − momentum).
+// An empty batch has no shift (its statistics are 0/0, as on the CPU).
 extern "C" __global__ void batch_norm_finish(int training, i64 n, i64 c, i64 plane, i64 parts, float eps,
-                                             float momentum, const double* partial, const float* x,
+                                             float momentum, const double* partial, const double* shifts,
                                              const float* running_mean, const float* running_var, float* stats,
                                              float* new_mean, float* new_var) {
     for (i64 ch = first_index(); ch < c; ch += grid_stride()) {
@@ -95,7 +109,7 @@ extern "C" __global__ void batch_norm_finish(int training, i64 n, i64 c, i64 pla
         if (training) {
             double sums[4], m, v;
             channel_sums(ch, parts, partial, sums);
-            channel_stats(sums, channel_shift(n, plane, x, ch), (double)(n * plane), &m, &v);
+            channel_stats(sums, parts ? shifts[ch] : 0.0, (double)(n * plane), &m, &v);
             mean = (float)m;
             var = (float)v;
             if (new_mean) new_mean[ch] = running_mean[ch] * momentum + mean * (1.f - momentum);
@@ -109,10 +123,10 @@ extern "C" __global__ void batch_norm_finish(int training, i64 n, i64 c, i64 pla
 // Training-mode backward, per channel: the mean and σ⁻¹ recomputed from X, dBias = Σ dY and
 // dScale = Σ dY·x̂; `stats` gets mean, σ⁻¹, dBias/count and dScale/count for dX.
 extern "C" __global__ void batch_norm_grad_finish(i64 n, i64 c, i64 plane, i64 parts, float eps,
-                                                  const double* partial, const float* x, float* stats,
+                                                  const double* partial, const double* shifts, float* stats,
                                                   float* dscale, float* dbias) {
     for (i64 ch = first_index(); ch < c; ch += grid_stride()) {
-        double sums[4], mean, var, shift = channel_shift(n, plane, x, ch), count = (double)(n * plane);
+        double sums[4], mean, var, shift = parts ? shifts[ch] : 0.0, count = (double)(n * plane);
         channel_sums(ch, parts, partial, sums);
         channel_stats(sums, shift, count, &mean, &var);
         float m = (float)mean, inv = 1.f / sqrtf((float)var + eps);
@@ -134,24 +148,44 @@ __device__ __forceinline__ i64 channel_of(i64 i, i64 total, i64 c, i64 plane) {
     return (i / plane) % c;
 }
 
+// Whether p may be read or written as vectors of 4 elements of its type.
+template <typename T>
+__device__ __forceinline__ bool aligned4(const T* p) {
+    return ((u64)p % (4 * sizeof(T))) == 0;
+}
+
 // Y = (X − mean)·σ⁻¹·scale + bias, the mean and σ⁻¹ from `stats`; four elements at a time
 // where each plane's length is a multiple of four (the four then share a channel).
-extern "C" __global__ void batch_norm_apply(i64 total, i64 c, i64 plane, const float* x, const float* stats,
-                                            const float* scale, const float* bias, float* y) {
-    if (plane % 4 == 0 && aligned16(x) && aligned16(y)) {
+template <class X>
+__device__ void batch_norm_apply(i64 total, i64 c, i64 plane, const typename X::T* x, const float* stats,
+                                 const float* scale, const float* bias, float* y) {
+    if (plane % 4 == 0 && aligned4(x) && aligned4(y)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
             float mean = stats[ch * 4], inv = stats[ch * 4 + 1], s = scale[ch], b = bias[ch];
-            Vec<float, 4> in = ld_vec<float, 4>(x + v * 4), out;
-            for (int e = 0; e < 4; ++e) out.e[e] = (in.e[e] - mean) * inv * s + b;
+            Vec<typename X::T, 4> in = ld_vec<typename X::T, 4>(x + v * 4);
+            Vec<float, 4> out;
+            for (int e = 0; e < 4; ++e) out.e[e] = (X::load(in.e[e]) - mean) * inv * s + b;
             st_vec<float, 4>(y + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        y[i] = (x[i] - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch];
+        y[i] = (X::load(x[i]) - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch];
     }
+}
+extern "C" __global__ void batch_norm_apply_f32(i64 total, i64 c, i64 plane, const float* x, const float* stats,
+                                                const float* scale, const float* bias, float* y) {
+    batch_norm_apply<F32>(total, c, plane, x, stats, scale, bias, y);
+}
+extern "C" __global__ void batch_norm_apply_f16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
+                                                const float* scale, const float* bias, float* y) {
+    batch_norm_apply<F16>(total, c, plane, x, stats, scale, bias, y);
+}
+extern "C" __global__ void batch_norm_apply_bf16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
+                                                 const float* scale, const float* bias, float* y) {
+    batch_norm_apply<BF16>(total, c, plane, x, stats, scale, bias, y);
 }
 
 // dX = scale·σ⁻¹·(dY − dBias/count − x̂·dScale/count), x̂ = (x − mean)·σ⁻¹, from `stats`.
@@ -159,19 +193,48 @@ __device__ __forceinline__ float batch_norm_dx(float dy, float x, const float* s
     float xh = (x - st[0]) * st[1];
     return scale * st[1] * (dy - st[2] - xh * st[3]);
 }
-extern "C" __global__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const float* dy, const float* x,
-                                                 const float* stats, const float* scale, float* dx) {
-    if (plane % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx)) {
+template <class X, class D>
+__device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const float* dy, const typename X::T* x,
+                                      const float* stats, const float* scale, typename D::T* dx) {
+    if (plane % 4 == 0 && aligned4(dy) && aligned4(x) && aligned4(dx)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
-            Vec<float, 4> g = ld_vec<float, 4>(dy + v * 4), in = ld_vec<float, 4>(x + v * 4), out;
-            for (int e = 0; e < 4; ++e) out.e[e] = batch_norm_dx(g.e[e], in.e[e], stats + ch * 4, scale[ch]);
-            st_vec<float, 4>(dx + v * 4, out);
+            Vec<float, 4> g = ld_vec<float, 4>(dy + v * 4);
+            Vec<typename X::T, 4> in = ld_vec<typename X::T, 4>(x + v * 4);
+            Vec<typename D::T, 4> out;
+            for (int e = 0; e < 4; ++e)
+                out.e[e] = D::store(batch_norm_dx(g.e[e], X::load(in.e[e]), stats + ch * 4, scale[ch]));
+            st_vec<typename D::T, 4>(dx + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        dx[i] = batch_norm_dx(dy[i], x[i], stats + ch * 4, scale[ch]);
+        dx[i] = D::store(batch_norm_dx(dy[i], X::load(x[i]), stats + ch * 4, scale[ch]));
     }
+}
+// dX's type by `dx_type`: 0 f32, 1 f16, 2 bf16.
+template <class X>
+__device__ void batch_norm_grad_apply_to(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
+                                         const typename X::T* x, const float* stats, const float* scale, void* dx) {
+    switch (dx_type) {
+    case 0: batch_norm_grad_apply<X, F32>(total, c, plane, dy, x, stats, scale, (float*)dx); break;
+    case 1: batch_norm_grad_apply<X, F16>(total, c, plane, dy, x, stats, scale, (u16*)dx); break;
+    default: batch_norm_grad_apply<X, BF16>(total, c, plane, dy, x, stats, scale, (u16*)dx); break;
+    }
+}
+extern "C" __global__ void batch_norm_grad_apply_f32(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
+                                                     const float* x, const float* stats, const float* scale,
+                                                     void* dx) {
+    batch_norm_grad_apply_to<F32>(dx_type, total, c, plane, dy, x, stats, scale, dx);
+}
+extern "C" __global__ void batch_norm_grad_apply_f16(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
+                                                     const u16* x, const float* stats, const float* scale,
+                                                     void* dx) {
+    batch_norm_grad_apply_to<F16>(dx_type, total, c, plane, dy, x, stats, scale, dx);
+}
+extern "C" __global__ void batch_norm_grad_apply_bf16(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
+                                                      const u16* x, const float* stats, const float* scale,
+                                                      void* dx) {
+    batch_norm_grad_apply_to<BF16>(dx_type, total, c, plane, dy, x, stats, scale, dx);
 }

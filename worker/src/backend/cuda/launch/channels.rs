@@ -1,11 +1,14 @@
 //! BatchNormalization and its training-mode gradient on the CUDA backend (kernels/channels.cu),
-//! over f32 N × C × … tensors: each channel's values cut into shares that a block each sums,
-//! the shares added per channel in a fixed order, then one element-wise pass writing Y or dX.
-//! The statistics are the CPU backend's (`crate::kernels::conv`): mean and biased variance
-//! summed in f64, which the results are checked against.
+//! over N × C × … tensors: each channel's values cut into shares that a block each sums, the
+//! shares added per channel in a fixed order, then one element-wise pass writing Y or dX. X
+//! (and dX) may be f32, f16 or bf16 (the pass `batch_norm_casts`), everything else is f32. The
+//! statistics are the CPU backend's (`crate::kernels::conv`): mean and biased variance summed
+//! in f64, which the results are checked against.
 
-use super::{channels, elementwise, need_f32, scratch_parts, Dev, Ptr, NULL, V};
+use super::{channels, elementwise, need_f32, scratch_parts, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
+use crate::refused;
+use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;
 
 /// About how many of a channel's values one block sums: enough for its 256 threads to stream,
@@ -32,18 +35,18 @@ impl Layout {
         Ok(Layout { n, c: c as i64, plane, share, parts: (count + share - 1) / share })
     }
 
-    /// The scratch of one normalization: the shares' sums ([C, parts, 4] f64) and the
-    /// per-channel statistics the element-wise pass reads (4 f32 a channel).
-    fn scratch(&self, dev: Dev) -> Result<[Ptr; 2], BackendError> {
+    /// The scratch of one normalization: the shares' sums ([C, parts, 4] f64), each channel's
+    /// shift (f64) and the per-channel statistics the element-wise pass reads (4 f32 a channel).
+    fn scratch(&self, dev: Dev) -> Result<Scratch, BackendError> {
         let (c, parts) = (self.c as usize, self.parts as usize);
-        let bytes = [(c * parts * 4 * 8).max(8), (c * 4 * 4).max(4)];
-        let [partial, stats] = scratch_parts(dev, &bytes)?[..] else { unreachable!("two parts") };
-        Ok([partial, stats])
+        let bytes = [(c * parts * 4 * 8).max(8), (c * 8).max(8), (c * 4 * 4).max(4)];
+        let [partial, shifts, stats] = scratch_parts(dev, &bytes)?[..] else { unreachable!("three parts") };
+        Ok(Scratch { partial, shifts, stats })
     }
 
-    /// Each channel's four f64 sums (`batch_norm_partial`), share by share into `partial`: of X
-    /// around its first value and, with `dy`, of dY and dY·X. An empty batch launches nothing.
-    fn partial_sums(&self, dev: Dev, x: Ptr, dy: Ptr, partial: Ptr) -> Result<(), BackendError> {
+    /// Each channel's four f64 sums (`batch_norm_partial`), share by share: of X around its
+    /// first value (the shift) and, with `dy`, of dY and dY·X. An empty batch launches nothing.
+    fn partial_sums(&self, dev: Dev, x: &V, dy: Ptr, at: &Scratch) -> Result<(), BackendError> {
         if self.parts == 0 {
             return Ok(());
         }
@@ -52,7 +55,24 @@ impl Layout {
             block_dim: (super::super::BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        dev.kernel("batch_norm_partial", cfg, &mut params![self.n, self.c, self.plane, self.share, x, dy, partial])
+        let (partial, shifts) = (at.partial, at.shifts);
+        let kernel = typed("batch_norm_partial", x.dtype())?;
+        dev.kernel(&kernel, cfg, &mut params![self.n, self.c, self.plane, self.share, x.at, dy, partial, shifts])
+    }
+}
+
+/// Where one normalization's temporaries are ([`Layout::scratch`]).
+struct Scratch {
+    partial: Ptr,
+    shifts: Ptr,
+    stats: Ptr,
+}
+
+/// X's element type: f32, or a half type under mixed precision.
+fn need_float(v: &V, what: &str) -> Result<(), BackendError> {
+    match v.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
+        t => refused!("{what} is {t}; the CUDA kernels take f32, f16 or bf16 here"),
     }
 }
 
@@ -65,17 +85,19 @@ pub fn batch_norm(
     y: V,
     new_stats: [Ptr; 2],
 ) -> Result<(), BackendError> {
-    for (v, what) in [(&x, "X"), (&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
+    need_float(&x, "X")?;
+    for (v, what) in [(&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var"), (&y, "Y")] {
         need_f32(v, what)?;
     }
     let l = Layout::of(&x)?;
-    let [partial, stats] = l.scratch(dev)?;
+    let at = l.scratch(dev)?;
     let parts = if training {
-        l.partial_sums(dev, x.at, NULL, partial)?;
+        l.partial_sums(dev, &x, NULL, &at)?;
         l.parts
     } else {
         0
     };
+    let (partial, shifts, stats) = (at.partial, at.shifts, at.stats);
     let [new_mean, new_var] = new_stats;
     dev.kernel(
         "batch_norm_finish",
@@ -89,7 +111,7 @@ pub fn batch_norm(
             epsilon,
             momentum,
             partial,
-            x.at,
+            shifts,
             mean.at,
             var.at,
             stats,
@@ -99,7 +121,7 @@ pub fn batch_norm(
     )?;
     let total = x.n() as i64;
     dev.kernel(
-        "batch_norm_apply",
+        &typed("batch_norm_apply", x.dtype())?,
         elementwise(x.n()),
         &mut params![total, l.c, l.plane, x.at, stats, scale.at, bias.at, y.at],
     )
@@ -114,22 +136,30 @@ pub fn batch_norm_grad(
     dx: V,
     sums: [Ptr; 2],
 ) -> Result<(), BackendError> {
-    for (v, what) in [(&dy, "dY"), (&x, "X"), (&scale, "scale")] {
+    need_float(&x, "X")?;
+    need_float(&dx, "dX")?;
+    for (v, what) in [(&dy, "dY"), (&scale, "scale")] {
         need_f32(v, what)?;
     }
     let l = Layout::of(&x)?;
-    let [partial, stats] = l.scratch(dev)?;
-    l.partial_sums(dev, x.at, dy.at, partial)?;
-    let [dscale, dbias] = sums;
+    let at = l.scratch(dev)?;
+    l.partial_sums(dev, &x, dy.at, &at)?;
+    let ([dscale, dbias], (partial, shifts, stats)) = (sums, (at.partial, at.shifts, at.stats));
     dev.kernel(
         "batch_norm_grad_finish",
         elementwise(l.c as usize),
-        &mut params![l.n, l.c, l.plane, l.parts, epsilon, partial, x.at, stats, dscale, dbias],
+        &mut params![l.n, l.c, l.plane, l.parts, epsilon, partial, shifts, stats, dscale, dbias],
     )?;
+    // dX's type as the kernel's `dx_type` (need_float took the others out).
+    let dx_type: i32 = match dx.dtype() {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        _ => 2,
+    };
     let total = x.n() as i64;
     dev.kernel(
-        "batch_norm_grad_apply",
+        &typed("batch_norm_grad_apply", x.dtype())?,
         elementwise(x.n()),
-        &mut params![total, l.c, l.plane, dy.at, x.at, stats, scale.at, dx.at],
+        &mut params![dx_type, total, l.c, l.plane, dy.at, x.at, stats, scale.at, dx.at],
     )
 }
