@@ -19,10 +19,11 @@ The models (--model):
     worker's builtin `model.llama`, PyTorch's the same layers (Hugging Face's LlamaForCausalLM
     written out, SDPA with grouped-query attention).
   - resnet50: ResNet-50 (torchvision's v1.5 layout), 224×224 RGB, 1000 classes, on random
-    images, both sides the same samples from the same initial weights; the worker trains the ONNX file the TorchScript exporter wrote from the same PyTorch
-    module (export_resnet50.py, run by `make gpu-bundle`; its weights are filled in here from
-    the module's seeded init, so that what is carried to the GPU machine stays small), with an
-    attached softmaxCrossEntropy loss and BatchNormalization in training mode.
+    images, both sides the same samples from the same initial weights; the worker trains the
+    ONNX file the TorchScript exporter wrote from the same PyTorch module (export_resnet50.py,
+    run by `make gpu-bundle`; its weights are filled in here from the module's seeded init, so
+    that what is carried to the GPU machine stays small), with an attached softmaxCrossEntropy
+    loss and BatchNormalization in training mode.
 Each trains with bf16 autocast over fp32 master weights: GPT-2 and Llama with AdamW (lr 6e-4,
 betas (0.9, 0.95), weight decay 0.1, gradients clipped to norm 1), ResNet-50 with SGD (lr 0.1,
 momentum 0.9, weight decay 1e-4 on the weights of rank 2 or more). For each of

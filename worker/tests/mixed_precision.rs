@@ -173,43 +173,60 @@ fn layer_norms_writing_and_reading_half_change_no_bit() {
     }
 }
 
-/// The batch_norm_casts fusion (each BatchNormalization and its gradient read the
-/// convolution's half output where a cast widened it, and the gradient writes dX's half value
-/// where a cast rounded it) is exact: the same losses, running statistics and weights, bit for
-/// bit, in bf16 and fp16, on the resnet18 topology PyTorch exported (tests/data/torch_cnn).
+/// BatchNormalization runs in its input's type, as PyTorch's autocast leaves batch_norm: in
+/// the resnet18 topology PyTorch exported (tests/data/torch_cnn), every norm reads the
+/// convolution's half output and writes half Y (its running statistics f32), every gradient
+/// reads half dY and X and writes half dX (dScale and dBias f32), with no cast on either side;
+/// and the bf16 and fp16 runs' first loss (the forward pass over the same weights) is the fp32
+/// run's within half precision.
 #[test]
-fn batch_norms_reading_and_writing_half_change_no_bit() {
+fn batch_norms_run_in_their_inputs_half_type() {
     let dir = torch_oracle::data_dir("torch_cnn");
     let e = torch_oracle::expected(&dir);
     let batches =
-        torch_oracle::batches(&dir.join(e["data"].as_str().unwrap()), e["batch"].as_u64().unwrap() as usize, 2);
+        torch_oracle::batches(&dir.join(e["data"].as_str().unwrap()), e["batch"].as_u64().unwrap() as usize, 1);
     let model = torch_oracle::load(&dir, "resnet18_torchscript.onnx", None, Default::default());
     let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+    let first_loss = |half: Option<DType>| {
+        let opts = SessionOptions { half, ..SessionOptions::new(sgd) };
+        let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 1, &opts).unwrap();
+        (s.step(&batches, 0.05, 0.0, 0).unwrap().loss, s)
+    };
+    let (fp32, _) = first_loss(None);
     for half in [DType::BF16, DType::F16] {
-        let run = |disabled: &[&str]| {
-            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
-            let opts = SessionOptions { half: Some(half), disabled_passes, ..SessionOptions::new(sgd) };
-            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 1, &opts).unwrap();
-            let g = &s.train.graph;
-            let is_half = |v: Option<usize>| v.is_some_and(|v| g.meta(v).unwrap().dtype == half);
-            let norms = g.nodes.iter().filter(|n| matches!(n.op, Op::BatchNorm { .. }));
-            let reading = norms.clone().filter(|n| is_half(n.input(0))).count();
-            let grads = g.nodes.iter().filter(|n| matches!(n.op, Op::BatchNormGrad { .. }));
-            let grads_reading = grads.clone().filter(|n| is_half(n.input(1))).count();
-            let writing = grads.filter(|n| is_half(n.output(0))).count();
-            let casts = g.nodes.iter().filter(|n| matches!(n.op, Op::Cast { .. })).count();
-            let counts = (norms.count(), reading, grads_reading, writing, casts);
-            let losses: Vec<f64> =
-                (0..3u64).map(|k| s.step(&[batches[k as usize % 2].clone()], 0.05, 0.0, k).unwrap().loss).collect();
-            (counts, losses, s.weights().unwrap())
-        };
-        let ((norms, reading, grads_reading, writing, casts), with, w_with) = run(&[]);
-        let ((_, r, gr, w, unfused_casts), without, w_without) = run(&["batch_norm_casts"]);
-        let fused = (reading, grads_reading, writing);
-        assert!(norms > 0 && fused == (norms, norms, norms), "{half}: {fused:?} of {norms}");
-        assert_eq!((r, gr, w, unfused_casts - casts), (0, 0, 0, 2 * norms), "{half}: unfused");
-        assert_eq!(with, without, "{half}: losses");
-        assert!(w_with == w_without, "{half}: weights differ");
+        let (loss, s) = first_loss(Some(half));
+        let g = &s.train.graph;
+        let types =
+            |vs: &[Option<usize>]| -> Vec<DType> { vs.iter().map(|v| g.meta(v.unwrap()).unwrap().dtype).collect() };
+        let producers = g.producers();
+        let cast = |v: Option<usize>| producers[v.unwrap()].is_some_and(|p| matches!(g.nodes[p].op, Op::Cast { .. }));
+        let (mut norms, mut grads) = (0, 0);
+        for n in &g.nodes {
+            match n.op {
+                Op::BatchNorm { .. } => {
+                    norms += 1;
+                    let want = vec![half, DType::F32, DType::F32, DType::F32, DType::F32];
+                    assert_eq!(types(&n.inputs), want, "{half}: {}'s inputs", n.name);
+                    assert_eq!(types(&n.outputs), [half, DType::F32, DType::F32], "{half}: {}'s outputs", n.name);
+                    assert!(!cast(n.input(0)), "{half}: {}'s X is cast", n.name);
+                }
+                Op::BatchNormGrad { .. } => {
+                    grads += 1;
+                    assert_eq!(types(&n.inputs), [half, half, DType::F32], "{half}: {}'s inputs", n.name);
+                    assert_eq!(types(&n.outputs), [half, DType::F32, DType::F32], "{half}: {}'s outputs", n.name);
+                    assert!(!cast(n.input(0)) && !cast(n.input(1)), "{half}: {}'s dY or X is cast", n.name);
+                }
+                _ => {}
+            }
+        }
+        assert!(norms > 0 && grads == norms, "{half}: {norms} norms, {grads} gradients");
+        let casts_of_y = g.nodes.iter().filter(|n| {
+            matches!(n.op, Op::Cast { .. })
+                && n.input(0)
+                    .is_some_and(|v| producers[v].is_some_and(|p| matches!(g.nodes[p].op, Op::BatchNorm { .. })))
+        });
+        assert_eq!(casts_of_y.count(), 0, "{half}: a norm's Y is cast");
+        assert!((loss - fp32).abs() <= 1e-2 * fp32.abs(), "{half}: first loss {loss}, fp32's {fp32}");
     }
 }
 

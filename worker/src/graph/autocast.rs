@@ -5,9 +5,12 @@
 //! - **low precision** — the products (MatMul, Gemm, Conv, ConvTranspose, fused attention): their
 //!   float inputs are cast to the half type, so the GEMMs read bf16/fp16 and accumulate in f32
 //!   (cuBLASLt's compute type; attention's softmax is f32 inside the kernel);
-//! - **full precision** — what loses accuracy in half (normalizations, softmax, losses,
-//!   reductions, exp/log/pow) and the tensor-parallel collectives (which reduce f32): their
-//!   half inputs are cast up to f32;
+//! - **full precision** — what loses accuracy in half (LayerNorm, softmax, losses, reductions,
+//!   exp/log/pow) and the tensor-parallel collectives (which reduce f32): their half inputs are
+//!   cast up to f32;
+//! - **BatchNormalization** runs in its input's type, as autocast leaves batch_norm (cuDNN's
+//!   kernels read half X with f32 scale, bias and running statistics, and write half Y): X and Y
+//!   half where X is, the parameters and the statistics f32, the arithmetic f32 inside;
 //! - **the rest follows its inputs** — elementwise ops, reshapes and the like run in half when
 //!   every float input computed from the batch is half (a weight or constant beside them is
 //!   cast down, as a bias is), and in f32 as soon as one of them is f32 (autocast's "widest
@@ -29,6 +32,9 @@ enum Rule {
     Low,
     Full,
     Follow,
+    /// Input 0 and output 0 follow as `Follow` does; the other inputs and outputs (parameters,
+    /// statistics) are f32.
+    FollowX,
     /// Casts: the type is the op's own business.
     Untouched,
 }
@@ -44,7 +50,6 @@ fn rule(op: &Op) -> Rule {
         Op::Softmax { .. }
         | Op::LogSoftmax { .. }
         | Op::LayerNorm { .. }
-        | Op::BatchNorm { .. }
         | Op::SoftmaxCrossEntropyLoss { .. }
         | Op::ReduceOp { .. }
         | Op::Unary(Unary::Exp | Unary::Log | Unary::Sqrt | Unary::Reciprocal)
@@ -53,6 +58,7 @@ fn rule(op: &Op) -> Rule {
         | Op::TensorParallelCopy
         | Op::VocabShardCrossEntropy { .. }
         | Op::VocabParallelLoss { .. } => Rule::Full,
+        Op::BatchNorm { .. } => Rule::FollowX,
         Op::Cast { .. } => Rule::Untouched,
         _ => Rule::Follow,
     }
@@ -78,14 +84,18 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
             let d = dtype_of(g, v);
             d == half || d == DType::F32
         });
-        let compute = match rule(&node.op) {
+        let rule = rule(&node.op);
+        // The inputs whose type is the compute type; the rest (FollowX's parameters) are f32.
+        let follows = |k: usize| rule != Rule::FollowX || k == 0;
+        let compute = match rule {
             _ if !autocast_types => None,
             Rule::Untouched => None,
             Rule::Low => Some(half),
             Rule::Full => Some(DType::F32),
-            Rule::Follow => {
+            Rule::Follow | Rule::FollowX => {
                 let batch: Vec<DType> = floats
                     .iter()
+                    .filter(|&&k| follows(k))
                     .filter_map(|&k| node.input(k))
                     .filter(|v| from_batch.contains(v))
                     .map(|v| dtype_of(g, v))
@@ -106,13 +116,16 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
         if let Some(to) = compute {
             for &k in &floats {
                 let v = node.input(k).expect("a float input");
-                if dtype_of(g, v) != to {
-                    node.inputs[k] = Some(cast(g, &mut casts, &mut from_batch, params, v, to));
+                let want = if follows(k) { to } else { DType::F32 };
+                if dtype_of(g, v) != want {
+                    node.inputs[k] = Some(cast(g, &mut casts, &mut from_batch, params, v, want));
                 }
             }
             // Float outputs take the compute type (every op here computes in its inputs' type),
-            // but for statistics kept in f32 (attention's log-sum-exp).
-            let typed = if matches!(node.op, Op::Attention { .. }) { 1 } else { node.outputs.len() };
+            // but for statistics kept in f32 (attention's log-sum-exp, BatchNormalization's
+            // running mean and variance).
+            let typed =
+                if matches!(node.op, Op::Attention { .. }) || rule == Rule::FollowX { 1 } else { node.outputs.len() };
             for k in 0..typed {
                 let Some(out) = node.output(k) else { continue };
                 let old = dtype_of(g, out);

@@ -15,7 +15,6 @@ pub const PASSES: &[&str] = &[
     "loss_casts",
     "loss_lse",
     "layer_norm_casts",
-    "batch_norm_casts",
     "layer_norm_grad_add",
     "layer_norm_grad_half",
     "residual_layer_norm",
@@ -62,7 +61,6 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "loss_casts" => loss_casts(g),
             "loss_lse" => loss_lse(g),
             "layer_norm_casts" => layer_norm_casts(g),
-            "batch_norm_casts" => batch_norm_casts(g),
             "layer_norm_grad_add" => layer_norm_grad_add(g),
             "layer_norm_grad_half" => layer_norm_grad_half(g),
             "residual_layer_norm" => residual_layer_norm(g),
@@ -258,62 +256,6 @@ fn layer_norm_casts(g: &mut Graph) -> usize {
                 }
                 g.nodes[i].inputs[0] = Some(h);
                 // The cast is now unread; prune removes it.
-                fused += 1;
-            }
-            _ => {}
-        }
-    }
-    fused
-}
-
-/// Cast(half → f32) → BatchNormalization's X (and its gradient's)  ⇒  both read the half
-/// value, and BatchNormGrad's dX → Cast(f32 → half)  ⇒  the gradient writes the half value.
-/// Under mixed precision a CNN's convolutions write and read half values while each
-/// BatchNormalization between them computes in f32, so every norm had a widening sweep before
-/// it and a narrowing one after its gradient; and the widened X, which the gradient reads, was
-/// an f32 copy of every convolution's output kept for the backward pass. The kernels widen and
-/// round as the casts did: the same bits.
-fn batch_norm_casts(g: &mut Graph) -> usize {
-    let uses = g.use_counts();
-    let producers = g.producers();
-    let is_half = |g: &Graph, v: ValueId| g.meta(v).is_some_and(|m| matches!(m.dtype, DType::F16 | DType::BF16));
-    let mut readers: Vec<Vec<(usize, usize)>> = vec![Vec::new(); g.values.len()];
-    for (n, node) in g.nodes.iter().enumerate() {
-        for (slot, v) in node.inputs.iter().enumerate() {
-            if let Some(v) = v {
-                readers[*v].push((n, slot));
-            }
-        }
-    }
-    let reads_x = |node: &Node, slot: usize| {
-        matches!((&node.op, slot), (Op::BatchNorm { .. }, 0) | (Op::BatchNormGrad { .. }, 1))
-    };
-    let mut fused = 0;
-    for i in 0..g.nodes.len() {
-        let (Some(from), Some(to)) = (g.nodes[i].input(0), g.nodes[i].output(0)) else { continue };
-        match g.nodes[i].op {
-            // A widened X that only the norms read: they read the half value.
-            Op::Cast { to: DType::F32 } => {
-                let only_x = readers[to].iter().all(|&(n, slot)| reads_x(&g.nodes[n], slot));
-                if !is_half(g, from) || readers[to].is_empty() || !only_x || g.outputs.contains(&to) {
-                    continue;
-                }
-                for &(n, slot) in &readers[to] {
-                    g.nodes[n].inputs[slot] = Some(from);
-                }
-                // The cast is now unread; prune removes it.
-                fused += 1;
-            }
-            // dX rounded to half: the gradient writes the half value.
-            Op::Cast { .. } if is_half(g, to) => {
-                let Some(p) = producers[from] else { continue };
-                let is_dx = matches!(g.nodes[p].op, Op::BatchNormGrad { .. }) && g.nodes[p].output(0) == Some(from);
-                let f32_dx = g.meta(from).is_some_and(|m| m.dtype == DType::F32);
-                if !is_dx || !f32_dx || uses[from] != 1 || g.outputs.contains(&from) {
-                    continue;
-                }
-                g.nodes[p].outputs[0] = Some(to);
-                g.nodes[i].outputs.clear();
                 fused += 1;
             }
             _ => {}

@@ -825,7 +825,9 @@ pub fn infer_node(
             if x.shape.len() < 2 {
                 return Err(err(node, format!("X of shape {:?} has no channel dimension", x.shape)));
             }
-            same_dtype(&[0, 1, 2, 3, 4])?;
+            // Mixed precision leaves X (and Y) half beside f32 parameters, as autocast does.
+            let half_x = matches!(x.dtype, DType::F16 | DType::BF16) && c.dtype == DType::F32;
+            same_dtype(if half_x { &[1, 2, 3, 4] } else { &[0, 1, 2, 3, 4] })?;
             for (i, what) in [(1, "scale"), (2, "B"), (3, "input_mean"), (4, "input_var")] {
                 m(i)?;
                 has_len(i, x.shape[1], what)?;

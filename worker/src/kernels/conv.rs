@@ -781,8 +781,10 @@ pub fn batch_norm_grad(
     let mut dscale = vec![0f32; c];
     let mut dbias = vec![0f32; c];
     // Summed in f64 like the statistics: an f32 running sum of a large channel (ResNet's
-    // 100,000s of values) keeps only about 1e-5 of it. An empty batch's sums stay 0.
-    for ch in (0..c).filter(|_| n * plane > 0) {
+    // 100,000s of values) keeps only about 1e-5 of it. An empty batch's sums stay 0 (its σ⁻¹
+    // is NaN, which would make 0·σ⁻¹ NaN).
+    let summed = if n * plane > 0 { c } else { 0 };
+    for ch in 0..summed {
         let inv = 1.0 / (var[ch] + eps).sqrt();
         let (mut db, mut ds) = (0f64, 0f64);
         for i in 0..n {

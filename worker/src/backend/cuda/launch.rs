@@ -500,6 +500,18 @@ pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), B
     run(&Check, op, &ins, &outs)
 }
 
+/// The element type every operand shares (f32, f16 or bf16), or why not.
+fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, BackendError> {
+    let t = operands[0].0.dtype();
+    if let Some((v, what)) = operands.iter().find(|(v, _)| v.dtype() != t) {
+        return refused!("{what} is {} where {} is {t}", v.dtype(), operands[0].1);
+    }
+    match t {
+        DType::F32 | DType::F16 | DType::BF16 => Ok(t),
+        _ => refused!("{} is {t}; the CUDA kernels take f32, f16 or bf16 here", operands[0].1),
+    }
+}
+
 fn need_f32(x: &V, what: &str) -> Result<(), BackendError> {
     match x.dtype() {
         DType::F32 => Ok(()),

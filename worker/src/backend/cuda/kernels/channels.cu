@@ -1,4 +1,4 @@
-// BatchNormalization over N × C × plane tensors (f32), spread over the whole GPU. Each channel's
+// BatchNormalization over N × C × plane tensors, spread over the whole GPU. Each channel's
 // N·plane elements (image by image, each image's plane contiguous) are cut into `parts` shares
 // of `share` elements; one block per (share, channel) sums its share (`batch_norm_partial`), a
 // thread per channel adds its shares in a fixed order (`batch_norm_finish`,
@@ -11,9 +11,9 @@
 // Σx² − (Σx)²/count suffers when the mean is large against the spread. The gradient's sums
 // ride in the same read: Σ dY and Σ dY·(x − K).
 //
-// Under mixed precision X may be half (the pass batch_norm_casts: the convolution's half output
-// read where a cast widened it) and dX half (rounded as the cast after the gradient did); the
-// arithmetic is f32 (f64 for the sums) either way, Y and dY are f32.
+// Under mixed precision X, Y, dY and dX are half (autocast leaves BatchNormalization in its
+// input's type, as PyTorch's does) beside f32 scale, bias and statistics; the arithmetic is f32
+// (f64 for the sums) either way.
 
 // The elements j of a channel in [begin, end) that this thread visits (j = begin + threadIdx.x,
 // then blockDim.x apart), j's image and position in the plane carried from one to the next:
@@ -26,8 +26,11 @@ struct ChannelWalk {
         j += blockDim.x;
         p += blockDim.x;
         if (p >= plane) {
-            img += p / plane;
-            p %= plane;
+            // Planes shorter than the block cross at every step: p < plane + blockDim.x, so a
+            // 32-bit division does where the plane allows.
+            i64 q = plane < 0x7fffff00ll ? (i64)((u32)p / (u32)plane) : p / plane;
+            img += q;
+            p -= q * plane;
         }
     }
     __device__ i64 at(i64 c, i64 plane, i64 ch) const { return (img * c + ch) * plane + p; }
@@ -37,19 +40,23 @@ struct ChannelWalk {
 // and with dY, Σ dY, Σ dY·(x − K); the first share's block writes K to shifts[ch]. Launched over
 // (C, parts) blocks; an empty batch launches none.
 template <class X>
-__device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typename X::T* x, const float* dy,
-                                   double* partial, double* shifts) {
+__device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typename X::T* x,
+                                   const typename X::T* dy, double* partial, double* shifts) {
     i64 ch = blockIdx.x, k = blockIdx.y, parts = gridDim.y;
     i64 begin = k * share, end = begin + share < n * plane ? begin + share : n * plane;
+    // An infinite or NaN first value would turn every difference into NaN: shift by 0 then
+    // (the sums are not finite anyway, and an infinity stays one, as on the CPU).
     double shift = X::load(x[ch * plane]), s = 0.0, q = 0.0, g = 0.0, gd = 0.0;
+    if (shift - shift != 0.0) shift = 0.0;
     for (ChannelWalk w(begin, plane); w.j < end; w.next(plane)) {
         i64 at = w.at(c, plane, ch);
         double d = (double)X::load(x[at]) - shift;
         s += d;
         q += d * d;
         if (dy) {
-            g += (double)dy[at];
-            gd += (double)dy[at] * d;
+            double gi = X::load(dy[at]);
+            g += gi;
+            gd += gi * d;
         }
     }
     double* out = partial + (ch * parts + k) * 4;
@@ -71,11 +78,11 @@ extern "C" __global__ void batch_norm_partial_f32(i64 n, i64 c, i64 plane, i64 s
                                                   double* partial, double* shifts) {
     batch_norm_partial<F32>(n, c, plane, share, x, dy, partial, shifts);
 }
-extern "C" __global__ void batch_norm_partial_f16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const float* dy,
+extern "C" __global__ void batch_norm_partial_f16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const u16* dy,
                                                   double* partial, double* shifts) {
     batch_norm_partial<F16>(n, c, plane, share, x, dy, partial, shifts);
 }
-extern "C" __global__ void batch_norm_partial_bf16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const float* dy,
+extern "C" __global__ void batch_norm_partial_bf16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const u16* dy,
                                                    double* partial, double* shifts) {
     batch_norm_partial<BF16>(n, c, plane, share, x, dy, partial, shifts);
 }
@@ -130,8 +137,10 @@ extern "C" __global__ void batch_norm_grad_finish(i64 n, i64 c, i64 plane, i64 p
         channel_sums(ch, parts, partial, sums);
         channel_stats(sums, shift, count, &mean, &var);
         float m = (float)mean, inv = 1.f / sqrtf((float)var + eps);
-        // Σ dY·(x − mean) = Σ dY·(x − K) − (mean − K)·Σ dY; an empty batch's sums are 0.
-        float db = (float)sums[2], ds = count > 0.0 ? (float)((sums[3] - (mean - shift) * sums[2]) * (double)inv) : 0.f;
+        // Σ dY·(x − mean) = Σ dY·(x − K) − (mean − K)·Σ dY, with the f32 mean that dX and the
+        // CPU use; an empty batch's sums are 0.
+        double centered = sums[3] - ((double)m - shift) * sums[2];
+        float db = (float)sums[2], ds = count > 0.0 ? (float)(centered * (double)inv) : 0.f;
         stats[ch * 4] = m;
         stats[ch * 4 + 1] = inv;
         stats[ch * 4 + 2] = db / (float)count;
@@ -156,23 +165,23 @@ __device__ __forceinline__ bool aligned4(const T* p) {
 
 // Y = (X − mean)·σ⁻¹·scale + bias, the mean and σ⁻¹ from `stats`; four elements at a time
 // where each plane's length is a multiple of four (the four then share a channel).
-template <class X>
-__device__ void batch_norm_apply(i64 total, i64 c, i64 plane, const typename X::T* x, const float* stats,
-                                 const float* scale, const float* bias, float* y) {
+template <class S>
+__device__ void batch_norm_apply(i64 total, i64 c, i64 plane, const typename S::T* x, const float* stats,
+                                 const float* scale, const float* bias, typename S::T* y) {
+    typedef typename S::T T;
     if (plane % 4 == 0 && aligned4(x) && aligned4(y)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
             float mean = stats[ch * 4], inv = stats[ch * 4 + 1], s = scale[ch], b = bias[ch];
-            Vec<typename X::T, 4> in = ld_vec<typename X::T, 4>(x + v * 4);
-            Vec<float, 4> out;
-            for (int e = 0; e < 4; ++e) out.e[e] = (X::load(in.e[e]) - mean) * inv * s + b;
-            st_vec<float, 4>(y + v * 4, out);
+            Vec<T, 4> in = ld_vec<T, 4>(x + v * 4), out;
+            for (int e = 0; e < 4; ++e) out.e[e] = S::store((S::load(in.e[e]) - mean) * inv * s + b);
+            st_vec<T, 4>(y + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        y[i] = (X::load(x[i]) - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch];
+        y[i] = S::store((S::load(x[i]) - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch]);
     }
 }
 extern "C" __global__ void batch_norm_apply_f32(i64 total, i64 c, i64 plane, const float* x, const float* stats,
@@ -180,11 +189,11 @@ extern "C" __global__ void batch_norm_apply_f32(i64 total, i64 c, i64 plane, con
     batch_norm_apply<F32>(total, c, plane, x, stats, scale, bias, y);
 }
 extern "C" __global__ void batch_norm_apply_f16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
-                                                const float* scale, const float* bias, float* y) {
+                                                const float* scale, const float* bias, u16* y) {
     batch_norm_apply<F16>(total, c, plane, x, stats, scale, bias, y);
 }
 extern "C" __global__ void batch_norm_apply_bf16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
-                                                 const float* scale, const float* bias, float* y) {
+                                                 const float* scale, const float* bias, u16* y) {
     batch_norm_apply<BF16>(total, c, plane, x, stats, scale, bias, y);
 }
 
@@ -193,48 +202,34 @@ __device__ __forceinline__ float batch_norm_dx(float dy, float x, const float* s
     float xh = (x - st[0]) * st[1];
     return scale * st[1] * (dy - st[2] - xh * st[3]);
 }
-template <class X, class D>
-__device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const float* dy, const typename X::T* x,
-                                      const float* stats, const float* scale, typename D::T* dx) {
+template <class S>
+__device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const typename S::T* dy, const typename S::T* x,
+                                      const float* stats, const float* scale, typename S::T* dx) {
+    typedef typename S::T T;
     if (plane % 4 == 0 && aligned4(dy) && aligned4(x) && aligned4(dx)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
-            Vec<float, 4> g = ld_vec<float, 4>(dy + v * 4);
-            Vec<typename X::T, 4> in = ld_vec<typename X::T, 4>(x + v * 4);
-            Vec<typename D::T, 4> out;
+            Vec<T, 4> g = ld_vec<T, 4>(dy + v * 4), in = ld_vec<T, 4>(x + v * 4), out;
             for (int e = 0; e < 4; ++e)
-                out.e[e] = D::store(batch_norm_dx(g.e[e], X::load(in.e[e]), stats + ch * 4, scale[ch]));
-            st_vec<typename D::T, 4>(dx + v * 4, out);
+                out.e[e] = S::store(batch_norm_dx(S::load(g.e[e]), S::load(in.e[e]), stats + ch * 4, scale[ch]));
+            st_vec<T, 4>(dx + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        dx[i] = D::store(batch_norm_dx(dy[i], X::load(x[i]), stats + ch * 4, scale[ch]));
+        dx[i] = S::store(batch_norm_dx(S::load(dy[i]), S::load(x[i]), stats + ch * 4, scale[ch]));
     }
 }
-// dX's type by `dx_type`: 0 f32, 1 f16, 2 bf16.
-template <class X>
-__device__ void batch_norm_grad_apply_to(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
-                                         const typename X::T* x, const float* stats, const float* scale, void* dx) {
-    switch (dx_type) {
-    case 0: batch_norm_grad_apply<X, F32>(total, c, plane, dy, x, stats, scale, (float*)dx); break;
-    case 1: batch_norm_grad_apply<X, F16>(total, c, plane, dy, x, stats, scale, (u16*)dx); break;
-    default: batch_norm_grad_apply<X, BF16>(total, c, plane, dy, x, stats, scale, (u16*)dx); break;
-    }
+extern "C" __global__ void batch_norm_grad_apply_f32(i64 total, i64 c, i64 plane, const float* dy, const float* x,
+                                                     const float* stats, const float* scale, float* dx) {
+    batch_norm_grad_apply<F32>(total, c, plane, dy, x, stats, scale, dx);
 }
-extern "C" __global__ void batch_norm_grad_apply_f32(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
-                                                     const float* x, const float* stats, const float* scale,
-                                                     void* dx) {
-    batch_norm_grad_apply_to<F32>(dx_type, total, c, plane, dy, x, stats, scale, dx);
+extern "C" __global__ void batch_norm_grad_apply_f16(i64 total, i64 c, i64 plane, const u16* dy, const u16* x,
+                                                     const float* stats, const float* scale, u16* dx) {
+    batch_norm_grad_apply<F16>(total, c, plane, dy, x, stats, scale, dx);
 }
-extern "C" __global__ void batch_norm_grad_apply_f16(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
-                                                     const u16* x, const float* stats, const float* scale,
-                                                     void* dx) {
-    batch_norm_grad_apply_to<F16>(dx_type, total, c, plane, dy, x, stats, scale, dx);
-}
-extern "C" __global__ void batch_norm_grad_apply_bf16(int dx_type, i64 total, i64 c, i64 plane, const float* dy,
-                                                      const u16* x, const float* stats, const float* scale,
-                                                      void* dx) {
-    batch_norm_grad_apply_to<BF16>(dx_type, total, c, plane, dy, x, stats, scale, dx);
+extern "C" __global__ void batch_norm_grad_apply_bf16(i64 total, i64 c, i64 plane, const u16* dy, const u16* x,
+                                                      const float* stats, const float* scale, u16* dx) {
+    batch_norm_grad_apply<BF16>(total, c, plane, dy, x, stats, scale, dx);
 }

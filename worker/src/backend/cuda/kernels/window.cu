@@ -288,7 +288,6 @@ __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, c
         i64 at = i % plane_in, p = i / plane_in;
         i64 in[3] = {at / (g.in[2] * g.in[1]), (at / g.in[2]) % g.in[1], at % g.in[2]};
         const typename S::T* dyp = dy + p * plane_out;
-        const int* bestp = best + p * plane_out;
         float s = 0.f;
         i64 o[3];
         for (i64 t0 = g.k[0] - 1; t0 >= 0; --t0) {
@@ -300,7 +299,7 @@ __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, c
                     i64 oi = (o[0] * g.out[1] + o[1]) * g.out[2] + o[2];
                     float d = S::load(dyp[oi]);
                     if (max) {
-                        if (bestp[oi] == at) s += d;
+                        if (best[p * plane_out + oi] == at) s += d;
                     } else {
                         s += d / (float)average_count(g, o, include_pad);
                     }

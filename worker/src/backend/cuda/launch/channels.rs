@@ -1,14 +1,14 @@
 //! BatchNormalization and its training-mode gradient on the CUDA backend (kernels/channels.cu),
 //! over N × C × … tensors: each channel's values cut into shares that a block each sums, the
-//! shares added per channel in a fixed order, then one element-wise pass writing Y or dX. X
-//! (and dX) may be f32, f16 or bf16 (the pass `batch_norm_casts`), everything else is f32. The
-//! statistics are the CPU backend's (`crate::kernels::conv`): mean and biased variance summed
-//! in f64, which the results are checked against.
+//! shares added per channel in a fixed order, then one element-wise pass writing Y or dX. X, Y,
+//! dY and dX share one type, f32, f16 or bf16 (mixed precision leaves BatchNormalization in its
+//! input's type); scale, bias and the statistics are f32. The statistics are the CPU backend's
+//! (`crate::kernels::conv`): mean and biased variance summed in f64, which the results are
+//! checked against.
 
-use super::{channels, elementwise, need_f32, scratch_parts, typed, Dev, Ptr, NULL, V};
+use super::{channels, elementwise, need_f32, one_float_type, scratch_parts, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
 use crate::refused;
-use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;
 
 /// About how many of a channel's values one block sums: enough for its 256 threads to stream,
@@ -16,8 +16,8 @@ use cudarc::driver::LaunchConfig;
 /// 1,600 blocks rather than 64.
 const SHARE: i64 = 16 * 1024;
 
-/// An N × C × plane tensor's dims, and how its channels are cut: `share` values a block,
-/// `parts` blocks a channel.
+/// An N × C × plane tensor's dims, and how its channels are cut for the sums: `share` values a
+/// block, `parts` blocks a channel (none where the batch's statistics are not wanted).
 struct Layout {
     n: i64,
     c: i64,
@@ -27,10 +27,14 @@ struct Layout {
 }
 
 impl Layout {
-    /// Shares of at least [`SHARE`] values, at most 65,535 of them (a grid's y dimension).
-    fn of(x: &V) -> Result<Layout, BackendError> {
+    /// Shares of at least [`SHARE`] values, at most 65,535 of them (a grid's y dimension), a
+    /// channel a grid column (at most 2^31 − 1 of them); `summed` false cuts no shares.
+    fn of(x: &V, summed: bool) -> Result<Layout, BackendError> {
         let (n, c, plane) = channels(x.shape())?;
-        let count = n * plane;
+        if c > i32::MAX as usize {
+            return refused!("BatchNormalization over {c} channels (the kernels take at most 2^31 - 1)");
+        }
+        let count = if summed { n * plane } else { 0 };
         let share = SHARE.max((count + 65_534) / 65_535);
         Ok(Layout { n, c: c as i64, plane, share, parts: (count + share - 1) / share })
     }
@@ -45,19 +49,18 @@ impl Layout {
     }
 
     /// Each channel's four f64 sums (`batch_norm_partial`), share by share: of X around its
-    /// first value (the shift) and, with `dy`, of dY and dY·X. An empty batch launches nothing.
+    /// first value (the shift) and, with `dy`, of dY and dY·X. No shares launch nothing.
     fn partial_sums(&self, dev: Dev, x: &V, dy: Ptr, at: &Scratch) -> Result<(), BackendError> {
         if self.parts == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: (self.c.min(u32::MAX as i64) as u32, self.parts as u32, 1),
+            grid_dim: (self.c as u32, self.parts as u32, 1),
             block_dim: (super::super::BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (partial, shifts) = (at.partial, at.shifts);
         let kernel = typed("batch_norm_partial", x.dtype())?;
-        dev.kernel(&kernel, cfg, &mut params![self.n, self.c, self.plane, self.share, x.at, dy, partial, shifts])
+        dev.kernel(&kernel, cfg, &mut params![self.n, self.c, self.plane, self.share, x.at, dy, at.partial, at.shifts])
     }
 }
 
@@ -66,14 +69,6 @@ struct Scratch {
     partial: Ptr,
     shifts: Ptr,
     stats: Ptr,
-}
-
-/// X's element type: f32, or a half type under mixed precision.
-fn need_float(v: &V, what: &str) -> Result<(), BackendError> {
-    match v.dtype() {
-        DType::F32 | DType::F16 | DType::BF16 => Ok(()),
-        t => refused!("{what} is {t}; the CUDA kernels take f32, f16 or bf16 here"),
-    }
 }
 
 /// X, scale, B, input_mean, input_var → Y; in training, the running statistics' update into
@@ -85,19 +80,13 @@ pub fn batch_norm(
     y: V,
     new_stats: [Ptr; 2],
 ) -> Result<(), BackendError> {
-    need_float(&x, "X")?;
-    for (v, what) in [(&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var"), (&y, "Y")] {
+    let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
+    for (v, what) in [(&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
         need_f32(v, what)?;
     }
-    let l = Layout::of(&x)?;
+    let l = Layout::of(&x, training)?;
     let at = l.scratch(dev)?;
-    let parts = if training {
-        l.partial_sums(dev, &x, NULL, &at)?;
-        l.parts
-    } else {
-        0
-    };
-    let (partial, shifts, stats) = (at.partial, at.shifts, at.stats);
+    l.partial_sums(dev, &x, NULL, &at)?;
     let [new_mean, new_var] = new_stats;
     dev.kernel(
         "batch_norm_finish",
@@ -107,23 +96,23 @@ pub fn batch_norm(
             l.n,
             l.c,
             l.plane,
-            parts,
+            l.parts,
             epsilon,
             momentum,
-            partial,
-            shifts,
+            at.partial,
+            at.shifts,
             mean.at,
             var.at,
-            stats,
+            at.stats,
             new_mean,
             new_var
         ],
     )?;
     let total = x.n() as i64;
     dev.kernel(
-        &typed("batch_norm_apply", x.dtype())?,
+        &typed("batch_norm_apply", t)?,
         elementwise(x.n()),
-        &mut params![total, l.c, l.plane, x.at, stats, scale.at, bias.at, y.at],
+        &mut params![total, l.c, l.plane, x.at, at.stats, scale.at, bias.at, y.at],
     )
 }
 
@@ -134,32 +123,22 @@ pub fn batch_norm_grad(
     epsilon: f32,
     [dy, x, scale]: [V; 3],
     dx: V,
-    sums: [Ptr; 2],
+    [dscale, dbias]: [Ptr; 2],
 ) -> Result<(), BackendError> {
-    need_float(&x, "X")?;
-    need_float(&dx, "dX")?;
-    for (v, what) in [(&dy, "dY"), (&scale, "scale")] {
-        need_f32(v, what)?;
-    }
-    let l = Layout::of(&x)?;
+    let t = one_float_type(&[(&x, "X"), (&dy, "dY"), (&dx, "dX")])?;
+    need_f32(&scale, "scale")?;
+    let l = Layout::of(&x, true)?;
     let at = l.scratch(dev)?;
     l.partial_sums(dev, &x, dy.at, &at)?;
-    let ([dscale, dbias], (partial, shifts, stats)) = (sums, (at.partial, at.shifts, at.stats));
     dev.kernel(
         "batch_norm_grad_finish",
         elementwise(l.c as usize),
-        &mut params![l.n, l.c, l.plane, l.parts, epsilon, partial, shifts, stats, dscale, dbias],
+        &mut params![l.n, l.c, l.plane, l.parts, epsilon, at.partial, at.shifts, at.stats, dscale, dbias],
     )?;
-    // dX's type as the kernel's `dx_type` (need_float took the others out).
-    let dx_type: i32 = match dx.dtype() {
-        DType::F32 => 0,
-        DType::F16 => 1,
-        _ => 2,
-    };
     let total = x.n() as i64;
     dev.kernel(
-        &typed("batch_norm_grad_apply", x.dtype())?,
+        &typed("batch_norm_grad_apply", t)?,
         elementwise(x.n()),
-        &mut params![dx_type, total, l.c, l.plane, dy.at, x.at, stats, scale.at, dx.at],
+        &mut params![total, l.c, l.plane, dy.at, x.at, at.stats, scale.at, dx.at],
     )
 }

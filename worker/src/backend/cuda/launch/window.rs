@@ -3,15 +3,15 @@
 //! the transposed products and col2im; transposed convolution as that data gradient, and its
 //! own gradient as a convolution and the weight gradient with X and dY exchanged; pooling one
 //! thread per output (and per input element for the gradient, gathered so that no atomics make
-//! the sums' order vary; max pooling's finds each window's first maximum once, beforehand). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
+//! the sums' order vary; for max pooling, each window's first maximum is found once first). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
 //! precision's convolutions: half products with f32 accumulation), transposed ones also over 3
 //! (forward only, a direct kernel); pooling over up to 3 spatial dims in any element type (its
 //! gradient 1-D and 2-D); with the CPU backend's geometry (`crate::kernels::conv`), whose results
 //! these are checked against.
 
 use super::{
-    at, cast, elementwise, numeric, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev, Epilogue, Product,
-    Ptr, NULL, V,
+    at, cast, elementwise, numeric, one_float_type, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev,
+    Epilogue, Product, Ptr, NULL, V,
 };
 use crate::backend::BackendError;
 use crate::graph::ir::Meta;
@@ -82,18 +82,6 @@ fn shape(t: DType, g: &cpu::Geo, group: usize, images: usize, m: usize) -> Resul
     }
     let (cg, mg) = (g.c / group, m / group);
     Ok(Shape { t, images, m, cg, mg, kdim: cg * g.kh * g.kw, plane: g.oh * g.ow })
-}
-
-/// The element type every operand shares (f32, f16 or bf16), or why not.
-fn one_float_type(operands: &[(&V, &str)]) -> Result<DType, BackendError> {
-    let t = operands[0].0.dtype();
-    if let Some((v, what)) = operands.iter().find(|(v, _)| v.dtype() != t) {
-        return refused!("{what} is {} where {} is {t}", v.dtype(), operands[0].1);
-    }
-    match t {
-        DType::F32 | DType::F16 | DType::BF16 => Ok(t),
-        _ => refused!("{} is {t}; the CUDA window kernels take f32, f16 or bf16", operands[0].1),
-    }
 }
 
 /// How many images a convolution takes per chunk: as many as fit the target's scratch budget
@@ -443,7 +431,7 @@ pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> 
     let (max, include_pad) = pool_flags(kind);
     let planes = x.shape()[0] * x.shape()[1];
     let (plane_in, plane_out) = (x.n() / planes.max(1), dy.n() / planes.max(1));
-    let kernel = typed("pool_grad", t)?;
+    let (kernel, argmax) = (typed("pool_grad", t)?, typed("pool_argmax", t)?);
     if max == 0 {
         let planes = planes as i64;
         return dev.kernel(&kernel, elementwise(dx.n()), &mut params![max, include_pad, planes, g, dy.at, NULL, dx.at]);
@@ -459,7 +447,6 @@ pub fn pool_grad(dev: Dev, kind: PoolKind, win: &Window, dy: V, x: V, dx: V) -> 
         let n = chunk.min(planes - first);
         let (x_at, dy_at) = (at(x.at, first * plane_in, t), at(dy.at, first * plane_out, t));
         let dx_at = at(dx.at, first * plane_in, t);
-        let argmax = typed("pool_argmax", t)?;
         dev.kernel(&argmax, elementwise(n * plane_out), &mut params![n as i64, g, x_at, best])?;
         dev.kernel(
             &kernel,
