@@ -122,13 +122,12 @@ pub fn autocast(g: &mut Graph, half: DType, params: &HashSet<ValueId>, keep: &[V
                 }
             }
             // Float outputs take the compute type (every op here computes in its inputs' type),
-            // but for statistics kept in f32 (attention's log-sum-exp, BatchNormalization's
-            // running mean and variance).
-            let typed =
-                if matches!(node.op, Op::Attention { .. }) || rule == Rule::FollowX { 1 } else { node.outputs.len() };
+            // but for statistics kept in f32: attention's log-sum-exp (left as inferred), and
+            // BatchNormalization's running mean and variance (f32, as its parameters).
+            let typed = if matches!(node.op, Op::Attention { .. }) { 1 } else { node.outputs.len() };
             for k in 0..typed {
                 let Some(out) = node.output(k) else { continue };
-                let old = dtype_of(g, out);
+                let (old, to) = (dtype_of(g, out), if follows(k) { to } else { DType::F32 });
                 if !old.is_float() || old == to {
                     continue;
                 }

@@ -1435,10 +1435,12 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             shard::loss_grad(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], [*dsums, *dtargets])
         }
         Op::BatchNorm { epsilon, momentum, training } => {
+            outs.iter().skip(1).try_for_each(|o| need_f32(o, "a running statistic"))?;
             let stats = [outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |v| v.at)];
             channels::batch_norm(dev, (*epsilon, *momentum, *training), [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?], y, stats)
         }
         Op::BatchNormGrad { epsilon } => {
+            outs.iter().skip(1).try_for_each(|o| need_f32(o, "dScale or dBias"))?;
             let sums = [outs.get(1).map_or(NULL, |s| s.at), outs.get(2).map_or(NULL, |b| b.at)];
             channels::batch_norm_grad(dev, *epsilon, [x(0)?, x(1)?, x(2)?], y, sums)
         }
