@@ -157,19 +157,13 @@ __device__ __forceinline__ i64 channel_of(i64 i, i64 total, i64 c, i64 plane) {
     return (i / plane) % c;
 }
 
-// Whether p may be read or written as vectors of 4 elements of its type.
-template <typename T>
-__device__ __forceinline__ bool aligned4(const T* p) {
-    return ((u64)p % (4 * sizeof(T))) == 0;
-}
-
 // Y = (X − mean)·σ⁻¹·scale + bias, the mean and σ⁻¹ from `stats`; four elements at a time
 // where each plane's length is a multiple of four (the four then share a channel).
 template <class S>
 __device__ void batch_norm_apply(i64 total, i64 c, i64 plane, const typename S::T* x, const float* stats,
                                  const float* scale, const float* bias, typename S::T* y) {
     typedef typename S::T T;
-    if (plane % 4 == 0 && aligned4(x) && aligned4(y)) {
+    if (plane % 4 == 0 && aligned16(x) && aligned16(y)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
             float mean = stats[ch * 4], inv = stats[ch * 4 + 1], s = scale[ch], b = bias[ch];
@@ -206,7 +200,7 @@ template <class S>
 __device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const typename S::T* dy, const typename S::T* x,
                                       const float* stats, const float* scale, typename S::T* dx) {
     typedef typename S::T T;
-    if (plane % 4 == 0 && aligned4(dy) && aligned4(x) && aligned4(dx)) {
+    if (plane % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
             Vec<T, 4> g = ld_vec<T, 4>(dy + v * 4), in = ld_vec<T, 4>(x + v * 4), out;
