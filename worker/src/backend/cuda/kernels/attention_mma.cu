@@ -4,18 +4,21 @@
 // GPUs) and define what is computed; these compute the same in tiles, forward and backward side
 // by side:
 //
-// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward and for dq, key rows
-//   for dk and dv); a warp's own operands stay in registers as product fragments;
+// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward);
+//   a warp's own operands stay in registers as product fragments;
 // - the other side streams through two shared buffers KT rows at a time (64; for heads over 64,
-//   32, and 16 in the dk/dv sweep, which bound the registers), each tile read by every warp of
+//   32 forward and 16 backward, which bound the registers), each tile read by every warp of
 //   the block;
 // - scores and probabilities live in the products' f32 accumulators, and enter the next product
 //   rounded to the half type (the probabilities for P·V, the scores' gradient for dq and dk),
 //   as in FlashAttention; the softmax's running maximum and sum stay in f32.
 //
-// The backward pass keeps attention.cu's race-free split: dq per query tile, dk and dv per key
-// tile, each recomputing the probabilities from the forward pass's log-sum-exp; delta (the
-// softmax gradient's row term) comes from attention.cu's attention_bwd_delta.
+// The backward pass is FlashAttention-2's single sweep per key tile: the probabilities and the
+// scores' gradient recomputed once (from the forward pass's log-sum-exp), dk and dv summed in
+// registers, dq's part added atomically into f32 sums that attention_mma_dq rounds: five
+// products per tile pair, where attention.cu's race-free split (dq per query row, dk and dv
+// per key row) recomputes both for each side, seven. delta (the softmax gradient's row term)
+// comes from attention.cu's attention_bwd_delta.
 //
 // q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32;
 // or token-major, as attention.cu says: a group's rows then lie ld = inter · d elements apart.
@@ -253,66 +256,92 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
     }
 }
 
-// dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, per tile of query rows.
-template <class S, int DMAX>
-__device__ void attention_mma_bwd_dq(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
-                                     const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
-                                     u16* dq) {
-    const int KT = DMAX <= 64 ? 64 : 32;
-    __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
-    __shared__ __align__(16) u16 vs[2][KT * (DMAX + 8)];
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
-    for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
-        i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
-        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
-        const u16 *kg = k + kat, *vg = v + kat;
-        u32 qa[DMAX / 16][4], dya[DMAX / 16][4];
-        load_rows<DMAX>(qa, q + qat, tq, d, ld, r0, g, t);
-        load_rows<DMAX>(dya, dy + qat, tq, d, ld, r0, g, t);
-        float row_lse[2], row_delta[2];  // the log-sum-exp times log2(e)
+// Adds two adjacent f32 values into global memory, 8-byte aligned: one vector reduction on
+// sm_90 (PTX's red.global.add.v2.f32), two atomic adds before it and on the emulator.
+#if defined(TF_EMULATE) || __CUDA_ARCH__ < 900
+__device__ __forceinline__ void add_pair(float* at, float a, float b) {
+    atomicAdd(at, a);
+    atomicAdd(at + 1, b);
+}
+#else
+__device__ __forceinline__ void add_pair(float* at, float a, float b) {
+    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; red.global.add.v2.f32 [g], {%1, %2}; }"
+                 :
+                 : "l"(at), "f"(a), "f"(b)
+                 : "memory");
+}
+#endif
+
+// The block's scores' gradient (its 64 keys × the KT queries of the tile, over scale, rounded
+// to S as dk's product takes it) into shared memory, a row of KT + 8 halves per key.
+template <class S, int KT>
+__device__ __forceinline__ void store_scores_grad(u16* ds, const float (&dp)[KT / 8][4], int g, int t) {
+    int key = (threadIdx.x >> 5) * 16 + g;
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; ++nt)
+        for (int h = 0; h < 2; ++h)
+            st_pair(ds + (key + 8 * h) * (KT + 8) + nt * 8 + 2 * t, S::pack(dp[nt][2 * h], dp[nt][2 * h + 1]));
+}
+
+// The tile's KT query rows of dq (f32 sums over scale, rows ld apart, n rows in all) += dS
+// (ds: 64 keys × KT queries) · the block's keys (ktile: 64 × d). The warps split the queries
+// in blocks of 16 and, where those are fewer than the warps (KT = 16), the head's columns in
+// 16-column pairs of 8-column groups. Every key tile of a group adds to the same rows, so the
+// adds are atomic, as in FlashAttention-2: their order, and with it dq's last bits, is the
+// scheduler's.
+template <class S, int DMAX, int KT>
+__device__ __forceinline__ void add_to_dq(float* dq, i64 n, int d, i64 ld, i64 q0, const u16* ds, const u16* ktile,
+                                          int g, int t) {
+    const int ROW_BLOCKS = KT / 16, PARTS = MMA_WARPS / ROW_BLOCKS;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    int rows = warp % ROW_BLOCKS * 16, part = warp / ROW_BLOCKS;
+    // a: the warp's 16 queries × keys kk·16.., dS transposed as it is read (.trans): matrices
+    // (keys k0.., queries 0..), (k0.., 8..), (k0 + 8.., 0..), (k0 + 8.., 8..). A warp that
+    // meets every column pair (KT = 64) holds the four; one that meets one or two (KT = 16,
+    // beside dk's and dv's 16 × 128 sums) reads each again, to keep within the registers.
+    auto load_a = [&](u32(&a)[4], int kk) {
+        ldmatrix_x4_trans(a, ds + (kk * 16 + (i >> 1) * 8 + r) * (KT + 8) + rows + (i & 1) * 8);
+    };
+    u32 held[MMA_ROWS / 16][4];
+    if (PARTS == 1)
+#pragma unroll
+        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) load_a(held[kk], kk);
+    for (int c0 = part * 16; c0 < d; c0 += PARTS * 16) {
+        float c[2][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
+            u32 fresh[4], b[4];
+            if (PARTS != 1) load_a(fresh, kk);
+            const u32* a = PARTS == 1 ? held[kk] : fresh;
+            ldmatrix_x4_trans(b, ktile + (kk * 16 + (i & 1) * 8 + r) * (DMAX + 8) + c0 + (i >> 1) * 8);
+            S::mma(c[0], a, b);
+            S::mma(c[1], a, b + 2);
+        }
         for (int h = 0; h < 2; ++h) {
-            i64 row = r0 + g + 8 * h;
-            row_lse[h] = row < tq ? lse[grp * tq + row] * LOG2E : 0.f;
-            row_delta[h] = row < tq ? delta[grp * tq + row] : 0.f;
+            i64 row = q0 + rows + g + 8 * h;
+            if (row >= n) continue;
+            for (int nt = 0; nt < 2; ++nt) add_pair(dq + row * ld + c0 + nt * 8 + 2 * t, c[nt][2 * h], c[nt][2 * h + 1]);
         }
-        float acc[DMAX / 8][4] = {};
-        i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, ld, 0);
-        for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
-            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, ld, k0 + KT, keys);
-            float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, qa, ks[j], d);
-            rows_dot_tile<S, DMAX, KT>(dp, dya, vs[j], d);
-            int hi[2];
-            keys_seen(hi, r0, k0, tk, causal, KT, g);
-#pragma unroll
-            for (int nt = 0; nt < KT / 8; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    int h = i >> 1, col = nt * 8 + 2 * t + (i & 1);
-                    float pij = col < hi[h] ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[h]) : 0.f;
-                    p[nt][i] = pij * (dp[nt][i] - row_delta[h]);  // the score's gradient, over scale
-                }
-            acc_times_tile<S, DMAX, KT>(acc, p, ks[j], d);
-            __syncthreads();
-        }
-        float by[2] = {scale, scale};
-        store_rows<S, DMAX>(dq + qat, tq, d, ld, r0, acc, by, g, t);
     }
 }
 
-// dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, per tile of key rows (the queries that
-// see key j: i ≥ j when causal). The products run transposed: scores as keys × queries.
+// The backward pass in one sweep per tile of key rows, FlashAttention-2's: with p_ij the
+// probabilities recomputed from the log-sum-exp and ds_ij = p_ij (dy_i·v_j − delta_i),
+//   dv_j = Σ_i p_ij dy_i and dk_j = scale · Σ_i ds_ij q_i  (kept in registers),
+//   dq_i += Σ_j ds_ij k_j  (added to dq_acc in f32, scaled by attention_mma_dq),
+// over the queries that see key j (i ≥ j when causal). The products run transposed: scores
+// as keys × queries. dq's product reads dS from shared memory, where the tile's q rows were.
 template <class S, int DMAX>
-__device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
-                                      const u16* k, const u16* v, const u16* dy, const float* lse,
-                                      const float* delta, u16* dk, u16* dv) {
+__device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
+                                  const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
+                                  float* dq_acc, u16* dk, u16* dv) {
     // Heads over 64 hold two 16 × 128 accumulators (dk and dv) besides k and v: 16 query rows
     // per tile keep the scores' registers within the budget.
     const int KT = DMAX <= 64 ? 64 : 16;
+    static_assert(MMA_ROWS * (KT + 8) <= KT * (DMAX + 8), "dS fits in a q tile's buffer");
     __shared__ __align__(16) u16 qs[2][KT * (DMAX + 8)];
     __shared__ __align__(16) u16 dys[2][KT * (DMAX + 8)];
+    __shared__ __align__(16) u16 ks[MMA_ROWS * (DMAX + 8)];
     __shared__ float tile_lse[2][KT], tile_delta[2][KT];  // the log-sum-exp times log2(e)
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tk + MMA_ROWS - 1) / MMA_ROWS;
@@ -334,7 +363,8 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, i64 int
             }
         };
         i64 first = causal ? k0 / KT * KT : 0;
-        if (first < tq) {  // else no query sees these keys: dk and dv are 0
+        if (first < tq) {  // else no query sees these keys: dk and dv are 0, and dq gets nothing
+            load_tile<DMAX, MMA_ROWS>(ks, k + kat, tk, d, ld, k0);  // in the first tile's copy group
             stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, ld, first);
             stage_rows(first, 0);
         }
@@ -359,11 +389,26 @@ __device__ void attention_mma_bwd_dkv(i64 groups, i64 tq, i64 tk, int d, i64 int
                 }
             acc_times_tile<S, DMAX, KT>(dv_acc, p, dys[j], d);
             acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs[j], d);
+            __syncthreads();  // every warp is done with the q tile: dS takes its buffer
+            store_scores_grad<S, KT>(qs[j], dp, g, t);
             __syncthreads();
+            add_to_dq<S, DMAX, KT>(dq_acc + qat, tq, d, ld, q0, qs[j], ks, g, t);
+            __syncthreads();  // every warp is done with buffer j
         }
         float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
         store_rows<S, DMAX>(dk + kat, tk, d, ld, r0, dk_acc, by_k, g, t);
         store_rows<S, DMAX>(dv + kat, tk, d, ld, r0, dv_acc, by_v, g, t);
+    }
+}
+
+// dq = scale · the f32 sums attention_mma_bwd added (the same layout, n elements, a multiple
+// of 4; both 16-byte aligned).
+template <class S>
+__device__ void attention_mma_dq(i64 n, float scale, const float* acc, u16* dq) {
+    for (i64 i = 4 * first_index(); i < n; i += 4 * grid_stride()) {
+        Vec<float, 4> a = ld_vec<float, 4>(acc + i);
+        st_pair(dq + i, S::pack(a.e[0] * scale, a.e[1] * scale));
+        st_pair(dq + i + 2, S::pack(a.e[2] * scale, a.e[3] * scale));
     }
 }
 
@@ -384,43 +429,29 @@ extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 t
                                                        const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
     attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_bwd_dq_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                        const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                        const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+extern "C" __global__ void attention_mma_bwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+                                                     const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                     const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
+    attention_mma_bwd<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dq_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                         const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+extern "C" __global__ void attention_mma_bwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+                                                      const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                      const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
+    attention_mma_bwd<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dq_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                         const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+extern "C" __global__ void attention_mma_bwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+                                                      const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                      const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
+    attention_mma_bwd<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dq_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                          const float* lse, const float* delta, u16* dq) {
-    attention_mma_bwd_dq<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+extern "C" __global__ void attention_mma_bwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+                                                       const u16* q, const u16* k, const u16* v, const u16* dy,
+                                                       const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
+    attention_mma_bwd<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                         const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                         const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+extern "C" __global__ void attention_mma_dq_f16(i64 n, float scale, const float* acc, u16* dq) {
+    attention_mma_dq<F16>(n, scale, acc, dq);
 }
-extern "C" __global__ void attention_mma_bwd_dkv_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                          const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
-}
-extern "C" __global__ void attention_mma_bwd_dkv_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                          const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                          const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
-}
-extern "C" __global__ void attention_mma_bwd_dkv_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
-                                                           const u16* q, const u16* k, const u16* v, const u16* dy,
-                                                           const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_mma_bwd_dkv<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+extern "C" __global__ void attention_mma_dq_bf16(i64 n, float scale, const float* acc, u16* dq) {
+    attention_mma_dq<BF16>(n, scale, acc, dq);
 }

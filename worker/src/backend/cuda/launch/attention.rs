@@ -1,14 +1,16 @@
 //! Fused attention on the CUDA backend, with the CPU backend's semantics
 //! (`crate::kernels::attention`): the forward kernel keeps each query row's log-sum-exp; the
-//! backward pass is three sweeps over rows (the softmax's row term, dq per query row, dk and dv
-//! per key row), none of which races.
+//! backward pass first takes the softmax gradient's row term (delta) per query row, then the
+//! warp kernels sweep dq per query row and dk and dv per key row, none of which races, where the
+//! tensor-core kernels sweep once per tile of key rows and add dq's part of each into f32 sums
+//! (atomically, as FlashAttention-2 does), which a last pass scales and rounds into dq.
 //!
 //! Two kernel families compute it: f16 and bf16 heads of a multiple of 16 elements up to 128
 //! run on the tensor cores in tiles (kernels/attention_mma.cu); everything else (f32, other
 //! head sizes) runs one warp per row (kernels/attention.cu). Both take either layout
 //! (`AttentionShape`): a group's rows one row apart, or token-major.
 
-use super::{elementwise, typed, Dev, Ptr, NULL, V};
+use super::{elementwise, scratch_parts, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
 use crate::op::AttentionShape;
 use crate::refused;
@@ -62,8 +64,8 @@ fn mma_tier(dev: Dev, t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
     }
 }
 
-/// `MMA_ROWS` of attention_mma.cu: a block of 4 warps takes 64 rows (of queries, or of keys
-/// for dk and dv); the blocks stride over the tiles past CUDA's grid.
+/// `MMA_ROWS` of attention_mma.cu: a block of 4 warps takes 64 rows (of queries forward, of
+/// keys backward); the blocks stride over the tiles past CUDA's grid.
 fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
     const MMA_ROWS: usize = 64;
     let tiles = groups * rows.div_ceil(MMA_ROWS);
@@ -107,23 +109,30 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
     let (qrows, krows) = (a.groups * a.tq, a.groups * a.tk);
     let (scale, causal) = (spec.scale, spec.causal as i32);
     let (tq, tk, d, inter) = (a.tq as i64, a.tk as i64, a.d as i64, a.interleaved as i64);
-    let delta = dev.scratch(qrows * 4)?;
+    let tier = mma_tier(dev, t, a.d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]);
+    // The softmax gradient's row term, and for the tensor-core kernels dq's f32 sums.
+    let sums = if tier.is_some() { qrows * a.d * 4 } else { 0 };
+    let [delta, dq_sums] = scratch_parts(dev, &[qrows * 4, sums])?[..] else { unreachable!("two parts") };
     dev.kernel(
         &typed("attention_bwd_delta", t)?,
         per_warp(dev, qrows),
         &mut params![qrows as i64, tq, d, inter, dy.at, y.at, delta],
     )?;
-    if let Some(tier) = mma_tier(dev, t, a.d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]) {
+    if let Some(tier) = tier {
         let g = a.groups as i64;
+        dev.fill(dq_sums, 0, sums)?;
         dev.kernel(
-            &mma_kernel("attention_mma_bwd_dq", t, tier)?,
-            per_tile(dev, a.groups, a.tq),
-            &mut params![g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
-        )?;
-        return dev.kernel(
-            &mma_kernel("attention_mma_bwd_dkv", t, tier)?,
+            &mma_kernel("attention_mma_bwd", t, tier)?,
             per_tile(dev, a.groups, a.tk),
-            &mut params![g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dk.at, dv.at],
+            &mut params![
+                g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq_sums, dk.at, dv.at
+            ],
+        )?;
+        let n = qrows * a.d;
+        return dev.kernel(
+            &typed("attention_mma_dq", t)?,
+            elementwise(n / 4),
+            &mut params![n as i64, scale, dq_sums, dq.at],
         );
     }
     dev.kernel(
