@@ -567,22 +567,35 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
 /// (not a multiple of the warp, lanes past it idle) runs on the warp kernels in every type; heads
 /// of 16, 64, 96 and 128 in half precision run on the tensor-core kernels (attention_mma.cu),
 /// both register tiers with heads that fill them and heads that do not, sequences that end
-/// inside a tile, several key tiles, more tiles than one block, and fewer queries than keys.
-/// Those round the probabilities (and the scores' gradient) to the half type before their
-/// products, as FlashAttention does, so they are held to a few of its units rather than one.
-/// Each case runs in both layouts: [groups, T, D], and token-major [B, T, H, D], whose results
-/// on the CPU are the first layout's, transposed, bit for bit.
+/// inside a tile, several key tiles, more tiles than one block, and fewer queries than keys;
+/// some with fewer key heads than query heads (grouped-query attention), on both kernel
+/// families. The tensor-core kernels round the probabilities (and the scores' gradient) to the
+/// half type before their products, as FlashAttention does, so they are held to a few of its
+/// units rather than one. Each case runs in both layouts: [groups, T, D], and token-major
+/// [B, T, H, D], whose results on the CPU are the first layout's, transposed, bit for bit; and
+/// the CPU's grouped-query results in f32 are, bit for bit, those of its attention over the key
+/// heads repeated (dk and dv summed over the repeats).
 #[test]
 fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
     let mut ran_on_tensor_cores = 0;
-    // (groups, queries, keys, head); a causal mask needs as many queries as keys.
-    let cases = [(3, 11, 11, 40), (2, 75, 75, 64), (3, 9, 9, 16), (1, 37, 37, 128), (2, 70, 70, 96), (2, 21, 50, 64)];
-    for (groups, tq, tk, d) in cases {
-        let (q_shape, k_shape) = (vec![groups, tq, d], vec![groups, tk, d]);
+    // (groups, key groups, queries, keys, head); a causal mask needs as many queries as keys.
+    let cases = [
+        (3, 3, 11, 11, 40),
+        (2, 2, 75, 75, 64),
+        (3, 3, 9, 9, 16),
+        (1, 1, 37, 37, 128),
+        (2, 2, 70, 70, 96),
+        (2, 2, 21, 50, 64),
+        (4, 2, 75, 75, 64),
+        (3, 1, 37, 37, 128),
+        (6, 2, 13, 13, 40),
+    ];
+    for (groups, kv_groups, tq, tk, d) in cases {
+        let (q_shape, k_shape) = (vec![groups, tq, d], vec![kv_groups, tk, d]);
         // Token-major: two batch elements of groups / 2 heads, or one of all.
-        let (b, h) = if groups % 2 == 0 { (2, groups / 2) } else { (1, groups) };
-        let tokens = |x: &Tensor| heads_to_tokens(&cpu, x, b, h);
+        let b = if groups % 2 == 0 && kv_groups % 2 == 0 { 2 } else { 1 };
+        let tokens = |x: &Tensor| heads_to_tokens(&cpu, x, b, x.shape()[0] / b);
         for causal in [true, false].into_iter().filter(|&c| !c || tq == tk) {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let x = |shape: &[usize], salt: usize| {
@@ -591,7 +604,10 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                 };
                 let (q, k, v, dy) = (x(&q_shape, 1), x(&k_shape, 2), x(&k_shape, 3), x(&q_shape, 4));
                 let tensor_cores = dtype != DType::F32 && d % 16 == 0;
-                let what = format!("Attention over heads of {d}, {tq} queries, {tk} keys, causal {causal}, {dtype}");
+                let what = format!(
+                    "Attention over heads of {d}, {groups} groups reading {kv_groups}, {tq} queries, {tk} keys, \
+                     causal {causal}, {dtype}"
+                );
                 let unit = match dtype {
                     DType::F32 => 1e-5,
                     DType::BF16 => 2f32.powi(-8),
@@ -604,7 +620,7 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                 for token_major in [false, true] {
                     let what = format!("{what}, token-major {token_major}");
                     let layout = |x: &Tensor| if token_major { tokens(x) } else { x.clone() };
-                    let lse_shape = if token_major { vec![b, h, tq] } else { vec![groups, tq] };
+                    let lse_shape = if token_major { vec![b, groups / b, tq] } else { vec![groups, tq] };
                     let (q, k, v, dy) = (layout(&q), layout(&k), layout(&v), layout(&dy));
                     let op = Op::Attention { scale, causal, token_major };
                     let outs = [Meta::new(dtype, q.shape()), Meta::new(DType::F32, &lse_shape)];
@@ -625,6 +641,10 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                     ran_on_tensor_cores += tensor_cores as usize;
                     let results: Vec<Tensor> = c.iter().chain(&cg).cloned().collect();
                     if !token_major {
+                        if kv_groups < groups && dtype == DType::F32 {
+                            let ins = [ins[0].clone(), q.clone(), k.clone(), v.clone()];
+                            assert_repeated_heads_agree(&cpu, &what, (scale, causal), ins, &results);
+                        }
                         heads_first = results;
                         continue;
                     }
@@ -640,7 +660,51 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
             }
         }
     }
-    assert_eq!(ran_on_tensor_cores, 36);
+    assert_eq!(ran_on_tensor_cores, 52);
+}
+
+/// The CPU's grouped-query attention (heads-first dY, q, k, v; its y, lse, dq, dk, dv as
+/// `results`) against its attention over each key head repeated to the query heads it serves,
+/// whose dk and dv are then summed over the repeats in order: the same bits.
+fn assert_repeated_heads_agree(
+    cpu: &CpuBackend,
+    what: &str,
+    (scale, causal): (f32, bool),
+    [dy, q, k, v]: [Tensor; 4],
+    results: &[Tensor],
+) {
+    let (groups, kv_groups) = (q.shape()[0], k.shape()[0]);
+    let rep = groups / kv_groups;
+    let widen = |x: &Tensor| x.cast(DType::F32).as_slice::<f32>().to_vec();
+    let repeat = |x: &Tensor| {
+        let (rows, per) = (x.shape()[1], x.shape()[1] * x.shape()[2]);
+        let all: Vec<f32> = widen(x).chunks(per).flat_map(|head| (0..rep).flat_map(move |_| head.to_vec())).collect();
+        Tensor::from_vec(&[groups, rows, x.shape()[2]], all).cast(x.dtype())
+    };
+    let (k_all, v_all) = (repeat(&k), repeat(&v));
+    let outs = [Meta::new(q.dtype(), q.shape()), Meta::new(DType::F32, &q.shape()[..2])];
+    let op = Op::Attention { scale, causal, token_major: false };
+    let mut all = run_typed(cpu, &op, &[q.clone(), k_all.clone(), v_all.clone()], &outs);
+    let grad = Op::AttentionGrad { scale, causal, token_major: false };
+    let ins = [dy, q.clone(), k_all.clone(), v_all, all[0].clone(), all[1].clone()];
+    let outs =
+        [Meta::new(q.dtype(), q.shape()), Meta::new(q.dtype(), k_all.shape()), Meta::new(q.dtype(), k_all.shape())];
+    all.extend(run_typed(cpu, &grad, &ins, &outs));
+    // dk and dv of the repeated heads, each summed over its repeats.
+    for which in [3, 4] {
+        let per = k.numel();
+        let summed: Vec<f32> = widen(&all[which])
+            .chunks(per / kv_groups * rep)
+            .flat_map(|reps| {
+                let chunks: Vec<&[f32]> = reps.chunks(per / kv_groups).collect();
+                (0..per / kv_groups).map(move |e| chunks.iter().skip(1).fold(chunks[0][e], |s, c| s + c[e]))
+            })
+            .collect();
+        all[which] = Tensor::from_vec(k.shape(), summed).cast(k.dtype());
+    }
+    for (i, (got, want)) in results.iter().zip(&all).enumerate() {
+        assert!(got.bytes() == want.bytes(), "{what}: output {i} differs from the repeated heads'");
+    }
 }
 
 /// [B·H, T, D] → [B, T, H, D], by the CPU's Transpose.

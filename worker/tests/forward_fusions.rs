@@ -172,3 +172,40 @@ fn the_llamas_rms_norms_swiglus_and_rotaries_fuse_and_train_as_the_written_out_o
         assert!(worst <= 1e-4, "{name} differs by {worst}");
     }
 }
+
+/// The Llama's grouped-query attention reads the key heads themselves (`attention_shared_heads`:
+/// no Expand copies of k and v, no sums of their gradients) and runs token-major
+/// (`attention_token_major`, the rotary embeddings moved before the heads' transposes, which
+/// all go), training to the written-out heads' losses, gradient norms and weights bit for bit.
+#[test]
+fn the_llamas_attention_reads_shared_key_heads_token_major_and_trains_to_the_same_bits() {
+    let (mut fused, mut plain) = (llama(&[]), llama(&["attention_shared_heads", "attention_token_major"]));
+    let token_major = |s: &Session<CpuBackend>| {
+        count(s, |op| {
+            matches!(op, Op::Attention { token_major: true, .. } | Op::AttentionGrad { token_major: true, .. })
+        })
+    };
+    let ops = |s: &Session<CpuBackend>| {
+        let of = |pick: fn(&Op) -> bool| count(s, pick);
+        [
+            of(|op| matches!(op, Op::Transpose { .. })),
+            of(|op| *op == Op::Expand),
+            of(|op| matches!(op, Op::ReduceOp { .. } | Op::ReduceSumTo { .. })),
+        ]
+    };
+    assert_eq!((token_major(&fused), token_major(&plain)), (4, 0));
+    // Per layer, q's, k's, v's and the output's transposes each way, and kᵀ's forward (an
+    // identity after `attention`) and its gradient's; k's and v's Expand copies and their
+    // gradients' sums. The fused graph's Expands make the rotary tables [T, H, D], once for
+    // each table (cos, sin) and head count (q's 4, k's 2).
+    assert_eq!((ops(&fused), ops(&plain)), ([0, 4, 0], [20, 4, 4]));
+    let batches = [batch(2, 16, 64, 1), batch(2, 16, 64, 2)];
+    for k in 0..3 {
+        let (x, y) = (fused.step(&batches, 3e-3, 1.0, k).unwrap(), plain.step(&batches, 3e-3, 1.0, k).unwrap());
+        assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits()), (y.loss.to_bits(), y.grad_norm.to_bits()), "step {k}");
+    }
+    let (w1, w2) = (fused.weights().unwrap(), plain.weights().unwrap());
+    for (name, t) in &w1 {
+        assert!(t.bytes() == w2[name].bytes(), "{name} differs");
+    }
+}

@@ -22,7 +22,8 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] = &["rms_norm", "silu", "swiglu", "rotary", "attention", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] =
+    &["rms_norm", "silu", "swiglu", "rotary", "attention", "attention_shared_heads", "attention_token_major"];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -38,6 +39,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
             "swiglu" => swiglu(g, keep),
             "rotary" => rotary(g, keep),
             "attention" => attention(g, keep),
+            "attention_shared_heads" => attention_shared_heads(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
             _ => 0,
         };
@@ -981,11 +983,84 @@ fn attention_chain(
     alike.then_some(AttentionChain { gone, context, q, k_t, v, scale, causal })
 }
 
+/// Attention(q, k, v) whose k and v repeat each key head side by side to q's heads, as
+/// grouped-query attention is written out (the builtin Llama, Hugging Face's `repeat_kv`: a
+/// Reshape adding an axis after the heads', an Expand of it, a Reshape merging it into the
+/// heads; the identity Transpose `attention` leaves of kᵀ may follow)  ⇒  Attention of the key
+/// heads themselves (`AttentionShape::rep`): the kernels read key head h / rep for query head
+/// h, and the copies, and the gradient's sums over them, go.
+fn attention_shared_heads(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let inner = |x: ValueId| uses[x] == 1 && !keep.contains(&x) && !g.outputs.contains(&x);
+    let mut gone = vec![false; g.nodes.len()];
+    let mut rewrites = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Op::Attention { token_major: false, .. } = node.op else { continue };
+        let heads = |x: Option<ValueId>| repeated_heads(g, &producers, &inner, x?);
+        let (Some((k, k_chain)), Some((v, v_chain))) = (heads(node.input(1)), heads(node.input(2))) else {
+            continue;
+        };
+        if g.meta(k).map(|m| &m.shape) != g.meta(v).map(|m| &m.shape) {
+            continue;
+        }
+        k_chain.iter().chain(&v_chain).for_each(|&n| gone[n] = true);
+        rewrites.push((i, k, v));
+    }
+    for &(i, k, v) in &rewrites {
+        g.nodes[i].inputs[1] = Some(k);
+        g.nodes[i].inputs[2] = Some(v);
+    }
+    drop_nodes(g, &gone);
+    rewrites.len()
+}
+
+/// The value [.., K, T, D] whose heads the nodes before `x` (each value read only by the next)
+/// repeat side by side into x [.., K·rep, T, D], with those nodes; None where they do not.
+fn repeated_heads(
+    g: &Graph,
+    producers: &[Option<usize>],
+    inner: &impl Fn(ValueId) -> bool,
+    x: ValueId,
+) -> Option<(ValueId, Vec<usize>)> {
+    let shape = |v: ValueId| g.meta(v).map(|m| m.shape.clone());
+    let mut chain = Vec::new();
+    let mut step = |v: ValueId, want: fn(&Op) -> bool| -> Option<ValueId> {
+        let p = producers[v].filter(|&p| inner(v) && want(&g.nodes[p].op))?;
+        chain.push(p);
+        g.nodes[p].input(0)
+    };
+    let mut at = x;
+    while let Some(before) = step(at, |op| matches!(op, Op::Transpose { perm: Some(p) } if is_identity(p))) {
+        at = before;
+    }
+    let expanded = step(at, |op| *op == Op::Reshape)?;
+    let spread = step(expanded, |op| *op == Op::Expand)?;
+    let source = step(spread, |op| *op == Op::Reshape)?;
+    let (s, u, e, y) = (shape(source)?, shape(spread)?, shape(expanded)?, shape(x)?);
+    let r = s.len();
+    if r < 3 || u.len() != r + 1 || e.len() != r + 1 {
+        return None;
+    }
+    // The heads' axis a: source [.., K, T, D], spread [.., K, 1, T, D], expanded [.., K, rep,
+    // T, D], x [.., K·rep, T, D].
+    let a = r - 3;
+    let rep = e[a + 1];
+    let with = |at: usize, n: usize| [&s[..at], &[n], &s[at..]].concat();
+    let merged = [&s[..a], &[s[a] * rep], &s[a + 1..]].concat();
+    let repeats = u == with(a + 1, 1) && e == with(a + 1, rep) && y == merged && rep > 0;
+    repeats.then_some((source, chain))
+}
+
+fn is_identity(perm: &[i64]) -> bool {
+    perm.iter().enumerate().all(|(i, &p)| p == i as i64)
+}
+
 /// Attention(q, k, v) whose q, k and v are [.., T, H, D] values made [.., H, T, D] by transposes
 /// (one, or a chain, as nanoGPT's kᵀ), and whose output only a transpose back to [.., T, H, D]
 /// reads  ⇒  the token-major Attention of those values, writing that transpose's output. The
 /// heads' copies go, forward and backward (the gradient keeps the layout): eight per layer of
-/// GPT-2.
+/// GPT-2. A rotary embedding between the transposes and the attention (the Llama's q and k)
+/// moves before them, onto the token-major value, its tables laid out to match.
 fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
     let (producers, uses) = (g.producers(), g.use_counts());
     let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
@@ -1003,44 +1078,68 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
         };
         let mut swap: Vec<usize> = (0..rank).collect();
         swap.swap(rank - 3, rank - 2);
-        let sources: Option<Vec<(ValueId, Vec<usize>)>> =
+        let sources: Option<Vec<HeadsSource>> =
             node.inputs.iter().map(|x| heads_source(g, &producers, &inner, (*x)?, &swap)).collect();
         let Some(sources) = sources else { continue };
         let Some(y) = node.output(0).filter(|&y| inner(y)) else { continue };
         let merge = readers[y][0];
         let merges = matches!(&g.nodes[merge].op, Op::Transpose { perm: Some(p) } if same_perm(p, &swap));
         let shape = |x: ValueId| g.meta(x).map(|m| m.shape.clone()).unwrap_or_default();
-        let (q, k, v) = (sources[0].0, sources[1].0, sources[2].0);
+        let (q, k, v) = (sources[0].value, sources[1].value, sources[2].value);
         let token_major = AttentionShape::of(&shape(q), &shape(k), true).is_some() && shape(k) == shape(v);
         let Some(merged) = g.nodes[merge].output(0).filter(|_| merges && token_major) else { continue };
-        sources.iter().flat_map(|(_, chain)| chain).for_each(|&n| gone[n] = true);
+        sources.iter().flat_map(|s| &s.transposes).for_each(|&n| gone[n] = true);
         gone[merge] = true;
-        rewrites.push((i, [q, k, v], merged));
+        rewrites.push((i, sources, merged));
     }
-    for &(i, qkv, merged) in &rewrites {
-        let node = &mut g.nodes[i];
+    let mut tables = TokenMajorTables::default();
+    for (i, sources, merged) in &rewrites {
+        let inputs = sources.iter().map(|s| Some(s.rotary.map_or(s.value, |r| tables.rotate_first(g, r, s.value))));
+        let inputs = inputs.collect();
+        let node = &mut g.nodes[*i];
         if let Op::Attention { token_major, .. } = &mut node.op {
             *token_major = true;
         }
-        node.inputs = qkv.iter().map(|&x| Some(x)).collect();
-        node.outputs[0] = Some(merged);
+        node.inputs = inputs;
+        node.outputs[0] = Some(*merged);
     }
     drop_nodes(g, &gone);
-    rewrites.len()
+    let count = rewrites.len();
+    tables.insert(g);
+    count
+}
+
+/// Where an operand of a heads-first Attention comes from: the [.., T, H, D] value the
+/// transposes (to drop) turn into it, through the rotary embedding `rotary` if one sits last.
+struct HeadsSource {
+    value: ValueId,
+    transposes: Vec<usize>,
+    rotary: Option<usize>,
 }
 
 /// The value that transposes (each read only by the next) turn into `x` by the permutation
-/// `target`, with those transposes' nodes; None where there is none.
+/// `target`, perhaps through a rotary embedding last whose tables `TokenMajorTables` can lay out
+/// token-major; None where there is none.
 fn heads_source(
     g: &Graph,
     producers: &[Option<usize>],
     inner: &impl Fn(ValueId) -> bool,
     x: ValueId,
     target: &[usize],
-) -> Option<(ValueId, Vec<usize>)> {
+) -> Option<HeadsSource> {
+    let rotary = producers[x].filter(|&p| inner(x) && g.nodes[p].op == Op::Rotary);
+    if let Some(r) = rotary {
+        let rank = target.len();
+        let movable = |t: Option<ValueId>| t.and_then(|t| g.meta(t)).is_some_and(|m| token_major_table(&m.shape, rank));
+        (movable(g.nodes[r].input(1)) && movable(g.nodes[r].input(2))).then_some(())?;
+    }
     // x's axis a is the current value's axis `composed[a]`.
     let mut composed: Vec<usize> = (0..target.len()).collect();
-    let (mut at, mut chain) = (x, Vec::new());
+    let mut at = match rotary {
+        Some(r) => g.nodes[r].input(0)?,
+        None => x,
+    };
+    let mut transposes = Vec::new();
     while let Some(p) = producers[at].filter(|_| inner(at)) {
         let Op::Transpose { perm: Some(perm) } = &g.nodes[p].op else { return None };
         if perm.len() != composed.len() {
@@ -1048,13 +1147,90 @@ fn heads_source(
         }
         composed =
             composed.iter().map(|&a| perm.get(a).and_then(|&p| usize::try_from(p).ok())).collect::<Option<_>>()?;
-        chain.push(p);
+        transposes.push(p);
         at = g.nodes[p].input(0)?;
         if composed == target {
-            return g.meta(at).is_some().then_some((at, chain));
+            return g.meta(at).is_some().then_some(HeadsSource { value: at, transposes, rotary });
         }
     }
     None
+}
+
+/// Whether a rotary table of `shape`, broadcast to heads-first values of `rank` ([.., H, T, D]),
+/// is one table for every head and batch ([.., 1, T, D] with 1s before): then [T, H, D] is it
+/// for the token-major values, and the kernels read it as a table repeated along their leading
+/// dims.
+fn token_major_table(shape: &[usize], rank: usize) -> bool {
+    shape.len() <= rank && shape[..shape.len().saturating_sub(2)].iter().all(|&n| n == 1)
+}
+
+/// The rotary tables laid out for token-major values: Reshape to [T, 1, D], Expand to [T, H, D],
+/// once for each table and head count, placed right after the table is made.
+#[derive(Default)]
+struct TokenMajorTables {
+    made: std::collections::BTreeMap<(ValueId, usize), ValueId>,
+    nodes: Vec<(ValueId, [Node; 2])>,
+}
+
+impl TokenMajorTables {
+    /// Moves the rotary embedding `r` onto the token-major value `x` [.., T, H, D]; returns
+    /// its output, now token-major.
+    fn rotate_first(&mut self, g: &mut Graph, r: usize, x: ValueId) -> ValueId {
+        let xm = g.meta(x).cloned().expect("bound");
+        let n = xm.shape.len();
+        let (t, h, d) = (xm.shape[n - 3], xm.shape[n - 2], xm.shape[n - 1]);
+        for input in [1, 2] {
+            let table = g.nodes[r].input(input).expect("a rotary table");
+            let laid = self.table(g, table, [t, h, d]);
+            g.nodes[r].inputs[input] = Some(laid);
+        }
+        g.nodes[r].inputs[0] = Some(x);
+        let y = g.nodes[r].output(0).expect("Rotary's output");
+        g.values[y].meta = Some(xm);
+        y
+    }
+
+    fn table(&mut self, g: &mut Graph, table: ValueId, [t, h, d]: [usize; 3]) -> ValueId {
+        if let Some(&laid) = self.made.get(&(table, h)) {
+            return laid;
+        }
+        let meta = g.meta(table).cloned().expect("bound");
+        // Its last two dims (positions, and the head's elements), either perhaps 1.
+        let (rows, cols) = match meta.shape[..] {
+            [.., rows, cols] => (rows, cols),
+            [cols] => (1, cols),
+            [] => (1, 1),
+        };
+        let name = format!("{}.token_major_{h}", g.name_of(table));
+        let mut shape_of = |what: &str, dims: [usize; 3]| {
+            let dims = Tensor::from_vec(&[3], dims.map(|n| n as i64).to_vec());
+            g.add_initializer(&format!("{name}.{what}_shape"), dims)
+        };
+        let (to_rows, to_heads) = (shape_of("rows", [rows, 1, cols]), shape_of("heads", [t, h, d]));
+        let (column, laid) = (g.fresh(&format!("{name}.rows")), g.fresh(&name));
+        g.values[column].meta = Some(Meta::new(meta.dtype, &[rows, 1, cols]));
+        g.values[laid].meta = Some(Meta::new(meta.dtype, &[t, h, d]));
+        let node = |op: Op, inputs: [ValueId; 2], out: ValueId| Node {
+            name: g.name_of(out).to_string(),
+            op,
+            inputs: inputs.map(Some).to_vec(),
+            outputs: vec![Some(out)],
+        };
+        let pair = [node(Op::Reshape, [table, to_rows], column), node(Op::Expand, [column, to_heads], laid)];
+        self.nodes.push((table, pair));
+        self.made.insert((table, h), laid);
+        laid
+    }
+
+    /// Puts the tables' nodes into the graph right after their table's producer (first, for an
+    /// initializer), so that they come before every reader.
+    fn insert(self, g: &mut Graph) {
+        for (table, pair) in self.nodes {
+            let made = g.nodes.iter().position(|n| n.outputs.contains(&Some(table)));
+            let at = made.map_or(0, |i| i + 1);
+            g.nodes.splice(at..at, pair);
+        }
+    }
 }
 
 fn same_perm(perm: &[i64], target: &[usize]) -> bool {

@@ -3,7 +3,8 @@
 //! recomputes the probabilities from it instead of reading them back.
 //!
 //! q [.., Tq, D], k and v [.., Tk, D], or token-major [.., T, H, D]; the groups (batch × heads)
-//! are independent (`AttentionShape`). With `causal`, query i sees keys 0..=i (Tq = Tk).
+//! are independent, and k and v may have fewer heads than q, each serving several query heads
+//! (`AttentionShape`). With `causal`, query i sees keys 0..=i (Tq = Tk).
 
 use super::fastmath::{dot, max};
 use super::{KResult, SharedSlice};
@@ -51,7 +52,7 @@ pub fn forward(
     rows.for_each_init(Vec::new, |scores: &mut Vec<f32>, (row, yr)| {
         let (g, i) = (row / (tq * h) * h + row % h, row / h % tq);
         let qr = &qs[row * d..(row + 1) * d];
-        let key = |j: usize| a.row(g, j, tk);
+        let key = |j: usize| a.kv_row(g, j);
         scores.clear();
         scores.extend((0..visible(causal, i, tk)).map(|j| scale * dot(qr, &ks[key(j)..key(j) + d])));
         let top = max(scores);
@@ -73,10 +74,10 @@ pub fn forward(
 }
 
 /// dY, q, k, v, y, lse -> dq, dk, dv. With P = exp(q·kᵀ·scale − lse) and D_i = dY_i·y_i:
-/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each group runs on one
-/// worker into rows of its own, its queries in order, so the sums over queries into dk and dv
-/// never depend on scheduling; the rows then go to their places (interleaved with the other
-/// heads' when token-major).
+/// dS = P ⊙ (dY·vᵀ − D), dq = scale·dS·k, dk = scale·dSᵀ·q, dv = Pᵀ·dY. Each query group runs
+/// on one worker into rows of its own, its queries in order, so the sums over queries into dk
+/// and dv never depend on scheduling; the rows then go to their places (interleaved with the
+/// other heads' when token-major), the query groups that share a key head added in order.
 pub fn backward(
     scale: f32,
     causal: bool,
@@ -101,8 +102,8 @@ pub fn backward(
         .into_par_iter()
         .map(|g| {
             let (mut dqg, mut dkg, mut dvg) = (vec![0f32; tq * d], vec![0f32; tk * d], vec![0f32; tk * d]);
-            let q_row = |i: usize| a.row(g, i, tq)..a.row(g, i, tq) + d;
-            let k_row = |j: usize| a.row(g, j, tk)..a.row(g, j, tk) + d;
+            let q_row = |i: usize| a.q_row(g, i)..a.q_row(g, i) + d;
+            let k_row = |j: usize| a.kv_row(g, j)..a.kv_row(g, j) + d;
             for i in 0..tq {
                 let (qi, dyi) = (&qs[q_row(i)], &dys[q_row(i)]);
                 let di = dot(dyi, &ys[q_row(i)]);
@@ -119,11 +120,19 @@ pub fn backward(
             [dqg, dkg, dvg]
         })
         .collect();
-    for (which, (out, t)) in [(dq, tq), (dk, tk), (dv, tk)].into_iter().enumerate() {
+    let dq = dq.as_mut_slice::<f32>();
+    for (g, [dqg, _, _]) in grads.iter().enumerate() {
+        (0..tq).for_each(|i| dq[a.q_row(g, i)..a.q_row(g, i) + d].copy_from_slice(&dqg[at(i)]));
+    }
+    for (which, out) in [(1, dk), (2, dv)] {
         let out = out.as_mut_slice::<f32>();
         for (g, rows) in grads.iter().enumerate() {
-            for i in 0..t {
-                out[a.row(g, i, t)..a.row(g, i, t) + d].copy_from_slice(&rows[which][at(i)]);
+            for j in 0..tk {
+                let (to, from) = (&mut out[a.kv_row(g, j)..a.kv_row(g, j) + d], &rows[which][at(j)]);
+                match g % a.rep {
+                    0 => to.copy_from_slice(from),
+                    _ => to.iter_mut().zip(from).for_each(|(t, f)| *t += f),
+                }
             }
         }
     }

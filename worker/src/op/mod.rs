@@ -702,34 +702,50 @@ impl PadMode {
 }
 
 /// Fused attention's operands as both backends walk them: `groups` independent attentions
-/// (batch × heads) of `tq` query and `tk` key rows of `d` elements. A group's rows lie one row
-/// apart ([.., H, T, D]: `interleaved` 1) or, token-major, `interleaved` = H groups' rows side
-/// by side in each token ([.., T, H, D]). The log-sum-exp is [groups, tq] either way.
+/// (batch × heads) of `tq` query and `tk` key rows of `d` elements. k and v may have fewer heads
+/// than q (grouped-query attention, as Hugging Face's `repeat_kv` and SDPA's `enable_gqa` mean
+/// it): each of theirs serves `rep` query heads side by side, query group g reading key group
+/// g / rep. A group's rows lie one row apart ([.., H, T, D]: `interleaved` 1) or, token-major,
+/// `interleaved` = H groups' rows side by side in each token ([.., T, H, D]; k's and v's
+/// `kv_interleaved` = H / rep). The log-sum-exp is [groups, tq] either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
     pub groups: usize,
     pub interleaved: usize,
+    pub kv_interleaved: usize,
+    pub rep: usize,
     pub tq: usize,
     pub tk: usize,
     pub d: usize,
 }
 
 impl AttentionShape {
-    /// From q's and k's shapes, None where they are not attention's (ranks, heads or D differ).
+    /// From q's and k's shapes, None where they are not attention's: ranks or D differ, or
+    /// another axis than the rows' and the heads' (the one before the rows, or token-major
+    /// after them), or k's heads do not divide q's.
     pub fn of(q: &[usize], k: &[usize], token_major: bool) -> Option<AttentionShape> {
         let r = q.len();
         let inner = if token_major { 3 } else { 2 };
         if r < inner || k.len() != r {
             return None;
         }
-        // The rows' axis; every other axis of q and k agrees.
+        // The rows' axis, and the heads' (none for heads-first [T, D]).
         let t = r - inner;
-        if q[..t] != k[..t] || q[t + 1..] != k[t + 1..] {
+        let heads = if token_major { Some(r - 2) } else { t.checked_sub(1) };
+        let agree = (0..r).filter(|&a| a != t && Some(a) != heads).all(|a| q[a] == k[a]);
+        let rep = match heads.map(|h| (q[h], k[h])) {
+            None => 1,
+            Some((qh, kh)) if kh == qh => 1,
+            Some((qh, kh)) if kh > 0 && qh % kh == 0 => qh / kh,
+            Some(_) => return None,
+        };
+        if !agree {
             return None;
         }
         let interleaved = if token_major { q[r - 2] } else { 1 };
         let groups = q[..t].iter().product::<usize>() * interleaved;
-        Some(AttentionShape { groups, interleaved, tq: q[t], tk: k[t], d: q[r - 1] })
+        let kv_interleaved = if token_major { k[r - 2] } else { 1 };
+        Some(AttentionShape { groups, interleaved, kv_interleaved, rep, tq: q[t], tk: k[t], d: q[r - 1] })
     }
 
     /// The log-sum-exp's shape for q of `q`: [.., H, Tq] (token-major) or [.., Tq].
@@ -741,10 +757,16 @@ impl AttentionShape {
         }
     }
 
-    /// Where row `i` of group `g` of an operand of `t` rows starts, in elements.
-    pub fn row(&self, g: usize, i: usize, t: usize) -> usize {
+    /// Where row `i` of query group `g` starts in q (and y, dY, dq), in elements.
+    pub fn q_row(&self, g: usize, i: usize) -> usize {
         let h = self.interleaved;
-        ((g / h * t + i) * h + g % h) * self.d
+        ((g / h * self.tq + i) * h + g % h) * self.d
+    }
+
+    /// Where key row `j` that query group `g` reads starts in k (and v, dk, dv), in elements.
+    pub fn kv_row(&self, g: usize, j: usize) -> usize {
+        let (g, h) = (g / self.rep, self.kv_interleaved);
+        ((g / h * self.tk + j) * h + g % h) * self.d
     }
 }
 
@@ -1087,7 +1109,9 @@ pub enum Op {
     /// Attention over heads without the T×T scores: q [.., Tq, D], k, v [.., Tk, D] →
     /// y = softmax(q·kᵀ·scale, masked above the diagonal when `causal`)·v [.., Tq, D], and each
     /// row's log-sum-exp [.., Tq] in f32, which the backward pass recomputes the
-    /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`. With
+    /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`. k and v may
+    /// have fewer heads than q, each serving as many query heads side by side (grouped-query
+    /// attention; `fuse::attention_shared_heads`). With
     /// `token_major`, q, k, v and y are [.., T, H, D] (each token's heads side by side, as the
     /// projections write them and the output projection reads them; `fuse::attention_token_major`)
     /// and the log-sum-exp stays [.., H, Tq]. See [`AttentionShape`].

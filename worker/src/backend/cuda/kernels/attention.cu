@@ -5,15 +5,17 @@
 // backward pass recomputes the probabilities from it in two sweeps that never race: one warp
 // per query row for dq, one per key row for dk and dv.
 //
-// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq]. With
-// `inter` over 1, the operands are token-major: [batch, t, inter, d], the groups (batch × inter)
-// interleaved row by row (head_row). With `causal`, query i sees keys 0..=i (tq = tk).
+// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups / rep, tk, d]; lse, delta: [groups, tq].
+// Query group g reads key group g / rep (grouped-query attention; rep 1 without). With `inter`
+// over 1, the operands are token-major: [batch, t, inter, d], the groups (batch × inter)
+// interleaved row by row (head_row), and k and v [batch, t, kinter, d]. With `causal`, query i
+// sees keys 0..=i (tq = tk).
 
 #define MAX_HEAD 256
 #define HEAD_LANES (MAX_HEAD / 32)
 #define WARPS_PER_BLOCK (BLOCK / 32)
 
-// Where row i of group g of a t-row operand starts (op.rs's AttentionShape::row).
+// Where row i of group g of a t-row operand starts (op.rs's AttentionShape::q_row and kv_row).
 __device__ __forceinline__ i64 head_row(i64 g, i64 i, i64 t, i64 d, i64 inter) {
     return ((g / inter * t + i) * inter + g % inter) * d;
 }
@@ -47,8 +49,9 @@ __device__ __forceinline__ void hold(float* held, const typename S::T* a, i64 d,
 }
 
 template <class S>
-__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
-                              const typename S::T* k, const typename S::T* v, typename S::T* y, float* lse) {
+__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+                              const typename S::T* q, const typename S::T* k, const typename S::T* v,
+                              typename S::T* y, float* lse) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tq, i = row % tq;
@@ -59,8 +62,8 @@ __device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float 
         float m = NEG_INF, l = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + head_row(g, j, tk, d, inter);
-            const typename S::T* vj = v + head_row(g, j, tk, d, inter);
+            const typename S::T* kj = k + head_row(g / rep, j, tk, d, kinter);
+            const typename S::T* vj = v + head_row(g / rep, j, tk, d, kinter);
             float s = scale * held_dot<S>(qi, kj, d, lane);
             float m_new = fmaxf(m, s);
             float rescale = expf(m - m_new), e = expf(s - m_new);
@@ -79,17 +82,17 @@ __device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float 
         if (lse && lane == 0) lse[row] = m + logf(l);
     }
 }
-extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const float* q,
+extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal, const float* q,
                                              const float* k, const float* v, float* y, float* lse) {
-    attention_fwd<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
+    attention_fwd<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const u16* q,
+extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal, const u16* q,
                                              const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
+    attention_fwd<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                               const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, y, lse);
+    attention_fwd<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
 
 // delta_i = dy_i · y_i, the row term of the softmax's gradient.
@@ -114,8 +117,9 @@ extern "C" __global__ void attention_bwd_delta_bf16(i64 rows, i64 tq, i64 d, i64
 
 // dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, one warp per query row.
 template <class S>
-__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
-                                 const typename S::T* k, const typename S::T* v, const typename S::T* dy,
+__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale,
+                                 int causal, const typename S::T* q, const typename S::T* k, const typename S::T* v,
+                                 const typename S::T* dy,
                                  const float* lse, const float* delta, typename S::T* dq) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
@@ -127,9 +131,9 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, flo
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + head_row(g, j, tk, d, inter);
+            const typename S::T* kj = k + head_row(g / rep, j, tk, d, kinter);
             float p = expf(scale * held_dot<S>(qi, kj, d, lane) - lse[row]);
-            float ds = p * (held_dot<S>(dyi, v + head_row(g, j, tk, d, inter), d, lane) - delta[row]);
+            float ds = p * (held_dot<S>(dyi, v + head_row(g / rep, j, tk, d, kinter), d, lane) - delta[row]);
             for (int r = 0; r < HEAD_LANES; ++r) {
                 i64 c = lane + 32 * r;
                 if (c < d) acc[r] += scale * ds * S::load(kj[c]);
@@ -141,50 +145,54 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, flo
         }
     }
 }
-extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                 const float* q, const float* k, const float* v, const float* dy,
                                                 const float* lse, const float* delta, float* dq) {
-    attention_bwd_dq<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                 const u16* q, const u16* k, const u16* v, const u16* dy,
                                                 const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
 }
 
-// dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, one warp per key row (the queries
-// that see key j: i ≥ j when causal).
+// dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, one warp per key row (rows: key
+// groups × tk), over the queries that see key j (i ≥ j when causal) of every query group the
+// key group serves.
 template <class S>
-__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal, const typename S::T* q,
-                                  const typename S::T* k, const typename S::T* v, const typename S::T* dy,
+__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale,
+                                  int causal, const typename S::T* q, const typename S::T* k, const typename S::T* v,
+                                  const typename S::T* dy,
                                   const float* lse, const float* delta, typename S::T* dk, typename S::T* dv) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tk, j = row % tk;
         float kj[HEAD_LANES], vj[HEAD_LANES], acc_k[HEAD_LANES], acc_v[HEAD_LANES];
-        i64 at = head_row(g, j, tk, d, inter);
+        i64 at = head_row(g, j, tk, d, kinter);
         hold<S>(kj, k + at, d, lane);
         hold<S>(vj, v + at, d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc_k[r] = acc_v[r] = 0.f;
-        for (i64 i = causal ? j : 0; i < tq; ++i) {
-            i64 qrow = g * tq + i, qat = head_row(g, i, tq, d, inter);
-            const typename S::T* qi = q + qat;
-            const typename S::T* dyi = dy + qat;
-            float p = expf(scale * held_dot<S>(kj, qi, d, lane) - lse[qrow]);
-            float ds = p * (held_dot<S>(vj, dyi, d, lane) - delta[qrow]);
-            for (int r = 0; r < HEAD_LANES; ++r) {
-                i64 c = lane + 32 * r;
-                if (c < d) {
-                    acc_k[r] += scale * ds * S::load(qi[c]);
-                    acc_v[r] += p * S::load(dyi[c]);
+        // The query groups key group g serves, in order.
+        for (i64 gq = g * rep; gq < (g + 1) * rep; ++gq)
+            for (i64 i = causal ? j : 0; i < tq; ++i) {
+                i64 qrow = gq * tq + i, qat = head_row(gq, i, tq, d, inter);
+                const typename S::T* qi = q + qat;
+                const typename S::T* dyi = dy + qat;
+                float p = expf(scale * held_dot<S>(kj, qi, d, lane) - lse[qrow]);
+                float ds = p * (held_dot<S>(vj, dyi, d, lane) - delta[qrow]);
+                for (int r = 0; r < HEAD_LANES; ++r) {
+                    i64 c = lane + 32 * r;
+                    if (c < d) {
+                        acc_k[r] += scale * ds * S::load(qi[c]);
+                        acc_v[r] += p * S::load(dyi[c]);
+                    }
                 }
             }
-        }
         for (int r = 0; r < HEAD_LANES; ++r) {
             i64 c = lane + 32 * r;
             if (c < d) {
@@ -194,18 +202,18 @@ __device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, fl
         }
     }
 }
-extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                  const float* q, const float* k, const float* v, const float* dy,
                                                  const float* lse, const float* delta, float* dk, float* dv) {
-    attention_bwd_dkv<F32>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<F16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                   const u16* q, const u16* k, const u16* v, const u16* dy,
                                                   const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<BF16>(rows, tq, tk, d, inter, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }

@@ -6,9 +6,9 @@
 //
 // - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward);
 //   a warp's own operands stay in registers as product fragments;
-// - the other side streams through two shared buffers KT rows at a time (64; for heads over 64,
-//   32 forward and 16 backward, which bound the registers), each tile read by every warp of
-//   the block;
+// - the other side streams through two shared buffers KT rows at a time (64 forward and 32
+//   backward; for heads over 64, 32 and 16, which bound the registers), each tile read by
+//   every warp of the block;
 // - scores and probabilities live in the products' f32 accumulators, and enter the next product
 //   rounded to the half type (the probabilities for P·V, the scores' gradient for dq and dk),
 //   as in FlashAttention; the softmax's running maximum and sum stay in f32.
@@ -20,8 +20,9 @@
 // per key row) recomputes both for each side, seven. delta (the softmax gradient's row term)
 // comes from attention.cu's attention_bwd_delta.
 //
-// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups, tk, d]; lse, delta: [groups, tq], f32;
-// or token-major, as attention.cu says: a group's rows then lie ld = inter · d elements apart.
+// q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups / rep, tk, d] (query group g reads key
+// group g / rep); lse, delta: [groups, tq], f32; or token-major, as attention.cu says: a
+// group's rows then lie ld = inter · d elements apart (k's and v's kld = kinter · d).
 // DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 16-byte aligned (d is a
 // multiple of 16 and the dispatch checks the bases), so eight halves move as one access.
 
@@ -88,24 +89,39 @@ __device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16
     __syncthreads();
 }
 
+// The a fragment of columns kt·16.. of the warp's 16 rows: held in registers, or read from a
+// shared tile whose rows (row stride DMAX + 8) start at `rows`, as matrices (rows 0.., cols
+// k0..), (8.., k0..), (0.., k0 + 8..), (8.., k0 + 8..).
+template <int DMAX>
+__device__ __forceinline__ const u32* a_fragment(const u32 (&held)[DMAX / 16][4], int kt, u32 (&)[4]) {
+    return held[kt];
+}
+template <int DMAX>
+__device__ __forceinline__ const u32* a_fragment(const u16* rows, int kt, u32 (&read)[4]) {
+    int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+    ldmatrix_x4(read, rows + ((i & 1) * 8 + r) * (DMAX + 8) + kt * 16 + (i >> 1) * 8);
+    return read;
+}
+
 // s (16 × KT, f32) = a (the warp's 16 rows, d wide) · tileᵀ: each row against every tile row.
 // One ldmatrix gives the b fragments of two 8-row groups of the tile: matrices (rows n0.., cols
 // k0..), (n0.., k0 + 8..), (n0 + 8.., k0..), (n0 + 8.., k0 + 8..).
-template <class S, int DMAX, int KT>
-__device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const u32 (&a)[DMAX / 16][4], const u16* tile,
-                                              int d) {
+template <class S, int DMAX, int KT, class A>
+__device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const A& a, const u16* tile, int d) {
     int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int nt = 0; nt < KT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < DMAX / 16; ++kt) {
         if (kt * 16 >= d) break;
+        u32 read[4];
+        const u32* ak = a_fragment<DMAX>(a, kt, read);
 #pragma unroll
         for (int nt = 0; nt < KT / 8; nt += 2) {
             u32 b[4];
             ldmatrix_x4(b, tile + (nt * 8 + (i >> 1) * 8 + r) * (DMAX + 8) + kt * 16 + (i & 1) * 8);
-            S::mma(s[nt], a[kt], b);
-            S::mma(s[nt + 1], a[kt], b + 2);
+            S::mma(s[nt], ak, b);
+            S::mma(s[nt + 1], ak, b + 2);
         }
     }
 }
@@ -183,8 +199,8 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 template <class S, int DMAX>
-__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
-                                  const u16* k, const u16* v, u16* y, float* lse) {
+__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, float scale,
+                                  int causal, const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
     const int KT = DMAX <= 64 ? 64 : 32;
     __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
     __shared__ __align__(16) u16 vs[2][KT * (DMAX + 8)];
@@ -193,7 +209,8 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
         // The last query tiles first: with a causal mask they see the most keys.
         i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
-        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
+        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter);
+        i64 kld = kinter * d, kat = head_row(grp / rep, 0, tk, d, kinter);
         const u16 *kg = k + kat, *vg = v + kat;
         u32 qa[DMAX / 16][4];
         load_rows<DMAX>(qa, q + qat, tq, d, ld, r0, g, t);
@@ -202,9 +219,9 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
         // times log2(e)) and (partial) sum.
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
         i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
-        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, ld, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, kld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
-            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, ld, k0 + KT, keys);
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, kld, k0 + KT, keys);
             float s[KT / 8][4];
             rows_dot_tile<S, DMAX, KT>(s, qa, ks[j], d);
             float mx[2] = {m[0], m[1]};
@@ -295,24 +312,16 @@ __device__ __forceinline__ void add_to_dq(float* dq, i64 n, int d, i64 ld, i64 q
     const int ROW_BLOCKS = KT / 16, PARTS = MMA_WARPS / ROW_BLOCKS;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
     int rows = warp % ROW_BLOCKS * 16, part = warp / ROW_BLOCKS;
-    // a: the warp's 16 queries × keys kk·16.., dS transposed as it is read (.trans): matrices
-    // (keys k0.., queries 0..), (k0.., 8..), (k0 + 8.., 0..), (k0 + 8.., 8..). A warp that
-    // meets every column pair (KT = 64) holds the four; one that meets one or two (KT = 16,
-    // beside dk's and dv's 16 × 128 sums) reads each again, to keep within the registers.
-    auto load_a = [&](u32(&a)[4], int kk) {
-        ldmatrix_x4_trans(a, ds + (kk * 16 + (i >> 1) * 8 + r) * (KT + 8) + rows + (i & 1) * 8);
-    };
-    u32 held[MMA_ROWS / 16][4];
-    if (PARTS == 1)
-#pragma unroll
-        for (int kk = 0; kk < MMA_ROWS / 16; ++kk) load_a(held[kk], kk);
     for (int c0 = part * 16; c0 < d; c0 += PARTS * 16) {
         float c[2][4] = {};
 #pragma unroll
         for (int kk = 0; kk < MMA_ROWS / 16; ++kk) {
-            u32 fresh[4], b[4];
-            if (PARTS != 1) load_a(fresh, kk);
-            const u32* a = PARTS == 1 ? held[kk] : fresh;
+            // a: the warp's 16 queries × keys kk·16.., dS transposed as it is read (.trans):
+            // matrices (keys k0.., queries 0..), (k0.., 8..), (k0 + 8.., 0..), (k0 + 8.., 8..).
+            // Read again for each column pair: held, they would push the sweep's registers
+            // past the budget.
+            u32 a[4], b[4];
+            ldmatrix_x4_trans(a, ds + (kk * 16 + (i >> 1) * 8 + r) * (KT + 8) + rows + (i & 1) * 8);
             ldmatrix_x4_trans(b, ktile + (kk * 16 + (i & 1) * 8 + r) * (DMAX + 8) + c0 + (i >> 1) * 8);
             S::mma(c[0], a, b);
             S::mma(c[1], a, b + 2);
@@ -320,8 +329,21 @@ __device__ __forceinline__ void add_to_dq(float* dq, i64 n, int d, i64 ld, i64 q
         for (int h = 0; h < 2; ++h) {
             i64 row = q0 + rows + g + 8 * h;
             if (row >= n) continue;
-            for (int nt = 0; nt < 2; ++nt) add_pair(dq + row * ld + c0 + nt * 8 + 2 * t, c[nt][2 * h], c[nt][2 * h + 1]);
+            for (int nt = 0; nt < 2; ++nt)
+                add_pair(dq + row * ld + c0 + nt * 8 + 2 * t, c[nt][2 * h], c[nt][2 * h + 1]);
         }
+    }
+}
+
+// The log-sum-exp (times log2(e)) and delta of the query rows q0..q0 + KT of one group
+// (`lse` and `delta` at its first row) into a buffer's shared rows, by the block (plain loads,
+// made visible by `arrive`'s barrier).
+template <int KT>
+__device__ __forceinline__ void stage_rows(float* lse_rows, float* delta_rows, const float* lse, const float* delta,
+                                           i64 q0, i64 tq) {
+    for (int r = threadIdx.x; r < KT; r += blockDim.x) {
+        lse_rows[r] = q0 + r < tq ? lse[q0 + r] * LOG2E : 0.f;
+        delta_rows[r] = q0 + r < tq ? delta[q0 + r] : 0.f;
     }
 }
 
@@ -329,75 +351,74 @@ __device__ __forceinline__ void add_to_dq(float* dq, i64 n, int d, i64 ld, i64 q
 // probabilities recomputed from the log-sum-exp and ds_ij = p_ij (dy_i·v_j − delta_i),
 //   dv_j = Σ_i p_ij dy_i and dk_j = scale · Σ_i ds_ij q_i  (kept in registers),
 //   dq_i += Σ_j ds_ij k_j  (added to dq_acc in f32, scaled by attention_mma_dq),
-// over the queries that see key j (i ≥ j when causal). The products run transposed: scores
-// as keys × queries. dq's product reads dS from shared memory, where the tile's q rows were.
+// over the queries that see key j (i ≥ j when causal) in every query group the key group
+// serves. The products run transposed: scores as keys × queries. dq's product reads dS and
+// the block's keys from shared memory.
 template <class S, int DMAX>
-__device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, float scale, int causal, const u16* q,
-                                  const u16* k, const u16* v, const u16* dy, const float* lse, const float* delta,
-                                  float* dq_acc, u16* dk, u16* dv) {
-    // Heads over 64 hold two 16 × 128 accumulators (dk and dv) besides k and v: 16 query rows
-    // per tile keep the scores' registers within the budget.
-    const int KT = DMAX <= 64 ? 64 : 16;
-    static_assert(MMA_ROWS * (KT + 8) <= KT * (DMAX + 8), "dS fits in a q tile's buffer");
+__device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, float scale,
+                                  int causal, const u16* q, const u16* k, const u16* v, const u16* dy, const float* lse,
+                                  const float* delta, float* dq_acc, u16* dk, u16* dv) {
+    // Each warp holds dk's and dv's sums (16 × d each) and v besides the scores: 32 query rows
+    // per tile (16 for heads over 64) keep them within the registers.
+    const int KT = DMAX <= 64 ? 32 : 16;
     __shared__ __align__(16) u16 qs[2][KT * (DMAX + 8)];
     __shared__ __align__(16) u16 dys[2][KT * (DMAX + 8)];
     __shared__ __align__(16) u16 ks[MMA_ROWS * (DMAX + 8)];
+    __shared__ __align__(16) u16 ds[MMA_ROWS * (KT + 8)];  // the tile's dS, for dq's product
     __shared__ float tile_lse[2][KT], tile_delta[2][KT];  // the log-sum-exp times log2(e)
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     i64 tiles = (tk + MMA_ROWS - 1) / MMA_ROWS;
-    for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
-        // The first key tiles first: with a causal mask the most queries see them.
+    for (i64 b = blockIdx.x; b < groups / rep * tiles; b += gridDim.x) {
+        // A key group's tile; the first key tiles first: with a causal mask the most queries
+        // see them.
         i64 grp = b / tiles, k0 = b % tiles * MMA_ROWS, r0 = k0 + (threadIdx.x >> 5) * 16;
-        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter), kat = head_row(grp, 0, tk, d, inter);
-        const u16 *qg = q + qat, *dyg = dy + qat;
-        u32 ka[DMAX / 16][4], va[DMAX / 16][4];
-        load_rows<DMAX>(ka, k + kat, tk, d, ld, r0, g, t);
-        load_rows<DMAX>(va, v + kat, tk, d, ld, r0, g, t);
+        i64 ld = inter * d, kld = kinter * d, kat = head_row(grp, 0, tk, d, kinter);
+        // The warp's keys are read from the block's tile `ks` where a product needs them (to
+        // keep registers for dk's and dv's sums); its values stay in registers.
+        const u16* k_rows = ks + (threadIdx.x >> 5) * 16 * (DMAX + 8);
+        u32 va[DMAX / 16][4];
+        load_rows<DMAX>(va, v + kat, tk, d, kld, r0, g, t);
         float dk_acc[DMAX / 8][4] = {}, dv_acc[DMAX / 8][4] = {};
-        // The query rows' log-sum-exp and delta of the tile at q0 into buffer j (plain loads,
-        // made visible by `arrive`'s barrier).
-        auto stage_rows = [&](i64 q0, int j) {
-            for (int r = threadIdx.x; r < KT; r += blockDim.x) {
-                tile_lse[j][r] = q0 + r < tq ? lse[grp * tq + q0 + r] * LOG2E : 0.f;
-                tile_delta[j][r] = q0 + r < tq ? delta[grp * tq + q0 + r] : 0.f;
-            }
-        };
         i64 first = causal ? k0 / KT * KT : 0;
-        if (first < tq) {  // else no query sees these keys: dk and dv are 0, and dq gets nothing
-            load_tile<DMAX, MMA_ROWS>(ks, k + kat, tk, d, ld, k0);  // in the first tile's copy group
+        // No query sees these keys where first ≥ tq: dk and dv are 0, and dq gets nothing.
+        if (first < tq) load_tile<DMAX, MMA_ROWS>(ks, k + kat, tk, d, kld, k0);  // in the first tile's copy group
+        // Each query group the key group serves, in order, sweeping its query tiles.
+        for (int h = 0; h < (first < tq ? (int)rep : 0); ++h) {
+            i64 gq = grp * rep + h, qat = head_row(gq, 0, tq, d, inter);
+            const u16 *qg = q + qat, *dyg = dy + qat;
+            const float *glse = lse + gq * tq, *gdelta = delta + gq * tq;
             stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, ld, first);
-            stage_rows(first, 0);
-        }
-        for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
-            if (q0 + KT < tq) stage_rows(q0 + KT, j ^ 1);
-            arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, ld, q0 + KT, tq);
-            const float *row_lse = tile_lse[j], *row_delta = tile_delta[j];
-            float p[KT / 8][4], dp[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(p, ka, qs[j], d);   // scoresᵀ: keys × queries
-            rows_dot_tile<S, DMAX, KT>(dp, va, dys[j], d);  // (dy·vᵀ)ᵀ
-            int lo[2], hi;
-            queries_seen(lo, hi, r0, q0, tq, tk, causal, KT, g);
+            stage_rows<KT>(tile_lse[0], tile_delta[0], glse, gdelta, first, tq);
+            for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
+                if (q0 + KT < tq) stage_rows<KT>(tile_lse[j ^ 1], tile_delta[j ^ 1], glse, gdelta, q0 + KT, tq);
+                arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, ld, q0 + KT, tq);
+                const float *row_lse = tile_lse[j], *row_delta = tile_delta[j];
+                float p[KT / 8][4], dp[KT / 8][4];
+                rows_dot_tile<S, DMAX, KT>(p, k_rows, qs[j], d);  // scoresᵀ: keys × queries
+                rows_dot_tile<S, DMAX, KT>(dp, va, dys[j], d);  // (dy·vᵀ)ᵀ
+                int lo[2], hi;
+                queries_seen(lo, hi, r0, q0, tq, tk, causal, KT, g);
 #pragma unroll
-            for (int nt = 0; nt < KT / 8; ++nt)
+                for (int nt = 0; nt < KT / 8; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    int c = nt * 8 + 2 * t + (i & 1);
-                    bool seen = c >= lo[i >> 1] && c < hi;
-                    float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[c]) : 0.f;
-                    p[nt][i] = pij;
-                    dp[nt][i] = pij * (dp[nt][i] - row_delta[c]);
-                }
-            acc_times_tile<S, DMAX, KT>(dv_acc, p, dys[j], d);
-            acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs[j], d);
-            __syncthreads();  // every warp is done with the q tile: dS takes its buffer
-            store_scores_grad<S, KT>(qs[j], dp, g, t);
-            __syncthreads();
-            add_to_dq<S, DMAX, KT>(dq_acc + qat, tq, d, ld, q0, qs[j], ks, g, t);
-            __syncthreads();  // every warp is done with buffer j
+                    for (int i = 0; i < 4; ++i) {
+                        int c = nt * 8 + 2 * t + (i & 1);
+                        bool seen = c >= lo[i >> 1] && c < hi;
+                        float pij = seen ? exp2f(p[nt][i] * (scale * LOG2E) - row_lse[c]) : 0.f;
+                        p[nt][i] = pij;
+                        dp[nt][i] = pij * (dp[nt][i] - row_delta[c]);
+                    }
+                acc_times_tile<S, DMAX, KT>(dv_acc, p, dys[j], d);
+                acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs[j], d);
+                store_scores_grad<S, KT>(ds, dp, g, t);
+                __syncthreads();  // dS is whole
+                add_to_dq<S, DMAX, KT>(dq_acc + qat, tq, d, ld, q0, ds, ks, g, t);
+                __syncthreads();  // every warp is done with buffer j and with dS
+            }
         }
         float by_k[2] = {scale, scale}, by_v[2] = {1.f, 1.f};
-        store_rows<S, DMAX>(dk + kat, tk, d, ld, r0, dk_acc, by_k, g, t);
-        store_rows<S, DMAX>(dv + kat, tk, d, ld, r0, dv_acc, by_v, g, t);
+        store_rows<S, DMAX>(dk + kat, tk, d, kld, r0, dk_acc, by_k, g, t);
+        store_rows<S, DMAX>(dv + kat, tk, d, kld, r0, dv_acc, by_v, g, t);
     }
 }
 
@@ -413,41 +434,41 @@ __device__ void attention_mma_dq(i64 n, float scale, const float* acc, u16* dq) 
 }
 
 // The entry points: f16 and bf16, heads up to 64 and up to 128.
-extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                      const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                        const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_bwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                      const u16* q, const u16* k, const u16* v, const u16* dy,
                                                      const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<F16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, const u16* dy,
                                                       const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<F16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, const u16* dy,
                                                       const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<BF16, 64>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
                                                        const u16* q, const u16* k, const u16* v, const u16* dy,
                                                        const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<BF16, 128>(groups, tq, tk, (int)d, inter, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
 extern "C" __global__ void attention_mma_dq_f16(i64 n, float scale, const float* acc, u16* dq) {
     attention_mma_dq<F16>(n, scale, acc, dq);

@@ -73,6 +73,12 @@ fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The kernels' extents: tq, tk, d, q's and k's heads to a token, and the query heads per key
+/// head.
+fn extents(a: &AttentionShape) -> [i64; 6] {
+    [a.tq, a.tk, a.d, a.interleaved, a.kv_interleaved, a.rep].map(|x| x as i64)
+}
+
 fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, BackendError> {
     Ok(format!("{}_d{tier}", typed(family, t)?))
 }
@@ -84,19 +90,20 @@ pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) ->
     }
     let lse = lse.map_or(NULL, |l| l.at);
     let (scale, causal) = (spec.scale, spec.causal as i32);
-    let (tq, tk, d, inter) = (a.tq as i64, a.tk as i64, a.d as i64, a.interleaved as i64);
+    let [tq, tk, d, inter, kinter, rep] = extents(&a);
     if let Some(tier) = mma_tier(dev, q.dtype(), a.d, &[q.at, k.at, v.at, y.at]) {
+        let g = a.groups as i64;
         return dev.kernel(
             &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
             per_tile(dev, a.groups, a.tq),
-            &mut params![a.groups as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, y.at, lse],
+            &mut params![g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, y.at, lse],
         );
     }
     let rows = a.groups * a.tq;
     dev.kernel(
         &typed("attention_fwd", q.dtype())?,
         per_warp(dev, rows),
-        &mut params![rows as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, y.at, lse],
+        &mut params![rows as i64, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, y.at, lse],
     )
 }
 
@@ -106,9 +113,10 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
         return refused!("attention's gradient of {} for q of {}, lse of {}", dy.dtype(), q.dtype(), lse.dtype());
     }
     let t = q.dtype();
-    let (qrows, krows) = (a.groups * a.tq, a.groups * a.tk);
+    // The query rows, and the key rows of the key groups.
+    let (qrows, krows) = (a.groups * a.tq, a.groups / a.rep * a.tk);
     let (scale, causal) = (spec.scale, spec.causal as i32);
-    let (tq, tk, d, inter) = (a.tq as i64, a.tk as i64, a.d as i64, a.interleaved as i64);
+    let [tq, tk, d, inter, kinter, rep] = extents(&a);
     let tier = mma_tier(dev, t, a.d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]);
     // The softmax gradient's row term, and for the tensor-core kernels dq's f32 sums.
     let sums = if tier.is_some() { qrows * a.d * 4 } else { 0 };
@@ -123,9 +131,10 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
         dev.fill(dq_sums, 0, sums)?;
         dev.kernel(
             &mma_kernel("attention_mma_bwd", t, tier)?,
-            per_tile(dev, a.groups, a.tk),
+            per_tile(dev, a.groups / a.rep, a.tk),
             &mut params![
-                g, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq_sums, dk.at, dv.at
+                g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq_sums,
+                dk.at, dv.at
             ],
         )?;
         let n = qrows * a.d;
@@ -138,7 +147,24 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
     dev.kernel(
         &typed("attention_bwd_dq", t)?,
         per_warp(dev, qrows),
-        &mut params![qrows as i64, tq, tk, d, inter, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq.at],
+        &mut params![
+            qrows as i64,
+            tq,
+            tk,
+            d,
+            inter,
+            kinter,
+            rep,
+            scale,
+            causal,
+            q.at,
+            k.at,
+            v.at,
+            dy.at,
+            lse.at,
+            delta,
+            dq.at
+        ],
     )?;
     dev.kernel(
         &typed("attention_bwd_dkv", t)?,
@@ -149,6 +175,8 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
             tk,
             d,
             inter,
+            kinter,
+            rep,
             scale,
             causal,
             q.at,
