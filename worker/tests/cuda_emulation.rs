@@ -526,7 +526,8 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
         let grad_ins = [half(&y_shape, 9), x.clone(), w];
         let grad_cpu = run_typed(&cpu, &grad, &grad_ins, &grad_outs);
         // The second budget (bytes of temporaries) is less than one image's: the images go
-        // through one at a time (im2col, col2im and dW's f32 slot), later ones adding into dW's.
+        // through one at a time (im2col, col2im and dW's product), later ones adding into dW's
+        // f32 sums.
         for budget in [64 << 20, 16] {
             gpu.scratch_budget.store(budget, std::sync::atomic::Ordering::Relaxed);
             let what = format!("{t}, scratch budget {budget}");
@@ -534,8 +535,8 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             let g = run_typed(&gpu, &conv, &conv_ins, &conv_outs);
             close_as_f32(&format!("{what}: Conv"), &g, &conv_cpu, 2.0 * ulp);
             // dX sums taps of columns the GPU stored in half: a few units apart from the CPU's
-            // single rounding. dW keeps each image's product and their sum in f32 and rounds
-            // once, as the CPU does, and so does dB: within a unit.
+            // single rounding. dW sums the products in f32 and rounds once, as the CPU does,
+            // and so does dB: within a unit.
             let g = run_typed(&gpu, &grad, &grad_ins, &grad_outs);
             close_as_f32(&format!("{what}: ConvGrad's dX"), &g[..1], &grad_cpu[..1], 4.0 * ulp);
             close_as_f32(&format!("{what}: ConvGrad's dW and dB"), &g[1..], &grad_cpu[1..], ulp);

@@ -25,9 +25,12 @@ __device__ __forceinline__ i64 reader_of(i64 i, i64 k, i64 stride, i64 dilation,
 }
 
 // col[img, (c·kh + ky)·kw + kx, oy·ow + ox] = x[img, c0 + c, iy, ix], 0 in the padding, for
-// the channels c0..c0+cn of `images` images: one group's operand of the convolution's product.
+// the channels c0..c0+cn of `images` images: one group's operand of the convolution's product,
+// an image's rows `img_stride` elements apart and a row's `row_stride` (rows · plane and plane
+// image by image; plane and images · plane for the weight gradient's [rows, images, plane]).
 template <class S>
-__device__ void im2col(i64 images, const Geo& g, i64 c0, i64 cn, const typename S::T* x, typename S::T* col) {
+__device__ void im2col(i64 images, const Geo& g, i64 c0, i64 cn, i64 img_stride, i64 row_stride,
+                       const typename S::T* x, typename S::T* col) {
     i64 plane = g.oh * g.ow, rows = cn * g.kh * g.kw;
     i64 n = images * rows * plane;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
@@ -35,17 +38,21 @@ __device__ void im2col(i64 images, const Geo& g, i64 c0, i64 cn, const typename 
         i64 kx = row % g.kw, ky = (row / g.kw) % g.kh, c = row / (g.kw * g.kh);
         i64 iy = tap_at(p / g.ow, ky, g.sh, g.dh, g.ph), ix = tap_at(p % g.ow, kx, g.sw, g.dw, g.pw);
         bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-        col[i] = inside ? x[((img * g.c + c0 + c) * g.h + iy) * g.w + ix] : S::store(0.f);
+        col[img * img_stride + row * row_stride + p] =
+            inside ? x[((img * g.c + c0 + c) * g.h + iy) * g.w + ix] : S::store(0.f);
     }
 }
-extern "C" __global__ void im2col_f32(i64 images, Geo g, i64 c0, i64 cn, const float* x, float* col) {
-    im2col<F32>(images, g, c0, cn, x, col);
+extern "C" __global__ void im2col_f32(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride, const float* x,
+                                      float* col) {
+    im2col<F32>(images, g, c0, cn, img_stride, row_stride, x, col);
 }
-extern "C" __global__ void im2col_f16(i64 images, Geo g, i64 c0, i64 cn, const u16* x, u16* col) {
-    im2col<F16>(images, g, c0, cn, x, col);
+extern "C" __global__ void im2col_f16(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride, const u16* x,
+                                      u16* col) {
+    im2col<F16>(images, g, c0, cn, img_stride, row_stride, x, col);
 }
-extern "C" __global__ void im2col_bf16(i64 images, Geo g, i64 c0, i64 cn, const u16* x, u16* col) {
-    im2col<BF16>(images, g, c0, cn, x, col);
+extern "C" __global__ void im2col_bf16(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride, const u16* x,
+                                       u16* col) {
+    im2col<BF16>(images, g, c0, cn, img_stride, row_stride, x, col);
 }
 
 // The adjoint of im2col: dx[img, c0 + c, iy, ix] = Σ of the dcol entries that read it. Each

@@ -1,20 +1,21 @@
 //! Convolution and pooling on the CUDA backend (kernels/window.cu): convolution as im2col and
-//! strided-batched cuBLASLt products over the images, one product per group; its gradient as
-//! the transposed products and col2im; transposed convolution as that data gradient, and its
+//! strided-batched cuBLASLt products over the images, one product per group; its data gradient
+//! as the transposed products and col2im, its weight gradient as one product per chunk of
+//! images over all of their positions; transposed convolution as that data gradient, and its
 //! own gradient as a convolution and the weight gradient with X and dY exchanged; pooling one
 //! thread per output (and per input element for the gradient, gathered so that no atomics make
-//! the sums' order vary; for max pooling, each window's first maximum is found once first). Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed
-//! precision's convolutions: half products with f32 accumulation), transposed ones also over 3
-//! (forward only, a direct kernel); pooling over up to 3 spatial dims in any element type (its
-//! gradient 1-D and 2-D); with the CPU backend's geometry (`crate::kernels::conv`), whose results
-//! these are checked against.
+//! the sums' order vary; for max pooling, each window's first maximum is found once first).
+//! Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed precision's convolutions:
+//! half products with f32 accumulation), transposed ones also over 3 (forward only, a direct
+//! kernel); pooling over up to 3 spatial dims in any element type (its gradient 1-D and 2-D);
+//! with the CPU backend's geometry (`crate::kernels::conv`), whose results these are checked
+//! against.
 
 use super::{
-    at, cast, elementwise, numeric, one_float_type, per_row, reduce_strided, scratch_parts, through_f64, typed, Dev,
-    Epilogue, Product, Ptr, NULL, V,
+    at, at_f32, cast, elementwise, numeric, one_float_type, per_row, reduce_strided, scratch_parts, strided_move,
+    through_f64, typed, Dev, Epilogue, Product, Ptr, Strided, NULL, V,
 };
 use crate::backend::BackendError;
-use crate::graph::ir::Meta;
 use crate::kernels::conv::{self as cpu, is_pointwise};
 use crate::op::{PoolKind, Reduce, Window};
 use crate::refused;
@@ -156,17 +157,51 @@ fn group_columns(
     x: Ptr,
     col: Ptr,
 ) -> Result<(Ptr, usize), BackendError> {
-    let t = s.t;
-    let x = at(x, first * g.c * g.h * g.w, t);
+    let x = at(x, first * g.c * g.h * g.w, s.t);
     if is_pointwise(g) {
-        return Ok((at(x, gr * s.cg * s.plane, t), g.c * s.plane));
+        return Ok((at(x, gr * s.cg * s.plane, s.t), g.c * s.plane));
     }
-    dev.kernel(
-        &typed("im2col", t)?,
-        elementwise(images * s.kdim * s.plane),
-        &mut params![images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, x, col],
-    )?;
+    im2col(dev, g, s, gr, images, x, (col, s.kdim * s.plane, s.plane))?;
     Ok((col, s.kdim * s.plane))
+}
+
+/// Group `gr`'s columns of the images `first..first + images` as one matrix [kdim, images ·
+/// plane] at `col` (the weight gradient's operand): the im2col, or a pointwise window's
+/// channels of X gathered.
+fn group_columns_by_row(
+    dev: Dev,
+    g: &cpu::Geo,
+    s: &Shape,
+    gr: usize,
+    (first, images): (usize, usize),
+    x: Ptr,
+    col: Ptr,
+) -> Result<(), BackendError> {
+    let x = at(x, first * g.c * g.h * g.w, s.t);
+    if is_pointwise(g) {
+        let (shape, strides) = ([s.cg, images, s.plane], [s.plane as i64, (g.c * s.plane) as i64, 1]);
+        return strided_move(dev, Strided::Source, &shape, &strides, s.t.size(), at(x, gr * s.cg * s.plane, s.t), col);
+    }
+    im2col(dev, g, s, gr, images, x, (col, s.plane, images * s.plane))
+}
+
+/// im2col of group `gr`'s channels of `images` images from `x` into `col`, an image's rows
+/// `img_stride` elements apart and a row's `row_stride`.
+fn im2col(
+    dev: Dev,
+    g: &cpu::Geo,
+    s: &Shape,
+    gr: usize,
+    images: usize,
+    x: Ptr,
+    (col, img_stride, row_stride): (Ptr, usize, usize),
+) -> Result<(), BackendError> {
+    let (c0, cg) = ((gr * s.cg) as i64, s.cg as i64);
+    dev.kernel(
+        &typed("im2col", s.t)?,
+        elementwise(images * s.kdim * s.plane),
+        &mut params![images as i64, Geo::from(g), c0, cg, img_stride as i64, row_stride as i64, x, col],
+    )
 }
 
 /// dY, X, W → dX, dW, dB: [`data_grad`], [`weight_grad`], and dB summing dY over images and
@@ -296,40 +331,46 @@ fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, d
     Ok(())
 }
 
-/// dW of the convolution `g` from dY and X, per group: dW_g = Σ_img dY_g[img] · col_g[img]ᵀ,
-/// each image's product in f32 in a slot of its own (batched per chunk of images; later chunks
-/// add into the first's slots), then the slots summed in f32 and rounded once to dW's type, as
-/// the CPU backend sums.
+/// dW of the convolution `g` from dY and X, per group: dW_g = Σ_img dY_g[img] · col_g[img]ᵀ.
+/// Per chunk of images, one product over all of the chunk's images and positions (k = images ·
+/// plane): dY's chunk laid out [M, images, plane] and the columns [kdim, images, plane] for it,
+/// the products summed in f32 across the chunks and rounded once to dW's type. (A product per
+/// image would write a dW-sized f32 slot for each: 9.4 MB an image of 49 positions at
+/// ResNet-50's last stage, whose products then have k = 49.)
 fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr, dw: V) -> Result<(), BackendError> {
     let t = s.t;
     if s.images == 0 {
         // No images: dW sums nothing.
         return dev.fill(dw.at, 0, dw.meta.bytes());
     }
-    let dw_g_len = s.mg * s.kdim;
-    let col_bytes = if is_pointwise(g) { 0 } else { s.kdim * s.plane * t.size() };
-    let chunk = images_per_chunk(dev, s.images, col_bytes + dw_g_len * 4);
-    // One scratch: the chunk's columns, dW's f32 slots and their f32 sum.
-    let bytes = [chunk * col_bytes, chunk * dw_g_len * 4, dw_g_len * 4];
-    let [col, partial, summed] = scratch_parts(dev, &bytes)?[..] else { unreachable!("three parts") };
-    let (slots_meta, sum_meta) = (Meta::new(DType::F32, &[chunk, dw_g_len]), Meta::new(DType::F32, &[dw_g_len]));
-    for gr in 0..group {
-        for first in (0..s.images).step_by(chunk) {
-            let images = chunk.min(s.images - first);
-            let (col_g, col_stride) = group_columns(dev, g, s, gr, (first, images), x, col)?;
+    let (dw_g_len, esize) = (s.mg * s.kdim, t.size());
+    let chunk = images_per_chunk(dev, s.images, (s.kdim + s.m) * s.plane * esize);
+    // One scratch: the chunk's columns (a group's at a time), dY's chunk, and dW's f32 sums
+    // (dW itself when it is f32).
+    let sums_bytes = if t == DType::F32 { 0 } else { group * dw_g_len * 4 };
+    let bytes = [chunk * s.kdim * s.plane * esize, chunk * s.m * s.plane * esize, sums_bytes];
+    let [col, dy_rows, summed] = scratch_parts(dev, &bytes)?[..] else { unreachable!("three parts") };
+    let sums = if t == DType::F32 { dw.at } else { summed };
+    for first in (0..s.images).step_by(chunk) {
+        let images = chunk.min(s.images - first);
+        let k = images * s.plane;
+        let (shape, strides) = ([s.m, images, s.plane], [s.plane as i64, (s.m * s.plane) as i64, 1]);
+        strided_move(dev, Strided::Source, &shape, &strides, esize, at(dy, first * s.m * s.plane, t), dy_rows)?;
+        for gr in 0..group {
+            group_columns_by_row(dev, g, s, gr, (first, images), x, col)?;
             dev.gemm(&Product {
                 m: s.mg as u64,
                 n: s.kdim as u64,
-                k: s.plane as u64,
-                batch: images as u64,
+                k: k as u64,
+                batch: 1,
                 trans_a: false,
                 trans_b: true,
-                a: at(dy, (first * s.m + gr * s.mg) * s.plane, t).0,
-                a_stride: (s.m * s.plane) as i64,
-                b: col_g.0,
-                b_stride: col_stride as i64,
-                d: partial.0,
-                d_stride: dw_g_len as i64,
+                a: at(dy_rows, gr * s.mg * k, t).0,
+                a_stride: 0,
+                b: col.0,
+                b_stride: 0,
+                d: at_f32(sums, gr * dw_g_len).0,
+                d_stride: 0,
                 alpha: 1.0,
                 beta: if first == 0 { 0.0 } else { 1.0 },
                 dtype: t,
@@ -338,12 +379,9 @@ fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr,
                 epilogue: Epilogue::Plain,
             })?;
         }
-        let dw_g = at(dw.at, gr * dw_g_len, t);
-        let sum = V { meta: &sum_meta, at: if t == DType::F32 { dw_g } else { summed } };
-        reduce_strided(dev, Reduce::Sum, V { meta: &slots_meta, at: partial }, &[true, false], sum)?;
-        if t != DType::F32 {
-            cast(dev, DType::F32, t, summed, dw_g, dw_g_len)?;
-        }
+    }
+    if t != DType::F32 {
+        cast(dev, DType::F32, t, summed, dw.at, group * dw_g_len)?;
     }
     Ok(())
 }
