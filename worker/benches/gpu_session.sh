@@ -8,6 +8,12 @@
 # all: one call's worth (under 10 minutes, each part under its own timeout so that a hang costs
 # only its part): GPT-2's tensorfleet row (and the warp attention's where that fails), then the
 # checks, then GPT-2's PyTorch rows, then the Llama's and ResNet-50's rows.
+# ab: the changes that a fusion pass (or a benchmark option) can leave out, before and after in
+# one call (tensorfleet's rows only, micro-batch 64, no op profile; each variant's table under
+# $OUT/ab/<model>-<variant>/): GPT-2 without residual_layer_norm, without layer_norm_grad_add
+# and layer_norm_grad_half, and with its vocabulary unpadded; the Llama without swiglu, and
+# without attention_shared_heads and attention_token_major; each model with everything. Kernel
+# changes have no switch: their before is a bundle of the earlier commit (GPU_BUNDLE, below).
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
 # then the ONNX node tests on the GPU. bench: worker/benches/gpu_bench.py (arguments after the
 # mode go to it, e.g. --model llama --rows tensorfleet --micro-batches 16). Logs and results go
@@ -19,7 +25,7 @@
 # commit, carried beside the other, so that before and after are measured in one call on one
 # machine).
 set -euo pipefail
-mode=${1:?"usage: gpu_session.sh all|check|bench [benchmark arguments]"}
+mode=${1:?"usage: gpu_session.sh all|ab|check|bench [benchmark arguments]"}
 shift
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bundle=${GPU_BUNDLE:-.gpu-bundle}
@@ -72,6 +78,29 @@ all)
     part done
     cat "$out"/gpu-bench-*.txt 2>/dev/null || true
     ;;
+ab)
+    # model:variant:passes left out[:more benchmark arguments]. About 30 s a row on an H200
+    # (each under its own limit; their limits add up to 560 s).
+    variants=(
+        "gpt2:all::"
+        "gpt2:no-residual-layer-norm:residual_layer_norm:"
+        "gpt2:no-layer-norm-grad-fusions:layer_norm_grad_add,layer_norm_grad_half:"
+        "gpt2:vocab-50257::--vocab-multiple 1"
+        "llama:all::"
+        "llama:no-swiglu:swiglu:"
+        "llama:heads-written-out:attention_shared_heads,attention_token_major:"
+    )
+    for v in "${variants[@]}"; do
+        IFS=: read -r model name passes extra <<<"$v"
+        echo "== $SECONDS s: ab $model $name" | tee -a "$out/parts.txt"
+        rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json
+        # shellcheck disable=SC2086 # $extra is words of arguments
+        OUT="$out/ab/$model-$name" TENSORFLEET_DISABLED_PASSES=$passes timeout -k 10 80 bash "$0" bench \
+            --model "$model" --rows tensorfleet --steps 10 --warmup 3 --micro-batches=64 --no-profile \
+            --run-timeout 70 $extra "$@" || true
+    done
+    cat "$out"/ab/*/gpu-bench-*.txt 2>/dev/null || true
+    ;;
 check)
     nodes=$(mktemp -d)
     tar xzf "$bundle/onnx-node-tests.tgz" -C "$nodes"
@@ -94,7 +123,7 @@ bench)
     exit $status
     ;;
 *)
-    echo "gpu_session: the mode is all, check or bench, not '$mode'" >&2
+    echo "gpu_session: the mode is all, ab, check or bench, not '$mode'" >&2
     exit 2
     ;;
 esac

@@ -1165,10 +1165,10 @@ fn token_major_table(shape: &[usize], rank: usize) -> bool {
 }
 
 /// The rotary tables laid out for token-major values: Reshape to [T, 1, D], Expand to [T, H, D],
-/// once for each table and head count, placed right after the table is made.
+/// once for each table and [T, H, D], placed right after the table is made.
 #[derive(Default)]
 struct TokenMajorTables {
-    made: std::collections::BTreeMap<(ValueId, usize), ValueId>,
+    made: std::collections::BTreeMap<(ValueId, [usize; 3]), ValueId>,
     nodes: Vec<(ValueId, [Node; 2])>,
 }
 
@@ -1191,7 +1191,7 @@ impl TokenMajorTables {
     }
 
     fn table(&mut self, g: &mut Graph, table: ValueId, [t, h, d]: [usize; 3]) -> ValueId {
-        if let Some(&laid) = self.made.get(&(table, h)) {
+        if let Some(&laid) = self.made.get(&(table, [t, h, d])) {
             return laid;
         }
         let meta = g.meta(table).cloned().expect("bound");
@@ -1201,7 +1201,7 @@ impl TokenMajorTables {
             [cols] => (1, cols),
             [] => (1, 1),
         };
-        let name = format!("{}.token_major_{h}", g.name_of(table));
+        let name = format!("{}.token_major_{t}x{h}x{d}", g.name_of(table));
         let mut shape_of = |what: &str, dims: [usize; 3]| {
             let dims = Tensor::from_vec(&[3], dims.map(|n| n as i64).to_vec());
             g.add_initializer(&format!("{name}.{what}_shape"), dims)
@@ -1218,7 +1218,7 @@ impl TokenMajorTables {
         };
         let pair = [node(Op::Reshape, [table, to_rows], column), node(Op::Expand, [column, to_heads], laid)];
         self.nodes.push((table, pair));
-        self.made.insert((table, h), laid);
+        self.made.insert((table, [t, h, d]), laid);
         laid
     }
 

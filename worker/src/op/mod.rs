@@ -736,7 +736,7 @@ impl AttentionShape {
         let rep = match heads.map(|h| (q[h], k[h])) {
             None => 1,
             Some((qh, kh)) if kh == qh => 1,
-            Some((qh, kh)) if kh > 0 && qh % kh == 0 => qh / kh,
+            Some((qh, kh)) if kh > 0 && qh > 0 && qh % kh == 0 => qh / kh,
             Some(_) => return None,
         };
         if !agree {
