@@ -111,7 +111,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     for first in (0..s.images).step_by(chunk) {
         let images = chunk.min(s.images - first);
         for gr in 0..group {
-            let (b, b_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col)?;
+            let (b, b_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col, Columns::ByImage)?;
             dev.gemm(&Product {
                 m: s.mg as u64,
                 n: s.plane as u64,
@@ -145,9 +145,19 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     Ok(())
 }
 
-/// Group `gr`'s columns of the images `first..first + images`, the product's operand: X's own
-/// channels for a pointwise window, else their im2col written to `col` ([images, kdim, plane]).
-/// Returns where they start and the stride from one image's to the next.
+/// How a group's columns of a chunk of images lie: image by image ([images, kdim, plane], the
+/// convolution's and its data gradient's operand; a pointwise window's are X's own channels,
+/// read in place), or row by row ([kdim, images · plane], the weight gradient's single product;
+/// a pointwise window's channels of X gathered into `col`).
+#[derive(Clone, Copy, PartialEq)]
+enum Columns {
+    ByImage,
+    ByRow,
+}
+
+/// Group `gr`'s columns of the images `first..first + images`, laid out as `layout` says, at
+/// `col` (or in X). Returns where they start and the stride from one image's to the next.
+#[allow(clippy::too_many_arguments)]
 fn group_columns(
     dev: Dev,
     g: &cpu::Geo,
@@ -156,33 +166,23 @@ fn group_columns(
     (first, images): (usize, usize),
     x: Ptr,
     col: Ptr,
+    layout: Columns,
 ) -> Result<(Ptr, usize), BackendError> {
     let x = at(x, first * g.c * g.h * g.w, s.t);
-    if is_pointwise(g) {
-        return Ok((at(x, gr * s.cg * s.plane, s.t), g.c * s.plane));
+    let channels = at(x, gr * s.cg * s.plane, s.t);
+    let (img_stride, row_stride) = match layout {
+        Columns::ByImage => (s.kdim * s.plane, s.plane),
+        Columns::ByRow => (s.plane, images * s.plane),
+    };
+    match (layout, is_pointwise(g)) {
+        (Columns::ByImage, true) => return Ok((channels, g.c * s.plane)),
+        (Columns::ByRow, true) => {
+            let (shape, strides) = ([s.cg, images, s.plane], [s.plane as i64, (g.c * s.plane) as i64, 1]);
+            strided_move(dev, Strided::Source, &shape, &strides, s.t.size(), channels, col)?
+        }
+        (_, false) => im2col(dev, g, s, gr, images, x, (col, img_stride, row_stride))?,
     }
-    im2col(dev, g, s, gr, images, x, (col, s.kdim * s.plane, s.plane))?;
-    Ok((col, s.kdim * s.plane))
-}
-
-/// Group `gr`'s columns of the images `first..first + images` as one matrix [kdim, images ·
-/// plane] at `col` (the weight gradient's operand): the im2col, or a pointwise window's
-/// channels of X gathered.
-fn group_columns_by_row(
-    dev: Dev,
-    g: &cpu::Geo,
-    s: &Shape,
-    gr: usize,
-    (first, images): (usize, usize),
-    x: Ptr,
-    col: Ptr,
-) -> Result<(), BackendError> {
-    let x = at(x, first * g.c * g.h * g.w, s.t);
-    if is_pointwise(g) {
-        let (shape, strides) = ([s.cg, images, s.plane], [s.plane as i64, (g.c * s.plane) as i64, 1]);
-        return strided_move(dev, Strided::Source, &shape, &strides, s.t.size(), at(x, gr * s.cg * s.plane, s.t), col);
-    }
-    im2col(dev, g, s, gr, images, x, (col, s.plane, images * s.plane))
+    Ok((col, img_stride))
 }
 
 /// im2col of group `gr`'s channels of `images` images from `x` into `col`, an image's rows
@@ -357,7 +357,7 @@ fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr,
         let (shape, strides) = ([s.m, images, s.plane], [s.plane as i64, (s.m * s.plane) as i64, 1]);
         strided_move(dev, Strided::Source, &shape, &strides, esize, at(dy, first * s.m * s.plane, t), dy_rows)?;
         for gr in 0..group {
-            group_columns_by_row(dev, g, s, gr, (first, images), x, col)?;
+            group_columns(dev, g, s, gr, (first, images), x, col, Columns::ByRow)?;
             dev.gemm(&Product {
                 m: s.mg as u64,
                 n: s.kdim as u64,
