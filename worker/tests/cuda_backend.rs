@@ -365,37 +365,44 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
 /// Fused attention at GPT-2 124M's shape (heads of 64 over 1024 positions, causal) against the
 /// CPU's kernel, in both layouts ([groups, T, D], and token-major [B, T, H, D] as GPT-2 runs it):
 /// f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the emulator holds
-/// them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`). The first place
-/// to look when GPT-2 does not train on a GPU.
+/// them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`); and as the
+/// Llama runs it, with two query heads to each key head (grouped-query attention). The first
+/// place to look when GPT-2 or the Llama does not train on a GPU.
 #[test]
 #[ignore = "needs a GPU"]
 fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
     probe::gpu_count().unwrap_or_else(|why| panic!("no GPU: {}", why.0));
     let (gpu, cpu) = (CudaBackend::new(0).unwrap(), CpuBackend::new());
-    let (b, h, t, d) = (2, 2, 1024, 64);
+    let (b, t, d) = (2, 1024, 64);
     let scale = 1.0 / (d as f32).sqrt();
-    for token_major in [false, true] {
-        let shape = if token_major { vec![b, t, h, d] } else { vec![b * h, t, d] };
-        let lse_shape = if token_major { vec![b, h, t] } else { vec![b * h, t] };
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
-            let what = format!("{dtype}, token-major {token_major}");
-            let x = |salt: usize| Tensor::from_vec(&shape, values(b * h * t * d, salt)).cast(dtype);
-            let (q, k, v, dy) = (x(1), x(2), x(3), x(4));
-            let op = Op::Attention { scale, causal: true, token_major };
-            let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &lse_shape)];
-            let ins = [q.clone(), k.clone(), v.clone()];
-            let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
-            let (fwd, bwd) = match dtype {
-                DType::F32 => (1e-4, 1e-4),
-                DType::BF16 => (2.0 * 2f32.powi(-8), 4.0 * 2f32.powi(-8)),
-                _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
-            };
-            close_as_f32(&format!("Attention, {what}"), &g, &c, fwd);
-            let grad = Op::AttentionGrad { scale, causal: true, token_major };
-            let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
-            let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
-            let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
-            close_as_f32(&format!("AttentionGrad, {what}"), &g, &c, bwd);
+    // (query heads, key heads)
+    for (h, hk) in [(2, 2), (4, 2)] {
+        for token_major in [false, true] {
+            let heads = |n: usize| if token_major { vec![b, t, n, d] } else { vec![b * n, t, d] };
+            let (q_shape, k_shape) = (heads(h), heads(hk));
+            let lse_shape = if token_major { vec![b, h, t] } else { vec![b * h, t] };
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let what = format!("{h} query heads to {hk} key heads, {dtype}, token-major {token_major}");
+                let x = |shape: &[usize], salt: usize| {
+                    Tensor::from_vec(shape, values(shape.iter().product(), salt)).cast(dtype)
+                };
+                let (q, k, v, dy) = (x(&q_shape, 1), x(&k_shape, 2), x(&k_shape, 3), x(&q_shape, 4));
+                let op = Op::Attention { scale, causal: true, token_major };
+                let outs = [Meta::new(dtype, &q_shape), Meta::new(DType::F32, &lse_shape)];
+                let ins = [q.clone(), k.clone(), v.clone()];
+                let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
+                let (fwd, bwd) = match dtype {
+                    DType::F32 => (1e-4, 1e-4),
+                    DType::BF16 => (2.0 * 2f32.powi(-8), 4.0 * 2f32.powi(-8)),
+                    _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
+                };
+                close_as_f32(&format!("Attention, {what}"), &g, &c, fwd);
+                let grad = Op::AttentionGrad { scale, causal: true, token_major };
+                let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
+                let outs = [Meta::new(dtype, &q_shape), Meta::new(dtype, &k_shape), Meta::new(dtype, &k_shape)];
+                let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
+                close_as_f32(&format!("AttentionGrad, {what}"), &g, &c, bwd);
+            }
         }
     }
 }
