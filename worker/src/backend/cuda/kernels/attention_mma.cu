@@ -5,7 +5,8 @@
 // by side:
 //
 // - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward);
-//   a warp's own operands stay in registers as product fragments;
+//   a warp's own operands stay in registers as product fragments (backward, its values; its
+//   keys are read from the block's shared tile, which dq's product needs anyway);
 // - the other side streams through two shared buffers KT rows at a time (64 forward and 32
 //   backward; for heads over 64, 32 and 16, which bound the registers), each tile read by
 //   every warp of the block;
@@ -16,9 +17,9 @@
 // The backward pass is FlashAttention-2's single sweep per key tile: the probabilities and the
 // scores' gradient recomputed once (from the forward pass's log-sum-exp), dk and dv summed in
 // registers, dq's part added atomically into f32 sums that attention_mma_dq rounds: five
-// products per tile pair, where attention.cu's race-free split (dq per query row, dk and dv
-// per key row) recomputes both for each side, seven. delta (the softmax gradient's row term)
-// comes from attention.cu's attention_bwd_delta.
+// products per tile pair, where a race-free split (dq per query tile, dk and dv per key tile,
+// as attention.cu's warp kernels split it by rows) recomputes both on each side: seven. delta
+// (the softmax gradient's row term) comes from attention.cu's attention_bwd_delta.
 //
 // q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups / rep, tk, d] (query group g reads key
 // group g / rep); lse, delta: [groups, tq], f32; or token-major, as attention.cu says: a
