@@ -707,12 +707,12 @@ impl PadMode {
 /// it): each of theirs serves `rep` query heads side by side, query group g reading key group
 /// g / rep. A group's rows lie one row apart ([.., H, T, D]: `interleaved` 1) or, token-major,
 /// `interleaved` = H groups' rows side by side in each token ([.., T, H, D]; k's and v's
-/// `kv_interleaved` = H / rep). The log-sum-exp is [groups, tq] either way.
+/// [`kv_interleaved`](Self::kv_interleaved) = H / rep). The log-sum-exp is [groups, tq] either
+/// way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
     pub groups: usize,
     pub interleaved: usize,
-    pub kv_interleaved: usize,
     pub rep: usize,
     pub tq: usize,
     pub tk: usize,
@@ -744,8 +744,7 @@ impl AttentionShape {
         }
         let interleaved = if token_major { q[r - 2] } else { 1 };
         let groups = q[..t].iter().product::<usize>() * interleaved;
-        let kv_interleaved = if token_major { k[r - 2] } else { 1 };
-        Some(AttentionShape { groups, interleaved, kv_interleaved, rep, tq: q[t], tk: k[t], d: q[r - 1] })
+        Some(AttentionShape { groups, interleaved, rep, tq: q[t], tk: k[t], d: q[r - 1] })
     }
 
     /// The log-sum-exp's shape for q of `q`: [.., H, Tq] (token-major) or [.., Tq].
@@ -763,9 +762,14 @@ impl AttentionShape {
         ((g / h * self.tq + i) * h + g % h) * self.d
     }
 
+    /// k's (and v's) groups side by side in each token: 1 heads-first, H / rep token-major.
+    pub fn kv_interleaved(&self) -> usize {
+        (self.interleaved / self.rep).max(1)
+    }
+
     /// Where key row `j` that query group `g` reads starts in k (and v, dk, dv), in elements.
     pub fn kv_row(&self, g: usize, j: usize) -> usize {
-        let (g, h) = (g / self.rep, self.kv_interleaved);
+        let (g, h) = (g / self.rep, self.kv_interleaved());
         ((g / h * self.tk + j) * h + g % h) * self.d
     }
 }

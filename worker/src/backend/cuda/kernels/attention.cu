@@ -62,8 +62,8 @@ __device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 ki
         float m = NEG_INF, l = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + head_row(g / rep, j, tk, d, kinter);
-            const typename S::T* vj = v + head_row(g / rep, j, tk, d, kinter);
+            i64 kat = head_row(g / rep, j, tk, d, kinter);
+            const typename S::T *kj = k + kat, *vj = v + kat;
             float s = scale * held_dot<S>(qi, kj, d, lane);
             float m_new = fmaxf(m, s);
             float rescale = expf(m - m_new), e = expf(s - m_new);
@@ -131,9 +131,10 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            const typename S::T* kj = k + head_row(g / rep, j, tk, d, kinter);
+            i64 kat = head_row(g / rep, j, tk, d, kinter);
+            const typename S::T* kj = k + kat;
             float p = expf(scale * held_dot<S>(qi, kj, d, lane) - lse[row]);
-            float ds = p * (held_dot<S>(dyi, v + head_row(g / rep, j, tk, d, kinter), d, lane) - delta[row]);
+            float ds = p * (held_dot<S>(dyi, v + kat, d, lane) - delta[row]);
             for (int r = 0; r < HEAD_LANES; ++r) {
                 i64 c = lane + 32 * r;
                 if (c < d) acc[r] += scale * ds * S::load(kj[c]);

@@ -76,7 +76,7 @@ fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
 /// The kernels' extents: tq, tk, d, q's and k's heads to a token, and the query heads per key
 /// head.
 fn extents(a: &AttentionShape) -> [i64; 6] {
-    [a.tq, a.tk, a.d, a.interleaved, a.kv_interleaved, a.rep].map(|x| x as i64)
+    [a.tq, a.tk, a.d, a.interleaved, a.kv_interleaved(), a.rep].map(|x| x as i64)
 }
 
 fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, BackendError> {
