@@ -13,7 +13,9 @@
 //!   bytes and a NumPy memmap sampler (benches/io_peer.py, run with $TENSORFLEET_BENCH_PYTHON;
 //!   skipped without it). The shards are in the page cache, as they are once a run has read them.
 //! - Sample shards: opening the ONNX sample-shard loader (reading and parsing every shard, from
-//!   the disk) and its batches of 32 3×224×224 images, next to a cold raw read of the same bytes.
+//!   the disk) and its batches of 32 3×224×224 images, next to a cold raw read of the same bytes;
+//!   and a step that waits for the device and then takes its batch, the batches read inline
+//!   next to read ahead as training reads them.
 //!
 //! Files go under $TENSORFLEET_BENCH_IO_DIR (point it at the disk checkpoints will live on),
 //! else under target/, and are removed afterwards. Figures go to the `io` section of
@@ -34,6 +36,7 @@ use std::time::{Duration, Instant};
 use tensorfleet_worker::checkpoint;
 use tensorfleet_worker::checkpoint::keys::OPTIMIZER_PREFIX;
 use tensorfleet_worker::config::{DataFormat, DataSource, Gpt2Config, ModelSpec, TrainingConfig};
+use tensorfleet_worker::data::prefetch::Prefetched;
 use tensorfleet_worker::data::{self, Batching, Feeds, Loader, Partition, Position};
 use tensorfleet_worker::models;
 use tensorfleet_worker::rng::mix;
@@ -47,6 +50,9 @@ const MB: f64 = 1e6;
 /// nothing next to the copy, small enough to stay in the L2/L3 cache.
 const READ_CHUNK: usize = 8 << 20;
 const FEEDS: (&str, &str) = ("input_ids", "labels");
+/// How long a step keeps the host waiting for the device in the sample-step bench: a quarter
+/// of tensorfleet's ResNet-50 step of 128 images on the H200 (362.9 ms), for a batch of 32.
+const DEVICE_WAIT: Duration = Duration::from_millis(90);
 
 /// What the bench writes and reads: full size when measuring, small enough otherwise that
 /// `cargo test --benches` takes a second.
@@ -548,6 +554,7 @@ fn bench_samples(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &Sizes
         batches.iter_with_setup(b, || (), || l.next_batch().expect("a sample batch"))
     });
     drop(loader);
+    let steps = bench_sample_steps(group, &open, sizes);
 
     if !common::measuring() {
         return serde_json::Value::Null;
@@ -571,6 +578,12 @@ fn bench_samples(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &Sizes
     if let Some(x) = batch_per_s {
         println!("  {:<44} {x:>10.0} samples/s (mean)", format!("batches of {} (in memory)", sizes.sample_batch));
     }
+    let wait_ms = DEVICE_WAIT.as_secs_f64() * 1e3;
+    for (name, secs) in &steps {
+        if let Some(s) = secs {
+            println!("  {:<44} {:>10.1} ms (mean)", format!("a step of {wait_ms:.0} ms + its batch, {name}"), s * 1e3);
+        }
+    }
     serde_json::json!({
         "samples": count,
         "shards": sizes.sample_shards,
@@ -582,7 +595,42 @@ fn bench_samples(group: &mut BenchmarkGroup<WallTime>, dir: &Path, sizes: &Sizes
         "raw_read_cold_mb_s": raw_mb_s.map(|x| round(x, 1)),
         "raw_read_cold_samples_per_s": raw_mb_s.map(|x| round(x * MB / per_sample, 1)),
         "batch_samples_per_s": batch_per_s.map(|x| round(x, 1)),
+        "step_device_wait_ms": wait_ms,
+        "step_ms": steps.iter().map(|(name, s)| (name.to_string(), s.map(|s| round(s * 1e3, 2)))).collect::<BTreeMap<_, _>>(),
     })
+}
+
+/// What a training step sees of the loader: the host waits `DEVICE_WAIT` for the device (a
+/// sleep here), then takes its next batch. Read inline, the batch's stacking adds to every
+/// step; read ahead (`Prefetched`, as training reads), it happens during the wait. Mean
+/// seconds a step, by how the batches are read.
+fn bench_sample_steps(
+    group: &mut BenchmarkGroup<WallTime>,
+    open: &dyn Fn() -> Box<dyn Loader>,
+    sizes: &Sizes,
+) -> Vec<(&'static str, Option<f64>)> {
+    group.throughput(Throughput::Elements(sizes.sample_batch as u64));
+    let mut steps = Vec::new();
+    for (name, ahead) in [("inline", false), ("read ahead", true)] {
+        let mut loader: Option<Box<dyn Loader>> = None;
+        let mut samples = Samples::default();
+        group.bench_function(format!("samples_step_{}", name.replace(' ', "_")), |b| {
+            let l = loader.get_or_insert_with(|| match ahead {
+                true => Box::new(Prefetched::new(open(), "io bench")),
+                false => open(),
+            });
+            samples.iter_with_setup(
+                b,
+                || (),
+                || {
+                    std::thread::sleep(DEVICE_WAIT);
+                    l.next_batch().expect("a sample batch")
+                },
+            )
+        });
+        steps.push((name, samples.mean_s(SAMPLE_SIZE)));
+    }
+    steps
 }
 
 fn main() {

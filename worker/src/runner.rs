@@ -7,7 +7,8 @@ use crate::backend::Backend;
 use crate::checkpoint;
 use crate::comm::{CommOptions, Layout, World};
 use crate::config::{ModelConfig, ModelSpec, OptimizerName, Precision, TrainingConfig};
-use crate::data::{self, Batch, Batching, Feeds, LabelRange, Partition};
+use crate::data::prefetch::Prefetched;
+use crate::data::{self, Batch, Batching, Feeds, LabelRange, Loader, Partition};
 use crate::error::{Error, Result};
 use crate::files::OutputLock;
 use crate::graph::ir::{Dim, Graph, ValueId};
@@ -370,7 +371,8 @@ fn train_on<B: Backend>(
     };
     let partition = Partition { index: groups.coords.dp, count: layout.data };
     let batching = Batching { batch: cfg.batch_size, seq_len, shuffle: cfg.data.shuffle, seed: cfg.seed, partition };
-    let mut train_data = data::open(&cfg.data.train, "data.train", batching, &feeds)?;
+    // Read ahead on a thread while the device runs the step.
+    let mut train_data = Prefetched::new(data::open(&cfg.data.train, "data.train", batching, &feeds)?, "data.train");
     let mut eval_data = match &cfg.data.eval {
         Some(src) if cfg.evaluation.every > 0 => {
             let b = Batching { batch: cfg.eval_batch_size(), shuffle: false, ..batching };

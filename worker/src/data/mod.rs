@@ -1,6 +1,8 @@
 //! Training data: llm.c token shards and ONNX Runtime sample shards, read into batches of
-//! named tensors, in a seeded order whose position can be saved and restored.
+//! named tensors, in a seeded order whose position can be saved and restored; training reads
+//! them on a thread of its own, ahead of the step (`prefetch`).
 
+pub mod prefetch;
 pub mod samples;
 pub mod tokens;
 

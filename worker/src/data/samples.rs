@@ -167,11 +167,12 @@ impl Loader for SampleLoader {
         for (k, (name, t0)) in picked[0].iter().enumerate() {
             let mut shape = vec![mine];
             shape.extend_from_slice(t0.shape());
-            let mut bytes = Vec::with_capacity(t0.byte_len() * mine);
-            for s in &picked {
-                bytes.extend_from_slice(s[k].1.bytes());
+            // Each sample copied once, into its place in the batch (samples share shapes,
+            // checked on open).
+            let mut t = Tensor::zeros(t0.dtype(), &shape);
+            for (place, s) in t.bytes_mut().chunks_exact_mut(t0.byte_len().max(1)).zip(&picked) {
+                place.copy_from_slice(s[k].1.bytes());
             }
-            let t = Tensor::from_bytes(t0.dtype(), &shape, &bytes).expect("samples share shapes (checked on open)");
             batch.insert(name.clone(), t);
         }
         self.pos.batch += 1;
