@@ -307,6 +307,22 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             Window::explicit(&[1, 1], &[1, 1], &[1, 1], &[0, 0, 0, 0], false),
         ),
         ("1-D, stride 3", vec![3, 2, 13], vec![4, 2, 3], 1, Window::explicit(&[3], &[3], &[1], &[1, 2], false)),
+        // Planes of 512 positions or more run a product per image; the smaller ones above fold
+        // their images into one product's columns.
+        (
+            "2-D, a plane of 24 × 24",
+            vec![2, 2, 24, 24],
+            vec![3, 2, 3, 3],
+            1,
+            Window::explicit(&[3, 3], &[1, 1], &[1, 1], &[1, 1, 1, 1], false),
+        ),
+        (
+            "2-D pointwise, a plane of 16 × 32",
+            vec![2, 3, 16, 32],
+            vec![2, 3, 1, 1],
+            1,
+            Window::explicit(&[1, 1], &[1, 1], &[1, 1], &[0, 0, 0, 0], false),
+        ),
     ];
     for (what, x_shape, w_shape, group, win) in convs {
         let spatial = window_output(&win, &x_shape[2..]).unwrap();

@@ -55,36 +55,40 @@ extern "C" __global__ void im2col_bf16(i64 images, Geo g, i64 c0, i64 cn, i64 im
     im2col<BF16>(images, g, c0, cn, img_stride, row_stride, x, col);
 }
 
-// The adjoint of im2col: dx[img, c0 + c, iy, ix] = Σ of the dcol entries that read it. Each
-// thread gathers one input element (no atomics, so the sum's order is fixed), and the groups'
-// channel ranges partition dx, so every element is written exactly once.
+// The adjoint of im2col: dx[img, c0 + c, iy, ix] = Σ of the dcol entries that read it, dcol
+// laid out as im2col lays out col (`img_stride`, `row_stride`). Each thread gathers one input
+// element (no atomics, so the sum's order is fixed), and the groups' channel ranges partition
+// dx, so every element is written exactly once.
 template <class S>
-__device__ void col2im(i64 images, const Geo& g, i64 c0, i64 cn, const typename S::T* dcol, typename S::T* dx) {
-    i64 plane = g.oh * g.ow, rows = cn * g.kh * g.kw;
+__device__ void col2im(i64 images, const Geo& g, i64 c0, i64 cn, i64 img_stride, i64 row_stride,
+                       const typename S::T* dcol, typename S::T* dx) {
     i64 n = images * cn * g.h * g.w;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
         i64 ix = i % g.w, iy = (i / g.w) % g.h, c = (i / (g.w * g.h)) % cn, img = i / (g.w * g.h * cn);
-        const typename S::T* d = dcol + img * rows * plane;
+        const typename S::T* d = dcol + img * img_stride;
         float s = 0.f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
             i64 oy = reader_of(iy, ky, g.sh, g.dh, g.ph, g.oh);
             if (oy < 0) continue;
             for (i64 kx = 0; kx < g.kw; ++kx) {
                 i64 ox = reader_of(ix, kx, g.sw, g.dw, g.pw, g.ow);
-                if (ox >= 0) s += S::load(d[((c * g.kh + ky) * g.kw + kx) * plane + oy * g.ow + ox]);
+                if (ox >= 0) s += S::load(d[((c * g.kh + ky) * g.kw + kx) * row_stride + oy * g.ow + ox]);
             }
         }
         dx[((img * g.c + c0 + c) * g.h + iy) * g.w + ix] = S::store(s);
     }
 }
-extern "C" __global__ void col2im_f32(i64 images, Geo g, i64 c0, i64 cn, const float* dcol, float* dx) {
-    col2im<F32>(images, g, c0, cn, dcol, dx);
+extern "C" __global__ void col2im_f32(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride,
+                                      const float* dcol, float* dx) {
+    col2im<F32>(images, g, c0, cn, img_stride, row_stride, dcol, dx);
 }
-extern "C" __global__ void col2im_f16(i64 images, Geo g, i64 c0, i64 cn, const u16* dcol, u16* dx) {
-    col2im<F16>(images, g, c0, cn, dcol, dx);
+extern "C" __global__ void col2im_f16(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride,
+                                      const u16* dcol, u16* dx) {
+    col2im<F16>(images, g, c0, cn, img_stride, row_stride, dcol, dx);
 }
-extern "C" __global__ void col2im_bf16(i64 images, Geo g, i64 c0, i64 cn, const u16* dcol, u16* dx) {
-    col2im<BF16>(images, g, c0, cn, dcol, dx);
+extern "C" __global__ void col2im_bf16(i64 images, Geo g, i64 c0, i64 cn, i64 img_stride, i64 row_stride,
+                                       const u16* dcol, u16* dx) {
+    col2im<BF16>(images, g, c0, cn, img_stride, row_stride, dcol, dx);
 }
 
 // y[img, ch, p] += bias[ch] over [images, channels, plane].

@@ -1,10 +1,12 @@
 //! Convolution and pooling on the CUDA backend (kernels/window.cu): convolution as im2col and
-//! strided-batched cuBLASLt products over the images, one product per group; its data gradient
-//! as the transposed products and col2im, its weight gradient as one product per chunk of
-//! images over all of their positions; transposed convolution as that data gradient, and its
-//! own gradient as a convolution and the weight gradient with X and dY exchanged; pooling one
-//! thread per output (and per input element for the gradient, gathered so that no atomics make
-//! the sums' order vary; for max pooling, each window's first maximum is found once first).
+//! cuBLASLt products per group, strided-batched over the images where a plane fills a product's
+//! columns and with the images folded into the columns where it does not; its data gradient
+//! as the transposed products and col2im, chosen the same way, its weight gradient as one
+//! product per chunk of images over all of their positions; transposed convolution as that
+//! data gradient, and its own gradient as a convolution and the weight gradient with X and dY
+//! exchanged; pooling one thread per output (and per input element for the gradient, gathered
+//! so that no atomics make the sums' order vary; for max pooling, each window's first maximum
+//! is found once first).
 //! Convolutions over 1-D and 2-D windows in f32, f16 or bf16 (mixed precision's convolutions:
 //! half products with f32 accumulation), transposed ones also over 3 (forward only, a direct
 //! kernel); pooling over up to 3 spatial dims in any element type (its gradient 1-D and 2-D);
@@ -93,9 +95,67 @@ fn images_per_chunk(dev: Dev, images: usize, bytes_per_image: usize) -> usize {
     (dev.scratch_budget() / bytes_per_image.max(1)).clamp(1, images.max(1))
 }
 
-/// Y = W ⊛ X (+ bias). Per group and chunk of images: Y_g[img] = W_g · col_g[img], batched over
-/// the chunk's images with W_g shared; a pointwise (1×1, stride 1, unpadded) window reads X
-/// itself as col.
+/// Planes of fewer positions than this run the forward and data-gradient products with the
+/// images folded into their columns (n = images · plane, one product per group and chunk):
+/// one per image would have n = plane, and at ResNet's 14 × 14 and 7 × 7 stages (196 and 49
+/// positions) a product's tiles of 128 or 256 columns would be a fifth to four fifths empty.
+/// Folding costs a move of Y (or dX) and, for a pointwise window, a gather of X: bytes that
+/// larger planes, whose own products fill their tiles, need not pay.
+const FOLD_BELOW: usize = 512;
+
+fn folds_images(s: &Shape) -> bool {
+    s.images > 1 && s.plane < FOLD_BELOW
+}
+
+/// D [m, n] = op(A) · op(B), one product of the convolution's element type with D of it too;
+/// callers change what differs by struct update.
+fn product(s: &Shape, [m, n, k]: [usize; 3], (a, trans_a): (Ptr, bool), (b, trans_b): (Ptr, bool), d: Ptr) -> Product {
+    Product {
+        m: m as u64,
+        n: n as u64,
+        k: k as u64,
+        batch: 1,
+        trans_a,
+        trans_b,
+        a: a.0,
+        a_stride: 0,
+        b: b.0,
+        b_stride: 0,
+        d: d.0,
+        d_stride: 0,
+        alpha: 1.0,
+        beta: 0.0,
+        dtype: s.t,
+        d_dtype: s.t,
+        bias: 0,
+        epilogue: Epilogue::Plain,
+    }
+}
+
+/// Moves `channels` channels of `images` images between an NCHW tensor of `total` channels per
+/// image (`nchw`: the first image's first moved channel) and rows laid out [channels, images,
+/// plane] (`rows`): read from the tensor with `Strided::Source`, written into it with
+/// `Strided::Destination`. The folded products' operands and results are such rows.
+fn channel_rows(
+    dev: Dev,
+    side: Strided,
+    s: &Shape,
+    (channels, total, plane): (usize, usize, usize),
+    images: usize,
+    nchw: Ptr,
+    rows: Ptr,
+) -> Result<(), BackendError> {
+    let (shape, strides) = ([channels, images, plane], [plane as i64, (total * plane) as i64, 1]);
+    let (from, to) = match side {
+        Strided::Source => (nchw, rows),
+        Strided::Destination => (rows, nchw),
+    };
+    strided_move(dev, side, &shape, &strides, s.t.size(), from, to)
+}
+
+/// Y = W ⊛ X (+ bias), per group and chunk of images: with the images folded into the
+/// product's columns where the plane is small ([`FOLD_BELOW`]), else one product per image,
+/// batched over the chunk's images with W_g shared.
 pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y: V) -> Result<(), BackendError> {
     let mut operands = vec![(&x, "X"), (&w, "W"), (&y, "Y")];
     if let Some(b) = &bias {
@@ -104,35 +164,10 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     let t = one_float_type(&operands)?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(t, &g, group, x.shape()[0], y.shape()[1])?;
-    // A pointwise window's columns are X itself: no scratch.
-    let col_bytes = if is_pointwise(&g) { 0 } else { s.kdim * s.plane * t.size() };
-    let chunk = images_per_chunk(dev, s.images, col_bytes);
-    let col = if col_bytes == 0 { NULL } else { dev.scratch(chunk * col_bytes)? };
-    for first in (0..s.images).step_by(chunk) {
-        let images = chunk.min(s.images - first);
-        for gr in 0..group {
-            let (b, b_stride) = group_columns(dev, &g, &s, gr, (first, images), x.at, col, Columns::ByImage)?;
-            dev.gemm(&Product {
-                m: s.mg as u64,
-                n: s.plane as u64,
-                k: s.kdim as u64,
-                batch: images as u64,
-                trans_a: false,
-                trans_b: false,
-                a: at(w.at, gr * s.mg * s.kdim, t).0,
-                a_stride: 0,
-                b: b.0,
-                b_stride: b_stride as i64,
-                d: at(y.at, (first * s.m + gr * s.mg) * s.plane, t).0,
-                d_stride: (s.m * s.plane) as i64,
-                alpha: 1.0,
-                beta: 0.0,
-                dtype: t,
-                d_dtype: t,
-                bias: 0,
-                epilogue: Epilogue::Plain,
-            })?;
-        }
+    if folds_images(&s) {
+        conv_folded(dev, &g, &s, group, x.at, w.at, y.at)?;
+    } else {
+        conv_per_image(dev, &g, &s, group, x.at, w.at, y.at)?;
     }
     if let Some(bias) = bias {
         let n = y.n();
@@ -145,10 +180,54 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     Ok(())
 }
 
+/// Y_g[img] = W_g · col_g[img], batched over a chunk's images; a pointwise (1×1, stride 1,
+/// unpadded) window reads X itself as col.
+fn conv_per_image(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, x: Ptr, w: Ptr, y: Ptr) -> Result<(), BackendError> {
+    let t = s.t;
+    // A pointwise window's columns are X itself: no scratch.
+    let col_bytes = if is_pointwise(g) { 0 } else { s.kdim * s.plane * t.size() };
+    let chunk = images_per_chunk(dev, s.images, col_bytes);
+    let col = if col_bytes == 0 { NULL } else { dev.scratch(chunk * col_bytes)? };
+    for first in (0..s.images).step_by(chunk) {
+        let images = chunk.min(s.images - first);
+        for gr in 0..group {
+            let (b, b_stride) = group_columns(dev, g, s, gr, (first, images), x, col, Columns::ByImage)?;
+            let d = at(y, (first * s.m + gr * s.mg) * s.plane, t);
+            dev.gemm(&Product {
+                batch: images as u64,
+                b_stride: b_stride as i64,
+                d_stride: (s.m * s.plane) as i64,
+                ..product(s, [s.mg, s.plane, s.kdim], (at(w, gr * s.mg * s.kdim, t), false), (b, false), d)
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Y_g's rows [mg, images · plane] = W_g · col_g [kdim, images · plane], one product per group
+/// and chunk, moved into Y's [images, m, plane] after it.
+fn conv_folded(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, x: Ptr, w: Ptr, y: Ptr) -> Result<(), BackendError> {
+    let (t, esize) = (s.t, s.t.size());
+    let chunk = images_per_chunk(dev, s.images, (s.kdim + s.mg) * s.plane * esize);
+    let bytes = [chunk * s.kdim * s.plane * esize, chunk * s.mg * s.plane * esize];
+    let [col, y_rows] = scratch_parts(dev, &bytes)?[..] else { unreachable!("two parts") };
+    for first in (0..s.images).step_by(chunk) {
+        let images = chunk.min(s.images - first);
+        for gr in 0..group {
+            group_columns(dev, g, s, gr, (first, images), x, col, Columns::ByRow)?;
+            let w_g = at(w, gr * s.mg * s.kdim, t);
+            dev.gemm(&product(s, [s.mg, images * s.plane, s.kdim], (w_g, false), (col, false), y_rows))?;
+            let y_g = at(y, (first * s.m + gr * s.mg) * s.plane, t);
+            channel_rows(dev, Strided::Destination, s, (s.mg, s.m, s.plane), images, y_g, y_rows)?;
+        }
+    }
+    Ok(())
+}
+
 /// How a group's columns of a chunk of images lie: image by image ([images, kdim, plane], the
-/// convolution's and its data gradient's operand; a pointwise window's are X's own channels,
-/// read in place), or row by row ([kdim, images · plane], the weight gradient's single product;
-/// a pointwise window's channels of X gathered into `col`).
+/// per-image products' operand; a pointwise window's are X's own channels, read in place), or
+/// row by row ([kdim, images · plane], the folded products' and the weight gradient's; a
+/// pointwise window's channels of X gathered into `col`).
 #[derive(Clone, Copy, PartialEq)]
 enum Columns {
     ByImage,
@@ -176,10 +255,7 @@ fn group_columns(
     };
     match (layout, is_pointwise(g)) {
         (Columns::ByImage, true) => return Ok((channels, g.c * s.plane)),
-        (Columns::ByRow, true) => {
-            let (shape, strides) = ([s.cg, images, s.plane], [s.plane as i64, (g.c * s.plane) as i64, 1]);
-            strided_move(dev, Strided::Source, &shape, &strides, s.t.size(), channels, col)?
-        }
+        (Columns::ByRow, true) => channel_rows(dev, Strided::Source, s, (s.cg, g.c, s.plane), images, channels, col)?,
         (_, false) => im2col(dev, g, s, gr, images, x, (col, img_stride, row_stride))?,
     }
     Ok((col, img_stride))
@@ -201,6 +277,25 @@ fn im2col(
         &typed("im2col", s.t)?,
         elementwise(images * s.kdim * s.plane),
         &mut params![images as i64, Geo::from(g), c0, cg, img_stride as i64, row_stride as i64, x, col],
+    )
+}
+
+/// The adjoint of [`im2col`]: group `gr`'s channels of `images` images of `dx` gathered from
+/// `dcol`, laid out as im2col lays out `col`.
+fn col2im(
+    dev: Dev,
+    g: &cpu::Geo,
+    s: &Shape,
+    gr: usize,
+    images: usize,
+    (dcol, img_stride, row_stride): (Ptr, usize, usize),
+    dx: Ptr,
+) -> Result<(), BackendError> {
+    let (c0, cg) = ((gr * s.cg) as i64, s.cg as i64);
+    dev.kernel(
+        &typed("col2im", s.t)?,
+        elementwise(images * s.cg * g.h * g.w),
+        &mut params![images as i64, Geo::from(g), c0, cg, img_stride as i64, row_stride as i64, dcol, dx],
     )
 }
 
@@ -284,9 +379,28 @@ fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), BackendError> {
     reduce_strided(dev, Reduce::Sum, dy, &summed, db)
 }
 
-/// dX of the convolution `g` from dY and W, per group and chunk of images: dcol[img] = W_gᵀ ·
-/// dY_g[img] (batched), dX_g = col2im(dcol); a pointwise window's product writes dX's rows.
+/// dX of the convolution `g` from dY and W, per group and chunk of images: with the images
+/// folded into the product's columns where the plane is small ([`FOLD_BELOW`]), else one
+/// product per image.
 fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, dx: Ptr) -> Result<(), BackendError> {
+    if folds_images(s) {
+        data_grad_folded(dev, g, s, group, dy, w, dx)
+    } else {
+        data_grad_per_image(dev, g, s, group, dy, w, dx)
+    }
+}
+
+/// dcol[img] = W_gᵀ · dY_g[img] (batched over a chunk's images), dX_g = col2im(dcol); a
+/// pointwise window's product writes dX's rows.
+fn data_grad_per_image(
+    dev: Dev,
+    g: &cpu::Geo,
+    s: &Shape,
+    group: usize,
+    dy: Ptr,
+    w: Ptr,
+    dx: Ptr,
+) -> Result<(), BackendError> {
     let (t, pointwise, per_image) = (s.t, is_pointwise(g), s.kdim * s.plane);
     let col_bytes = if pointwise { 0 } else { per_image * t.size() };
     let chunk = images_per_chunk(dev, s.images, col_bytes);
@@ -299,32 +413,49 @@ fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, d
             let (d, d_stride) =
                 if pointwise { (at(dx_first, gr * s.cg * s.plane, t), g.c * s.plane) } else { (dcol, per_image) };
             dev.gemm(&Product {
-                m: s.kdim as u64,
-                n: s.plane as u64,
-                k: s.mg as u64,
                 batch: images as u64,
-                trans_a: true,
-                trans_b: false,
-                a: at(w, gr * s.mg * s.kdim, t).0,
-                a_stride: 0,
-                b: dy_g.0,
                 b_stride: (s.m * s.plane) as i64,
-                d: d.0,
                 d_stride: d_stride as i64,
-                alpha: 1.0,
-                beta: 0.0,
-                dtype: t,
-                d_dtype: t,
-                bias: 0,
-                epilogue: Epilogue::Plain,
+                ..product(s, [s.kdim, s.plane, s.mg], (at(w, gr * s.mg * s.kdim, t), true), (dy_g, false), d)
             })?;
             if !pointwise {
-                let n = images * s.cg * g.h * g.w;
-                dev.kernel(
-                    &typed("col2im", t)?,
-                    elementwise(n),
-                    &mut params![images as i64, Geo::from(g), (gr * s.cg) as i64, s.cg as i64, dcol, dx_first],
-                )?;
+                col2im(dev, g, s, gr, images, (dcol, per_image, s.plane), dx_first)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per chunk: dY's rows [m, images · plane], then per group dcol [kdim, images · plane] =
+/// W_gᵀ · dY_g's rows, one product, and dX_g = col2im(dcol); a pointwise window's product
+/// gives dX_g's rows, moved into dX.
+fn data_grad_folded(
+    dev: Dev,
+    g: &cpu::Geo,
+    s: &Shape,
+    group: usize,
+    dy: Ptr,
+    w: Ptr,
+    dx: Ptr,
+) -> Result<(), BackendError> {
+    let (t, esize) = (s.t, s.t.size());
+    let chunk = images_per_chunk(dev, s.images, (s.m + s.kdim) * s.plane * esize);
+    let bytes = [chunk * s.m * s.plane * esize, chunk * s.kdim * s.plane * esize];
+    let [dy_rows, dcol] = scratch_parts(dev, &bytes)?[..] else { unreachable!("two parts") };
+    for first in (0..s.images).step_by(chunk) {
+        let images = chunk.min(s.images - first);
+        let n = images * s.plane;
+        let dy_first = at(dy, first * s.m * s.plane, t);
+        channel_rows(dev, Strided::Source, s, (s.m, s.m, s.plane), images, dy_first, dy_rows)?;
+        let dx_first = at(dx, first * g.c * g.h * g.w, t);
+        for gr in 0..group {
+            let (w_g, dy_g) = (at(w, gr * s.mg * s.kdim, t), at(dy_rows, gr * s.mg * n, t));
+            dev.gemm(&product(s, [s.kdim, n, s.mg], (w_g, true), (dy_g, false), dcol))?;
+            if is_pointwise(g) {
+                let dx_g = at(dx_first, gr * s.cg * s.plane, t);
+                channel_rows(dev, Strided::Destination, s, (s.cg, g.c, s.plane), images, dx_g, dcol)?;
+            } else {
+                col2im(dev, g, s, gr, images, (dcol, s.plane, n), dx_first)?;
             }
         }
     }
@@ -354,29 +485,15 @@ fn weight_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, x: Ptr,
     for first in (0..s.images).step_by(chunk) {
         let images = chunk.min(s.images - first);
         let k = images * s.plane;
-        let (shape, strides) = ([s.m, images, s.plane], [s.plane as i64, (s.m * s.plane) as i64, 1]);
-        strided_move(dev, Strided::Source, &shape, &strides, esize, at(dy, first * s.m * s.plane, t), dy_rows)?;
+        let dy_first = at(dy, first * s.m * s.plane, t);
+        channel_rows(dev, Strided::Source, s, (s.m, s.m, s.plane), images, dy_first, dy_rows)?;
         for gr in 0..group {
             group_columns(dev, g, s, gr, (first, images), x, col, Columns::ByRow)?;
+            let dy_g = at(dy_rows, gr * s.mg * k, t);
             dev.gemm(&Product {
-                m: s.mg as u64,
-                n: s.kdim as u64,
-                k: k as u64,
-                batch: 1,
-                trans_a: false,
-                trans_b: true,
-                a: at(dy_rows, gr * s.mg * k, t).0,
-                a_stride: 0,
-                b: col.0,
-                b_stride: 0,
-                d: at_f32(sums, gr * dw_g_len).0,
-                d_stride: 0,
-                alpha: 1.0,
                 beta: if first == 0 { 0.0 } else { 1.0 },
-                dtype: t,
                 d_dtype: DType::F32,
-                bias: 0,
-                epilogue: Epilogue::Plain,
+                ..product(s, [s.mg, s.kdim, k], (dy_g, false), (col, true), at_f32(sums, gr * dw_g_len))
             })?;
         }
     }
