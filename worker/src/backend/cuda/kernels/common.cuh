@@ -58,6 +58,20 @@ __device__ __forceinline__ i64 offset_of(i64 i, const Dims& d, const Strides& s)
     return off;
 }
 
+// i / d, with i % d in *r (i ≥ 0, d > 0): in 32 bits where both fit, as offset_of divides, else
+// in 64. Kernels that find an element's coordinates from its flat index divide by sizes several
+// times per element, and a 64-bit division's routine can cost more than the element's own work.
+__device__ __forceinline__ i64 divmod(i64 i, i64 d, i64* r) {
+    if ((u64)(i | d) <= 0xffffffffull) {
+        u32 q = (u32)i / (u32)d;
+        *r = (i64)((u32)i - q * (u32)d);
+        return (i64)q;
+    }
+    i64 q = i / d;
+    *r = i - q * d;
+    return q;
+}
+
 // Sixteen bytes moved as one, the widest load and store a thread has: the word of a strided
 // move whose layout allows it (launch.rs's strided_move).
 struct alignas(16) u128 {

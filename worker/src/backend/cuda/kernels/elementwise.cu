@@ -254,8 +254,8 @@ __device__ void binary_vectors(int op, i64 n, const typename S::T* a, const type
 __device__ __forceinline__ i64 reach(int kind, i64 k, i64 i, const Dims& d, const Strides& s) {
     switch (kind) {
     case 0: return i;
-    case 1: return i % k;
-    case 2: return i / k;
+    case 1: { i64 r; divmod(i, k, &r); return r; }
+    case 2: { i64 r; return divmod(i, k, &r); }
     default: return offset_of(i, d, s);
     }
 }
@@ -332,7 +332,8 @@ __device__ void rotary(int grad, i64 pairs, i64 h, const Dims& d, const typename
                        typename S::T* out) {
     typedef typename S::C C;
     for (i64 p = first_index(); p < pairs; p += grid_stride()) {
-        i64 i1 = p / h * 2 * h + p % h, i2 = i1 + h;
+        i64 within;
+        i64 i1 = divmod(p, h, &within) * 2 * h + within, i2 = i1 + h;
         C x1 = S::load(x[i1]), x2 = S::load(x[i2]);
         C c1 = S::load(cosine[reach(kc, pc, i1, d, sc)]), c2 = S::load(cosine[reach(kc, pc, i2, d, sc)]);
         C s1 = S::load(sine[reach(ks, ps, i1, d, ss)]), s2 = S::load(sine[reach(ks, ps, i2, d, ss)]);

@@ -618,7 +618,8 @@ __device__ void gather(i64 outer, i64 dim, i64 inner, i64 count, const T* data, 
                        T* out, i64* fault) {
     i64 n = outer * count * inner;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 e = i % inner, k = (i / inner) % count, o = i / (inner * count);
+        i64 e, k;
+        i64 o = divmod(divmod(i, inner, &e), count, &k);
         i64 id = ids_i64 ? ((const i64*)ids)[k] : (i64)((const int*)ids)[k];
         if (id < 0) id += dim;
         if (id < 0 || id >= dim) {
@@ -652,7 +653,8 @@ extern "C" __global__ void gather_grad_f32(i64 outer, i64 dim, i64 inner, i64 co
                                            const void* ids, int ids_i64, float* dx) {
     i64 n = outer * count * inner;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 e = i % inner, k = (i / inner) % count, o = i / (inner * count);
+        i64 e, k;
+        i64 o = divmod(divmod(i, inner, &e), count, &k);
         i64 id = ids_i64 ? ((const i64*)ids)[k] : (i64)((const int*)ids)[k];
         if (id < 0) id += dim;
         if (id >= 0 && id < dim) atomicAdd(&dx[(o * dim + id) * inner + e], dy[i]);

@@ -16,11 +16,16 @@ __device__ __forceinline__ i64 tap_at(i64 o, i64 k, i64 stride, i64 dilation, i6
     return o * stride + k * dilation - pad;
 }
 
-// The output position whose tap `k` reads input position `i`, or -1 when none does.
+// The output position whose tap `k` reads input position `i`, or -1 when none does. A stride of
+// 1 (most convolutions') divides nothing.
 __device__ __forceinline__ i64 reader_of(i64 i, i64 k, i64 stride, i64 dilation, i64 pad, i64 out_size) {
     i64 t = i + pad - k * dilation;
-    if (t < 0 || t % stride != 0) return -1;
-    t /= stride;
+    if (t < 0) return -1;
+    if (stride != 1) {
+        i64 r;
+        t = divmod(t, stride, &r);
+        if (r != 0) return -1;
+    }
     return t < out_size ? t : -1;
 }
 
@@ -34,9 +39,11 @@ __device__ void im2col(i64 images, const Geo& g, i64 c0, i64 cn, i64 img_stride,
     i64 plane = g.oh * g.ow, rows = cn * g.kh * g.kw;
     i64 n = images * rows * plane;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 p = i % plane, row = (i / plane) % rows, img = i / (plane * rows);
-        i64 kx = row % g.kw, ky = (row / g.kw) % g.kh, c = row / (g.kw * g.kh);
-        i64 iy = tap_at(p / g.ow, ky, g.sh, g.dh, g.ph), ix = tap_at(p % g.ow, kx, g.sw, g.dw, g.pw);
+        i64 p, row, kx, ky, ox;
+        i64 img = divmod(divmod(i, plane, &p), rows, &row);
+        i64 c = divmod(divmod(row, g.kw, &kx), g.kh, &ky);
+        i64 oy = divmod(p, g.ow, &ox);
+        i64 iy = tap_at(oy, ky, g.sh, g.dh, g.ph), ix = tap_at(ox, kx, g.sw, g.dw, g.pw);
         bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
         col[img * img_stride + row * row_stride + p] =
             inside ? x[((img * g.c + c0 + c) * g.h + iy) * g.w + ix] : S::store(0.f);
@@ -64,7 +71,8 @@ __device__ void col2im(i64 images, const Geo& g, i64 c0, i64 cn, i64 img_stride,
                        const typename S::T* dcol, typename S::T* dx) {
     i64 n = images * cn * g.h * g.w;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 ix = i % g.w, iy = (i / g.w) % g.h, c = (i / (g.w * g.h)) % cn, img = i / (g.w * g.h * cn);
+        i64 ix, iy, c;
+        i64 img = divmod(divmod(divmod(i, g.w, &ix), g.h, &iy), cn, &c);
         const typename S::T* d = dcol + img * img_stride;
         float s = 0.f;
         for (i64 ky = 0; ky < g.kh; ++ky) {
@@ -94,8 +102,11 @@ extern "C" __global__ void col2im_bf16(i64 images, Geo g, i64 c0, i64 cn, i64 im
 // y[img, ch, p] += bias[ch] over [images, channels, plane].
 template <class S>
 __device__ void channel_bias(i64 n, i64 channels, i64 plane, const typename S::T* bias, typename S::T* y) {
-    for (i64 i = first_index(); i < n; i += grid_stride())
-        y[i] = S::store(S::load(y[i]) + S::load(bias[(i / plane) % channels]));
+    for (i64 i = first_index(); i < n; i += grid_stride()) {
+        i64 p, ch;
+        divmod(divmod(i, plane, &p), channels, &ch);
+        y[i] = S::store(S::load(y[i]) + S::load(bias[ch]));
+    }
 }
 extern "C" __global__ void channel_bias_f32(i64 n, i64 channels, i64 plane, const float* bias, float* y) {
     channel_bias<F32>(n, channels, plane, bias, y);
@@ -170,9 +181,7 @@ __device__ i64 first_max(const Pool& g, const typename S::T* xp, const i64* o) {
 
 // Output position `o` (per dim) of flat index `i` in an output plane.
 __device__ __forceinline__ void pool_position(const Pool& g, i64 i, i64* o) {
-    o[2] = i % g.out[2];
-    o[1] = (i / g.out[2]) % g.out[1];
-    o[0] = i / (g.out[2] * g.out[1]);
+    o[0] = divmod(divmod(i, g.out[2], &o[2]), g.out[1], &o[1]);
 }
 
 // MaxPool (`max`) or AveragePool over `planes` = N·C planes; one thread per output. MaxPool's
@@ -186,8 +195,9 @@ __device__ void pool(int max, int include_pad, i64 planes, const Pool& g, const 
     i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
     i64 n = planes * plane_out;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 o[3], p = i / plane_out, at;
-        pool_position(g, i % plane_out, o);
+        i64 o[3], at, in_plane;
+        i64 p = divmod(i, plane_out, &in_plane);
+        pool_position(g, in_plane, o);
         const typename S::T* xp = x + p * plane_in;
         if (max) {
             i64 best = first_max<S>(g, xp, o);
@@ -231,10 +241,12 @@ __device__ void conv_transpose_direct(i64 images, i64 group, i64 cg, i64 mg, con
     i64 taps = g.k[0] * g.k[1] * g.k[2], channels = group * mg;
     i64 n = images * channels * plane_y;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 p = i % plane_y, ch = (i / plane_y) % channels, img = i / (plane_y * channels);
-        i64 gr = ch / mg, in[3] = {p / (g.in[2] * g.in[1]), (p / g.in[2]) % g.in[1], p % g.in[2]}, o[3];
+        i64 p, ch, in_group, in[3], o[3];
+        i64 img = divmod(divmod(i, plane_y, &p), channels, &ch);
+        i64 gr = divmod(ch, mg, &in_group);
+        in[0] = divmod(divmod(p, g.in[2], &in[2]), g.in[1], &in[1]);
         const typename S::T* xg = x + (img * group + gr) * cg * plane_x;
-        const typename S::T* wg = w + (gr * cg * mg + ch % mg) * taps;
+        const typename S::T* wg = w + (gr * cg * mg + in_group) * taps;
         float s = bias ? S::load(bias[ch]) : 0.f;
         for (i64 t0 = 0; t0 < g.k[0]; ++t0) {
             if ((o[0] = reader_of(in[0], t0, g.s[0], g.d[0], g.pad[0], g.out[0])) < 0) continue;
@@ -271,9 +283,10 @@ template <class S>
 __device__ void pool_argmax(i64 planes, const Pool& g, const typename S::T* x, int* best) {
     i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
     for (i64 i = first_index(); i < planes * plane_out; i += grid_stride()) {
-        i64 o[3];
-        pool_position(g, i % plane_out, o);
-        best[i] = (int)first_max<S>(g, x + i / plane_out * plane_in, o);
+        i64 o[3], in_plane;
+        i64 p = divmod(i, plane_out, &in_plane);
+        pool_position(g, in_plane, o);
+        best[i] = (int)first_max<S>(g, x + p * plane_in, o);
     }
 }
 extern "C" __global__ void pool_argmax_f32(i64 planes, Pool g, const float* x, int* best) {
@@ -296,8 +309,9 @@ __device__ void pool_grad(int max, int include_pad, i64 planes, const Pool& g, c
     i64 plane_in = g.in[0] * g.in[1] * g.in[2], plane_out = g.out[0] * g.out[1] * g.out[2];
     i64 n = planes * plane_in;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 at = i % plane_in, p = i / plane_in;
-        i64 in[3] = {at / (g.in[2] * g.in[1]), (at / g.in[2]) % g.in[1], at % g.in[2]};
+        i64 at, in[3];
+        i64 p = divmod(i, plane_in, &at);
+        in[0] = divmod(divmod(at, g.in[2], &in[2]), g.in[1], &in[1]);
         const typename S::T* dyp = dy + p * plane_out;
         float s = 0.f;
         i64 o[3];
