@@ -12,10 +12,11 @@ extern "C" __global__ void shard_gather_f32(i64 count, i64 rows, i64 cols, i64 s
                                             const void* ids, int ids_i64, float* y, i64* fault) {
     i64 n = count * cols;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 k = i / cols, id = label_at(ids, ids_i64, k);
+        i64 col;
+        i64 k = divmod(i, cols, &col), id = label_at(ids, ids_i64, k);
         if (id < 0) atomicCAS((u64*)fault, 0ull, (u64)(k + 1));
         i64 r = id - start;
-        y[i] = (id >= 0 && r < rows && r >= 0) ? table[r * cols + i % cols] : 0.f;
+        y[i] = (id >= 0 && r < rows && r >= 0) ? table[r * cols + col] : 0.f;
     }
 }
 
@@ -25,8 +26,9 @@ extern "C" __global__ void shard_gather_grad_f32(i64 count, i64 rows, i64 cols, 
                                                  const void* ids, int ids_i64, float* dtable) {
     i64 n = count * cols;
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 r = label_at(ids, ids_i64, i / cols) - start;
-        if (r >= 0 && r < rows) atomicAdd(&dtable[r * cols + i % cols], dy[i]);
+        i64 col;
+        i64 r = label_at(ids, ids_i64, divmod(i, cols, &col)) - start;
+        if (r >= 0 && r < rows) atomicAdd(&dtable[r * cols + col], dy[i]);
     }
 }
 
@@ -62,9 +64,10 @@ extern "C" __global__ void vocab_shard_ce_grad(i64 n, i64 cols, i64 start, int h
                                                const float* dsums, const float* dtargets, const float* x,
                                                const void* labels, int labels_i64, const float* max, float* dx) {
     for (i64 i = first_index(); i < n; i += grid_stride()) {
-        i64 r = i / cols;
+        i64 col;
+        i64 r = divmod(i, cols, &col);
         float d = dsums[r] * expf(x[i] - max[r]);
-        if (local_label(labels, labels_i64, r, start, cols, has_ignore, ignore) == i % cols) d += dtargets[r];
+        if (local_label(labels, labels_i64, r, start, cols, has_ignore, ignore) == col) d += dtargets[r];
         dx[i] = d;
     }
 }
