@@ -332,22 +332,30 @@ fn cnn_ops_match_the_cpu_backend_on_the_emulated_kernels() {
             (Tensor::from_vec(&x_shape, values(n(&x_shape), 1)), Tensor::from_vec(&w_shape, values(n(&w_shape), 2)));
         let b = Tensor::from_vec(&[w_shape[0]], values(w_shape[0], 3));
         let conv = Op::Conv { window: win.clone(), group };
-        let inputs = [x.clone(), w.clone(), b];
-        assert_close(
-            what,
-            &run_op(&gpu, &conv, &inputs, std::slice::from_ref(&y_shape)),
-            &run_op(&cpu, &conv, &inputs, std::slice::from_ref(&y_shape)),
-        );
+        let conv_inputs = [x.clone(), w.clone(), b];
         let dy = Tensor::from_vec(&y_shape, values(n(&y_shape), 4));
         let grad = Op::ConvGrad { window: win, group };
         let shapes = [x_shape.clone(), w_shape.clone(), vec![w_shape[0]]];
-        let inputs = [dy, x, w];
-        assert_close(
-            &format!("{what}: gradient"),
-            &run_op(&gpu, &grad, &inputs, &shapes),
-            &run_op(&cpu, &grad, &inputs, &shapes),
-        );
+        let grad_inputs = [dy, x, w];
+        // All the images at once, then two at a time (f32 temporaries of the folded layouts,
+        // which hold at most (kdim + m) · plane values an image): three images make chunks of
+        // two and one.
+        let (kdim, plane) = (n(&w_shape[1..]), n(&y_shape[2..]));
+        for budget in [64 << 20, 2 * (kdim + w_shape[0]) * plane * 4] {
+            gpu.scratch_budget.store(budget, std::sync::atomic::Ordering::Relaxed);
+            assert_close(
+                &format!("{what}, scratch budget {budget}"),
+                &run_op(&gpu, &conv, &conv_inputs, std::slice::from_ref(&y_shape)),
+                &run_op(&cpu, &conv, &conv_inputs, std::slice::from_ref(&y_shape)),
+            );
+            assert_close(
+                &format!("{what}, scratch budget {budget}: gradient"),
+                &run_op(&gpu, &grad, &grad_inputs, &shapes),
+                &run_op(&cpu, &grad, &grad_inputs, &shapes),
+            );
+        }
     }
+    gpu.scratch_budget.store(64 << 20, std::sync::atomic::Ordering::Relaxed);
     let pools = [
         ("max, dilation 2, ceil mode", PoolKind::Max, Window::explicit(&[2, 3], &[2, 2], &[2, 1], &[1, 1, 0, 1], true)),
         (

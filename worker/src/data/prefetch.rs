@@ -13,7 +13,8 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-/// Batches read ahead of the one the step uses.
+/// Batches read ahead of the one the step uses: the channel holds one less, and the reader the
+/// last, waiting to send it.
 const AHEAD: usize = 2;
 
 /// What the reader sends: a batch and the loader's position after it, or the loader's error.
@@ -23,7 +24,8 @@ pub struct Prefetched {
     /// Shared with the reader, which holds the lock only while it reads a batch, so that a
     /// caller can check the labels or seek in between.
     loader: Arc<Mutex<Box<dyn Loader>>>,
-    /// Started at the first batch asked for, and after a seek.
+    /// Started at the first batch asked for, and again at the next one after a seek or after
+    /// the loader's error (which ends it).
     reader: Option<Reader>,
     /// After the last batch handed out.
     pos: Position,
@@ -44,7 +46,7 @@ impl Prefetched {
     }
 
     fn start(&self) -> Result<Reader> {
-        let (send, batches) = sync_channel(AHEAD);
+        let (send, batches) = sync_channel(AHEAD - 1);
         let loader = Arc::clone(&self.loader);
         let thread = std::thread::Builder::new()
             .name(format!("{} reader", self.key))

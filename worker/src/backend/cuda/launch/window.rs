@@ -99,12 +99,16 @@ fn images_per_chunk(dev: Dev, images: usize, bytes_per_image: usize) -> usize {
 /// images folded into their columns (n = images · plane, one product per group and chunk):
 /// one per image would have n = plane, and at ResNet's 14 × 14 and 7 × 7 stages (196 and 49
 /// positions) a product's tiles of 128 or 256 columns would be a fifth to four fifths empty.
-/// Folding costs a move of Y (or dX) and, for a pointwise window, a gather of X: bytes that
-/// larger planes, whose own products fill their tiles, need not pay.
+/// Folding costs moves: forward, Y's rows into Y (and for a pointwise window X's channels
+/// gathered); backward, dY's rows gathered (and for a pointwise window dX's rows moved into
+/// dX). Larger planes, whose own products fill their tiles, need not pay them.
 const FOLD_BELOW: usize = 512;
 
-fn folds_images(s: &Shape) -> bool {
-    s.images > 1 && s.plane < FOLD_BELOW
+/// Whether the products fold a chunk's images into their columns: small planes, where a chunk
+/// holds more than one image at `bytes_per_image` of the folded layout's temporaries (one
+/// image a chunk would pay the moves for no wider product).
+fn folds_images(dev: Dev, s: &Shape, bytes_per_image: usize) -> bool {
+    s.plane < FOLD_BELOW && images_per_chunk(dev, s.images, bytes_per_image) > 1
 }
 
 /// D [m, n] = op(A) · op(B), one product of the convolution's element type with D of it too;
@@ -164,7 +168,7 @@ pub fn conv(dev: Dev, win: &Window, group: usize, x: V, w: V, bias: Option<V>, y
     let t = one_float_type(&operands)?;
     let g = cpu::geo(win, x.shape(), y.shape())?;
     let s = shape(t, &g, group, x.shape()[0], y.shape()[1])?;
-    if folds_images(&s) {
+    if folds_images(dev, &s, folded_conv_bytes(&s)) {
         conv_folded(dev, &g, &s, group, x.at, w.at, y.at)?;
     } else {
         conv_per_image(dev, &g, &s, group, x.at, w.at, y.at)?;
@@ -204,11 +208,16 @@ fn conv_per_image(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, x: Ptr, w: Pt
     Ok(())
 }
 
+/// An image's temporaries of [`conv_folded`]: its columns and a group's rows of Y.
+fn folded_conv_bytes(s: &Shape) -> usize {
+    (s.kdim + s.mg) * s.plane * s.t.size()
+}
+
 /// Y_g's rows [mg, images · plane] = W_g · col_g [kdim, images · plane], one product per group
 /// and chunk, moved into Y's [images, m, plane] after it.
 fn conv_folded(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, x: Ptr, w: Ptr, y: Ptr) -> Result<(), BackendError> {
     let (t, esize) = (s.t, s.t.size());
-    let chunk = images_per_chunk(dev, s.images, (s.kdim + s.mg) * s.plane * esize);
+    let chunk = images_per_chunk(dev, s.images, folded_conv_bytes(s));
     let bytes = [chunk * s.kdim * s.plane * esize, chunk * s.mg * s.plane * esize];
     let [col, y_rows] = scratch_parts(dev, &bytes)?[..] else { unreachable!("two parts") };
     for first in (0..s.images).step_by(chunk) {
@@ -383,7 +392,7 @@ fn channel_sums(dev: Dev, dy: V, db: V) -> Result<(), BackendError> {
 /// folded into the product's columns where the plane is small ([`FOLD_BELOW`]), else one
 /// product per image.
 fn data_grad(dev: Dev, g: &cpu::Geo, s: &Shape, group: usize, dy: Ptr, w: Ptr, dx: Ptr) -> Result<(), BackendError> {
-    if folds_images(s) {
+    if folds_images(dev, s, folded_data_grad_bytes(s)) {
         data_grad_folded(dev, g, s, group, dy, w, dx)
     } else {
         data_grad_per_image(dev, g, s, group, dy, w, dx)
@@ -426,6 +435,11 @@ fn data_grad_per_image(
     Ok(())
 }
 
+/// An image's temporaries of [`data_grad_folded`]: dY's rows and a group's dcol (or dX's rows).
+fn folded_data_grad_bytes(s: &Shape) -> usize {
+    (s.m + s.kdim) * s.plane * s.t.size()
+}
+
 /// Per chunk: dY's rows [m, images · plane], then per group dcol [kdim, images · plane] =
 /// W_gᵀ · dY_g's rows, one product, and dX_g = col2im(dcol); a pointwise window's product
 /// gives dX_g's rows, moved into dX.
@@ -439,7 +453,7 @@ fn data_grad_folded(
     dx: Ptr,
 ) -> Result<(), BackendError> {
     let (t, esize) = (s.t, s.t.size());
-    let chunk = images_per_chunk(dev, s.images, (s.m + s.kdim) * s.plane * esize);
+    let chunk = images_per_chunk(dev, s.images, folded_data_grad_bytes(s));
     let bytes = [chunk * s.m * s.plane * esize, chunk * s.kdim * s.plane * esize];
     let [dy_rows, dcol] = scratch_parts(dev, &bytes)?[..] else { unreachable!("two parts") };
     for first in (0..s.images).step_by(chunk) {
