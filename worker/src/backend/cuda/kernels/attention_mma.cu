@@ -4,9 +4,10 @@
 // GPUs) and define what is computed; these compute the same in tiles, forward and backward side
 // by side:
 //
-// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward);
-//   a warp's own operands stay in registers as product fragments (backward, its values; its
-//   keys are read from the block's shared tile, which dq's product needs anyway);
+// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward;
+//   forward for heads up to 64, two tiles of 16: FWD_TILES); a warp's own operands stay in
+//   registers as product fragments (backward, its values; its keys are read from the block's
+//   shared tile, which dq's product needs anyway);
 // - the other side streams through two shared buffers KT rows at a time (64 forward and 32
 //   backward; for heads over 64, 32 and 16, which bound the registers), each tile read by
 //   every warp of the block;
@@ -104,50 +105,82 @@ __device__ __forceinline__ const u32* a_fragment(const u16* rows, int kt, u32 (&
     return read;
 }
 
-// s (16 × KT, f32) = a (the warp's 16 rows, d wide) · tileᵀ: each row against every tile row.
-// One ldmatrix gives the b fragments of two 8-row groups of the tile: matrices (rows n0.., cols
-// k0..), (n0.., k0 + 8..), (n0 + 8.., k0..), (n0 + 8.., k0 + 8..).
-template <class S, int DMAX, int KT, class A>
-__device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const A& a, const u16* tile, int d) {
+// s[mt] (16 × KT, f32) = a[mt] (16 of the warp's rows, d wide) · tileᵀ, for MT tiles of the
+// warp's rows: each row against every tile row. One ldmatrix gives the b fragments of two
+// 8-row groups of the tile, read once for all MT row tiles: matrices (rows n0.., cols k0..),
+// (n0.., k0 + 8..), (n0 + 8.., k0..), (n0 + 8.., k0 + 8..).
+template <class S, int DMAX, int KT, int MT, class A>
+__device__ __forceinline__ void rows_dot_tiles(float (&s)[MT][KT / 8][4], const A (&a)[MT], const u16* tile, int d) {
     int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
-    for (int nt = 0; nt < KT / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < KT / 8; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < DMAX / 16; ++kt) {
         if (kt * 16 >= d) break;
-        u32 read[4];
-        const u32* ak = a_fragment<DMAX>(a, kt, read);
+        u32 read[MT][4];
+        const u32* ak[MT];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ak[mt] = a_fragment<DMAX>(a[mt], kt, read[mt]);
 #pragma unroll
         for (int nt = 0; nt < KT / 8; nt += 2) {
             u32 b[4];
             ldmatrix_x4(b, tile + (nt * 8 + (i >> 1) * 8 + r) * (DMAX + 8) + kt * 16 + (i & 1) * 8);
-            S::mma(s[nt], ak, b);
-            S::mma(s[nt + 1], ak, b + 2);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                S::mma(s[mt][nt], ak[mt], b);
+                S::mma(s[mt][nt + 1], ak[mt], b + 2);
+            }
         }
     }
 }
+// The same for one tile of 16 rows (the backward pass's).
+template <class S, int DMAX, int KT, class A>
+__device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const A& a, const u16* tile, int d) {
+    rows_dot_tiles<S, DMAX, KT, 1>(*reinterpret_cast<float(*)[1][KT / 8][4]>(&s),
+                                   *reinterpret_cast<const A(*)[1]>(&a), tile, d);
+}
 
-// acc (16 × d, f32) += p (16 × KT, f32 accumulators, rounded to S) · tile (KT × d). The
-// accumulators of two 8-column products are, element for element, one a fragment. One
-// transposing ldmatrix gives the b fragments of two 8-column groups of the tile: matrices (rows
-// k0.., cols n0..), (k0 + 8.., n0..), (k0.., n0 + 8..), (k0 + 8.., n0 + 8..).
-template <class S, int DMAX, int KT>
-__device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const float (&p)[KT / 8][4], const u16* tile,
-                                               int d) {
+// acc[mt] (16 × d, f32) += p[mt] (16 × KT, f32 accumulators, rounded to S) · tile (KT × d), for
+// MT tiles of 16 rows. The accumulators of two 8-column products are, element for element, one
+// a fragment. One transposing ldmatrix gives the b fragments of two 8-column groups of the
+// tile, read once for all MT row tiles: matrices (rows k0.., cols n0..), (k0 + 8.., n0..),
+// (k0.., n0 + 8..), (k0 + 8.., n0 + 8..).
+template <class S, int DMAX, int KT, int MT>
+__device__ __forceinline__ void acc_times_tiles(float (&acc)[MT][DMAX / 8][4], const float (&p)[MT][KT / 8][4],
+                                                const u16* tile, int d) {
     int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int kk = 0; kk < KT / 16; ++kk) {
-        const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
-        u32 a[4] = {S::pack(lo[0], lo[1]), S::pack(lo[2], lo[3]), S::pack(hi[0], hi[1]), S::pack(hi[2], hi[3])};
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const float *lo = p[mt][2 * kk], *hi = p[mt][2 * kk + 1];
+            a[mt][0] = S::pack(lo[0], lo[1]);
+            a[mt][1] = S::pack(lo[2], lo[3]);
+            a[mt][2] = S::pack(hi[0], hi[1]);
+            a[mt][3] = S::pack(hi[2], hi[3]);
+        }
 #pragma unroll
         for (int nt = 0; nt < DMAX / 8; nt += 2) {
             if (nt * 8 >= d) break;
             u32 b[4];
             ldmatrix_x4_trans(b, tile + (kk * 16 + (i & 1) * 8 + r) * (DMAX + 8) + nt * 8 + (i >> 1) * 8);
-            S::mma(acc[nt], a, b);
-            S::mma(acc[nt + 1], a, b + 2);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                S::mma(acc[mt][nt], a[mt], b);
+                S::mma(acc[mt][nt + 1], a[mt], b + 2);
+            }
         }
     }
+}
+// The same for one tile of 16 rows (the backward pass's).
+template <class S, int DMAX, int KT>
+__device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const float (&p)[KT / 8][4], const u16* tile,
+                                               int d) {
+    acc_times_tiles<S, DMAX, KT, 1>(*reinterpret_cast<float(*)[1][DMAX / 8][4]>(&acc),
+                                    *reinterpret_cast<const float(*)[1][KT / 8][4]>(&p), tile, d);
 }
 
 // Rows r0 + g and r0 + g + 8 of a 16 × d accumulator, times `by`, stored to an [n, d] matrix
@@ -199,78 +232,103 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// One key tile's step of the online softmax for a 16-row tile (rows r0.., keys k0..): the
+// scores s, masked and times log2(e), become their exponentials against the rows' new running
+// maximum m, which rescales the output's sums o and the rows' sums l first.
+template <int DMAX, int KT>
+__device__ __forceinline__ void online_softmax(float (&s)[KT / 8][4], float (&o)[DMAX / 8][4], float (&m)[2],
+                                               float (&l)[2], i64 r0, i64 k0, i64 tk, int causal, float scale, int g,
+                                               int t) {
+    float mx[2] = {m[0], m[1]};
+    int hi[2];
+    keys_seen(hi, r0, k0, tk, causal, KT, g);
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            int col = nt * 8 + 2 * t + (i & 1);
+            float x = col < hi[i >> 1] ? s[nt][i] * (scale * LOG2E) : NEG_INF;
+            s[nt][i] = x;
+            mx[i >> 1] = fmaxf(mx[i >> 1], x);
+        }
+    float base[2];
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = quad_max(mx[h]);
+        // A row that has seen no key yet (all masked) takes its exponentials from 0, so that
+        // none is NaN; they are all 0.
+        base[h] = mx[h] == NEG_INF ? 0.f : mx[h];
+        float rescale = exp2f(m[h] - base[h]);
+        l[h] *= rescale;
+#pragma unroll
+        for (int nt = 0; nt < DMAX / 8; ++nt) {
+            o[nt][2 * h] *= rescale;
+            o[nt][2 * h + 1] *= rescale;
+        }
+        m[h] = mx[h];
+    }
+#pragma unroll
+    for (int nt = 0; nt < KT / 8; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float p = exp2f(s[nt][i] - base[i >> 1]);
+            s[nt][i] = p;
+            l[i >> 1] += p;
+        }
+}
+
+// The forward pass's tiles of 16 query rows per warp: two for heads up to 64, where the key
+// and value tiles' fragments, each read once from shared memory, serve both (FlashAttention-2
+// gives a warp 32 query rows there: shared memory's bandwidth, not the tensor cores, bounded
+// one tile); one for larger heads, whose accumulators would not fit twice.
+#define FWD_TILES(DMAX) ((DMAX) <= 64 ? 2 : 1)
+
 template <class S, int DMAX>
 __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, float scale,
                                   int causal, const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    const int KT = DMAX <= 64 ? 64 : 32;
+    const int KT = DMAX <= 64 ? 64 : 32, MT = FWD_TILES(DMAX), ROWS = MMA_ROWS * MT;
     __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
     __shared__ __align__(16) u16 vs[2][KT * (DMAX + 8)];
     int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    i64 tiles = (tq + MMA_ROWS - 1) / MMA_ROWS;
+    i64 tiles = (tq + ROWS - 1) / ROWS;
     for (i64 b = blockIdx.x; b < groups * tiles; b += gridDim.x) {
-        // The last query tiles first: with a causal mask they see the most keys.
-        i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * MMA_ROWS, r0 = q0 + (threadIdx.x >> 5) * 16;
+        // The last query tiles first: with a causal mask they see the most keys. The warp's
+        // rows: r0.. (16 a tile).
+        i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * ROWS, r0 = q0 + (threadIdx.x >> 5) * 16 * MT;
         i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter);
         i64 kld = kinter * d, kat = head_row(grp / rep, 0, tk, d, kinter);
         const u16 *kg = k + kat, *vg = v + kat;
-        u32 qa[DMAX / 16][4];
-        load_rows<DMAX>(qa, q + qat, tq, d, ld, r0, g, t);
-        float o[DMAX / 8][4] = {};
-        // Each lane holds rows g and g + 8 (h = 0, 1): their running maximum (of the scores
-        // times log2(e)) and (partial) sum.
-        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
-        i64 keys = causal && q0 + MMA_ROWS < tk ? q0 + MMA_ROWS : tk;
+        u32 qa[MT][DMAX / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) load_rows<DMAX>(qa[mt], q + qat, tq, d, ld, r0 + 16 * mt, g, t);
+        float o[MT][DMAX / 8][4] = {};
+        // Each lane holds rows g and g + 8 (h = 0, 1) of each tile: their running maximum (of
+        // the scores times log2(e)) and (partial) sum.
+        float m[MT][2], l[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF, l[mt][0] = l[mt][1] = 0.f;
+        i64 keys = causal && q0 + ROWS < tk ? q0 + ROWS : tk;
         if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, kld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
             arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, kld, k0 + KT, keys);
-            float s[KT / 8][4];
-            rows_dot_tile<S, DMAX, KT>(s, qa, ks[j], d);
-            float mx[2] = {m[0], m[1]};
-            int hi[2];
-            keys_seen(hi, r0, k0, tk, causal, KT, g);
+            float s[MT][KT / 8][4];
+            rows_dot_tiles<S, DMAX, KT, MT>(s, qa, ks[j], d);
 #pragma unroll
-            for (int nt = 0; nt < KT / 8; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    int col = nt * 8 + 2 * t + (i & 1);
-                    float x = col < hi[i >> 1] ? s[nt][i] * (scale * LOG2E) : NEG_INF;
-                    s[nt][i] = x;
-                    mx[i >> 1] = fmaxf(mx[i >> 1], x);
-                }
-            float base[2];
-            for (int h = 0; h < 2; ++h) {
-                mx[h] = quad_max(mx[h]);
-                // A row that has seen no key yet (all masked) takes its exponentials from 0, so
-                // that none is NaN; they are all 0.
-                base[h] = mx[h] == NEG_INF ? 0.f : mx[h];
-                float rescale = exp2f(m[h] - base[h]);
-                l[h] *= rescale;
-#pragma unroll
-                for (int nt = 0; nt < DMAX / 8; ++nt) {
-                    o[nt][2 * h] *= rescale;
-                    o[nt][2 * h + 1] *= rescale;
-                }
-                m[h] = mx[h];
-            }
-#pragma unroll
-            for (int nt = 0; nt < KT / 8; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float p = exp2f(s[nt][i] - base[i >> 1]);
-                    s[nt][i] = p;
-                    l[i >> 1] += p;
-                }
-            acc_times_tile<S, DMAX, KT>(o, s, vs[j], d);
+            for (int mt = 0; mt < MT; ++mt) online_softmax<DMAX, KT>(s[mt], o[mt], m[mt], l[mt], r0 + 16 * mt, k0, tk,
+                                                                     causal, scale, g, t);
+            acc_times_tiles<S, DMAX, KT, MT>(o, s, vs[j], d);
             __syncthreads();  // every warp is done with buffer j
         }
-        float inv[2];
-        for (int h = 0; h < 2; ++h) {
-            l[h] = quad_sum(l[h]);
-            inv[h] = 1.f / l[h];
-            i64 row = r0 + g + 8 * h;
-            if (lse && t == 0 && row < tq) lse[grp * tq + row] = (m[h] + log2f(l[h])) * LN2;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            float inv[2];
+            for (int h = 0; h < 2; ++h) {
+                l[mt][h] = quad_sum(l[mt][h]);
+                inv[h] = 1.f / l[mt][h];
+                i64 row = r0 + 16 * mt + g + 8 * h;
+                if (lse && t == 0 && row < tq) lse[grp * tq + row] = (m[mt][h] + log2f(l[mt][h])) * LN2;
+            }
+            store_rows<S, DMAX>(y + qat, tq, d, ld, r0 + 16 * mt, o[mt], inv, g, t);
         }
-        store_rows<S, DMAX>(y + qat, tq, d, ld, r0, o, inv, g, t);
     }
 }
 

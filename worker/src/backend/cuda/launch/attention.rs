@@ -64,13 +64,23 @@ fn mma_tier(dev: Dev, t: DType, d: usize, operands: &[Ptr]) -> Option<usize> {
     }
 }
 
-/// `MMA_ROWS` of attention_mma.cu: a block of 4 warps takes 64 rows (of queries forward, of
-/// keys backward); the blocks stride over the tiles past CUDA's grid.
-fn per_tile(dev: Dev, groups: usize, rows: usize) -> LaunchConfig {
-    const MMA_ROWS: usize = 64;
-    let tiles = groups * rows.div_ceil(MMA_ROWS);
+/// A tensor-core kernel's blocks of 4 warps, each block taking `block_rows` rows (of queries
+/// forward, of keys backward) of each group; the blocks stride over the tiles past CUDA's grid.
+fn per_tile(dev: Dev, groups: usize, rows: usize, block_rows: usize) -> LaunchConfig {
+    let tiles = groups * rows.div_ceil(block_rows);
     let blocks = tiles.min(dev.attention_grid_limit());
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// The rows a tensor-core block takes: `MMA_ROWS` of attention_mma.cu, 64 (16 a warp), and
+/// forward `FWD_TILES` times as many: 128 for heads up to 64.
+const MMA_ROWS: usize = 64;
+fn forward_block_rows(tier: usize) -> usize {
+    if tier <= 64 {
+        2 * MMA_ROWS
+    } else {
+        MMA_ROWS
+    }
 }
 
 /// The kernels' extents: tq, tk, d, q's and k's heads to a token, and the query heads per key
@@ -95,7 +105,7 @@ pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) ->
         let g = a.groups as i64;
         return dev.kernel(
             &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
-            per_tile(dev, a.groups, a.tq),
+            per_tile(dev, a.groups, a.tq, forward_block_rows(tier)),
             &mut params![g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, y.at, lse],
         );
     }
@@ -131,7 +141,7 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
         dev.fill(dq_sums, 0, sums)?;
         dev.kernel(
             &mma_kernel("attention_mma_bwd", t, tier)?,
-            per_tile(dev, a.groups / a.rep, a.tk),
+            per_tile(dev, a.groups / a.rep, a.tk, MMA_ROWS),
             &mut params![
                 g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq_sums,
                 dk.at, dv.at
