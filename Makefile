@@ -21,7 +21,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' Cargo.toml | head -n 1)
 IMAGE_PREFIX ?= tensorfleet
 IMAGE_TAG ?= $(VERSION)
 
-.PHONY: deps k8s crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e e2e-cluster demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle images fuzz clean
+.PHONY: deps k8s crds build demo demo-data demo-llama demo-squeezenet demo-onnx demo-shapes test e2e e2e-cluster demo-cluster demo-cluster-down bench bench-load bench-gpu test-data gpu-bundle gpu-bundle-base images fuzz clean
 
 deps:
 	bash .ci/deps.sh
@@ -202,6 +202,26 @@ gpu-bundle: deps
 	tar czf $(GPU_BUNDLE)/onnx-node-tests.tgz -C "$$(dirname "$$(.venv/bin/python .ci/onnx_node_tests_dir.py)")" node
 	echo "$(CURDIR)" > $(GPU_BUNDLE)/built-at
 	du -sh $(GPU_BUNDLE)
+
+# The worker alone, built at an earlier commit (BASE, the commit before HEAD unless given), for
+# a kernel change's before and after in one call: carried beside .gpu-bundle and run by
+# `gpu_session.sh vs`. About 14 MB, where a whole bundle (with the GPU tests and the node tests'
+# data) is about 30 and a call carries 64 MiB; it takes the ResNet-50 export from $(GPU_BUNDLE)
+# when that is built. Built in a worktree of BASE under target/, into its own target folder.
+GPU_BUNDLE_BASE := .gpu-bundle-base
+BASE ?= HEAD~1
+gpu-bundle-base:
+	rm -rf target/gpu-base-src && git worktree prune
+	git worktree add --detach target/gpu-base-src "$(BASE)"
+	cd target/gpu-base-src && $(CARGO) build --release -p tensorfleet-worker --no-default-features --features cli \
+		--target-dir $(CURDIR)/target/solo-base
+	rm -rf $(GPU_BUNDLE_BASE) && mkdir -p $(GPU_BUNDLE_BASE)
+	strip -o $(GPU_BUNDLE_BASE)/tensorfleet-worker target/solo-base/release/tensorfleet-worker
+	git -C target/gpu-base-src rev-parse HEAD > $(GPU_BUNDLE_BASE)/commit
+	git worktree remove --force target/gpu-base-src
+	cp $(GPU_BUNDLE)/resnet50.onnx $(GPU_BUNDLE)/resnet50.weights.json $(GPU_BUNDLE_BASE)/ 2>/dev/null || true
+	echo "$(CURDIR)" > $(GPU_BUNDLE_BASE)/built-at
+	du -sh $(GPU_BUNDLE_BASE)
 
 # Both images from the Dockerfile, as archives under target/images/: with Docker where an engine
 # answers, else with buildah on local bases (e2e/images/build.sh says how; needs root here).

@@ -14,6 +14,11 @@
 # and layer_norm_grad_half, and with its vocabulary unpadded; the Llama without swiglu, and
 # without attention_shared_heads and attention_token_major; each model with everything. Kernel
 # changes have no switch: their before is a bundle of the earlier commit (GPU_BUNDLE, below).
+# vs: a kernel change's before and after in one call: tensorfleet's rows (no op profile) from a
+# bundle of the worker alone at the earlier commit (GPU_BASE, default .gpu-bundle-base: `make
+# gpu-bundle-base BASE=<commit>`, carried beside .gpu-bundle), then from this bundle, for GPT-2
+# and the Llama at micro-batch 64 and ResNet-50 at 128; each table under
+# $OUT/vs/<model>-<bundle>/. Arguments after the mode go to every row, after its own.
 # check: the GPU-vs-CPU training tests and NCCL's one-rank communicator (tests/cuda_backend.rs),
 # then the ONNX node tests on the GPU. bench: worker/benches/gpu_bench.py (arguments after the
 # mode go to it, e.g. --model llama --rows tensorfleet --micro-batches 16). Logs and results go
@@ -25,7 +30,7 @@
 # commit, carried beside the other, so that before and after are measured in one call on one
 # machine).
 set -euo pipefail
-mode=${1:?"usage: gpu_session.sh all|ab|check|bench [benchmark arguments]"}
+mode=${1:?"usage: gpu_session.sh all|ab|vs|check|bench [benchmark arguments]"}
 shift
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 bundle=${GPU_BUNDLE:-.gpu-bundle}
@@ -93,13 +98,42 @@ ab)
     for v in "${variants[@]}"; do
         IFS=: read -r model name passes extra <<<"$v"
         echo "== $SECONDS s: ab $model $name" | tee -a "$out/parts.txt"
-        rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json
+        # This row's table alone: `bench` copies out every table it finds.
+        rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json /tmp/tensorfleet-gpu-bench/gpu-bench-*.txt
         # shellcheck disable=SC2086 # $extra is words of arguments
         OUT="$out/ab/$model-$name" TENSORFLEET_DISABLED_PASSES=$passes timeout -k 10 80 bash "$0" bench \
             --model "$model" --rows tensorfleet --steps 10 --warmup 3 --micro-batches=64 --no-profile \
             --run-timeout 70 $extra "$@" || true
     done
-    cat "$out"/ab/*/gpu-bench-*.txt 2>/dev/null || true
+    for table in "$out"/ab/*/gpu-bench-*.txt; do
+        if [[ -f $table ]]; then echo "== ${table#"$out"/ab/}"; cat "$table"; fi
+    done
+    ;;
+vs)
+    # About 30 s a row on an H200 (ResNet-50's more); each under its own limit, together 540 s.
+    base=${GPU_BASE:-.gpu-bundle-base}
+    [[ -x $base/tensorfleet-worker ]] || {
+        echo "gpu_session: no $base here; run 'make gpu-bundle-base BASE=<commit>' and carry it" >&2
+        exit 2
+    }
+    echo "base: $(cat "$base/commit" 2>/dev/null || echo unknown); this bundle: $bundle" | tee -a "$out/parts.txt"
+    for model in gpt2 llama resnet50; do
+        sizes=--micro-batches=64
+        [[ $model == resnet50 ]] && sizes=--micro-batches=128
+        for b in "$base" "$bundle"; do
+            echo "== $SECONDS s: vs $model $b" | tee -a "$out/parts.txt"
+            rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json /tmp/tensorfleet-gpu-bench/gpu-bench-*.txt
+            # The base bundle has no ResNet-50 export of its own unless make copied one in.
+            export_dir=$b
+            [[ -f $b/resnet50.onnx ]] || export_dir=$bundle
+            OUT="$out/vs/$model-$(basename "$b")" GPU_BUNDLE=$b timeout -k 10 90 bash "$0" bench --model "$model" \
+                --rows tensorfleet --steps 10 --warmup 3 $sizes --no-profile --run-timeout 80 \
+                --resnet50-export "$export_dir" "$@" || true
+        done
+    done
+    for table in "$out"/vs/*/gpu-bench-*.txt; do
+        if [[ -f $table ]]; then echo "== ${table#"$out"/vs/}"; cat "$table"; fi
+    done
     ;;
 check)
     nodes=$(mktemp -d)
@@ -123,7 +157,7 @@ bench)
     exit $status
     ;;
 *)
-    echo "gpu_session: the mode is all, ab, check or bench, not '$mode'" >&2
+    echo "gpu_session: the mode is all, ab, vs, check or bench, not '$mode'" >&2
     exit 2
     ;;
 esac
