@@ -4,8 +4,8 @@
 // GPUs) and define what is computed; these compute the same in tiles, forward and backward side
 // by side:
 //
-// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward;
-//   forward for heads up to 64, two tiles of 16: FWD_TILES); a warp's own operands stay in
+// - a block of MMA_WARPS warps takes 16 rows per warp (query rows forward, key rows backward),
+//   and 32 forward for heads up to 64 (FWD_TILES); a warp's own operands stay in
 //   registers as product fragments (backward, its values; its keys are read from the block's
 //   shared tile, which dq's product needs anyway);
 // - the other side streams through two shared buffers KT rows at a time (64 forward and 32
@@ -91,7 +91,7 @@ __device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16
     __syncthreads();
 }
 
-// The a fragment of columns kt·16.. of the warp's 16 rows: held in registers, or read from a
+// The a fragment of columns kt·16.. of a tile of 16 of the warp's rows: held in registers, or read from a
 // shared tile whose rows (row stride DMAX + 8) start at `rows`, as matrices (rows 0.., cols
 // k0..), (8.., k0..), (0.., k0 + 8..), (8.., k0 + 8..).
 template <int DMAX>
@@ -106,11 +106,11 @@ __device__ __forceinline__ const u32* a_fragment(const u16* rows, int kt, u32 (&
 }
 
 // s[mt] (16 × KT, f32) = a[mt] (16 of the warp's rows, d wide) · tileᵀ, for MT tiles of the
-// warp's rows: each row against every tile row. One ldmatrix gives the b fragments of two
+// warp's rows (s and a point at MT of each): each row against every tile row. One ldmatrix gives the b fragments of two
 // 8-row groups of the tile, read once for all MT row tiles: matrices (rows n0.., cols k0..),
 // (n0.., k0 + 8..), (n0 + 8.., k0..), (n0 + 8.., k0 + 8..).
 template <class S, int DMAX, int KT, int MT, class A>
-__device__ __forceinline__ void rows_dot_tiles(float (&s)[MT][KT / 8][4], const A (&a)[MT], const u16* tile, int d) {
+__device__ __forceinline__ void rows_dot_tiles(float (*s)[KT / 8][4], const A* a, const u16* tile, int d) {
     int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -138,17 +138,16 @@ __device__ __forceinline__ void rows_dot_tiles(float (&s)[MT][KT / 8][4], const 
 // The same for one tile of 16 rows (the backward pass's).
 template <class S, int DMAX, int KT, class A>
 __device__ __forceinline__ void rows_dot_tile(float (&s)[KT / 8][4], const A& a, const u16* tile, int d) {
-    rows_dot_tiles<S, DMAX, KT, 1>(*reinterpret_cast<float(*)[1][KT / 8][4]>(&s),
-                                   *reinterpret_cast<const A(*)[1]>(&a), tile, d);
+    rows_dot_tiles<S, DMAX, KT, 1>(&s, &a, tile, d);
 }
 
 // acc[mt] (16 × d, f32) += p[mt] (16 × KT, f32 accumulators, rounded to S) · tile (KT × d), for
-// MT tiles of 16 rows. The accumulators of two 8-column products are, element for element, one
+// MT tiles of 16 rows (acc and p point at MT of each). The accumulators of two 8-column products are, element for element, one
 // a fragment. One transposing ldmatrix gives the b fragments of two 8-column groups of the
 // tile, read once for all MT row tiles: matrices (rows k0.., cols n0..), (k0 + 8.., n0..),
 // (k0.., n0 + 8..), (k0 + 8.., n0 + 8..).
 template <class S, int DMAX, int KT, int MT>
-__device__ __forceinline__ void acc_times_tiles(float (&acc)[MT][DMAX / 8][4], const float (&p)[MT][KT / 8][4],
+__device__ __forceinline__ void acc_times_tiles(float (*acc)[DMAX / 8][4], const float (*p)[KT / 8][4],
                                                 const u16* tile, int d) {
     int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
 #pragma unroll
@@ -179,8 +178,7 @@ __device__ __forceinline__ void acc_times_tiles(float (&acc)[MT][DMAX / 8][4], c
 template <class S, int DMAX, int KT>
 __device__ __forceinline__ void acc_times_tile(float (&acc)[DMAX / 8][4], const float (&p)[KT / 8][4], const u16* tile,
                                                int d) {
-    acc_times_tiles<S, DMAX, KT, 1>(*reinterpret_cast<float(*)[1][DMAX / 8][4]>(&acc),
-                                    *reinterpret_cast<const float(*)[1][KT / 8][4]>(&p), tile, d);
+    acc_times_tiles<S, DMAX, KT, 1>(&acc, &p, tile, d);
 }
 
 // Rows r0 + g and r0 + g + 8 of a 16 × d accumulator, times `by`, stored to an [n, d] matrix
@@ -278,8 +276,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[KT / 8][4], float (&o)
 
 // The forward pass's tiles of 16 query rows per warp: two for heads up to 64, where the key
 // and value tiles' fragments, each read once from shared memory, serve both (FlashAttention-2
-// gives a warp 32 query rows there: shared memory's bandwidth, not the tensor cores, bounded
-// one tile); one for larger heads, whose accumulators would not fit twice.
+// gives a warp 32 query rows there; with one tile, each fragment read fed one product, and
+// shared memory's bandwidth was as likely a bound as the tensor cores); one for larger heads,
+// whose accumulators would not fit twice.
 #define FWD_TILES(DMAX) ((DMAX) <= 64 ? 2 : 1)
 
 template <class S, int DMAX>
@@ -310,12 +309,17 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
         if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, kld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
             arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, kld, k0 + KT, keys);
-            float s[MT][KT / 8][4];
-            rows_dot_tiles<S, DMAX, KT, MT>(s, qa, ks[j], d);
+            // Under the causal mask a tile past the warp's last row is masked for all of its rows
+            // (the block's rows reach further): the warp skips it, as masked scores would
+            // change nothing. The same for the whole warp, so its shuffles stay whole.
+            if (!causal || k0 < r0 + 16 * MT) {
+                float s[MT][KT / 8][4];
+                rows_dot_tiles<S, DMAX, KT, MT>(s, qa, ks[j], d);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) online_softmax<DMAX, KT>(s[mt], o[mt], m[mt], l[mt], r0 + 16 * mt, k0, tk,
-                                                                     causal, scale, g, t);
-            acc_times_tiles<S, DMAX, KT, MT>(o, s, vs[j], d);
+                for (int mt = 0; mt < MT; ++mt)
+                    online_softmax<DMAX, KT>(s[mt], o[mt], m[mt], l[mt], r0 + 16 * mt, k0, tk, causal, scale, g, t);
+                acc_times_tiles<S, DMAX, KT, MT>(o, s, vs[j], d);
+            }
             __syncthreads();  // every warp is done with buffer j
         }
 #pragma unroll

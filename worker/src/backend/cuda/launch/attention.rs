@@ -72,9 +72,10 @@ fn per_tile(dev: Dev, groups: usize, rows: usize, block_rows: usize) -> LaunchCo
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }
 }
 
-/// The rows a tensor-core block takes: `MMA_ROWS` of attention_mma.cu, 64 (16 a warp), and
-/// forward `FWD_TILES` times as many: 128 for heads up to 64.
+/// The rows a tensor-core block takes: `MMA_ROWS` of attention_mma.cu (16 a warp).
 const MMA_ROWS: usize = 64;
+
+/// The query rows a forward block takes: `FWD_TILES` times `MMA_ROWS`, 128 for heads up to 64.
 fn forward_block_rows(tier: usize) -> usize {
     if tier <= 64 {
         2 * MMA_ROWS
