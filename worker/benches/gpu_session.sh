@@ -7,7 +7,8 @@
 #
 # all: one call's worth (under 10 minutes, each part under its own timeout so that a hang costs
 # only its part): GPT-2's tensorfleet row (and the warp attention's where that fails), then the
-# checks, then GPT-2's PyTorch rows, then the Llama's and ResNet-50's rows.
+# checks, then GPT-2's PyTorch rows, then the Llama's and ResNet-50's rows, then GPT-2's fp16
+# rows (dynamic loss scaling) in the time left.
 # ab: the changes that a fusion pass (or a benchmark option) can leave out, before and after in
 # one call (tensorfleet's rows only, micro-batch 64, no op profile; each variant's table under
 # $OUT/ab/<model>-<variant>/): GPT-2 without residual_layer_norm, without layer_norm_grad_add
@@ -55,31 +56,40 @@ fi
 
 case $mode in
 all)
-    # The parts run on whatever the one before left; a part's failure is in its log. Their limits
-    # add up to 580 s, under a call's 10 minutes (on an H200 they took about 95, 40, 66, 127 and
-    # 126 s); the fallback row, only where the default attention failed, adds 110 s, and then the
-    # last part may be cut short.
+    # The parts run on whatever the one before left; a part's failure is in its log. The bf16
+    # parts' limits add up to 540 s (on an H200 they took about 95, 40, 66, 127 and 126 s, on an
+    # H100 337 s together); the fp16 rows come last and get what is left of 580 s, under a call's
+    # 10 minutes. The fallback row, only where the default attention failed, adds 110 s, and then
+    # the fp16 rows may get none.
     sizes=--micro-batches=64,32,16
     others=(--steps 10 --warmup 3 --run-timeout 60)
     part() { echo "== $SECONDS s: $*" | tee -a "$out/parts.txt"; }
     rm -f /tmp/tensorfleet-gpu-bench/gpu-bench-*.json  # this call's rows only
     part bench gpt2 tensorfleet
-    timeout -k 10 120 bash "$0" bench --rows tensorfleet --run-timeout 100 $sizes || true
+    timeout -k 10 110 bash "$0" bench --rows tensorfleet --run-timeout 100 $sizes || true
     # The warp attention kernels' row only where the default ones failed (it takes minutes).
     if ! grep -q '"items_per_s"' /tmp/tensorfleet-gpu-bench/gpu-bench-gpt2.json 2>/dev/null; then
         part bench gpt2 tensorfleet_warp_attn
         timeout -k 10 110 bash "$0" bench --rows tensorfleet_warp_attn --run-timeout 100 $sizes || true
     fi
     part check
-    timeout -k 10 70 bash "$0" check || true
+    timeout -k 10 60 bash "$0" check || true
     part bench gpt2 pytorch
-    timeout -k 10 100 bash "$0" bench --rows pytorch_eager,pytorch_compile $sizes || true
+    timeout -k 10 90 bash "$0" bench --rows pytorch_eager,pytorch_compile $sizes || true
     part bench llama
-    timeout -k 10 150 bash "$0" bench --model llama --rows tensorfleet,pytorch_eager,pytorch_compile \
+    timeout -k 10 140 bash "$0" bench --model llama --rows tensorfleet,pytorch_eager,pytorch_compile \
         "${others[@]}" $sizes || true
     part bench resnet50
     timeout -k 10 140 bash "$0" bench --model resnet50 --rows tensorfleet,pytorch_eager,pytorch_compile \
         "${others[@]}" --micro-batches=128,64 || true
+    left=$((580 - SECONDS))
+    if ((left > 30)); then
+        part bench gpt2 fp16 "(${left} s left)"
+        timeout -k 10 "$left" bash "$0" bench --rows tensorfleet_fp16,pytorch_compile_fp16,pytorch_eager_fp16 \
+            --no-profile --steps 10 --warmup 3 --run-timeout 100 $sizes || true
+    else
+        part no time left for gpt2 fp16
+    fi
     part done
     cat "$out"/gpu-bench-*.txt 2>/dev/null || true
     ;;
