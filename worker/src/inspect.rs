@@ -83,7 +83,7 @@ fn inspect_model(path: &Path, dims: &[String]) -> Result<()> {
     }
     match bind(&g, &b, false) {
         Ok(bound) => {
-            let p = plan(&bound, &[]);
+            let p = plan(&bound, &[], |_| 0);
             println!(
                 "  planned peak memory (forward): {} transient + {} weights",
                 mib(p.arena_bytes),

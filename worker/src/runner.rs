@@ -436,6 +436,7 @@ fn train_on<B: Backend>(
     tracing::info!(
         backend = %backend.name(),
         arena_mib = arena as f64 / (1 << 20) as f64,
+        largest_scratch_mib = session.train.plan.scratch_peak() as f64 / (1 << 20) as f64,
         weights_mib = persistent as f64 / (1 << 20) as f64,
         nodes = session.train.plan.steps.len(),
         build_ms = t_build.elapsed().as_millis() as u64,

@@ -236,7 +236,8 @@ fn nodes_without_a_cuda_kernel_are_named() {
 fn optimizer_launches_match_their_kernels() {
     let meta = Meta::new(DType::F32, &[1000]);
     let v = launch::V { meta: &meta, at: launch::Ptr(0) };
-    let dev = launch::Dev(&launch::Check);
+    let check = launch::Check::default();
+    let dev = launch::Dev::new(&check);
     let h = StepHyper { lr: 1e-3, step: 1, grad_scale: 1.0 };
     let updates = [
         Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 },

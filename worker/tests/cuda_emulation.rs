@@ -29,12 +29,15 @@ use tensorfleet_worker::tensor::{DType, Tensor};
 use common::token_batch as batch;
 use common::{close_as_f32, run_typed, values};
 
-/// What a run leaves to compare: each step's loss, the evaluation loss, the final weights.
+/// What a run leaves to compare: each step's loss, the evaluation loss, the final weights, and
+/// how many of the training graph's steps its plan gave scratch (the dispatch's temporary
+/// memory, in the arena: the emulator refuses a request beyond it).
 struct Run {
     losses: Vec<f64>,
     eval: f64,
     initial: BTreeMap<String, Tensor>,
     weights: BTreeMap<String, Tensor>,
+    scratch_steps: usize,
 }
 
 /// GPT-2 with its vocabulary of 45 padded to 48 (the LM head masked past 45) trained `steps`.
@@ -69,7 +72,8 @@ fn train_model<B: Backend>(
     let initial = s.weights().unwrap();
     let losses = (0..steps).map(|k| s.step(batches, 3e-3, 1.0, k).unwrap().loss).collect();
     let eval = s.evaluate(&batches[..1]).unwrap();
-    Run { losses, eval, initial, weights: s.weights().unwrap() }
+    let scratch_steps = s.train.plan.scratch.iter().flatten().count();
+    Run { losses, eval, initial, weights: s.weights().unwrap(), scratch_steps }
 }
 
 fn assert_same(what: &str, gpu: &Run, cpu: &Run) {
@@ -114,6 +118,8 @@ fn gpt2_trains_on_the_emulated_kernels_to_the_cpu_losses() {
         let gpu = train(Arc::new(EmulatedGpu::new()), update, recompute, micro, 3);
         let cpu = train(Arc::new(CpuBackend::new()), update, recompute, micro, 3);
         assert_same(what, &gpu, &cpu);
+        // The attention's gradient (dq's f32 sums) and the bias gradients' column sums.
+        assert!(gpu.scratch_steps > 0 && cpu.scratch_steps == 0, "{what}: scratch planned for {}", gpu.scratch_steps);
     }
 }
 
@@ -135,6 +141,8 @@ fn exported_resnet18_trains_in_bf16_on_the_emulated_kernels_to_the_cpu_losses() 
     let gpu = train_model(Arc::new(EmulatedGpu::new()), &spec, &batches, &opts, 2);
     let cpu = train_model(Arc::new(CpuBackend::new()), &spec, &batches, &opts, 2);
     println!("resnet18 bf16: emulated {:?} then {}, CPU {:?} then {}", gpu.losses, gpu.eval, cpu.losses, cpu.eval);
+    // The convolutions' columns, their gradients' chunks, the max pool's first maxima.
+    assert!(gpu.scratch_steps > 0, "no step of the emulated ResNet-18 was planned scratch");
     // The first step's loss is the forward pass over the initial weights: within rounding.
     let (g, c) = (gpu.losses[0], cpu.losses[0]);
     assert!((g - c).abs() <= 1e-5 * c.abs(), "step 1: emulated GPU loss {g}, CPU {c}");
@@ -1253,7 +1261,7 @@ fn a_label_past_the_classes_is_bad_data_on_both_backends() {
         }
         let ins: Vec<_> = metas.iter().zip(&bufs).map(|(m, buf)| Some(Arg { buf, offset: 0, meta: m })).collect();
         let out: Vec<_> = outs.iter().zip(&bufs[2..]).map(|(m, buf)| Arg { buf, offset: 0, meta: m }).collect();
-        b.launch(op, &ins, &out)?;
+        b.launch(op, &ins, &out, None)?;
         b.synchronize()
     }
     for (name, result) in

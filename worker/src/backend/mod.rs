@@ -35,6 +35,15 @@ impl<B> Clone for Arg<'_, B> {
 }
 impl<B> Copy for Arg<'_, B> {}
 
+/// Temporary memory the executor's plan set aside for one step (the bytes
+/// [`Backend::scratch_bytes`] asked for), in the arena beside the step's values: the kernels
+/// may use it until the step's work is done, and the plan gives it to later values after that.
+pub struct Scratch<'a, B> {
+    pub buf: &'a B,
+    pub offset: usize,
+    pub bytes: usize,
+}
+
 /// One weight's operands in an optimizer update: the weight, its gradient, and its state
 /// buffers (momentum; or Adam's first and second moments), all f32 of the weight's meta.
 pub struct Slot<'a, B> {
@@ -76,13 +85,22 @@ pub trait Backend: Send + Sync + 'static {
     /// Copies a device value to a host tensor of the same meta; waits for pending work.
     fn download(&self, src: Arg<Self::Buffer>) -> Result<Tensor, BackendError>;
 
-    /// Runs one static op. `outputs` never overlap live `inputs` (the planner sees to it).
+    /// Runs one static op. `outputs` never overlap live `inputs` (the planner sees to it);
+    /// `scratch`, where the plan gave the step some, overlaps neither.
     fn launch(
         &self,
         op: &Op,
         inputs: &[Option<Arg<Self::Buffer>>],
         outputs: &[Arg<Self::Buffer>],
+        scratch: Option<Scratch<Self::Buffer>>,
     ) -> Result<(), BackendError>;
+
+    /// The temporary memory `launch` would use for `op` on values of these metas, which the
+    /// executor's plan then places in its arena (and counts in its peak). None by default: a
+    /// backend whose kernels need none, or that allocates its own (the CPU's).
+    fn scratch_bytes(&self, _op: &Op, _inputs: &[Option<&Meta>], _outputs: &[&Meta]) -> usize {
+        0
+    }
 
     /// dst = dst·keep + src·scale over f32 values of the same meta (gradient accumulation);
     /// keep 0 overwrites dst, whatever it held (the inf or NaN of a skipped fp16 step too).

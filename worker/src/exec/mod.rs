@@ -4,9 +4,9 @@
 pub mod optimizer;
 pub mod plan;
 
-use crate::backend::{Arg, Backend, Group};
+use crate::backend::{Arg, Backend, Group, Scratch};
 use crate::error::{Error, Result};
-use crate::graph::ir::{Graph, ValueId};
+use crate::graph::ir::{Graph, Meta, ValueId};
 use crate::op::Op;
 use crate::tensor::Tensor;
 use plan::{Place, Plan};
@@ -46,16 +46,24 @@ fn fits<B: Backend>(backend: &B, plan: &Plan, state_bytes: usize) -> Result<()> 
     let needed = plan.arena_bytes.saturating_add(plan.persistent_bytes).saturating_add(state_bytes);
     match backend.memory_available() {
         Some(available) if needed > available => Err(Error::Config(format!(
-            "batchSize: the run needs {needed} bytes on {} ({} for activations, {} for weights and their \
-             gradients, {state_bytes} for the optimizer's state) and {available} are available; lower batchSize \
-             (or the model's seqLen), set recompute, or spread the model over more ranks (parallelism.zero, \
-             parallelism.tensor, parallelism.pipeline)",
+            "batchSize: the run needs {needed} bytes on {} ({} for activations and the kernels' scratch, {} for \
+             weights and their gradients, {state_bytes} for the optimizer's state) and {available} are available; \
+             lower batchSize (or the model's seqLen), set recompute, or spread the model over more ranks \
+             (parallelism.zero, parallelism.tensor, parallelism.pipeline)",
             backend.name(),
             plan.arena_bytes,
             plan.persistent_bytes,
         ))),
         _ => Ok(()),
     }
+}
+
+/// The scratch bytes node `i`'s launch asks `backend` for, with the node's metas.
+fn scratch_of<B: Backend>(backend: &B, g: &Graph, i: usize) -> usize {
+    let node = &g.nodes[i];
+    let ins: Vec<Option<&Meta>> = node.inputs.iter().map(|x| x.and_then(|v| g.meta(v))).collect();
+    let outs: Vec<&Meta> = node.outputs.iter().flatten().filter_map(|&v| g.meta(v)).collect();
+    backend.scratch_bytes(&node.op, &ins, &outs)
 }
 
 impl<B: Backend> Executor<B> {
@@ -68,7 +76,7 @@ impl<B: Backend> Executor<B> {
     /// session's optimizer state): the plan and that state must fit together, checked before
     /// anything is allocated.
     pub fn with_state(backend: Arc<B>, graph: Graph, keep: &[ValueId], state_bytes: usize) -> Result<Executor<B>> {
-        let plan = plan::plan(&graph, keep);
+        let plan = plan::plan(&graph, keep, |i| scratch_of(backend.as_ref(), &graph, i));
         fits(backend.as_ref(), &plan, state_bytes)?;
         let arena = backend.alloc(plan.arena_bytes)?;
         let mut persistent = HashMap::new();
@@ -183,7 +191,8 @@ impl<B: Backend> Executor<B> {
                 })
                 .collect::<Result<_>>()?;
             let t0 = profiling.then(Instant::now);
-            self.backend.launch(op, &inputs, &outputs).map_err(|e| Error::from(e.at(node.describe())))?;
+            let scratch = self.plan.scratch[i].map(|(offset, bytes)| Scratch { buf: &self.arena, offset, bytes });
+            self.backend.launch(op, &inputs, &outputs, scratch).map_err(|e| Error::from(e.at(node.describe())))?;
             if let Op::AllReduce { op } = op {
                 // The backend copied the value into place; the group reduces it there.
                 let group = self.tensor_group.as_ref().ok_or_else(|| {

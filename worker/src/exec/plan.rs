@@ -3,7 +3,9 @@
 //! Every value of a bound graph gets a place: initializers and graph inputs own persistent
 //! buffers; everything else lives at an offset of one arena, reused by liveness (a value's
 //! bytes are free again after its last reader ran). Reshape and Identity outputs alias their
-//! input, so they cost neither memory nor a copy.
+//! input, so they cost neither memory nor a copy. A step whose kernels need temporary memory
+//! (the backend says how much) gets it in the arena too, for that step alone, so that the
+//! planned peak counts it.
 
 use crate::graph::ir::{Graph, ValueId};
 use crate::op::Op;
@@ -29,10 +31,20 @@ pub struct Plan {
     pub root: Vec<ValueId>,
     /// Nodes (indices into the graph) that run; aliasing nodes are left out.
     pub steps: Vec<usize>,
-    /// Bytes of the arena: the planned peak of transient memory.
+    /// Each node's scratch: its arena offset and bytes (None for none, and for nodes that do
+    /// not run).
+    pub scratch: Vec<Option<(usize, usize)>>,
+    /// Bytes of the arena: the planned peak of transient memory, scratch included.
     pub arena_bytes: usize,
     /// Bytes of persistent buffers (weights, inputs).
     pub persistent_bytes: usize,
+}
+
+impl Plan {
+    /// The largest scratch any one step was given (0 for none).
+    pub fn scratch_peak(&self) -> usize {
+        self.scratch.iter().flatten().map(|&(_, bytes)| bytes).max().unwrap_or(0)
+    }
 }
 
 fn align(n: usize) -> usize {
@@ -86,8 +98,9 @@ impl FreeList {
 }
 
 /// Plans a bound graph (every value has a meta). `keep` lists values that must stay readable
-/// after a run besides the graph outputs.
-pub fn plan(g: &Graph, keep: &[ValueId]) -> Plan {
+/// after a run besides the graph outputs; `scratch_of(node)` is the scratch bytes that node's
+/// step needs (`Backend::scratch_bytes`).
+pub fn plan(g: &Graph, keep: &[ValueId], scratch_of: impl Fn(usize) -> usize) -> Plan {
     let n = g.values.len();
     let mut root: Vec<ValueId> = (0..n).collect();
     let mut steps = Vec::new();
@@ -140,17 +153,25 @@ pub fn plan(g: &Graph, keep: &[ValueId]) -> Plan {
         }
     }
     let mut free = FreeList { blocks: Vec::new(), end: 0 };
-    for pos in 0..steps.len() {
-        // Outputs are placed before this step's dying inputs are freed: a kernel never writes
-        // over what it reads.
+    let mut scratch = vec![None; g.nodes.len()];
+    for (pos, &i) in steps.iter().enumerate() {
+        // Outputs and scratch are placed before this step's dying inputs are freed: a kernel
+        // never writes over what it reads.
         for &r in &births[pos] {
             let size = align(g.meta(r).map_or(0, |m| m.bytes()).max(1));
             places[r] = Place::Arena(free.take(size));
+        }
+        let bytes = scratch_of(i);
+        if bytes > 0 {
+            scratch[i] = Some((free.take(align(bytes)), bytes));
         }
         for &r in &deaths[pos] {
             if let Place::Arena(off) = places[r] {
                 free.give(off, align(g.meta(r).map_or(0, |m| m.bytes()).max(1)));
             }
+        }
+        if let Some((off, bytes)) = scratch[i] {
+            free.give(off, align(bytes));
         }
     }
     for v in 0..n {
@@ -158,7 +179,7 @@ pub fn plan(g: &Graph, keep: &[ValueId]) -> Plan {
             places[v] = places[root[v]];
         }
     }
-    Plan { places, root, steps, arena_bytes: free.end, persistent_bytes }
+    Plan { places, root, steps, scratch, arena_bytes: free.end, persistent_bytes }
 }
 
 #[cfg(test)]
@@ -182,11 +203,44 @@ mod tests {
             g.values[v].meta = Some(Meta::new(DType::F32, &[1000]));
         }
         g.outputs.push(c);
-        let p = plan(&g, &[]);
+        let p = plan(&g, &[], |_| 0);
         assert_eq!(p.steps.len(), 3, "the reshape is an alias, not a step");
         assert_eq!(p.places[r], p.places[b]);
         assert_eq!(p.places[c], p.places[a], "c reuses a's bytes");
         assert_ne!(p.places[b], p.places[a]);
         assert_eq!(p.arena_bytes, 2 * align(4000));
+    }
+
+    #[test]
+    fn a_steps_scratch_is_apart_from_its_values_and_free_after_it() {
+        // x → relu → a → relu → b → relu → c → relu → d (output), b's step with 8000 bytes of
+        // scratch: apart from a (its input) and b (its output), and free again after it.
+        let mut g = Graph::new("t", 17);
+        let x = g.add_input("x", DType::F32, vec![]);
+        g.values[x].meta = Some(Meta::new(DType::F32, &[1000]));
+        let a = g.op1("a", Op::Unary(Unary::Relu), &[x]);
+        let b = g.op1("b", Op::Unary(Unary::Relu), &[a]);
+        let c = g.op1("c", Op::Unary(Unary::Relu), &[b]);
+        let d = g.op1("d", Op::Unary(Unary::Relu), &[c]);
+        for v in [a, b, c, d] {
+            g.values[v].meta = Some(Meta::new(DType::F32, &[if v == c { 3000 } else { 1000 }]));
+        }
+        g.outputs.push(d);
+        let p = plan(&g, &[], |node| if node == 1 { 8000 } else { 0 });
+        let (off, bytes) = p.scratch[1].expect("b's step has scratch");
+        assert_eq!(bytes, 8000);
+        assert!(p.scratch.iter().enumerate().all(|(i, s)| s.is_none() || i == 1));
+        let at = |v| match p.places[v] {
+            Place::Arena(o) => o..o + align(g.meta(v).unwrap().bytes()),
+            other => panic!("{other:?}"),
+        };
+        for v in [a, b] {
+            let r = at(v);
+            assert!(r.end <= off || off + align(bytes) <= r.start, "scratch overlaps a live value");
+        }
+        // c (12,000 bytes) takes the freed scratch at the arena's end and grows it by 4,000;
+        // had the scratch stayed taken, c would have gone past it.
+        assert_eq!(at(c).start, off, "c reuses the freed scratch");
+        assert_eq!(p.arena_bytes, 2 * align(4000) + align(12000));
     }
 }

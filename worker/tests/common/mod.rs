@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Command, Output};
-use tensorfleet_worker::backend::{Arg, Backend};
+use tensorfleet_worker::backend::{Arg, Backend, Scratch};
 use tensorfleet_worker::graph::ir::Meta;
 use tensorfleet_worker::op::Op;
 use tensorfleet_worker::tensor::{DType, Tensor};
@@ -62,7 +62,12 @@ pub fn run_typed<B: Backend>(backend: &B, op: &Op, inputs: &[Tensor], out_metas:
     }
     let ins: Vec<Option<Arg<B::Buffer>>> = in_bufs.iter().zip(&in_metas).map(|(b, m)| Some(arg(b, m))).collect();
     let outs: Vec<Arg<B::Buffer>> = out_bufs.iter().zip(out_metas).map(|(b, m)| arg(b, m)).collect();
-    backend.launch(op, &ins, &outs).unwrap_or_else(|e| panic!("{op:?}: {e}"));
+    // The scratch the backend measures for the op, as an executor's plan would give it.
+    let (ins_meta, outs_meta): (Vec<_>, Vec<_>) = (in_metas.iter().map(Some).collect(), out_metas.iter().collect());
+    let scratch_bytes = backend.scratch_bytes(op, &ins_meta, &outs_meta);
+    let scratch_buf = backend.alloc(scratch_bytes.max(1)).unwrap();
+    let scratch = (scratch_bytes > 0).then_some(Scratch { buf: &scratch_buf, offset: 0, bytes: scratch_bytes });
+    backend.launch(op, &ins, &outs, scratch).unwrap_or_else(|e| panic!("{op:?}: {e}"));
     outs.into_iter().map(|o| backend.download(o).unwrap()).collect()
 }
 

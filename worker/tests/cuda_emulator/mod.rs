@@ -14,9 +14,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use tensorfleet_worker::backend::cuda::gemm::{Epilogue, Product};
 use tensorfleet_worker::backend::cuda::launch::{self, Dev, Ptr, Target, V};
 use tensorfleet_worker::backend::cuda::{compile, CudaBackend};
-use tensorfleet_worker::backend::{Arg, Backend, BackendError, DeviceCollective, Slot};
+use tensorfleet_worker::backend::{Arg, Backend, BackendError, DeviceCollective, Scratch, Slot};
 use tensorfleet_worker::comm::{Collective, HostGroup, ReduceOp};
-use tensorfleet_worker::graph::ir::Graph;
+use tensorfleet_worker::graph::ir::{Graph, Meta};
 use tensorfleet_worker::kernels::elementwise::{gelu_tanh, gelu_tanh_grad};
 use tensorfleet_worker::op::Op;
 use tensorfleet_worker::optim::StepHyper;
@@ -165,6 +165,9 @@ pub struct EmulatedGpu {
     /// The attention kernels' grid limit (`Target::attention_grid_limit`; the GPU's 2^20 unless
     /// a test makes it small to run their striding loops).
     pub attention_grid_limit: std::sync::atomic::AtomicUsize,
+    /// Set while a step runs with the scratch its plan gave it: a request beyond that is the
+    /// plan's mistake (`Backend::scratch_bytes` measured too little), an error here.
+    planned_scratch: std::sync::atomic::AtomicBool,
 }
 
 /// The collectives of emulated GPUs, NCCL's stand-in: the group's MPI collectives run straight
@@ -268,6 +271,7 @@ impl EmulatedGpu {
             collective_calls: Default::default(),
             scratch_budget: std::sync::atomic::AtomicUsize::new(64 << 20),
             attention_grid_limit: std::sync::atomic::AtomicUsize::new(1 << 20),
+            planned_scratch: Default::default(),
         }
     }
 
@@ -386,6 +390,9 @@ impl Target for EmulatedGpu {
         Ok(())
     }
     fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
+        if self.planned_scratch.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(BackendError::Device(format!("{bytes} bytes of scratch beyond what the step was planned")));
+        }
         let mut s = self.scratch.lock().unwrap();
         if unsafe { (*s.lines.get()).len() } * 64 < bytes {
             *s = HostBuffer::new(bytes);
@@ -455,10 +462,22 @@ impl Backend for EmulatedGpu {
         op: &Op,
         inputs: &[Option<Arg<HostBuffer>>],
         outputs: &[Arg<HostBuffer>],
+        scratch: Option<Scratch<HostBuffer>>,
     ) -> Result<(), BackendError> {
         let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(value)).collect();
         let outs: Vec<V> = outputs.iter().map(value).collect();
-        launch::run(self, op, &ins, &outs)
+        let Some(s) = scratch else { return launch::run(self, op, &ins, &outs, None) };
+        // Poisoned as the scratch of a request is (`Target::scratch`).
+        let at = s.buf.base() + s.offset as u64;
+        unsafe { std::ptr::write_bytes(at as *mut u8, 0xff, s.bytes) };
+        self.planned_scratch.store(true, std::sync::atomic::Ordering::Relaxed);
+        let ran = launch::run(self, op, &ins, &outs, Some((Ptr(at), s.bytes)));
+        self.planned_scratch.store(false, std::sync::atomic::Ordering::Relaxed);
+        ran
+    }
+
+    fn scratch_bytes(&self, op: &Op, inputs: &[Option<&Meta>], outputs: &[&Meta]) -> usize {
+        launch::scratch_bytes(self, op, inputs, outputs)
     }
 
     fn accumulate(
@@ -468,16 +487,16 @@ impl Backend for EmulatedGpu {
         src: Arg<HostBuffer>,
         scale: f32,
     ) -> Result<(), BackendError> {
-        launch::accumulate(Dev(self), value(&dst), keep, value(&src), scale)
+        launch::accumulate(Dev::new(self), value(&dst), keep, value(&src), scale)
     }
 
     fn sum_squares(&self, xs: &[Arg<HostBuffer>]) -> Result<f64, BackendError> {
         let xs: Vec<V> = xs.iter().map(value).collect();
-        launch::sum_squares(Dev(self), &xs)
+        launch::sum_squares(Dev::new(self), &xs)
     }
 
     fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<HostBuffer>]) -> Result<(), BackendError> {
-        launch::optimizer_step(Dev(self), update, h, &launch::slots(slots, value))
+        launch::optimizer_step(Dev::new(self), update, h, &launch::slots(slots, value))
     }
 
     fn adasum(
@@ -487,7 +506,7 @@ impl Backend for EmulatedGpu {
         mine_is_lower: bool,
     ) -> Result<(), BackendError> {
         let (mine, theirs): (Vec<V>, Vec<V>) = (mine.iter().map(value).collect(), theirs.iter().map(value).collect());
-        launch::adasum(Dev(self), &mine, &theirs, mine_is_lower)
+        launch::adasum(Dev::new(self), &mine, &theirs, mine_is_lower)
     }
 
     fn unsupported(&self, graph: &Graph) -> Vec<String> {

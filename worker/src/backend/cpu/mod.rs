@@ -2,7 +2,7 @@
 //! crate. Work runs when it is launched, so `synchronize` has nothing to wait for. The kernels
 //! themselves are the crate's host reference ops, `crate::kernels`.
 
-use super::{Arg, Backend, BackendError, Slot};
+use super::{Arg, Backend, BackendError, Scratch, Slot};
 use crate::kernels;
 use crate::op::Op;
 use crate::optim::{StepHyper, Update};
@@ -99,6 +99,7 @@ impl Backend for CpuBackend {
         op: &Op,
         inputs: &[Option<Arg<CpuBuffer>>],
         outputs: &[Arg<CpuBuffer>],
+        _scratch: Option<Scratch<CpuBuffer>>,
     ) -> Result<(), BackendError> {
         let ins: Vec<Option<TensorView>> = inputs.iter().map(|a| a.as_ref().map(view)).collect();
         let mut outs: Vec<TensorViewMut> = outputs.iter().map(view_mut).collect();

@@ -279,6 +279,11 @@ fn signatures() -> &'static HashMap<String, Vec<&'static str>> {
     })
 }
 
+/// A device's `Target::scratch_budget` unless it says otherwise.
+const SCRATCH_BUDGET: usize = 64 << 20;
+/// A device's `Target::attention_grid_limit` unless it says otherwise.
+const ATTENTION_GRID_LIMIT: usize = 1 << 20;
+
 /// Where the dispatch's work goes: the GPU ([`CudaBackend`]), nowhere ([`Check`]), or a
 /// stand-in that runs the same kernels elsewhere (the tests' CPU emulator). Kernel parameters
 /// arrive checked against the kernel's declaration.
@@ -294,12 +299,12 @@ pub trait Target {
     /// How much temporary memory an op that can split its work (convolution's weight gradient,
     /// in chunks of images) should keep to.
     fn scratch_budget(&self) -> usize {
-        64 << 20
+        SCRATCH_BUDGET
     }
     /// The most blocks the attention kernels' launches are given (their loops stride over the
     /// rest): 2^20, below CUDA's limit; a test makes it small to run those loops.
     fn attention_grid_limit(&self) -> usize {
-        1 << 20
+        ATTENTION_GRID_LIMIT
     }
     /// Whether attention may run on the tensor-core kernels: the device has sm_80's instructions
     /// (`mma.sync` m16n8k16 in f16 and bf16, `ldmatrix`, `cp.async`) and `ATTENTION_ENV` does
@@ -313,10 +318,22 @@ pub trait Target {
     fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError>;
 }
 
-/// No device: the dispatch makes every check and launches nothing.
-pub struct Check;
+/// No device: the dispatch makes every check and launches nothing, keeping the largest scratch
+/// request. [`Check::as_on`] answers the dispatch's questions (its scratch budget, its attention
+/// kernels) as a device would; [`Check::default`] as the trait's defaults do.
+#[derive(Default)]
+pub struct Check<'a> {
+    device: Option<&'a dyn Target>,
+    most_scratch: std::cell::Cell<usize>,
+}
 
-impl Target for Check {
+impl<'a> Check<'a> {
+    pub fn as_on(device: &'a dyn Target) -> Check<'a> {
+        Check { device: Some(device), most_scratch: Default::default() }
+    }
+}
+
+impl Target for Check<'_> {
     fn launch(&self, _: &str, _: LaunchConfig, _: &mut [*mut c_void]) -> Result<(), BackendError> {
         Ok(())
     }
@@ -332,8 +349,18 @@ impl Target for Check {
     fn gemm(&self, _: &Product) -> Result<(), BackendError> {
         Ok(())
     }
-    fn scratch(&self, _: usize) -> Result<Ptr, BackendError> {
+    fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
+        self.most_scratch.set(self.most_scratch.get().max(bytes));
         Ok(NULL)
+    }
+    fn scratch_budget(&self) -> usize {
+        self.device.map_or(SCRATCH_BUDGET, |d| d.scratch_budget())
+    }
+    fn attention_grid_limit(&self) -> usize {
+        self.device.map_or(ATTENTION_GRID_LIMIT, |d| d.attention_grid_limit())
+    }
+    fn tensor_core_attention(&self) -> bool {
+        self.device.is_none_or(|d| d.tensor_core_attention())
     }
     fn fault(&self, _: String) -> Ptr {
         NULL
@@ -374,9 +401,25 @@ impl Target for CudaBackend {
 }
 
 /// The dispatch's handle on its target: kernel launches are checked against their
-/// declarations here, whatever the target.
+/// declarations here, whatever the target. Scratch comes from the region the executor's plan
+/// gave the step, where it has one that is large enough, and from the target otherwise (work
+/// outside the graph's steps: the optimizer, the gradient norm).
 #[derive(Clone, Copy)]
-pub struct Dev<'a>(pub &'a dyn Target);
+pub struct Dev<'a> {
+    target: &'a dyn Target,
+    planned: Option<(Ptr, usize)>,
+}
+
+impl<'a> Dev<'a> {
+    pub fn new(target: &'a dyn Target) -> Dev<'a> {
+        Dev { target, planned: None }
+    }
+
+    /// A step's handle, with the scratch its plan placed at `at`, `bytes` long.
+    pub fn with_scratch(target: &'a dyn Target, at: Ptr, bytes: usize) -> Dev<'a> {
+        Dev { target, planned: Some((at, bytes)) }
+    }
+}
 
 impl Dev<'_> {
     fn kernel(&self, name: &str, cfg: LaunchConfig, params: &mut [P]) -> Result<(), BackendError> {
@@ -399,19 +442,19 @@ impl Dev<'_> {
             return Ok(()); // no rows: nothing to launch
         }
         let mut raw: Vec<*mut c_void> = params.iter_mut().map(P::as_param).collect();
-        self.0.launch(name, cfg, &mut raw)
+        self.target.launch(name, cfg, &mut raw)
     }
 
     fn copy(&self, dst: Ptr, src: Ptr, bytes: usize) -> Result<(), BackendError> {
-        self.0.copy(dst, src, bytes)
+        self.target.copy(dst, src, bytes)
     }
 
     fn fill(&self, dst: Ptr, byte: u8, bytes: usize) -> Result<(), BackendError> {
-        self.0.fill(dst, byte, bytes)
+        self.target.fill(dst, byte, bytes)
     }
 
     fn write(&self, dst: Ptr, bytes: &[u8]) -> Result<(), BackendError> {
-        self.0.write(dst, bytes)
+        self.target.write(dst, bytes)
     }
 
     /// A product (`Target::gemm`), unless there is nothing to multiply: cuBLASLt takes no empty
@@ -423,7 +466,7 @@ impl Dev<'_> {
             return Ok(());
         }
         if p.k > 0 {
-            return self.0.gemm(p);
+            return self.target.gemm(p);
         }
         let size = p.d_dtype.size() as u64;
         match p.beta {
@@ -433,33 +476,37 @@ impl Dev<'_> {
             beta => return refused!("a product of no terms with beta {beta}: no CUDA path"),
         }
         if p.has_epilogue() {
-            return apply_epilogue(self.0, p);
+            return apply_epilogue(self.target, p);
         }
         Ok(())
     }
 
+    /// At least `bytes` of temporary memory, valid until the next request.
     fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
-        self.0.scratch(bytes)
+        match self.planned {
+            Some((at, planned)) if bytes <= planned => Ok(at),
+            _ => self.target.scratch(bytes),
+        }
     }
 
     fn scratch_budget(&self) -> usize {
-        self.0.scratch_budget()
+        self.target.scratch_budget()
     }
 
     fn attention_grid_limit(&self) -> usize {
-        self.0.attention_grid_limit()
+        self.target.attention_grid_limit()
     }
 
     fn tensor_core_attention(&self) -> bool {
-        self.0.tensor_core_attention()
+        self.target.tensor_core_attention()
     }
 
     fn fault(&self, what: impl FnOnce() -> String) -> Ptr {
-        self.0.fault(what())
+        self.target.fault(what())
     }
 
     fn partials(&self, at: Ptr, count: usize) -> Result<Vec<f64>, BackendError> {
-        self.0.partials(at, count)
+        self.target.partials(at, count)
     }
 }
 
@@ -488,8 +535,19 @@ pub fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
 }
 
 /// Runs `op` on `target`.
-pub fn run(target: &dyn Target, op: &Op, inputs: &[Option<V>], outputs: &[V]) -> Result<(), BackendError> {
-    dispatch(Dev(target), op, inputs, outputs)
+/// Runs `op` on `target`, with the scratch its step was planned (an address and its bytes).
+pub fn run(
+    target: &dyn Target,
+    op: &Op,
+    inputs: &[Option<V>],
+    outputs: &[V],
+    scratch: Option<(Ptr, usize)>,
+) -> Result<(), BackendError> {
+    let dev = match scratch {
+        Some((at, bytes)) => Dev::with_scratch(target, at, bytes),
+        None => Dev::new(target),
+    };
+    dispatch(dev, op, inputs, outputs)
 }
 
 /// Whether `op` with these input and output metas can run on the CUDA backend; Err says why
@@ -497,7 +555,21 @@ pub fn run(target: &dyn Target, op: &Op, inputs: &[Option<V>], outputs: &[V]) ->
 pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), BackendError> {
     let ins: Vec<Option<V>> = inputs.iter().map(|m| m.as_ref().map(|meta| V { meta, at: NULL })).collect();
     let outs: Vec<V> = outputs.iter().map(|meta| V { meta, at: NULL }).collect();
-    run(&Check, op, &ins, &outs)
+    run(&Check::default(), op, &ins, &outs, None)
+}
+
+/// The most scratch memory `op` asks for on `device` with these input and output metas (0 for
+/// an op the dispatch refuses: that refusal comes when it runs). The dispatch runs against
+/// [`Check::as_on`], so the sizes are the ones a launch requests, with the device's budget and
+/// kernel choices.
+pub fn scratch_bytes(device: &dyn Target, op: &Op, inputs: &[Option<&Meta>], outputs: &[&Meta]) -> usize {
+    let ins: Vec<Option<V>> = inputs.iter().map(|m| m.map(|meta| V { meta, at: NULL })).collect();
+    let outs: Vec<V> = outputs.iter().map(|&meta| V { meta, at: NULL }).collect();
+    let check = Check::as_on(device);
+    match run(&check, op, &ins, &outs, None) {
+        Ok(()) => check.most_scratch.get(),
+        Err(_) => 0,
+    }
 }
 
 /// The element type every operand shares (f32, f16 or bf16), or why not.
@@ -2126,7 +2198,7 @@ pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), BackendErr
     if p.batch > 1 && p.d_stride != (p.m * p.n) as i64 {
         return refused!("an epilogue for a product whose outputs are not packed: {p:?}");
     }
-    let dev = Dev(target);
+    let dev = Dev::new(target);
     let d = Meta::new(p.dtype, &[rows, n]);
     let d = V { meta: &d, at: Ptr(p.d) };
     if p.bias != 0 {

@@ -13,9 +13,9 @@ pub mod launch;
 pub mod nccl;
 pub mod probe;
 
-use super::{Arg, Backend, BackendError, DeviceCollective, Slot};
+use super::{Arg, Backend, BackendError, DeviceCollective, Scratch, Slot};
 use crate::comm::{HostGroup, ProcessGroup, ReduceOp};
-use crate::graph::ir::Graph;
+use crate::graph::ir::{Graph, Meta};
 use crate::op::Op;
 use crate::optim::{StepHyper, Update};
 use crate::tensor::{DType, Tensor};
@@ -299,7 +299,9 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// At least `bytes` of scratch memory, valid until the next launch that asks for scratch.
+    /// At least `bytes` of scratch memory, valid until the next launch that asks for scratch:
+    /// for work outside the graph's steps (the optimizer, the gradient norm), whose steps get
+    /// theirs in the executor's arena (`Backend::scratch_bytes`).
     pub(crate) fn scratch(&self, bytes: usize) -> Result<u64, BackendError> {
         let mut s = self.scratch.lock().unwrap();
         if s.as_ref().is_none_or(|b| b.bytes < bytes) {
@@ -442,11 +444,17 @@ impl Backend for CudaBackend {
         op: &Op,
         inputs: &[Option<Arg<CudaBuffer>>],
         outputs: &[Arg<CudaBuffer>],
+        scratch: Option<Scratch<CudaBuffer>>,
     ) -> Result<(), BackendError> {
         self.bind()?;
         let ins: Vec<Option<launch::V>> = inputs.iter().map(|a| a.as_ref().map(launch::value)).collect();
         let outs: Vec<launch::V> = outputs.iter().map(launch::value).collect();
-        launch::run(self, op, &ins, &outs)
+        let scratch = scratch.map(|s| (launch::Ptr(s.buf.ptr + s.offset as u64), s.bytes));
+        launch::run(self, op, &ins, &outs, scratch)
+    }
+
+    fn scratch_bytes(&self, op: &Op, inputs: &[Option<&Meta>], outputs: &[&Meta]) -> usize {
+        launch::scratch_bytes(self, op, inputs, outputs)
     }
 
     fn accumulate(
@@ -457,18 +465,18 @@ impl Backend for CudaBackend {
         scale: f32,
     ) -> Result<(), BackendError> {
         self.bind()?;
-        launch::accumulate(launch::Dev(self), launch::value(&dst), keep, launch::value(&src), scale)
+        launch::accumulate(launch::Dev::new(self), launch::value(&dst), keep, launch::value(&src), scale)
     }
 
     fn sum_squares(&self, xs: &[Arg<CudaBuffer>]) -> Result<f64, BackendError> {
         self.bind()?;
         let xs: Vec<launch::V> = xs.iter().map(launch::value).collect();
-        launch::sum_squares(launch::Dev(self), &xs)
+        launch::sum_squares(launch::Dev::new(self), &xs)
     }
 
     fn optimizer_step(&self, update: &Update, h: StepHyper, slots: &[Slot<CudaBuffer>]) -> Result<(), BackendError> {
         self.bind()?;
-        launch::optimizer_step(launch::Dev(self), update, h, &launch::slots(slots, launch::value))
+        launch::optimizer_step(launch::Dev::new(self), update, h, &launch::slots(slots, launch::value))
     }
 
     fn adasum(
@@ -480,7 +488,7 @@ impl Backend for CudaBackend {
         self.bind()?;
         let (mine, theirs): (Vec<_>, Vec<_>) =
             (mine.iter().map(launch::value).collect(), theirs.iter().map(launch::value).collect());
-        launch::adasum(launch::Dev(self), &mine, &theirs, mine_is_lower)
+        launch::adasum(launch::Dev::new(self), &mine, &theirs, mine_is_lower)
     }
 
     fn unsupported(&self, graph: &Graph) -> Vec<String> {
