@@ -85,7 +85,7 @@ fn inspect_model(path: &Path, dims: &[String]) -> Result<()> {
         Ok(bound) => {
             let p = plan(&bound, &[], |_| 0);
             println!(
-                "  planned peak memory (forward): {} transient + {} weights",
+                "  planned peak memory (forward): {} transient + {} weights (a GPU's kernel scratch not counted)",
                 mib(p.arena_bytes),
                 mib(p.persistent_bytes)
             );

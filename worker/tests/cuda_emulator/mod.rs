@@ -404,6 +404,11 @@ impl Target for EmulatedGpu {
         unsafe { std::ptr::write_bytes(s.base() as *mut u8, 0xff, bytes) };
         Ok(Ptr(s.base()))
     }
+    fn lend_planned_scratch(&self, at: Ptr, bytes: usize) {
+        // Poisoned on every request, as `scratch` poisons its own.
+        // SAFETY: the step's planned scratch, host memory of at least `bytes`.
+        unsafe { std::ptr::write_bytes(at.0 as *mut u8, 0xff, bytes) };
+    }
     fn scratch_budget(&self) -> usize {
         self.scratch_budget.load(std::sync::atomic::Ordering::Relaxed)
     }
@@ -467,11 +472,8 @@ impl Backend for EmulatedGpu {
         let ins: Vec<Option<V>> = inputs.iter().map(|a| a.as_ref().map(value)).collect();
         let outs: Vec<V> = outputs.iter().map(value).collect();
         let Some(s) = scratch else { return launch::run(self, op, &ins, &outs, None) };
-        // Poisoned as the scratch of a request is (`Target::scratch`).
-        let at = s.buf.base() + s.offset as u64;
-        unsafe { std::ptr::write_bytes(at as *mut u8, 0xff, s.bytes) };
         self.planned_scratch.store(true, std::sync::atomic::Ordering::Relaxed);
-        let ran = launch::run(self, op, &ins, &outs, Some((Ptr(at), s.bytes)));
+        let ran = launch::run(self, op, &ins, &outs, Some((Ptr(s.buf.base() + s.offset as u64), s.bytes)));
         self.planned_scratch.store(false, std::sync::atomic::Ordering::Relaxed);
         ran
     }

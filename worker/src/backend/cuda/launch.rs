@@ -296,6 +296,9 @@ pub trait Target {
     fn gemm(&self, p: &Product) -> Result<(), BackendError>;
     /// At least `bytes` of temporary memory, valid until the next request.
     fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError>;
+    /// The dispatch hands out `bytes` of a step's planned scratch at `at` (nothing to do on a
+    /// device; the emulator poisons them, as it does its own scratch).
+    fn lend_planned_scratch(&self, _at: Ptr, _bytes: usize) {}
     /// How much temporary memory an op that can split its work (convolution's weight gradient,
     /// in chunks of images) should keep to.
     fn scratch_budget(&self) -> usize {
@@ -484,7 +487,10 @@ impl Dev<'_> {
     /// At least `bytes` of temporary memory, valid until the next request.
     fn scratch(&self, bytes: usize) -> Result<Ptr, BackendError> {
         match self.planned {
-            Some((at, planned)) if bytes <= planned => Ok(at),
+            Some((at, planned)) if bytes <= planned => {
+                self.target.lend_planned_scratch(at, bytes);
+                Ok(at)
+            }
             _ => self.target.scratch(bytes),
         }
     }
@@ -534,7 +540,6 @@ pub fn value<'a>(a: &Arg<'a, CudaBuffer>) -> V<'a> {
     V { meta: a.meta, at: Ptr(super::addr(a)) }
 }
 
-/// Runs `op` on `target`.
 /// Runs `op` on `target`, with the scratch its step was planned (an address and its bytes).
 pub fn run(
     target: &dyn Target,
@@ -2192,7 +2197,8 @@ impl Padded {
 
 /// A product's bias and epilogue applied after it, for when cuBLASLt had no algorithm with
 /// them: D is packed (batch × m rows of n), the bias a vector of n and the aux laid out like D,
-/// all of the product's type. Unlike cuBLASLt's, the GELU reads D rounded to its type.
+/// all of the product's type. Unlike cuBLASLt's, the GELU reads D rounded to its type. It must
+/// ask for no scratch: measuring a step (`scratch_bytes`) does not reach it.
 pub fn apply_epilogue(target: &dyn Target, p: &Product) -> Result<(), BackendError> {
     let (rows, n) = ((p.batch * p.m) as usize, p.n as usize);
     if p.batch > 1 && p.d_stride != (p.m * p.n) as i64 {
