@@ -64,18 +64,32 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s.iter().sum::<f32>() + tail
 }
 
-/// Σ e^(v − shift), in 8 lanes.
+/// Σ e^(v − shift), in 8 lanes (lane k sums the elements at k mod 8, the last v.len() mod 8 are
+/// summed apart and added last). The exponentials go through a buffer a block at a time: a
+/// loop that only maps is one the compiler vectorizes wherever this is compiled, where the
+/// exponentials written into the lanes' sums were left scalar, with a branch for the underflow,
+/// in some builds (a cross-entropy's forward pass took 3.4 times its gradient's time).
 #[inline]
 pub fn sum_exp(v: &[f32], shift: f32) -> f32 {
-    let mut s = [0f32; 8];
-    let chunks = v.chunks_exact(8);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for k in 0..8 {
-            s[k] += exp(c[k] - shift);
+    const BLOCK: usize = 512;
+    let mut lanes = [0f32; 8];
+    let mut tail = 0f32;
+    let mut buf = [0f32; BLOCK];
+    for block in v.chunks(BLOCK) {
+        let e = &mut buf[..block.len()];
+        for (e, &x) in e.iter_mut().zip(block) {
+            *e = exp(x - shift);
+        }
+        let groups = e.chunks_exact(8);
+        // Only the last block can leave a remainder: BLOCK is a multiple of 8.
+        tail = groups.remainder().iter().sum();
+        for g in groups {
+            for k in 0..8 {
+                lanes[k] += g[k];
+            }
         }
     }
-    s.iter().sum::<f32>() + tail.iter().map(|&x| exp(x - shift)).sum::<f32>()
+    lanes.iter().sum::<f32>() + tail
 }
 
 #[cfg(test)]
@@ -93,5 +107,20 @@ mod tests {
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!((super::exp(f32::NEG_INFINITY), super::exp(-87.5), super::exp(-1e9)), (0.0, 0.0, 0.0));
         assert_eq!(super::max(&[1.0, 5.0, -2.0, 3.0, 0.0, 9.0, 1.0, 2.0, 11.0, -4.0]), 11.0);
+    }
+
+    #[test]
+    fn sum_exp_adds_in_lanes_then_the_tail() {
+        // Across blocks, with a tail: the order the lanes promise, to the bit.
+        for n in [0, 5, 8, 513, 1030] {
+            let v: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32) / 25.0 - 2.0).collect();
+            let mut lanes = [0f32; 8];
+            let whole = n / 8 * 8;
+            for (i, &x) in v[..whole].iter().enumerate() {
+                lanes[i % 8] += super::exp(x - 0.5);
+            }
+            let tail: f32 = v[whole..].iter().map(|&x| super::exp(x - 0.5)).sum();
+            assert_eq!(super::sum_exp(&v, 0.5).to_bits(), (lanes.iter().sum::<f32>() + tail).to_bits(), "{n}");
+        }
     }
 }
