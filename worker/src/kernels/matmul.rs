@@ -40,27 +40,21 @@ pub unsafe fn sgemm(
     scale: f32,
     par: Parallelism,
 ) {
-    gemm_f32::gemm::f32::get_gemm_fn()(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs,
-        accumulate,
-        a.add(am.offset),
-        am.cs,
-        am.rs,
-        b.add(bm.offset),
-        bm.cs,
-        bm.rs,
-        1.0f32,
-        scale,
-        false,
-        false,
-        false,
-        par,
-    );
+    let (a, b) = (a.add(am.offset), b.add(bm.offset));
+    let kernel = gemm_f32::gemm::f32::get_gemm_fn();
+    // gemm's microkernels want a column-major destination, and the `gemm` facade turns a
+    // row-major one into the transposed product (dstᵀ = bᵀ·aᵀ, column-major) before calling
+    // them; called directly, the kernels must be given that form (without it, every CPU
+    // product ran at about half its rate: a 1024² product 23.0 ms against 11.1).
+    if dst_rs.abs() > 1 {
+        kernel(
+            n, m, k, dst, dst_rs, 1, accumulate, b, bm.rs, bm.cs, a, am.rs, am.cs, 1.0, scale, false, false, false, par,
+        );
+    } else {
+        kernel(
+            m, n, k, dst, 1, dst_rs, accumulate, a, am.cs, am.rs, b, bm.cs, bm.rs, 1.0, scale, false, false, false, par,
+        );
+    }
 }
 
 /// Threads for one GEMM of this size: small products run on one thread.
