@@ -66,6 +66,12 @@ pod b "${cpu_nodes[1]}"
 kubectl -n tf-check wait --for=condition=Ready pod/a pod/b --timeout=120s >/dev/null || fail "pods a and b not Ready"
 log "pods a (${cpu_nodes[0]}) and b (${cpu_nodes[1]}) Ready"
 
+# Ready comes as the container starts (no probe), which can be before its first line is in
+# the log: up to 30 s for it.
+for _ in $(seq 30); do
+    kubectl -n tf-check logs a | grep -q "tensorfleet-worker $version" && break
+    sleep 1
+done
 kubectl -n tf-check logs a | grep -q "tensorfleet-worker $version" || fail "kubectl logs a does not show the worker's version"
 log "kubectl logs: $(kubectl -n tf-check logs a | head -n 1)"
 [[ $(kubectl -n tf-check exec a -- id -un) != "" ]] || fail "kubectl exec into a"
