@@ -417,11 +417,6 @@ impl<'a> Dev<'a> {
     pub fn new(target: &'a dyn Target) -> Dev<'a> {
         Dev { target, planned: None }
     }
-
-    /// A step's handle, with the scratch its plan placed at `at`, `bytes` long.
-    pub fn with_scratch(target: &'a dyn Target, at: Ptr, bytes: usize) -> Dev<'a> {
-        Dev { target, planned: Some((at, bytes)) }
-    }
 }
 
 impl Dev<'_> {
@@ -548,19 +543,22 @@ pub fn run(
     outputs: &[V],
     scratch: Option<(Ptr, usize)>,
 ) -> Result<(), BackendError> {
-    let dev = match scratch {
-        Some((at, bytes)) => Dev::with_scratch(target, at, bytes),
-        None => Dev::new(target),
-    };
-    dispatch(dev, op, inputs, outputs)
+    dispatch(Dev { target, planned: scratch }, op, inputs, outputs)
 }
 
 /// Whether `op` with these input and output metas can run on the CUDA backend; Err says why
 /// not. Needs no GPU.
 pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), BackendError> {
-    let ins: Vec<Option<V>> = inputs.iter().map(|m| m.as_ref().map(|meta| V { meta, at: NULL })).collect();
-    let outs: Vec<V> = outputs.iter().map(|meta| V { meta, at: NULL }).collect();
-    run(&Check::default(), op, &ins, &outs, None)
+    let ins: Vec<Option<&Meta>> = inputs.iter().map(Option::as_ref).collect();
+    let outs: Vec<&Meta> = outputs.iter().collect();
+    run_on_metas(&Check::default(), op, &ins, &outs)
+}
+
+/// The dispatch of `op` against `check`, on values that have metas and no addresses.
+fn run_on_metas(check: &Check, op: &Op, inputs: &[Option<&Meta>], outputs: &[&Meta]) -> Result<(), BackendError> {
+    let ins: Vec<Option<V>> = inputs.iter().map(|m| m.map(|meta| V { meta, at: NULL })).collect();
+    let outs: Vec<V> = outputs.iter().map(|&meta| V { meta, at: NULL }).collect();
+    run(check, op, &ins, &outs, None)
 }
 
 /// The most scratch memory `op` asks for on `device` with these input and output metas (0 for
@@ -568,10 +566,8 @@ pub fn check(op: &Op, inputs: &[Option<Meta>], outputs: &[Meta]) -> Result<(), B
 /// [`Check::as_on`], so the sizes are the ones a launch requests, with the device's budget and
 /// kernel choices.
 pub fn scratch_bytes(device: &dyn Target, op: &Op, inputs: &[Option<&Meta>], outputs: &[&Meta]) -> usize {
-    let ins: Vec<Option<V>> = inputs.iter().map(|m| m.map(|meta| V { meta, at: NULL })).collect();
-    let outs: Vec<V> = outputs.iter().map(|&meta| V { meta, at: NULL }).collect();
     let check = Check::as_on(device);
-    match run(&check, op, &ins, &outs, None) {
+    match run_on_metas(&check, op, inputs, outputs) {
         Ok(()) => check.most_scratch.get(),
         Err(_) => 0,
     }
