@@ -29,7 +29,7 @@ use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec, Recomp
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::graph::ir::{Dim, Graph, Meta};
 use tensorfleet_worker::models;
-use tensorfleet_worker::op::{Op, Window};
+use tensorfleet_worker::op::{AttentionLayout, Op, Window};
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::StepHyper;
 use tensorfleet_worker::optim::Update;
@@ -364,8 +364,8 @@ fn squeezenet_on_the_gpu_trains_to_the_cpu_losses() {
 }
 
 /// Fused attention at GPT-2 124M's shape (heads of 64 over 1024 positions, causal) against the
-/// CPU's kernel, in both layouts ([groups, T, D], and token-major [B, T, H, D] as GPT-2 runs it):
-/// f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the emulator holds
+/// CPU's kernel, in each layout ([groups, T, D], token-major [B, T, H, D], and packed
+/// [B, T, 3, H, D] as GPT-2 runs it): f32 on the warp kernels, bf16 and f16 on the tensor cores, held to what the emulator holds
 /// them to (`fused_attention_matches_the_cpu_backend_on_the_emulated_kernels`); and as the
 /// Llama runs it, with two query heads to each key head (grouped-query attention). The first
 /// place to look when GPT-2 or the Llama does not train on a GPU.
@@ -378,19 +378,25 @@ fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
     let scale = 1.0 / (d as f32).sqrt();
     // (query heads, key heads)
     for (h, hk) in [(2, 2), (4, 2)] {
-        for token_major in [false, true] {
-            let heads = |n: usize| if token_major { vec![b, t, n, d] } else { vec![b * n, t, d] };
+        let layouts = [AttentionLayout::HeadsFirst, AttentionLayout::TokenMajor, AttentionLayout::Packed];
+        for layout in layouts.into_iter().filter(|&l| h == hk || l != AttentionLayout::Packed) {
+            let heads = |n: usize| match layout {
+                AttentionLayout::HeadsFirst => vec![b * n, t, d],
+                _ => vec![b, t, n, d],
+            };
             let (q_shape, k_shape) = (heads(h), heads(hk));
-            let lse_shape = if token_major { vec![b, h, t] } else { vec![b * h, t] };
+            let lse_shape = if layout == AttentionLayout::HeadsFirst { vec![b * h, t] } else { vec![b, h, t] };
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let what = format!("{h} query heads to {hk} key heads, {dtype}, token-major {token_major}");
+                let what = format!("{h} query heads to {hk} key heads, {dtype}, {layout:?}");
                 let x = |shape: &[usize], salt: usize| {
                     Tensor::from_vec(shape, values(shape.iter().product(), salt)).cast(dtype)
                 };
-                let (q, k, v, dy) = (x(&q_shape, 1), x(&k_shape, 2), x(&k_shape, 3), x(&q_shape, 4));
-                let op = Op::Attention { scale, causal: true, token_major };
+                let ins = match layout {
+                    AttentionLayout::Packed => vec![x(&[b, t, 3, h, d], 1)],
+                    _ => vec![x(&q_shape, 1), x(&k_shape, 2), x(&k_shape, 3)],
+                };
+                let op = Op::Attention { scale, causal: true, layout };
                 let outs = [Meta::new(dtype, &q_shape), Meta::new(DType::F32, &lse_shape)];
-                let ins = [q.clone(), k.clone(), v.clone()];
                 let (g, c) = (run_typed(&gpu, &op, &ins, &outs), run_typed(&cpu, &op, &ins, &outs));
                 let (fwd, bwd) = match dtype {
                     DType::F32 => (1e-4, 1e-4),
@@ -398,9 +404,10 @@ fn fused_attention_on_the_gpu_matches_the_cpu_at_gpt2s_shape() {
                     _ => (2.0 * 2f32.powi(-11), 4.0 * 2f32.powi(-11)),
                 };
                 close_as_f32(&format!("Attention, {what}"), &g, &c, fwd);
-                let grad = Op::AttentionGrad { scale, causal: true, token_major };
-                let ins = [dy, q, k, v, c[0].clone(), c[1].clone()];
-                let outs = [Meta::new(dtype, &q_shape), Meta::new(dtype, &k_shape), Meta::new(dtype, &k_shape)];
+                let grad = Op::AttentionGrad { scale, causal: true, layout };
+                let outs: Vec<Meta> = ins.iter().map(|x| Meta::new(dtype, x.shape())).collect();
+                let ins: Vec<Tensor> =
+                    [x(&q_shape, 4)].into_iter().chain(ins).chain([c[0].clone(), c[1].clone()]).collect();
                 let (g, c) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
                 close_as_f32(&format!("AttentionGrad, {what}"), &g, &c, bwd);
             }

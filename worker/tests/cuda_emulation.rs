@@ -19,7 +19,7 @@ use tensorfleet_worker::graph::ir::Meta;
 use tensorfleet_worker::models;
 use tensorfleet_worker::op::resize::{Coordinates, Interpolation, Target};
 use tensorfleet_worker::op::{
-    Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Resize, ScatterReduction, Unary, Window,
+    AttentionLayout, Binary, LossReduction, Op, PadMode, PoolKind, Reduce, Resize, ScatterReduction, Unary, Window,
 };
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
@@ -604,8 +604,10 @@ fn half_precision_ops_match_the_cpu_backend_on_the_emulated_kernels() {
 /// some with fewer key heads than query heads (grouped-query attention), on both kernel
 /// families. The tensor-core kernels round the probabilities (and the scores' gradient) to the
 /// half type before their products, as FlashAttention does, so they are held to a few of its
-/// units rather than one. Each case runs in both layouts: [groups, T, D], and token-major
-/// [B, T, H, D], whose results on the CPU are the first layout's, transposed, bit for bit; and
+/// units rather than one. Each case runs in each layout: [groups, T, D]; token-major
+/// [B, T, H, D], whose results on the CPU are the first layout's, transposed, bit for bit; and,
+/// where the heads and rows allow, packed [B, T, 3, H, D], whose results on the CPU (dq, dk and
+/// dv in one dqkv) are the token-major ones, bit for bit; and
 /// the CPU's grouped-query results in f32 are, bit for bit, those of its attention over the key
 /// heads repeated (dk and dv summed over the repeats).
 #[test]
@@ -651,23 +653,29 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                 let (fwd, bwd) = if tensor_cores { (2.0 * unit, 4.0 * unit) } else { (unit, 2.0 * unit) };
                 let (fwd, bwd) = if dtype == DType::F32 { (1e-5, 1e-5) } else { (fwd, bwd) };
                 let scale = 1.0 / (d as f32).sqrt();
-                let mut heads_first = Vec::new();
-                for token_major in [false, true] {
-                    let what = format!("{what}, token-major {token_major}");
-                    let layout = |x: &Tensor| if token_major { tokens(x) } else { x.clone() };
-                    let lse_shape = if token_major { vec![b, groups / b, tq] } else { vec![groups, tq] };
-                    let (q, k, v, dy) = (layout(&q), layout(&k), layout(&v), layout(&dy));
-                    let op = Op::Attention { scale, causal, token_major };
+                let (mut heads_first, mut token_major): (Vec<Tensor>, Vec<Tensor>) = (Vec::new(), Vec::new());
+                // Packed where q, k and v can be one projection's parts: as many heads and rows.
+                let packs = groups == kv_groups && tq == tk;
+                let layouts = [AttentionLayout::HeadsFirst, AttentionLayout::TokenMajor, AttentionLayout::Packed];
+                for layout in layouts.into_iter().filter(|&l| packs || l != AttentionLayout::Packed) {
+                    let what = format!("{what}, {layout:?}");
+                    let heads_first_layout = layout == AttentionLayout::HeadsFirst;
+                    let lay = |x: &Tensor| if heads_first_layout { x.clone() } else { tokens(x) };
+                    let lse_shape = if heads_first_layout { vec![groups, tq] } else { vec![b, groups / b, tq] };
+                    let (q, k, v, dy) = (lay(&q), lay(&k), lay(&v), lay(&dy));
+                    let operands = match layout {
+                        AttentionLayout::Packed => vec![pack(&cpu, [&q, &k, &v])],
+                        _ => vec![q.clone(), k.clone(), v.clone()],
+                    };
+                    let op = Op::Attention { scale, causal, layout };
                     let outs = [Meta::new(dtype, q.shape()), Meta::new(DType::F32, &lse_shape)];
                     let before = tensor_core_launches(&gpu);
-                    let (g, c) = (
-                        run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-                        run_typed(&cpu, &op, &[q.clone(), k.clone(), v.clone()], &outs),
-                    );
+                    let (g, c) = (run_typed(&gpu, &op, &operands, &outs), run_typed(&cpu, &op, &operands, &outs));
                     close_as_f32(&what, &g, &c, fwd);
-                    let grad = Op::AttentionGrad { scale, causal, token_major };
-                    let ins = [dy, q.clone(), k.clone(), v.clone(), c[0].clone(), c[1].clone()];
-                    let outs = [Meta::new(dtype, q.shape()), Meta::new(dtype, k.shape()), Meta::new(dtype, k.shape())];
+                    let grad = Op::AttentionGrad { scale, causal, layout };
+                    let ins: Vec<Tensor> =
+                        [dy].into_iter().chain(operands.clone()).chain([c[0].clone(), c[1].clone()]).collect();
+                    let outs: Vec<Meta> = operands.iter().map(|x| Meta::new(dtype, x.shape())).collect();
                     let (g, cg) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
                     close_as_f32(&format!("{what}: gradient"), &g, &cg, bwd);
                     // The forward kernel, the backward sweep and dq's last pass; none for the warp kernels'.
@@ -675,7 +683,15 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                     assert_eq!(tensor_core_launches(&gpu) - before, expected, "{what}: tensor-core launches");
                     ran_on_tensor_cores += tensor_cores as usize;
                     let results: Vec<Tensor> = c.iter().chain(&cg).cloned().collect();
-                    if !token_major {
+                    if layout == AttentionLayout::Packed {
+                        // y, lse, and dq, dk and dv packed as q, k and v were: the same bits.
+                        let [y, lse, dq, dk, dv] = &token_major[..] else { unreachable!("five results") };
+                        let want = [y.clone(), lse.clone(), pack(&cpu, [dq, dk, dv])];
+                        let same = results.iter().zip(&want).all(|(p, t)| p.bytes() == t.bytes());
+                        assert!(same, "{what}: the CPU's results differ from the token-major ones");
+                        continue;
+                    }
+                    if heads_first_layout {
                         if kv_groups < groups && dtype == DType::F32 {
                             let ins = [ins[0].clone(), q.clone(), k.clone(), v.clone()];
                             assert_repeated_heads_agree(&cpu, &what, (scale, causal), ins, &results);
@@ -683,6 +699,7 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
                         heads_first = results;
                         continue;
                     }
+                    token_major = results.clone();
                     // y, lse (the same layout in both), dq, dk, dv.
                     for (i, (tm, hf)) in results.iter().zip(&heads_first).enumerate() {
                         let hf = if i == 1 { hf.clone().reshaped(&lse_shape) } else { tokens(hf) };
@@ -695,7 +712,7 @@ fn fused_attention_matches_the_cpu_backend_on_the_emulated_kernels() {
             }
         }
     }
-    assert_eq!(ran_on_tensor_cores, 60);
+    assert_eq!(ran_on_tensor_cores, 76);
 }
 
 /// The CPU's grouped-query attention (heads-first dY, q, k, v; its y, lse, dq, dk, dv as
@@ -718,9 +735,9 @@ fn assert_repeated_heads_agree(
     };
     let (k_all, v_all) = (repeat(&k), repeat(&v));
     let outs = [Meta::new(q.dtype(), q.shape()), Meta::new(DType::F32, &q.shape()[..2])];
-    let op = Op::Attention { scale, causal, token_major: false };
+    let op = Op::Attention { scale, causal, layout: AttentionLayout::HeadsFirst };
     let mut all = run_typed(cpu, &op, &[q.clone(), k_all.clone(), v_all.clone()], &outs);
-    let grad = Op::AttentionGrad { scale, causal, token_major: false };
+    let grad = Op::AttentionGrad { scale, causal, layout: AttentionLayout::HeadsFirst };
     let ins = [dy, q.clone(), k_all.clone(), v_all, all[0].clone(), all[1].clone()];
     let outs =
         [Meta::new(q.dtype(), q.shape()), Meta::new(q.dtype(), k_all.shape()), Meta::new(q.dtype(), k_all.shape())];
@@ -743,6 +760,14 @@ fn assert_repeated_heads_agree(
 }
 
 /// [B·H, T, D] → [B, T, H, D], by the CPU's Transpose.
+/// Token-major q, k and v [b, t, h, d] as one packed operand [b, t, 3, h, d].
+fn pack(cpu: &CpuBackend, parts: [&Tensor; 3]) -> Tensor {
+    let s = parts[0].shape();
+    let (lone, packed) = ([s[0], s[1], 1, s[2], s[3]], [s[0], s[1], 3, s[2], s[3]]);
+    let lone = parts.map(|x| x.clone().reshaped(&lone));
+    run_typed(cpu, &Op::Concat { axis: 2 }, &lone, &[Meta::new(parts[0].dtype(), &packed)]).remove(0)
+}
+
 fn heads_to_tokens(cpu: &CpuBackend, x: &Tensor, b: usize, h: usize) -> Tensor {
     let (t, d) = (x.shape()[1], x.shape()[2]);
     let op = Op::Transpose { perm: Some(vec![0, 2, 1, 3]) };
@@ -846,11 +871,16 @@ fn attention_kernels_stride_past_their_grid_on_the_emulated_kernels() {
         let run = |limit: usize| {
             gpu.attention_grid_limit.store(limit, Ordering::Relaxed);
             let outs = [Meta::new(dtype, &shape), Meta::new(DType::F32, &[groups, t])];
-            let op = Op::Attention { scale, causal, token_major: false };
+            let op = Op::Attention { scale, causal, layout: AttentionLayout::HeadsFirst };
             let mut all = run_typed(&gpu, &op, &[q.clone(), k.clone(), v.clone()], &outs);
             let ins = [dy.clone(), q.clone(), k.clone(), v.clone(), all[0].clone(), all[1].clone()];
             let outs = [Meta::new(dtype, &shape), Meta::new(dtype, &shape), Meta::new(dtype, &shape)];
-            all.extend(run_typed(&gpu, &Op::AttentionGrad { scale, causal, token_major: false }, &ins, &outs));
+            all.extend(run_typed(
+                &gpu,
+                &Op::AttentionGrad { scale, causal, layout: AttentionLayout::HeadsFirst },
+                &ins,
+                &outs,
+            ));
             all
         };
         let (wide, narrow) = (run(1 << 20), run(2));

@@ -2,7 +2,9 @@
 //! attention becomes one Attention node whose backward recomputes the probabilities, and
 //! training with it follows training without it (`disabled_passes: ["attention"]`) while
 //! planning less memory; `attention_token_major` then runs it on the heads as the projections
-//! lay them out, without the heads' transposes, to the same bits. `rms_norm`, `silu`, `swiglu`
+//! lay them out, without the heads' transposes, to the same bits, and `attention_packed` on
+//! q, k and v where one projection writes them, without its Split, to the same bits again.
+//! `rms_norm`, `silu`, `swiglu`
 //! and `rotary`: the Llama's written-out RMSNorms, SwiGLU MLPs and rotary embeddings become
 //! LayerNorm { rms }, Swiglu and Rotary nodes, and train as the ops they replace.
 
@@ -11,7 +13,7 @@ use std::sync::Arc;
 use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::config::{Gpt2Config, LlamaConfig, ModelSpec};
 use tensorfleet_worker::models;
-use tensorfleet_worker::op::{Op, Unary};
+use tensorfleet_worker::op::{AttentionLayout, Op, Unary};
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::DType;
@@ -89,12 +91,13 @@ fn mixed_precision_runs_the_fused_attention_in_half_with_f32_statistics() {
 /// gradient norms and weights bit for bit (the kernels take each row in the same order).
 #[test]
 fn token_major_attention_drops_the_heads_transposes_and_trains_to_the_same_bits() {
-    let (mut tm, mut hf) = (session_without(&[], None), session_without(&["attention_token_major"], None));
+    let (mut tm, mut hf) = (
+        session_without(&["attention_packed"], None),
+        session_without(&["attention_token_major", "attention_packed"], None),
+    );
     let attention = |s: &Session<CpuBackend>, tm: bool| {
-        count(
-            s,
-            |op| matches!(op, Op::Attention { token_major, .. } | Op::AttentionGrad { token_major, .. } if *token_major == tm),
-        )
+        let want = if tm { AttentionLayout::TokenMajor } else { AttentionLayout::HeadsFirst };
+        count(s, |op| matches!(op, Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } if *layout == want))
     };
     assert_eq!((attention(&tm, true), attention(&tm, false)), (4, 0));
     assert_eq!((attention(&hf, true), attention(&hf, false)), (0, 4));
@@ -107,6 +110,34 @@ fn token_major_attention_drops_the_heads_transposes_and_trains_to_the_same_bits(
         assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits()), (y.loss.to_bits(), y.grad_norm.to_bits()), "step {k}");
     }
     let (w1, w2) = (tm.weights().unwrap(), hf.weights().unwrap());
+    for (name, t) in &w1 {
+        assert!(t.bytes() == w2[name].bytes(), "{name} differs");
+    }
+}
+
+/// GPT-2's attention reads q, k and v where c_attn writes them, one [B, T, 3, H, D] value
+/// (`attention_packed`), and its gradient writes dq, dk and dv there for c_attn's gradient: the
+/// Split and its gradient's Concat go (one of each a layer), and training gives the token-major
+/// attention's losses, gradient norms and weights bit for bit.
+#[test]
+fn packed_attention_drops_the_qkv_split_and_trains_to_the_same_bits() {
+    let (mut packed, mut parts) = (session_without(&[], None), session_without(&["attention_packed"], None));
+    let layouts = |s: &Session<CpuBackend>, want: AttentionLayout| {
+        count(s, |op| matches!(op, Op::Attention { layout, .. } | Op::AttentionGrad { layout, .. } if *layout == want))
+    };
+    assert_eq!((layouts(&packed, AttentionLayout::Packed), layouts(&parts, AttentionLayout::Packed)), (4, 0));
+    assert_eq!(layouts(&parts, AttentionLayout::TokenMajor), 4);
+    let splits = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Split { .. }));
+    let concats = |s: &Session<CpuBackend>| count(s, |op| matches!(op, Op::Concat { .. }));
+    assert_eq!((splits(&parts) - splits(&packed), concats(&parts) - concats(&packed)), (2, 2));
+    let batches = [batch(2, 32, 64, 1), batch(2, 32, 64, 2)];
+    for k in 0..3 {
+        let (x, y) = (packed.step(&batches, 3e-3, 1.0, k).unwrap(), parts.step(&batches, 3e-3, 1.0, k).unwrap());
+        assert_eq!((x.loss.to_bits(), x.grad_norm.to_bits()), (y.loss.to_bits(), y.grad_norm.to_bits()), "step {k}");
+    }
+    let (e1, e2) = (packed.evaluate(&batches[..1]).unwrap(), parts.evaluate(&batches[..1]).unwrap());
+    assert_eq!(e1.to_bits(), e2.to_bits(), "evaluation");
+    let (w1, w2) = (packed.weights().unwrap(), parts.weights().unwrap());
     for (name, t) in &w1 {
         assert!(t.bytes() == w2[name].bytes(), "{name} differs");
     }
@@ -182,7 +213,11 @@ fn the_llamas_attention_reads_shared_key_heads_token_major_and_trains_to_the_sam
     let (mut fused, mut plain) = (llama(&[]), llama(&["attention_shared_heads", "attention_token_major"]));
     let token_major = |s: &Session<CpuBackend>| {
         count(s, |op| {
-            matches!(op, Op::Attention { token_major: true, .. } | Op::AttentionGrad { token_major: true, .. })
+            matches!(
+                op,
+                Op::Attention { layout: AttentionLayout::TokenMajor, .. }
+                    | Op::AttentionGrad { layout: AttentionLayout::TokenMajor, .. }
+            )
         })
     };
     let ops = |s: &Session<CpuBackend>| {

@@ -10,7 +10,7 @@ use tensorfleet_worker::config::{LossConfig, LossKind, ModelSpec, OnnxModelConfi
 use tensorfleet_worker::exec::Executor;
 use tensorfleet_worker::graph::infer::{bind, Bindings};
 use tensorfleet_worker::models;
-use tensorfleet_worker::op::Op;
+use tensorfleet_worker::op::{AttentionLayout, Op};
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
 use tensorfleet_worker::tensor::Tensor;
@@ -90,9 +90,13 @@ fn trains_like_pytorch(file: &str, loss: LossConfig) {
     // Training: plain SGD on the same batch, step after step.
     let opts = SessionOptions::new(Update::Sgd { momentum: 0.0, nesterov: false, weight_decay: 0.0 });
     let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &e.batch, 1, &opts).unwrap();
-    // masked_fill's attention, recognized: the training runs the fused kernel and its backward.
-    let fused = s.train.graph.nodes.iter().filter(|n| matches!(n.op, Op::Attention { causal: true, .. })).count();
+    // masked_fill's attention, recognized: the training runs the fused kernel and its backward,
+    // on q, k and v where c_attn writes them (its Split of three gone).
+    let count = |pick: fn(&Op) -> bool| s.train.graph.nodes.iter().filter(|n| pick(&n.op)).count();
+    let fused = count(|op| matches!(op, Op::Attention { causal: true, .. }));
     assert!(fused >= 1, "{file}: no attention was fused");
+    let packed = count(|op| matches!(op, Op::Attention { layout: AttentionLayout::Packed, .. }));
+    assert_eq!(packed, fused, "{file}: attentions on a packed qkv");
     for (k, want) in e.sgd_losses.iter().enumerate() {
         let r = s.step(std::slice::from_ref(&e.batch), e.sgd_lr, 0.0, 0).unwrap();
         assert!(close(r.loss, *want, 1e-4), "{file}: SGD step {}: loss {} vs PyTorch {want}", k + 1, r.loss);

@@ -10,8 +10,8 @@ use crate::exec::Executor;
 use crate::graph::infer::{bind, Bindings};
 use crate::graph::ir::{Graph, Node, ValueId};
 use crate::op::{
-    Activation, Binary, Direction, LossReduction, NormKind, Op, PadMode, PoolKind, Recurrent, RecurrentKind, Reduce,
-    ScatterReduction, Unary, Window,
+    Activation, AttentionLayout, Binary, Direction, LossReduction, NormKind, Op, PadMode, PoolKind, Recurrent,
+    RecurrentKind, Reduce, ScatterReduction, Unary, Window,
 };
 use crate::rng::Rng;
 use crate::tensor::{DType, Tensor};
@@ -407,17 +407,27 @@ fn recurrent_layers() {
 
 #[test]
 fn fused_attention() {
-    // q, k, v [2 groups, T 5, D 3], or token-major [B 2, T 5, H 2, D 3]: causal and full, scaled.
-    for token_major in [false, true] {
-        let shape: &[usize] = if token_major { &[2, 5, 2, 3] } else { &[2, 5, 3] };
+    // q, k, v [2 groups, T 5, D 3], token-major [B 2, T 5, H 2, D 3], or packed into one qkv
+    // [B 2, T 5, 3, H 2, D 3]: causal and full, scaled.
+    for (seed, layout) in
+        [AttentionLayout::HeadsFirst, AttentionLayout::TokenMajor, AttentionLayout::Packed].into_iter().enumerate()
+    {
+        let shape: &[usize] = match layout {
+            AttentionLayout::HeadsFirst => &[2, 5, 3],
+            AttentionLayout::TokenMajor => &[2, 5, 2, 3],
+            AttentionLayout::Packed => &[2, 5, 3, 2, 3],
+        };
         for causal in [true, false] {
-            let mut b = CaseBuilder::new(31 + causal as u64 + 2 * token_major as u64);
-            let q = b.param("q", shape, -1.5, 1.5);
-            let k = b.param("k", shape, -1.5, 1.5);
-            let v = b.param("v", shape, -1.0, 1.0);
-            let op = Op::Attention { scale: 0.6, causal, token_major };
-            let y = b.g.add_node("attn", op, &[q, k, v], 2)[0];
-            check(&format!("Attention, causal {causal}, token-major {token_major}"), b.done(y));
+            let mut b = CaseBuilder::new(31 + causal as u64 + 2 * seed as u64);
+            let operands = match layout {
+                AttentionLayout::Packed => vec![b.param("qkv", shape, -1.5, 1.5)],
+                _ => {
+                    vec![b.param("q", shape, -1.5, 1.5), b.param("k", shape, -1.5, 1.5), b.param("v", shape, -1.0, 1.0)]
+                }
+            };
+            let op = Op::Attention { scale: 0.6, causal, layout };
+            let y = b.g.add_node("attn", op, &operands, 2)[0];
+            check(&format!("Attention, causal {causal}, {layout:?}"), b.done(y));
         }
     }
 }

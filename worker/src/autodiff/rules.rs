@@ -470,14 +470,16 @@ pub fn backward(
             vec![Some(b.emit1(&name, op, &ins)?), None, None]
         }
         Op::FusedMatMul { .. } => return Err(no_rule(node, "(fusion runs after autodiff)")),
-        Op::Attention { scale, causal, token_major } => {
+        Op::Attention { scale, causal, layout } => {
             // The backward pass reads the output and the rows' log-sum-exp, and recomputes the
             // probabilities from them.
             let y = node.output(0).expect("Attention has an output");
-            let lse_shape = AttentionShape::lse_shape(&b.meta(x(0)).shape, *token_major);
+            let lse_shape = AttentionShape::lse_shape(&b.meta(x(0)).shape, *layout);
             let lse = b.ensure_output(n, 1, Meta::new(DType::F32, &lse_shape));
-            let op = Op::AttentionGrad { scale: *scale, causal: *causal, token_major: *token_major };
-            let outs = b.emit(&name, op, &[dy, x(0), x(1), x(2), y, lse], 3)?;
+            let op = Op::AttentionGrad { scale: *scale, causal: *causal, layout: *layout };
+            let operands = (0..layout.operands()).map(x);
+            let ins: Vec<ValueId> = [dy].into_iter().chain(operands).chain([y, lse]).collect();
+            let outs = b.emit(&name, op, &ins, layout.operands())?;
             outs.into_iter().map(Some).collect()
         }
         Op::Swiglu => {

@@ -2,7 +2,7 @@
 //! after autodiff, and only rewrite patterns whose intermediate values nobody else reads.
 
 use super::ir::{Graph, Meta, Node, ValueId};
-use crate::op::{AttentionShape, Binary, Op, Reduce, Unary};
+use crate::op::{AttentionLayout, AttentionShape, Binary, Op, Reduce, Unary};
 use crate::shape::{norm_axis, slice_range};
 use crate::tensor::{DType, Tensor};
 
@@ -22,8 +22,16 @@ pub const PASSES: &[&str] = &[
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
 /// the fused op with its own rule (FlashAttention's backward instead of the chain's).
-pub const FORWARD_PASSES: &[&str] =
-    &["rms_norm", "silu", "swiglu", "rotary", "attention", "attention_shared_heads", "attention_token_major"];
+pub const FORWARD_PASSES: &[&str] = &[
+    "rms_norm",
+    "silu",
+    "swiglu",
+    "rotary",
+    "attention",
+    "attention_shared_heads",
+    "attention_token_major",
+    "attention_packed",
+];
 
 /// Runs every forward pass not listed in `disabled`, leaving the values in `keep` (the loss, a
 /// pipeline stage's sends) as they are; returns how many nodes each rewrote.
@@ -41,6 +49,7 @@ pub fn run_forward(g: &mut Graph, disabled: &[String], keep: &[ValueId]) -> Vec<
             "attention" => attention(g, keep),
             "attention_shared_heads" => attention_shared_heads(g, keep),
             "attention_token_major" => attention_token_major(g, keep),
+            "attention_packed" => attention_packed(g, keep),
             _ => 0,
         };
         report.push((p, n));
@@ -876,7 +885,7 @@ fn attention(g: &mut Graph, keep: &[ValueId]) -> usize {
         let lse = g.fresh(&format!("{}_lse", g.nodes[c.context].name));
         g.values[lse].meta = Some(Meta::new(DType::F32, &q_shape[..q_shape.len() - 1]));
         let node = &mut g.nodes[c.context];
-        node.op = Op::Attention { scale: c.scale, causal: c.causal, token_major: false };
+        node.op = Op::Attention { scale: c.scale, causal: c.causal, layout: AttentionLayout::HeadsFirst };
         node.inputs = vec![Some(c.q), Some(k), Some(c.v)];
         node.outputs.push(Some(lse));
     }
@@ -995,7 +1004,7 @@ fn attention_shared_heads(g: &mut Graph, keep: &[ValueId]) -> usize {
     let mut gone = vec![false; g.nodes.len()];
     let mut rewrites = Vec::new();
     for (i, node) in g.nodes.iter().enumerate() {
-        let Op::Attention { token_major: false, .. } = node.op else { continue };
+        let Op::Attention { layout: AttentionLayout::HeadsFirst, .. } = node.op else { continue };
         let heads = |x: Option<ValueId>| repeated_heads(g, &producers, &inner, x?);
         let (Some((k, k_chain)), Some((v, v_chain))) = (heads(node.input(1)), heads(node.input(2))) else {
             continue;
@@ -1072,7 +1081,7 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
     let mut gone = vec![false; g.nodes.len()];
     let mut rewrites = Vec::new();
     for (i, node) in g.nodes.iter().enumerate() {
-        let Op::Attention { token_major: false, .. } = node.op else { continue };
+        let Op::Attention { layout: AttentionLayout::HeadsFirst, .. } = node.op else { continue };
         let Some(rank) = node.input(0).and_then(|q| g.meta(q)).map(|m| m.shape.len()).filter(|&r| r >= 3) else {
             continue;
         };
@@ -1086,7 +1095,8 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
         let merges = matches!(&g.nodes[merge].op, Op::Transpose { perm: Some(p) } if same_perm(p, &swap));
         let shape = |x: ValueId| g.meta(x).map(|m| m.shape.clone()).unwrap_or_default();
         let (q, k, v) = (sources[0].value, sources[1].value, sources[2].value);
-        let token_major = AttentionShape::of(&shape(q), &shape(k), true).is_some() && shape(k) == shape(v);
+        let token_major =
+            AttentionShape::of(&shape(q), &shape(k), AttentionLayout::TokenMajor).is_some() && shape(k) == shape(v);
         let Some(merged) = g.nodes[merge].output(0).filter(|_| merges && token_major) else { continue };
         sources.iter().flat_map(|s| &s.transposes).for_each(|&n| gone[n] = true);
         gone[merge] = true;
@@ -1097,8 +1107,8 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
         let inputs = sources.iter().map(|s| Some(s.rotary.map_or(s.value, |r| tables.rotate_first(g, r, s.value))));
         let inputs = inputs.collect();
         let node = &mut g.nodes[*i];
-        if let Op::Attention { token_major, .. } = &mut node.op {
-            *token_major = true;
+        if let Op::Attention { layout, .. } = &mut node.op {
+            *layout = AttentionLayout::TokenMajor;
         }
         node.inputs = inputs;
         node.outputs[0] = Some(*merged);
@@ -1107,6 +1117,71 @@ fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
     let count = rewrites.len();
     tables.insert(g);
     count
+}
+
+/// A token-major Attention whose q, k and v are one projection's output split in three along
+/// its last axis, each part reshaped to [.., T, H, D] (GPT-2's c_attn, as nanoGPT and Hugging
+/// Face write it)  ⇒  the packed Attention of that output viewed as [.., T, 3, H, D]: the kernels
+/// read q, k and v in place, a token's rows 3·H·D elements apart, and the gradient writes dqkv
+/// the same way, so the Split's three copies and its gradient's Concat go.
+fn attention_packed(g: &mut Graph, keep: &[ValueId]) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let inner = |x: ValueId| uses[x] == 1 && !keep.contains(&x) && !g.outputs.contains(&x);
+    let mut gone = vec![false; g.nodes.len()];
+    let mut rewrites = Vec::new();
+    for (i, node) in g.nodes.iter().enumerate() {
+        let Op::Attention { layout: AttentionLayout::TokenMajor, .. } = node.op else { continue };
+        let made = |x: Option<ValueId>| x.filter(|&x| inner(x)).and_then(|x| producers[x]);
+        let Some(reshapes) = node.inputs.iter().map(|&x| made(x)).collect::<Option<Vec<_>>>() else { continue };
+        // Each operand a Reshape of the Split's part of its place, read by that Reshape alone.
+        let parts: Option<Vec<(usize, usize)>> = reshapes
+            .iter()
+            .map(|&r| {
+                let part = g.nodes[r].input(0).filter(|&p| inner(p) && g.nodes[r].op == Op::Reshape)?;
+                let split = producers[part].filter(|&s| matches!(g.nodes[s].op, Op::Split { .. }))?;
+                Some((split, g.nodes[split].outputs.iter().position(|&o| o == Some(part))?))
+            })
+            .collect();
+        let Some(parts) = parts else { continue };
+        let split = parts[0].0;
+        let in_order = parts.iter().enumerate().all(|(k, &(s, at))| s == split && at == k);
+        let Some(packed) = packed_shape(g, &g.nodes[split], node.input(0)).filter(|_| in_order) else { continue };
+        reshapes.iter().for_each(|&r| gone[r] = true);
+        rewrites.push((i, split, packed));
+    }
+    for (i, split, shape) in &rewrites {
+        let qkv = g.nodes[*split].input(0).expect("the Split's input");
+        let meta = Meta::new(g.meta(qkv).expect("bound").dtype, shape);
+        let name = format!("{}.packed", g.name_of(qkv));
+        let dims = Tensor::from_vec(&[shape.len()], shape.iter().map(|&n| n as i64).collect());
+        let dims = g.add_initializer(&format!("{name}_shape"), dims);
+        let packed = g.fresh(&name);
+        g.values[packed].meta = Some(meta);
+        // The view takes the Split's place, before every reader of its parts.
+        g.nodes[*split] =
+            Node { name, op: Op::Reshape, inputs: vec![Some(qkv), Some(dims)], outputs: vec![Some(packed)] };
+        let node = &mut g.nodes[*i];
+        if let Op::Attention { layout, .. } = &mut node.op {
+            *layout = AttentionLayout::Packed;
+        }
+        node.inputs = vec![Some(packed)];
+    }
+    drop_nodes(g, &gone);
+    rewrites.len()
+}
+
+/// [.., T, 3, H, D] for a Split of qkv [.., T, 3·H·D] into three parts along its last axis,
+/// where `q`, the first part reshaped, is [.., T, H, D]; None for any other Split.
+fn packed_shape(g: &Graph, split: &Node, q: Option<ValueId>) -> Option<Vec<usize>> {
+    let Op::Split { axis, .. } = split.op else { return None };
+    let (qkv, q) = (g.meta(split.input(0)?)?, g.meta(q?)?);
+    let (r, heads) = (qkv.shape.len(), q.shape.len());
+    let part = |k: usize| split.outputs.get(k).copied().flatten().and_then(|o| g.meta(o)).map(|m| &m.shape);
+    let alike = split.outputs.len() == 3 && (1..3).all(|k| part(k).is_some() && part(k) == part(0));
+    let last = norm_axis(axis, r)? + 1 == r;
+    let (h, d) = (q.shape[heads.checked_sub(2)?], q.shape[heads - 1]);
+    let fits = heads == r + 1 && q.shape[..r - 1] == qkv.shape[..r - 1] && qkv.shape[r - 1] == 3 * h * d;
+    (alike && last && fits).then(|| [&qkv.shape[..r - 1], &[3, h, d]].concat())
 }
 
 /// Where an operand of a heads-first Attention comes from: the [.., T, H, D] value the

@@ -8,7 +8,7 @@
 use super::ir::{Dim, Graph, Meta, Node, ValueId};
 use crate::error::{Error, Result};
 use crate::kernels;
-use crate::op::{AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
+use crate::op::{AttentionLayout, AttentionShape, LossReduction, NormKind, Op, PadMode, PoolKind, Unary, Window};
 use crate::shape::{broadcast, norm_axis, slice_range};
 use crate::tensor::{checked_numel, DType, Tensor};
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -267,21 +267,33 @@ pub fn infer_node(
                 .ok_or_else(|| err(node, format!("cannot multiply shapes {:?} and {:?}", a.shape, b.shape)))?;
             (op, vec![Meta::new(a.dtype, &shape)])
         }
-        Op::Attention { causal, token_major, .. } => {
-            let (q, k, v) = (m(0)?, m(1)?, m(2)?);
-            same_dtype(&[0, 1, 2])?;
-            let layout = if *token_major { "[.., T, H, D]" } else { "[.., T, D]" };
-            let shape = AttentionShape::of(&q.shape, &k.shape, *token_major).filter(|_| k.shape == v.shape);
+        Op::Attention { causal, layout, .. } => {
+            let packed = *layout == AttentionLayout::Packed;
+            let (q, k, v) = if packed { (m(0)?, m(0)?, m(0)?) } else { (m(0)?, m(1)?, m(2)?) };
+            same_dtype(&(0..layout.operands()).collect::<Vec<_>>())?;
+            let shape = AttentionShape::of(&q.shape, &k.shape, *layout).filter(|_| k.shape == v.shape);
             let Some(a) = shape else {
                 let (q, k, v) = (&q.shape, &k.shape, &v.shape);
-                return Err(err(node, format!("q {q:?}, k {k:?}, v {v:?} are not {layout} alike")));
+                return Err(match layout {
+                    AttentionLayout::Packed => err(node, format!("qkv {q:?} is not [.., T, 3, H, D]")),
+                    AttentionLayout::TokenMajor => {
+                        err(node, format!("q {q:?}, k {k:?}, v {v:?} are not [.., T, H, D] alike"))
+                    }
+                    AttentionLayout::HeadsFirst => {
+                        err(node, format!("q {q:?}, k {k:?}, v {v:?} are not [.., T, D] alike"))
+                    }
+                });
             };
             if *causal && a.tq != a.tk {
                 return Err(err(node, format!("a causal mask over q {:?} and k {:?}", q.shape, k.shape)));
             }
-            (op, vec![q.clone(), Meta::new(DType::F32, &AttentionShape::lse_shape(&q.shape, *token_major))])
+            let y = Meta::new(q.dtype, &AttentionShape::y_shape(&q.shape, *layout));
+            (op, vec![y, Meta::new(DType::F32, &AttentionShape::lse_shape(&q.shape, *layout))])
         }
-        Op::AttentionGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(3)?.clone()]),
+        Op::AttentionGrad { layout, .. } => {
+            let operands = (1..=layout.operands()).map(|i| m(i).cloned()).collect::<Result<_, _>>()?;
+            (op, operands)
+        }
         Op::Swiglu | Op::SwigluGrad => {
             // The gate and up projection (and the gradient) alike in type and shape.
             let k = usize::from(matches!(op, Op::SwigluGrad));

@@ -87,12 +87,13 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::Dropout { ratio, training, seed } => random::dropout(*ratio, *training, *seed, &x(0)?, outputs),
         Op::DropoutGrad { ratio } => random::dropout_grad(*ratio, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::MatMul => matmul::matmul(&x(0)?, &x(1)?, None, false, false, None, &mut outputs[0]),
-        Op::Attention { scale, causal, token_major } => {
-            attention::forward(*scale, *causal, *token_major, [&x(0)?, &x(1)?, &x(2)?], outputs)
+        Op::Attention { scale, causal, layout } => {
+            let ins = (0..layout.operands()).map(x).collect::<Result<Vec<_>, _>>()?;
+            attention::forward(*scale, *causal, *layout, &ins, outputs)
         }
-        Op::AttentionGrad { scale, causal, token_major } => {
-            let ins = [&x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, &x(5)?];
-            attention::backward(*scale, *causal, *token_major, ins, outputs)
+        Op::AttentionGrad { scale, causal, layout } => {
+            let ins = (0..layout.operands() + 3).map(x).collect::<Result<Vec<_>, _>>()?;
+            attention::backward(*scale, *causal, *layout, &ins, outputs)
         }
         Op::Swiglu => elementwise::swiglu(&x(0)?, &x(1)?, &mut outputs[0]),
         Op::SwigluGrad => elementwise::swiglu_grad(&x(0)?, &x(1)?, &x(2)?, outputs),

@@ -701,14 +701,49 @@ impl PadMode {
     }
 }
 
+/// How fused attention's q, k and v (and y, dY and the gradients) lie in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttentionLayout {
+    /// q, k, v and y [.., T, D]: a group's (batch × head's) rows one after another.
+    HeadsFirst,
+    /// [.., T, H, D]: each token's heads side by side, as the projections write them and the
+    /// output projection reads them (`fuse::attention_token_major`).
+    TokenMajor,
+    /// One operand qkv [.., T, 3, H, D]: each token's q, k and v heads side by side, as one
+    /// projection writes them (GPT-2's c_attn; `fuse::attention_packed`), and its gradient dqkv
+    /// alike; y and dY stay [.., T, H, D].
+    Packed,
+}
+
+impl AttentionLayout {
+    /// The attention's operands in the forward pass: q, k and v, or the one qkv.
+    pub fn operands(self) -> usize {
+        if self == AttentionLayout::Packed {
+            1
+        } else {
+            3
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionLayout::HeadsFirst => "headsFirst",
+            AttentionLayout::TokenMajor => "tokenMajor",
+            AttentionLayout::Packed => "packed",
+        }
+    }
+}
+
 /// Fused attention's operands as both backends walk them: `groups` independent attentions
 /// (batch × heads) of `tq` query and `tk` key rows of `d` elements. k and v may have fewer heads
 /// than q (grouped-query attention, as Hugging Face's `repeat_kv` and SDPA's `enable_gqa` mean
 /// it): each of theirs serves `rep` query heads side by side, query group g reading key group
 /// g / rep. A group's rows lie one row apart ([.., H, T, D]: `interleaved` 1) or, token-major,
 /// `interleaved` = H groups' rows side by side in each token ([.., T, H, D]; k's and v's
-/// [`kv_interleaved`](Self::kv_interleaved) = H / rep). The log-sum-exp is [groups, tq] either
-/// way.
+/// [`kv_interleaved`](Self::kv_interleaved) = H / rep); `packed`, q's, k's and v's heads side by
+/// side in each token of one operand, each token 3·H·D elements on (k and v start at
+/// [`parts`](Self::parts)), while y and dY stay [.., T, H, D]. The log-sum-exp is [groups, tq]
+/// either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttentionShape {
     pub groups: usize,
@@ -717,13 +752,25 @@ pub struct AttentionShape {
     pub tq: usize,
     pub tk: usize,
     pub d: usize,
+    pub packed: bool,
 }
 
 impl AttentionShape {
-    /// From q's and k's shapes, None where they are not attention's: ranks or D differ, or
-    /// another axis than the rows' and the heads' (the one before the rows, or token-major
-    /// after them), or k's heads do not divide q's.
-    pub fn of(q: &[usize], k: &[usize], token_major: bool) -> Option<AttentionShape> {
+    /// From q's and k's shapes (qkv's, twice, packed), None where they are not attention's:
+    /// ranks or D differ, or another axis than the rows' and the heads' (the one before the
+    /// rows, or token-major after them), or k's heads do not divide q's; packed, qkv not
+    /// [.., T, 3, H, D].
+    pub fn of(q: &[usize], k: &[usize], layout: AttentionLayout) -> Option<AttentionShape> {
+        if layout == AttentionLayout::Packed {
+            let r = q.len();
+            if r < 4 || q[r - 3] != 3 || k != q {
+                return None;
+            }
+            let heads = [&q[..r - 3], &q[r - 2..]].concat();
+            let a = AttentionShape::of(&heads, &heads, AttentionLayout::TokenMajor)?;
+            return Some(AttentionShape { packed: true, ..a });
+        }
+        let token_major = layout == AttentionLayout::TokenMajor;
         let r = q.len();
         let inner = if token_major { 3 } else { 2 };
         if r < inner || k.len() != r {
@@ -744,20 +791,66 @@ impl AttentionShape {
         }
         let interleaved = if token_major { q[r - 2] } else { 1 };
         let groups = q[..t].iter().product::<usize>() * interleaved;
-        Some(AttentionShape { groups, interleaved, rep, tq: q[t], tk: k[t], d: q[r - 1] })
+        Some(AttentionShape { groups, interleaved, rep, tq: q[t], tk: k[t], d: q[r - 1], packed: false })
     }
 
-    /// The log-sum-exp's shape for q of `q`: [.., H, Tq] (token-major) or [.., Tq].
-    pub fn lse_shape(q: &[usize], token_major: bool) -> Vec<usize> {
+    /// y's shape (and dY's) for q (or qkv) of `q`: q's, or packed [.., T, H, D].
+    pub fn y_shape(q: &[usize], layout: AttentionLayout) -> Vec<usize> {
+        match (layout, q.len()) {
+            (AttentionLayout::Packed, r) if r >= 4 => [&q[..r - 3], &q[r - 2..]].concat(),
+            _ => q.to_vec(),
+        }
+    }
+
+    /// The log-sum-exp's shape for q (or qkv) of `q`: [.., H, Tq] (token-major) or [.., Tq].
+    pub fn lse_shape(q: &[usize], layout: AttentionLayout) -> Vec<usize> {
+        let q = AttentionShape::y_shape(q, layout);
         let r = q.len();
-        match token_major {
-            true if r >= 3 => [&q[..r - 3], &[q[r - 2], q[r - 3]]].concat(),
+        match layout {
+            AttentionLayout::TokenMajor | AttentionLayout::Packed if r >= 3 => {
+                [&q[..r - 3], &[q[r - 2], q[r - 3]]].concat()
+            }
             _ => q[..r.saturating_sub(1)].to_vec(),
         }
     }
 
-    /// Where row `i` of query group `g` starts in q (and y, dY, dq), in elements.
+    /// Where q, k and v (dq, dk and dv) start in the packed operand (its gradient), in
+    /// elements; all 0 unpacked, where each is an operand of its own.
+    pub fn parts(&self) -> [usize; 3] {
+        let width = self.interleaved * self.d;
+        if self.packed {
+            [0, width, 2 * width]
+        } else {
+            [0; 3]
+        }
+    }
+
+    /// The elements from a token's q row of a group to the next token's (in q and dq).
+    pub fn q_ld(&self) -> usize {
+        if self.packed {
+            3 * self.interleaved * self.d
+        } else {
+            self.interleaved * self.d
+        }
+    }
+
+    /// The same in k and v (and dk and dv).
+    pub fn kv_ld(&self) -> usize {
+        if self.packed {
+            self.q_ld()
+        } else {
+            self.kv_interleaved() * self.d
+        }
+    }
+
+    /// Where row `i` of query group `g` starts in q (and dq), in elements from q's part.
     pub fn q_row(&self, g: usize, i: usize) -> usize {
+        let h = self.interleaved;
+        (g / h * self.tq + i) * self.q_ld() + g % h * self.d
+    }
+
+    /// Where row `i` of query group `g` starts in y (and dY), never packed.
+    pub fn y_row(&self, g: usize, i: usize) -> usize {
         let h = self.interleaved;
         ((g / h * self.tq + i) * h + g % h) * self.d
     }
@@ -767,10 +860,11 @@ impl AttentionShape {
         (self.interleaved / self.rep).max(1)
     }
 
-    /// Where key row `j` that query group `g` reads starts in k (and v, dk, dv), in elements.
+    /// Where key row `j` that query group `g` reads starts in k (and v, dk, dv), in elements
+    /// from k's (v's) part.
     pub fn kv_row(&self, g: usize, j: usize) -> usize {
         let (g, h) = (g / self.rep, self.kv_interleaved());
-        ((g / h * self.tk + j) * h + g % h) * self.d
+        (g / h * self.tk + j) * self.kv_ld() + g % h * self.d
     }
 }
 
@@ -1115,20 +1209,20 @@ pub enum Op {
     /// row's log-sum-exp [.., Tq] in f32, which the backward pass recomputes the
     /// probabilities from (FlashAttention's scheme); emitted by `fuse::attention`. k and v may
     /// have fewer heads than q, each serving as many query heads side by side (grouped-query
-    /// attention; `fuse::attention_shared_heads`). With
-    /// `token_major`, q, k, v and y are [.., T, H, D] (each token's heads side by side, as the
-    /// projections write them and the output projection reads them; `fuse::attention_token_major`)
-    /// and the log-sum-exp stays [.., H, Tq]. See [`AttentionShape`].
+    /// attention; `fuse::attention_shared_heads`). Token-major, q, k, v and y are [.., T, H, D]
+    /// and the log-sum-exp [.., H, Tq]; packed, the one operand qkv [.., T, 3, H, D] takes q's,
+    /// k's and v's place. See [`AttentionLayout`] and [`AttentionShape`].
     Attention {
         scale: f32,
         causal: bool,
-        token_major: bool,
+        layout: AttentionLayout,
     },
-    /// dY, q, k, v, y, lse -> dq, dk, dv, in the layout of the Attention they differentiate.
+    /// dY, q, k, v, y, lse -> dq, dk, dv, in the layout of the Attention they differentiate;
+    /// packed, dY, qkv, y, lse -> dqkv.
     AttentionGrad {
         scale: f32,
         causal: bool,
-        token_major: bool,
+        layout: AttentionLayout,
     },
     /// a, b -> SiLU(a)·b: SwiGLU's gate times its up projection, as Llama's MLP computes it;
     /// emitted by `fuse::swiglu`.
@@ -2127,8 +2221,12 @@ impl Op {
                 }
                 v
             }
-            Op::Attention { scale, causal, token_major } | Op::AttentionGrad { scale, causal, token_major } => {
-                vec![f("scale", *scale), i("causal", *causal as i64), i("tokenMajor", *token_major as i64)]
+            Op::Attention { scale, causal, layout } | Op::AttentionGrad { scale, causal, layout } => {
+                vec![
+                    f("scale", *scale),
+                    i("causal", *causal as i64),
+                    ("layout".into(), AttrValue::Str(layout.name().into())),
+                ]
             }
             Op::FusedMatMul { trans_a, trans_b, activation } => vec![
                 i("transA", *trans_a as i64),

@@ -1455,15 +1455,15 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
         }
         Op::Resize(r) => resize::resize(dev, r, x(0)?, y),
         Op::ResizeGrad { resize: r, .. } => resize::resize_grad(dev, r, x(0)?, y),
-        Op::Attention { scale, causal, token_major } => {
-            let spec = attention::Spec { scale: *scale, causal: *causal, token_major: *token_major };
-            attention::forward(dev, spec, [x(0)?, x(1)?, x(2)?], y, outs.get(1).copied())
+        Op::Attention { scale, causal, layout } => {
+            let spec = attention::Spec { scale: *scale, causal: *causal, layout: *layout };
+            let operands = (0..layout.operands()).map(x).collect::<Result<Vec<_>, _>>()?;
+            attention::forward(dev, spec, &operands, y, outs.get(1).copied())
         }
-        Op::AttentionGrad { scale, causal, token_major } => {
-            let [dq, dk, dv] = outs else { return refused!("AttentionGrad has 3 outputs") };
-            let spec = attention::Spec { scale: *scale, causal: *causal, token_major: *token_major };
-            let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?, x(5)?];
-            attention::backward(dev, spec, ins, [*dq, *dk, *dv])
+        Op::AttentionGrad { scale, causal, layout } => {
+            let spec = attention::Spec { scale: *scale, causal: *causal, layout: *layout };
+            let ins = (0..layout.operands() + 3).map(x).collect::<Result<Vec<_>, _>>()?;
+            attention::backward(dev, spec, &ins, outs)
         }
         Op::Pool { kind, window } => window::pool(dev, *kind, window, x(0)?, y, outs.get(1).copied()),
         Op::PoolGrad { kind, window } => window::pool_grad(dev, *kind, window, x(0)?, x(1)?, y),

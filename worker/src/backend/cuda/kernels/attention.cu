@@ -8,16 +8,20 @@
 // q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups / rep, tk, d]; lse, delta: [groups, tq].
 // Query group g reads key group g / rep (grouped-query attention; rep 1 without). With `inter`
 // over 1, the operands are token-major: [batch, t, inter, d], the groups (batch × inter)
-// interleaved row by row (head_row), and k and v [batch, t, kinter, d]. With `causal`, query i
-// sees keys 0..=i (tq = tk).
+// interleaved row by row (head_row), and k and v [batch, t, kinter, d]. A token's rows lie
+// qld elements on from the last token's in q and dq, and kld in k, v, dk and dv: inter · d and
+// kinter · d, or more where q, k and v are parts of one packed operand (each token's q, k and v
+// side by side); y and dy are never packed (inter · d). With `causal`, query i sees keys 0..=i
+// (tq = tk).
 
 #define MAX_HEAD 256
 #define HEAD_LANES (MAX_HEAD / 32)
 #define WARPS_PER_BLOCK (BLOCK / 32)
 
-// Where row i of group g of a t-row operand starts (op.rs's AttentionShape::q_row and kv_row).
-__device__ __forceinline__ i64 head_row(i64 g, i64 i, i64 t, i64 d, i64 inter) {
-    return ((g / inter * t + i) * inter + g % inter) * d;
+// Where row i of group g of a t-row operand starts, its tokens ld elements apart (op.rs's
+// AttentionShape::q_row, y_row and kv_row).
+__device__ __forceinline__ i64 head_row(i64 g, i64 i, i64 t, i64 d, i64 inter, i64 ld) {
+    return (g / inter * t + i) * ld + g % inter * d;
 }
 
 __device__ __forceinline__ i64 first_warp() { return (i64)blockIdx.x * WARPS_PER_BLOCK + (threadIdx.x >> 5); }
@@ -49,20 +53,20 @@ __device__ __forceinline__ void hold(float* held, const typename S::T* a, i64 d,
 }
 
 template <class S>
-__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+__device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                               const typename S::T* q, const typename S::T* k, const typename S::T* v,
                               typename S::T* y, float* lse) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tq, i = row % tq;
         float qi[HEAD_LANES], acc[HEAD_LANES];
-        i64 at = head_row(g, i, tq, d, inter);
-        hold<S>(qi, q + at, d, lane);
+        i64 yat = head_row(g, i, tq, d, inter, inter * d);
+        hold<S>(qi, q + head_row(g, i, tq, d, inter, qld), d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         float m = NEG_INF, l = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            i64 kat = head_row(g / rep, j, tk, d, kinter);
+            i64 kat = head_row(g / rep, j, tk, d, kinter, kld);
             const typename S::T *kj = k + kat, *vj = v + kat;
             float s = scale * held_dot<S>(qi, kj, d, lane);
             float m_new = fmaxf(m, s);
@@ -77,22 +81,22 @@ __device__ void attention_fwd(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 ki
         float inv = 1.f / l;
         for (int r = 0; r < HEAD_LANES; ++r) {
             i64 c = lane + 32 * r;
-            if (c < d) y[at + c] = S::store(acc[r] * inv);
+            if (c < d) y[yat + c] = S::store(acc[r] * inv);
         }
         if (lse && lane == 0) lse[row] = m + logf(l);
     }
 }
-extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal, const float* q,
+extern "C" __global__ void attention_fwd_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal, const float* q,
                                              const float* k, const float* v, float* y, float* lse) {
-    attention_fwd<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_fwd<F32>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal, const u16* q,
+extern "C" __global__ void attention_fwd_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal, const u16* q,
                                              const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_fwd<F16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_fwd_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                               const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_fwd<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_fwd<BF16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
 
 // delta_i = dy_i · y_i, the row term of the softmax's gradient.
@@ -100,7 +104,7 @@ template <class S>
 __device__ void attention_bwd_delta(i64 rows, i64 tq, i64 d, i64 inter, const typename S::T* dy, const typename S::T* y, float* delta) {
     int lane = threadIdx.x & 31;
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
-        i64 at = head_row(row / tq, row % tq, tq, d, inter);
+        i64 at = head_row(row / tq, row % tq, tq, d, inter, inter * d);
         float s = row_dot<S>(dy + at, y + at, d, lane);
         if (lane == 0) delta[row] = s;
     }
@@ -117,7 +121,7 @@ extern "C" __global__ void attention_bwd_delta_bf16(i64 rows, i64 tq, i64 d, i64
 
 // dq_i = scale · Σ_j p_ij (dy_i·v_j − delta_i) k_j, one warp per query row.
 template <class S>
-__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale,
+__device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale,
                                  int causal, const typename S::T* q, const typename S::T* k, const typename S::T* v,
                                  const typename S::T* dy,
                                  const float* lse, const float* delta, typename S::T* dq) {
@@ -125,13 +129,13 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tq, i = row % tq;
         float qi[HEAD_LANES], dyi[HEAD_LANES], acc[HEAD_LANES];
-        i64 at = head_row(g, i, tq, d, inter);
+        i64 at = head_row(g, i, tq, d, inter, qld);
         hold<S>(qi, q + at, d, lane);
-        hold<S>(dyi, dy + at, d, lane);
+        hold<S>(dyi, dy + head_row(g, i, tq, d, inter, inter * d), d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc[r] = 0.f;
         i64 n = causal ? i + 1 : tk;
         for (i64 j = 0; j < n; ++j) {
-            i64 kat = head_row(g / rep, j, tk, d, kinter);
+            i64 kat = head_row(g / rep, j, tk, d, kinter, kld);
             const typename S::T* kj = k + kat;
             float p = expf(scale * held_dot<S>(qi, kj, d, lane) - lse[row]);
             float ds = p * (held_dot<S>(dyi, v + kat, d, lane) - delta[row]);
@@ -146,27 +150,27 @@ __device__ void attention_bwd_dq(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64
         }
     }
 }
-extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                 const float* q, const float* k, const float* v, const float* dy,
                                                 const float* lse, const float* delta, float* dq) {
-    attention_bwd_dq<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F32>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                 const u16* q, const u16* k, const u16* v, const u16* dy,
                                                 const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<F16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq);
 }
-extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dq_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dq) {
-    attention_bwd_dq<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq);
+    attention_bwd_dq<BF16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq);
 }
 
 // dk_j = scale · Σ_i ds_ij q_i and dv_j = Σ_i p_ij dy_i, one warp per key row (rows: key
 // groups × tk), over the queries that see key j (i ≥ j when causal) of every query group the
 // key group serves.
 template <class S>
-__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale,
+__device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale,
                                   int causal, const typename S::T* q, const typename S::T* k, const typename S::T* v,
                                   const typename S::T* dy,
                                   const float* lse, const float* delta, typename S::T* dk, typename S::T* dv) {
@@ -174,16 +178,16 @@ __device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i6
     for (i64 row = first_warp(); row < rows; row += warp_stride()) {
         i64 g = row / tk, j = row % tk;
         float kj[HEAD_LANES], vj[HEAD_LANES], acc_k[HEAD_LANES], acc_v[HEAD_LANES];
-        i64 at = head_row(g, j, tk, d, kinter);
+        i64 at = head_row(g, j, tk, d, kinter, kld);
         hold<S>(kj, k + at, d, lane);
         hold<S>(vj, v + at, d, lane);
         for (int r = 0; r < HEAD_LANES; ++r) acc_k[r] = acc_v[r] = 0.f;
         // The query groups key group g serves, in order.
         for (i64 gq = g * rep; gq < (g + 1) * rep; ++gq)
             for (i64 i = causal ? j : 0; i < tq; ++i) {
-                i64 qrow = gq * tq + i, qat = head_row(gq, i, tq, d, inter);
-                const typename S::T* qi = q + qat;
-                const typename S::T* dyi = dy + qat;
+                i64 qrow = gq * tq + i;
+                const typename S::T* qi = q + head_row(gq, i, tq, d, inter, qld);
+                const typename S::T* dyi = dy + head_row(gq, i, tq, d, inter, inter * d);
                 float p = expf(scale * held_dot<S>(kj, qi, d, lane) - lse[qrow]);
                 float ds = p * (held_dot<S>(vj, dyi, d, lane) - delta[qrow]);
                 for (int r = 0; r < HEAD_LANES; ++r) {
@@ -203,18 +207,18 @@ __device__ void attention_bwd_dkv(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i6
         }
     }
 }
-extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f32(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                  const float* q, const float* k, const float* v, const float* dy,
                                                  const float* lse, const float* delta, float* dk, float* dv) {
-    attention_bwd_dkv<F32>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F32>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_f16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                  const u16* q, const u16* k, const u16* v, const u16* dy,
                                                  const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<F16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<F16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }
-extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_bwd_dkv_bf16(i64 rows, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                   const u16* q, const u16* k, const u16* v, const u16* dy,
                                                   const float* lse, const float* delta, u16* dk, u16* dv) {
-    attention_bwd_dkv<BF16>(rows, tq, tk, d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dk, dv);
+    attention_bwd_dkv<BF16>(rows, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dk, dv);
 }

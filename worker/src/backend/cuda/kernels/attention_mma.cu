@@ -24,7 +24,8 @@
 //
 // q, y, dy, dq: [groups, tq, d]; k, v, dk, dv: [groups / rep, tk, d] (query group g reads key
 // group g / rep); lse, delta: [groups, tq], f32; or token-major, as attention.cu says: a
-// group's rows then lie ld = inter · d elements apart (k's and v's kld = kinter · d).
+// group's rows then lie inter · d elements apart in y and dy, qld in q and kld in k and v (as
+// attention.cu says: more than inter · d and kinter · d where q, k and v are packed).
 // DMAX (64 or 128) sizes the registers for heads of d ≤ DMAX. Rows are 16-byte aligned (d is a
 // multiple of 16 and the dispatch checks the bases), so eight halves move as one access.
 
@@ -73,17 +74,19 @@ __device__ __forceinline__ void load_tile(u16* tile, const u16* m, i64 n, int d,
 // at hand staged, stages the one after it (`next`, when below `end`) and waits until the one at
 // hand is in shared memory for the whole block. After computing on a buffer the block meets
 // (`__syncthreads`) before the buffer is staged again.
+// a's rows lie lda apart, b's ldb.
 template <int DMAX, int KT>
-__device__ __forceinline__ void stage(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 ld, i64 r0) {
-    load_tile<DMAX, KT>(ta, a, n, d, ld, r0);
-    load_tile<DMAX, KT>(tb, b, n, d, ld, r0);
+__device__ __forceinline__ void stage(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 lda, i64 ldb,
+                                      i64 r0) {
+    load_tile<DMAX, KT>(ta, a, n, d, lda, r0);
+    load_tile<DMAX, KT>(tb, b, n, d, ldb, r0);
     cp_async_commit();
 }
 template <int DMAX, int KT>
-__device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 ld, i64 next,
-                                       i64 end) {
+__device__ __forceinline__ void arrive(u16* ta, u16* tb, const u16* a, const u16* b, i64 n, int d, i64 lda, i64 ldb,
+                                       i64 next, i64 end) {
     if (next < end) {
-        stage<DMAX, KT>(ta, tb, a, b, n, d, ld, next);
+        stage<DMAX, KT>(ta, tb, a, b, n, d, lda, ldb, next);
         cp_async_wait<1>();
     } else {
         cp_async_wait<0>();
@@ -282,7 +285,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[KT / 8][4], float (&o)
 #define FWD_TILES(DMAX) ((DMAX) <= 64 ? 2 : 1)
 
 template <class S, int DMAX>
-__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, float scale,
+__device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale,
                                   int causal, const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
     const int KT = DMAX <= 64 ? 64 : 32, MT = FWD_TILES(DMAX), ROWS = MMA_ROWS * MT;
     __shared__ __align__(16) u16 ks[2][KT * (DMAX + 8)];
@@ -293,12 +296,12 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
         // The last query tiles first: with a causal mask they see the most keys. The warp's
         // rows: r0.. (16 a tile).
         i64 grp = b / tiles, q0 = (tiles - 1 - b % tiles) * ROWS, r0 = q0 + (threadIdx.x >> 5) * 16 * MT;
-        i64 ld = inter * d, qat = head_row(grp, 0, tq, d, inter);
-        i64 kld = kinter * d, kat = head_row(grp / rep, 0, tk, d, kinter);
+        i64 yld = inter * d, qat = head_row(grp, 0, tq, d, inter, qld), yat = head_row(grp, 0, tq, d, inter, yld);
+        i64 kat = head_row(grp / rep, 0, tk, d, kinter, kld);
         const u16 *kg = k + kat, *vg = v + kat;
         u32 qa[MT][DMAX / 16][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) load_rows<DMAX>(qa[mt], q + qat, tq, d, ld, r0 + 16 * mt, g, t);
+        for (int mt = 0; mt < MT; ++mt) load_rows<DMAX>(qa[mt], q + qat, tq, d, qld, r0 + 16 * mt, g, t);
         float o[MT][DMAX / 8][4] = {};
         // Each lane holds rows g and g + 8 (h = 0, 1) of each tile: their running maximum (of
         // the scores times log2(e)) and (partial) sum.
@@ -306,9 +309,9 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = NEG_INF, l[mt][0] = l[mt][1] = 0.f;
         i64 keys = causal && q0 + ROWS < tk ? q0 + ROWS : tk;
-        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, kld, 0);
+        if (keys > 0) stage<DMAX, KT>(ks[0], vs[0], kg, vg, tk, d, kld, kld, 0);
         for (i64 k0 = 0, j = 0; k0 < keys; k0 += KT, j ^= 1) {
-            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, kld, k0 + KT, keys);
+            arrive<DMAX, KT>(ks[j ^ 1], vs[j ^ 1], kg, vg, tk, d, kld, kld, k0 + KT, keys);
             // Under the causal mask a tile past the warp's last row is masked for all of its rows
             // (the block's rows reach further): the warp skips it, as masked scores would
             // change nothing. The same for the whole warp, so its shuffles stay whole.
@@ -331,7 +334,7 @@ __device__ void attention_mma_fwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
                 i64 row = r0 + 16 * mt + g + 8 * h;
                 if (lse && t == 0 && row < tq) lse[grp * tq + row] = (m[mt][h] + log2f(l[mt][h])) * LN2;
             }
-            store_rows<S, DMAX>(y + qat, tq, d, ld, r0 + 16 * mt, o[mt], inv, g, t);
+            store_rows<S, DMAX>(y + yat, tq, d, yld, r0 + 16 * mt, o[mt], inv, g, t);
         }
     }
 }
@@ -413,12 +416,13 @@ __device__ __forceinline__ void stage_rows(float* lse_rows, float* delta_rows, c
 // The backward pass in one sweep per tile of key rows, FlashAttention-2's: with p_ij the
 // probabilities recomputed from the log-sum-exp and ds_ij = p_ij (dy_i·v_j − delta_i),
 //   dv_j = Σ_i p_ij dy_i and dk_j = scale · Σ_i ds_ij q_i  (kept in registers),
-//   dq_i += Σ_j ds_ij k_j  (added to dq_acc in f32, scaled by attention_mma_dq),
+//   dq_i += Σ_j ds_ij k_j  (added to dq_acc, laid out as y, in f32; attention_mma_dq scales
+//   it into dq),
 // over the queries that see key j (i ≥ j when causal) in every query group the key group
 // serves. The products run transposed: scores as keys × queries. dq's product reads dS and
 // the block's keys from shared memory.
 template <class S, int DMAX>
-__device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, float scale,
+__device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale,
                                   int causal, const u16* q, const u16* k, const u16* v, const u16* dy, const float* lse,
                                   const float* delta, float* dq_acc, u16* dk, u16* dv) {
     // Each warp holds dk's and dv's sums (16 × d each) and v besides the scores: 32 query rows
@@ -435,7 +439,10 @@ __device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
         // A key group's tile; the first key tiles first: with a causal mask the most queries
         // see them.
         i64 grp = b / tiles, k0 = b % tiles * MMA_ROWS, r0 = k0 + (threadIdx.x >> 5) * 16;
-        i64 ld = inter * d, kld = kinter * d, kat = head_row(grp, 0, tk, d, kinter);
+        // The row strides in 32 bits: two 64-bit ones live through the sweep would spill
+        // (sm_90, heads of 128).
+        int yld = (int)(inter * d), qld32 = (int)qld;
+        i64 kat = head_row(grp, 0, tk, d, kinter, kld);
         // The warp's keys are read from the block's tile `ks` where a product needs them (to
         // keep registers for dk's and dv's sums); its values stay in registers.
         const u16* k_rows = ks + (threadIdx.x >> 5) * 16 * (DMAX + 8);
@@ -447,14 +454,14 @@ __device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
         if (first < tq) load_tile<DMAX, MMA_ROWS>(ks, k + kat, tk, d, kld, k0);  // in the first tile's copy group
         // Each query group the key group serves, in order, sweeping its query tiles.
         for (int h = 0; h < (first < tq ? (int)rep : 0); ++h) {
-            i64 gq = grp * rep + h, qat = head_row(gq, 0, tq, d, inter);
-            const u16 *qg = q + qat, *dyg = dy + qat;
+            i64 gq = grp * rep + h, yat = head_row(gq, 0, tq, d, inter, yld);
+            const u16 *qg = q + head_row(gq, 0, tq, d, inter, qld), *dyg = dy + yat;
             const float *glse = lse + gq * tq, *gdelta = delta + gq * tq;
-            stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, ld, first);
+            stage<DMAX, KT>(qs[0], dys[0], qg, dyg, tq, d, qld32, yld, first);
             stage_rows<KT>(tile_lse[0], tile_delta[0], glse, gdelta, first, tq);
             for (i64 q0 = first, j = 0; q0 < tq; q0 += KT, j ^= 1) {
                 if (q0 + KT < tq) stage_rows<KT>(tile_lse[j ^ 1], tile_delta[j ^ 1], glse, gdelta, q0 + KT, tq);
-                arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, ld, q0 + KT, tq);
+                arrive<DMAX, KT>(qs[j ^ 1], dys[j ^ 1], qg, dyg, tq, d, qld32, yld, q0 + KT, tq);
                 const float *row_lse = tile_lse[j], *row_delta = tile_delta[j];
                 float p[KT / 8][4], dp[KT / 8][4];
                 rows_dot_tile<S, DMAX, KT>(p, k_rows, qs[j], d);  // scoresᵀ: keys × queries
@@ -475,7 +482,7 @@ __device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
                 acc_times_tile<S, DMAX, KT>(dk_acc, dp, qs[j], d);
                 store_scores_grad<S, KT>(ds, dp, g, t);
                 __syncthreads();  // dS is whole
-                add_to_dq<S, DMAX, KT>(dq_acc + qat, tq, d, ld, q0, ds, ks, g, t);
+                add_to_dq<S, DMAX, KT>(dq_acc + yat, tq, d, yld, q0, ds, ks, g, t);
                 __syncthreads();  // every warp is done with buffer j and with dS
             }
         }
@@ -485,57 +492,59 @@ __device__ void attention_mma_bwd(i64 groups, i64 tq, i64 tk, int d, i64 inter, 
     }
 }
 
-// dq = scale · the f32 sums attention_mma_bwd added (the same layout, n elements, a multiple
-// of 4; both 16-byte aligned).
+// dq = scale · the f32 sums attention_mma_bwd added (n elements, laid out as y: tokens of
+// `width` elements, a multiple of 4), each token's row `ld` elements on from the last in dq
+// (more than width where dq is a part of a packed gradient); both 16-byte aligned.
 template <class S>
-__device__ void attention_mma_dq(i64 n, float scale, const float* acc, u16* dq) {
+__device__ void attention_mma_dq(i64 n, i64 width, i64 ld, float scale, const float* acc, u16* dq) {
     for (i64 i = 4 * first_index(); i < n; i += 4 * grid_stride()) {
         Vec<float, 4> a = ld_vec<float, 4>(acc + i);
-        st_pair(dq + i, S::pack(a.e[0] * scale, a.e[1] * scale));
-        st_pair(dq + i + 2, S::pack(a.e[2] * scale, a.e[3] * scale));
+        u16* to = dq + i / width * ld + i % width;
+        st_pair(to, S::pack(a.e[0] * scale, a.e[1] * scale));
+        st_pair(to + 2, S::pack(a.e[2] * scale, a.e[3] * scale));
     }
 }
 
 // The entry points: f16 and bf16, heads up to 64 and up to 128.
-extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                      const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_fwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                        const u16* q, const u16* k, const u16* v, u16* y, float* lse) {
-    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, y, lse);
+    attention_mma_fwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y, lse);
 }
-extern "C" __global__ void attention_mma_bwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_f16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                      const u16* q, const u16* k, const u16* v, const u16* dy,
                                                      const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<F16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_f16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, const u16* dy,
                                                       const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<F16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_bf16_d64(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                       const u16* q, const u16* k, const u16* v, const u16* dy,
                                                       const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<BF16, 64>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_bwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, float scale, int causal,
+extern "C" __global__ void attention_mma_bwd_bf16_d128(i64 groups, i64 tq, i64 tk, i64 d, i64 inter, i64 kinter, i64 rep, i64 qld, i64 kld, float scale, int causal,
                                                        const u16* q, const u16* k, const u16* v, const u16* dy,
                                                        const float* lse, const float* delta, float* dq_acc, u16* dk, u16* dv) {
-    attention_mma_bwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
+    attention_mma_bwd<BF16, 128>(groups, tq, tk, (int)d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq_acc, dk, dv);
 }
-extern "C" __global__ void attention_mma_dq_f16(i64 n, float scale, const float* acc, u16* dq) {
-    attention_mma_dq<F16>(n, scale, acc, dq);
+extern "C" __global__ void attention_mma_dq_f16(i64 n, i64 width, i64 ld, float scale, const float* acc, u16* dq) {
+    attention_mma_dq<F16>(n, width, ld, scale, acc, dq);
 }
-extern "C" __global__ void attention_mma_dq_bf16(i64 n, float scale, const float* acc, u16* dq) {
-    attention_mma_dq<BF16>(n, scale, acc, dq);
+extern "C" __global__ void attention_mma_dq_bf16(i64 n, i64 width, i64 ld, float scale, const float* acc, u16* dq) {
+    attention_mma_dq<BF16>(n, width, ld, scale, acc, dq);
 }

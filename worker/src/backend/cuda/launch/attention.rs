@@ -7,12 +7,13 @@
 //!
 //! Two kernel families compute it: f16 and bf16 heads of a multiple of 16 elements up to 128
 //! run on the tensor cores in tiles (kernels/attention_mma.cu); everything else (f32, other
-//! head sizes) runs one warp per row (kernels/attention.cu). Both take either layout
-//! (`AttentionShape`): a group's rows one row apart, or token-major.
+//! head sizes) runs one warp per row (kernels/attention.cu). Both take every layout
+//! (`AttentionShape`): a group's rows one row apart, token-major, or packed (q, k and v parts of
+//! one operand, rows `qld` and `kld` elements apart, y and dY token-major).
 
 use super::{elementwise, scratch_parts, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
-use crate::op::AttentionShape;
+use crate::op::{AttentionLayout, AttentionShape};
 use crate::refused;
 use crate::tensor::DType;
 use cudarc::driver::LaunchConfig;
@@ -25,20 +26,29 @@ const MAX_HEAD: usize = 256;
 pub struct Spec {
     pub scale: f32,
     pub causal: bool,
-    pub token_major: bool,
+    pub layout: AttentionLayout,
 }
 
-/// q's and k's groups, rows and head, checked against what the kernels take.
-fn dims(spec: Spec, q: &V, k: &V, v: &V) -> Result<AttentionShape, BackendError> {
-    let (qs, ks) = (q.shape(), k.shape());
-    let shape = AttentionShape::of(qs, ks, spec.token_major);
-    let Some(a) = shape.filter(|_| v.shape() == ks && k.dtype() == q.dtype() && v.dtype() == q.dtype()) else {
-        return refused!("attention over q {qs:?}, k {ks:?}, v {:?} of mixed types or shapes", v.shape());
+/// q's, k's and v's (or qkv's) groups, rows and head, checked against what the kernels take,
+/// their type and where each starts (a packed qkv's parts).
+fn operands(spec: Spec, ins: &[V]) -> Result<(AttentionShape, DType, [Ptr; 3]), BackendError> {
+    let shapes = || ins.iter().map(|x| x.shape().to_vec()).collect::<Vec<_>>();
+    let (q, k) = match ins {
+        [qkv] => (qkv, qkv),
+        [q, k, v] if v.shape() == k.shape() && k.dtype() == q.dtype() && v.dtype() == q.dtype() => (q, k),
+        _ => return refused!("attention over {:?} of mixed types or shapes", shapes()),
+    };
+    let Some(a) = AttentionShape::of(q.shape(), k.shape(), spec.layout) else {
+        return refused!("attention over {:?}", shapes());
     };
     if a.d > MAX_HEAD {
         return refused!("attention heads of {} elements; the CUDA kernels take up to {MAX_HEAD}", a.d);
     }
-    Ok(a)
+    let at = match ins {
+        [qkv] => a.parts().map(|part| Ptr(qkv.at.0 + (part * q.dtype().size()) as u64)),
+        _ => [ins[0].at, ins[1].at, ins[2].at],
+    };
+    Ok((a, q.dtype(), at))
 }
 
 /// One warp per row (striding past the target's grid limit).
@@ -84,58 +94,68 @@ fn forward_block_rows(tier: usize) -> usize {
     }
 }
 
-/// The kernels' extents: tq, tk, d, q's and k's heads to a token, and the query heads per key
-/// head.
-fn extents(a: &AttentionShape) -> [i64; 6] {
-    [a.tq, a.tk, a.d, a.interleaved, a.kv_interleaved(), a.rep].map(|x| x as i64)
+/// The kernels' extents: tq, tk, d, q's and k's heads to a token, the query heads per key head,
+/// and the elements from a token's row of a group to the next in q (and dq) and in k and v.
+fn extents(a: &AttentionShape) -> [i64; 8] {
+    [a.tq, a.tk, a.d, a.interleaved, a.kv_interleaved(), a.rep, a.q_ld(), a.kv_ld()].map(|x| x as i64)
 }
 
 fn mma_kernel(family: &str, t: DType, tier: usize) -> Result<String, BackendError> {
     Ok(format!("{}_d{tier}", typed(family, t)?))
 }
 
-pub fn forward(dev: Dev, spec: Spec, [q, k, v]: [V; 3], y: V, lse: Option<V>) -> Result<(), BackendError> {
-    let a = dims(spec, &q, &k, &v)?;
+/// q, k, v (or qkv) -> y, and the rows' log-sum-exp where the graph keeps it.
+pub fn forward(dev: Dev, spec: Spec, ins: &[V], y: V, lse: Option<V>) -> Result<(), BackendError> {
+    let (a, t, [q, k, v]) = operands(spec, ins)?;
     if lse.is_some_and(|l| l.dtype() != DType::F32) {
         return refused!("attention's log-sum-exp must be f32");
     }
     let lse = lse.map_or(NULL, |l| l.at);
     let (scale, causal) = (spec.scale, spec.causal as i32);
-    let [tq, tk, d, inter, kinter, rep] = extents(&a);
-    if let Some(tier) = mma_tier(dev, q.dtype(), a.d, &[q.at, k.at, v.at, y.at]) {
+    let [tq, tk, d, inter, kinter, rep, qld, kld] = extents(&a);
+    if let Some(tier) = mma_tier(dev, t, a.d, &[q, k, v, y.at]) {
         let g = a.groups as i64;
         return dev.kernel(
-            &mma_kernel("attention_mma_fwd", q.dtype(), tier)?,
+            &mma_kernel("attention_mma_fwd", t, tier)?,
             per_tile(dev, a.groups, a.tq, forward_block_rows(tier)),
-            &mut params![g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, y.at, lse],
+            &mut params![g, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y.at, lse],
         );
     }
     let rows = a.groups * a.tq;
     dev.kernel(
-        &typed("attention_fwd", q.dtype())?,
+        &typed("attention_fwd", t)?,
         per_warp(dev, rows),
-        &mut params![rows as i64, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, y.at, lse],
+        &mut params![rows as i64, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, y.at, lse],
     )
 }
 
-pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv]: [V; 3]) -> Result<(), BackendError> {
-    let a = dims(spec, &q, &k, &v)?;
-    if dy.dtype() != q.dtype() || y.dtype() != q.dtype() || lse.dtype() != DType::F32 {
-        return refused!("attention's gradient of {} for q of {}, lse of {}", dy.dtype(), q.dtype(), lse.dtype());
+/// dY, q, k, v (or qkv), y, lse -> dq, dk, dv (or dqkv, in the same parts as qkv).
+pub fn backward(dev: Dev, spec: Spec, ins: &[V], grads: &[V]) -> Result<(), BackendError> {
+    let (Some((dy, rest)), true) = (ins.split_first(), grads.len() == spec.layout.operands()) else {
+        return refused!("attention's gradient of {} inputs into {} outputs", ins.len(), grads.len());
+    };
+    let Some((operand_values, &[y, lse])) = rest.split_last_chunk::<2>() else {
+        return refused!("attention's gradient without y and the log-sum-exp");
+    };
+    let (a, t, [q, k, v]) = operands(spec, operand_values)?;
+    let (_, _, [dq, dk, dv]) = operands(spec, grads)?;
+    if dy.dtype() != t || y.dtype() != t || lse.dtype() != DType::F32 || grads[0].dtype() != t {
+        return refused!("attention's gradient of {} for q of {t}, lse of {}", dy.dtype(), lse.dtype());
     }
-    let t = q.dtype();
+    let (dy, y, lse) = (dy.at, y.at, lse.at);
     // The query rows, and the key rows of the key groups.
     let (qrows, krows) = (a.groups * a.tq, a.groups / a.rep * a.tk);
     let (scale, causal) = (spec.scale, spec.causal as i32);
-    let [tq, tk, d, inter, kinter, rep] = extents(&a);
-    let tier = mma_tier(dev, t, a.d, &[dy.at, q.at, k.at, v.at, dq.at, dk.at, dv.at]);
-    // The softmax gradient's row term, and for the tensor-core kernels dq's f32 sums.
+    let [tq, tk, d, inter, kinter, rep, qld, kld] = extents(&a);
+    let tier = mma_tier(dev, t, a.d, &[dy, q, k, v, dq, dk, dv]);
+    // The softmax gradient's row term, and for the tensor-core kernels dq's f32 sums (laid out
+    // as y is).
     let sums = if tier.is_some() { qrows * a.d * 4 } else { 0 };
     let [delta, dq_sums] = scratch_parts(dev, &[qrows * 4, sums])?[..] else { unreachable!("two parts") };
     dev.kernel(
         &typed("attention_bwd_delta", t)?,
         per_warp(dev, qrows),
-        &mut params![qrows as i64, tq, d, inter, dy.at, y.at, delta],
+        &mut params![qrows as i64, tq, d, inter, dy, y, delta],
     )?;
     if let Some(tier) = tier {
         let g = a.groups as i64;
@@ -144,38 +164,20 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
             &mma_kernel("attention_mma_bwd", t, tier)?,
             per_tile(dev, a.groups / a.rep, a.tk, MMA_ROWS),
             &mut params![
-                g, tq, tk, d, inter, kinter, rep, scale, causal, q.at, k.at, v.at, dy.at, lse.at, delta, dq_sums,
-                dk.at, dv.at
+                g, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq_sums, dk, dv
             ],
         )?;
-        let n = qrows * a.d;
+        let (n, width) = (qrows * a.d, inter * d);
         return dev.kernel(
             &typed("attention_mma_dq", t)?,
             elementwise(n / 4),
-            &mut params![n as i64, scale, dq_sums, dq.at],
+            &mut params![n as i64, width, qld, scale, dq_sums, dq],
         );
     }
     dev.kernel(
         &typed("attention_bwd_dq", t)?,
         per_warp(dev, qrows),
-        &mut params![
-            qrows as i64,
-            tq,
-            tk,
-            d,
-            inter,
-            kinter,
-            rep,
-            scale,
-            causal,
-            q.at,
-            k.at,
-            v.at,
-            dy.at,
-            lse.at,
-            delta,
-            dq.at
-        ],
+        &mut params![qrows as i64, tq, tk, d, inter, kinter, rep, qld, kld, scale, causal, q, k, v, dy, lse, delta, dq],
     )?;
     dev.kernel(
         &typed("attention_bwd_dkv", t)?,
@@ -188,16 +190,18 @@ pub fn backward(dev: Dev, spec: Spec, [dy, q, k, v, y, lse]: [V; 6], [dq, dk, dv
             inter,
             kinter,
             rep,
+            qld,
+            kld,
             scale,
             causal,
-            q.at,
-            k.at,
-            v.at,
-            dy.at,
-            lse.at,
+            q,
+            k,
+            v,
+            dy,
+            lse,
             delta,
-            dk.at,
-            dv.at
+            dk,
+            dv
         ],
     )
 }
