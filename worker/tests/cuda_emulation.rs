@@ -1435,7 +1435,8 @@ fn loops_past_one_grid_and_one_block_match_the_cpu_backend_on_the_emulated_kerne
 /// statistics summed around the channel's first value, so the mean does not swamp the
 /// variance), an odd plane, and an empty batch; training (running statistics too), inference
 /// and the gradient all match the CPU's two-pass f64 statistics, in f32 and, as mixed precision
-/// runs them, in bf16 and f16.
+/// runs them, in bf16 and f16; so do training and the gradient with the ReLU after the norm
+/// fused (`batch_norm_relu`), the gradient masked by the fused output itself.
 #[test]
 fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the_emulated_kernels() {
     let (gpu, cpu) = (EmulatedGpu::new(), CpuBackend::new());
@@ -1445,6 +1446,8 @@ fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the
     let train = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: true };
     let infer = Op::BatchNorm { epsilon: 1e-5, momentum: 0.9, training: false };
     let grad = Op::BatchNormGrad { epsilon: 1e-5 };
+    let (train_relu, grad_relu) =
+        (Op::BatchNormRelu { epsilon: 1e-5, momentum: 0.9 }, Op::BatchNormReluGrad { epsilon: 1e-5 });
     for (what, shape, offset) in [
         ("two shares a channel", vec![4, 3, 70, 70], 0.0),
         ("two shares a channel, far from 0", vec![4, 3, 70, 70], 1000.0),
@@ -1458,7 +1461,16 @@ fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the
         check(&format!("{what}: training"), &train, &with_stats, &[shape.clone(), vec![c], vec![c]]);
         check(&format!("{what}: inference"), &infer, &with_stats, std::slice::from_ref(&shape));
         let dy = Tensor::from_vec(&shape, values(n, 36));
-        check(&format!("{what}: the gradient"), &grad, &[dy, x.clone(), stats(37)], &[shape.clone(), vec![c], vec![c]]);
+        let sums = [shape.clone(), vec![c], vec![c]];
+        check(&format!("{what}: the gradient"), &grad, &[dy.clone(), x.clone(), stats(37)], &sums);
+        check(&format!("{what}: training, the ReLU fused"), &train_relu, &with_stats, &sums);
+        let z = run_op(&cpu, &train_relu, &with_stats, &sums).remove(0);
+        check(
+            &format!("{what}: the gradient through the fused ReLU"),
+            &grad_relu,
+            &[dy, x.clone(), stats(37), z],
+            &sums,
+        );
         // Under mixed precision X, Y, dY and dX are half (beside f32 parameters and statistics):
         // within a unit of the half type of the CPU, which computes in f32 and rounds.
         for (t, unit) in [(DType::BF16, 1.0 / 256.0), (DType::F16, 1.0 / 2048.0)] {
@@ -1474,6 +1486,14 @@ fn batch_normalization_over_many_blocks_a_channel_matches_the_cpu_backend_on_the
             let outs = [Meta::new(t, &shape), f32_of(&[c]), f32_of(&[c])];
             let (g, c_) = (run_typed(&gpu, &grad, &ins, &outs), run_typed(&cpu, &grad, &ins, &outs));
             close_as_f32(&format!("{what}, {t}: the gradient"), &g, &c_, unit);
+            // The ReLU fused: Z, and dX through it masked by that Z.
+            let with_stats = [ins[1].clone(), stats(32), stats(33), stats(34), stats(35)];
+            let (g, c_) =
+                (run_typed(&gpu, &train_relu, &with_stats, &outs), run_typed(&cpu, &train_relu, &with_stats, &outs));
+            close_as_f32(&format!("{what}, {t}: training, the ReLU fused"), &g[..1], &c_[..1], unit);
+            let ins = [ins[0].clone(), ins[1].clone(), stats(37), c_[0].clone()];
+            let (g, c_) = (run_typed(&gpu, &grad_relu, &ins, &outs), run_typed(&cpu, &grad_relu, &ins, &outs));
+            close_as_f32(&format!("{what}, {t}: the gradient through the fused ReLU"), &g, &c_, unit);
         }
     }
 }

@@ -11,7 +11,7 @@ use tensorfleet_worker::backend::cpu::CpuBackend;
 use tensorfleet_worker::checkpoint::keys::LOSS_SCALE_KEY;
 use tensorfleet_worker::config::{DynamicLossScale, Gpt2Config, ModelSpec};
 use tensorfleet_worker::models;
-use tensorfleet_worker::op::Op;
+use tensorfleet_worker::op::{Op, Unary};
 use tensorfleet_worker::optim::scaler::LossScaler;
 use tensorfleet_worker::optim::Update;
 use tensorfleet_worker::session::{Session, SessionOptions};
@@ -226,16 +226,18 @@ fn batch_norms_run_in_their_inputs_half_type() {
         let (mut norms, mut grads) = (0, 0);
         for n in &g.nodes {
             match n.op {
-                Op::BatchNorm { .. } => {
+                Op::BatchNorm { .. } | Op::BatchNormRelu { .. } => {
                     norms += 1;
                     let want = vec![half, DType::F32, DType::F32, DType::F32, DType::F32];
                     assert_eq!(types(&n.inputs), want, "{half}: {}'s inputs", n.name);
                     assert_eq!(types(&n.outputs), [half, DType::F32, DType::F32], "{half}: {}'s outputs", n.name);
                     assert!(!cast(n.input(0)), "{half}: {}'s X is cast", n.name);
                 }
-                Op::BatchNormGrad { .. } => {
+                Op::BatchNormGrad { .. } | Op::BatchNormReluGrad { .. } => {
                     grads += 1;
-                    assert_eq!(types(&n.inputs), [half, half, DType::F32], "{half}: {}'s inputs", n.name);
+                    // dY (or dZ), X, scale, and the fused ReLU's output Z.
+                    let want = [half, half, DType::F32, half];
+                    assert_eq!(types(&n.inputs), want[..n.inputs.len()], "{half}: {}'s inputs", n.name);
                     assert_eq!(types(&n.outputs), [half, DType::F32, DType::F32], "{half}: {}'s outputs", n.name);
                     assert!(!cast(n.input(0)) && !cast(n.input(1)), "{half}: {}'s dY or X is cast", n.name);
                 }
@@ -245,11 +247,51 @@ fn batch_norms_run_in_their_inputs_half_type() {
         assert!(norms > 0 && grads == norms, "{half}: {norms} norms, {grads} gradients");
         let casts_of_y = g.nodes.iter().filter(|n| {
             matches!(n.op, Op::Cast { .. })
-                && n.input(0)
-                    .is_some_and(|v| producers[v].is_some_and(|p| matches!(g.nodes[p].op, Op::BatchNorm { .. })))
+                && n.input(0).is_some_and(|v| {
+                    producers[v]
+                        .is_some_and(|p| matches!(g.nodes[p].op, Op::BatchNorm { .. } | Op::BatchNormRelu { .. }))
+                })
         });
         assert_eq!(casts_of_y.count(), 0, "{half}: a norm's Y is cast");
         assert!((loss - fp32).abs() <= 1e-2 * fp32.abs(), "{half}: first loss {loss}, fp32's {fp32}");
+    }
+}
+
+/// The batch_norm_relu fusion (each BatchNormalization followed by a ReLU writes the ReLU's
+/// output, and its gradient takes the ReLU's as it reads dZ) is exact in f32, bf16 and fp16:
+/// the same losses and weights, bit for bit, in the resnet18 PyTorch exported
+/// (tests/data/torch_cnn), whose stem and each block's first norm feed a ReLU (the second
+/// feeds the residual add): 9 of its 20 norms.
+#[test]
+fn batch_norms_taking_their_relus_change_no_bit() {
+    let dir = torch_oracle::data_dir("torch_cnn");
+    let e = torch_oracle::expected(&dir);
+    let batches =
+        torch_oracle::batches(&dir.join(e["data"].as_str().unwrap()), e["batch"].as_u64().unwrap() as usize, 2);
+    let model = torch_oracle::load(&dir, "resnet18_torchscript.onnx", None, Default::default());
+    let sgd = Update::Sgd { momentum: 0.9, nesterov: false, weight_decay: 0.0 };
+    for half in [None, Some(DType::BF16), Some(DType::F16)] {
+        let run = |disabled: &[&str]| {
+            let disabled_passes = disabled.iter().map(|p| p.to_string()).collect();
+            let opts = SessionOptions { half, disabled_passes, ..SessionOptions::new(sgd) };
+            let mut s = Session::new(Arc::new(CpuBackend::new()), &model, &batches[0], 1, &opts).unwrap();
+            let g = &s.train.graph;
+            let count = |f: fn(&Op) -> bool| g.nodes.iter().filter(|n| f(&n.op)).count();
+            let fused = [
+                count(|op| matches!(op, Op::BatchNormRelu { .. })),
+                count(|op| matches!(op, Op::BatchNormReluGrad { .. })),
+            ];
+            let relus = count(|op| matches!(op, Op::Unary(Unary::Relu) | Op::UnaryGrad(Unary::Relu)));
+            let losses: Vec<f64> =
+                (0..3).map(|k| s.step(&batches[k % 2..k % 2 + 1], 0.05, 0.0, 0).unwrap().loss).collect();
+            (fused, relus, losses, s.weights().unwrap())
+        };
+        let (fused, relus, with, w_with) = run(&[]);
+        let (unfused, unfused_relus, without, w_without) = run(&["batch_norm_relu"]);
+        assert_eq!((fused, unfused), ([9, 9], [0, 0]), "{half:?}: norms and gradients fused");
+        assert_eq!(unfused_relus - relus, 2 * 9, "{half:?}: ReLUs and their gradients taken in");
+        assert_eq!(with, without, "{half:?}: losses");
+        assert!(w_with == w_without, "{half:?}: weights differ");
     }
 }
 

@@ -18,6 +18,7 @@ pub const PASSES: &[&str] = &[
     "layer_norm_grad_add",
     "layer_norm_grad_half",
     "residual_layer_norm",
+    "batch_norm_relu",
 ];
 
 /// The passes over the forward graph, before autodiff: the backward pass then differentiates
@@ -75,6 +76,7 @@ pub fn run(g: &mut Graph, disabled: &[String]) -> Vec<(&'static str, usize)> {
             "layer_norm_grad_add" => layer_norm_grad_add(g),
             "layer_norm_grad_half" => layer_norm_grad_half(g),
             "residual_layer_norm" => residual_layer_norm(g),
+            "batch_norm_relu" => batch_norm_relu(g),
             _ => 0,
         };
         report.push((p, n));
@@ -388,6 +390,48 @@ fn residual_layer_norm(g: &mut Graph) -> usize {
         norm.outputs.insert(1, s);
         // The add now writes nothing anyone reads; prune removes it (and a folded cast).
         g.nodes[a].outputs.clear();
+    }
+    rewrites.len()
+}
+
+/// BatchNormalization (training) → ReLU, with ReLU's gradient feeding the norm's  ⇒
+/// BatchNormRelu writing the ReLU's output Z, and BatchNormReluGrad reading dZ and Z: the
+/// norm's output Y is neither written nor kept for the ReLU's gradient (ResNet's norms before
+/// a ReLU, two in each bottleneck), and neither ReLU pass runs. The same bits: Z > 0 exactly
+/// where Y > 0, and dY = dZ · (Z > 0) is taken as the norm's gradient reads dZ.
+fn batch_norm_relu(g: &mut Graph) -> usize {
+    let (producers, uses) = (g.producers(), g.use_counts());
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
+    for (i, n) in g.nodes.iter().enumerate() {
+        n.inputs.iter().flatten().for_each(|&x| readers[x].push(i));
+    }
+    let inner = |v: ValueId, n: usize| uses[v] == n && !g.outputs.contains(&v);
+    let mut rewrites = Vec::new();
+    for (i, grad) in g.nodes.iter().enumerate() {
+        let Op::BatchNormGrad { epsilon: grad_epsilon } = grad.op else { continue };
+        let Some(dy) = grad.input(0).filter(|&dy| inner(dy, 1)) else { continue };
+        let Some(relu_grad) = producers[dy].filter(|&p| g.nodes[p].op == Op::UnaryGrad(Unary::Relu)) else { continue };
+        let (Some(dz), Some(y)) = (g.nodes[relu_grad].input(0), g.nodes[relu_grad].input(1)) else { continue };
+        let Some(norm) = producers[y].filter(|_| inner(y, 2)) else { continue };
+        let Op::BatchNorm { epsilon, momentum, training: true } = g.nodes[norm].op else { continue };
+        let relu = readers[y].iter().copied().find(|&r| r != relu_grad && g.nodes[r].op == Op::Unary(Unary::Relu));
+        let Some((relu, z)) = relu.and_then(|r| Some((r, g.nodes[r].output(0)?))) else { continue };
+        let same_norm = grad.input(1) == g.nodes[norm].input(0) && grad.input(2) == g.nodes[norm].input(1);
+        if same_norm && g.nodes[norm].output(0) == Some(y) {
+            rewrites.push((norm, relu, relu_grad, i, z, dz, (epsilon, momentum, grad_epsilon)));
+        }
+    }
+    for &(norm, relu, relu_grad, grad, z, dz, (epsilon, momentum, grad_epsilon)) in &rewrites {
+        g.nodes[norm].op = Op::BatchNormRelu { epsilon, momentum };
+        g.nodes[norm].outputs[0] = Some(z);
+        // The ReLU and its gradient now write nothing anyone reads; prune removes them.
+        g.nodes[relu].outputs.clear();
+        g.nodes[relu_grad].outputs.clear();
+        let node = &mut g.nodes[grad];
+        node.op = Op::BatchNormReluGrad { epsilon: grad_epsilon };
+        node.inputs[0] = Some(dz);
+        node.inputs.truncate(3);
+        node.inputs.push(Some(z));
     }
     rewrites.len()
 }

@@ -969,7 +969,10 @@ pub fn infer_node(
         }
         Op::ResizeGrad { input_shape, .. } => (op.clone(), vec![Meta::new(m(0)?.dtype, input_shape)]),
         Op::PoolGrad { .. } => (op, vec![m(1)?.clone()]),
-        Op::BatchNormGrad { .. } => (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()]),
+        Op::BatchNormGrad { .. } | Op::BatchNormReluGrad { .. } => {
+            (op, vec![m(1)?.clone(), m(2)?.clone(), m(2)?.clone()])
+        }
+        Op::BatchNormRelu { .. } => (op, vec![m(0)?.clone(), m(1)?.clone(), m(1)?.clone()]),
     };
     Ok(out)
 }

@@ -360,6 +360,17 @@ pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorView
     times_derivative(u, Some(dy), x, dx)
 }
 
+/// y ← max(y, 0), as ReLU computes it (a fused op's last step).
+pub fn relu_in_place(y: &mut TensorViewMut) -> KResult {
+    match y.dtype {
+        DType::F32 => y.as_mut_slice::<f32>().iter_mut().for_each(|v| *v = v.max(0.0)),
+        DType::F64 => y.as_mut_slice::<f64>().iter_mut().for_each(|v| *v = v.max(0.0)),
+        // Half types reach the CPU's kernels widened to f32 (`run_half_in_f32`).
+        t => return refused!("ReLU in place is not implemented for {t}"),
+    }
+    Ok(())
+}
+
 /// d ← d · f'(X): `d` holds dY and becomes dX (a fused product's epilogue).
 pub fn unary_grad_in_place(u: Unary, x: &TensorView, d: &mut TensorViewMut) -> KResult {
     times_derivative(u, None, x, d)

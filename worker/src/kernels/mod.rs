@@ -22,7 +22,7 @@ pub mod shape;
 pub mod shard;
 
 use crate::error::BackendError;
-use crate::op::Op;
+use crate::op::{Op, Unary};
 use crate::refused;
 use crate::tensor::cast;
 use crate::tensor::{DType, Tensor, TensorView, TensorViewMut};
@@ -245,6 +245,16 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
             conv::batch_norm(*epsilon, *momentum, *training, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)
         }
         Op::BatchNormGrad { epsilon } => conv::batch_norm_grad(*epsilon, &x(0)?, &x(1)?, &x(2)?, outputs),
+        Op::BatchNormRelu { epsilon, momentum } => {
+            conv::batch_norm(*epsilon, *momentum, true, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)?;
+            elementwise::relu_in_place(&mut outputs[0])
+        }
+        Op::BatchNormReluGrad { epsilon } => {
+            // dY = dZ · ReLU'(Z), as the ReLU's gradient computed it unfused.
+            let mut dy = x(0)?.to_tensor();
+            elementwise::unary_grad_in_place(Unary::Relu, &x(3)?, &mut dy.view_mut())?;
+            conv::batch_norm_grad(*epsilon, &dy.view(), &x(1)?, &x(2)?, outputs)
+        }
         Op::ShardGather { start } => shard::gather(*start, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::ShardGatherGrad { start, .. } => shard::gather_grad(*start, &x(0)?, &x(1)?, &mut outputs[0]),
         Op::VocabShardCrossEntropy { start, ignore_index, .. } => {

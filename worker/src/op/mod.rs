@@ -1204,6 +1204,19 @@ pub enum Op {
     BatchNormGrad {
         epsilon: f32,
     },
+    /// Training-mode BatchNormalization followed by ReLU: X, scale, B, input_mean, input_var ->
+    /// Z = max(Y, 0), and the running statistics as BatchNormalization writes them; emitted by
+    /// `fuse::batch_norm_relu`, so that Y (which ReLU's gradient read) is neither written nor
+    /// kept.
+    BatchNormRelu {
+        epsilon: f32,
+        momentum: f32,
+    },
+    /// dZ, X, scale, Z -> dX, dScale, dBias: BatchNormGrad of dY = dZ · (Z > 0), the ReLU's
+    /// gradient taken as each element of dZ is read.
+    BatchNormReluGrad {
+        epsilon: f32,
+    },
     /// Attention over heads without the T×T scores: q [.., Tq, D], k, v [.., Tk, D] →
     /// y = softmax(q·kᵀ·scale, masked above the diagonal when `causal`)·v [.., Tq, D], and each
     /// row's log-sum-exp [.., Tq] in f32, which the backward pass recomputes the
@@ -2034,6 +2047,8 @@ impl Op {
             Op::ResizeGrad { .. } => internal("ResizeGrad"),
             Op::PoolGrad { .. } => internal("PoolGrad"),
             Op::BatchNormGrad { .. } => internal("BatchNormalizationGrad"),
+            Op::BatchNormRelu { .. } => internal("BatchNormalizationRelu"),
+            Op::BatchNormReluGrad { .. } => internal("BatchNormalizationReluGrad"),
             Op::FusedMatMul { .. } => internal("FusedMatMul"),
             Op::MatMulUnaryGrad { .. } => internal("MatMulUnaryGrad"),
             Op::SoftmaxCrossEntropyLse { .. } => internal("SoftmaxCrossEntropyLse"),
@@ -2180,6 +2195,7 @@ impl Op {
             Op::BatchNorm { epsilon, momentum, training } => {
                 vec![f("epsilon", *epsilon), f("momentum", *momentum), i("training_mode", *training as i64)]
             }
+            Op::BatchNormRelu { epsilon, momentum } => vec![f("epsilon", *epsilon), f("momentum", *momentum)],
             Op::SoftmaxCrossEntropyLoss { reduction, ignore_index }
             | Op::NegativeLogLikelihoodLoss { reduction, ignore_index }
             | Op::NegativeLogLikelihoodLossGrad { reduction, ignore_index, .. }

@@ -11,9 +11,23 @@
 // Σx² − (Σx)²/count suffers when the mean is large against the spread. The gradient's sums
 // ride in the same read: Σ dY and Σ dY·(x − K).
 //
+// Fused with the ReLU after it (`relu`, `z`): the forward pass writes Z = max(Y, 0) in Y's
+// place, and the backward pass reads dY as dZ · (Z > 0), the ReLU's gradient as its own kernel
+// takes it (elementwise.cu's unary_df), element by element as dZ is read.
+//
 // Under mixed precision X, Y, dY and dX are half (autocast leaves BatchNormalization in its
 // input's type, as PyTorch's does) beside f32 scale, bias and statistics; the arithmetic is f32
 // (f64 for the sums) either way.
+
+// dY from dZ and the fused ReLU's output Z: dZ · ReLU'(Z), as unary_df takes it.
+__device__ __forceinline__ float through_relu(float dz, float z) { return dz * (z > 0.f ? 1.f : 0.f); }
+
+// dY at flat element `at`: dy's, or with `z` (the fused ReLU's output) through_relu.
+template <class X>
+__device__ __forceinline__ float grad_at(const typename X::T* dy, const typename X::T* z, i64 at) {
+    float g = X::load(dy[at]);
+    return z ? through_relu(g, X::load(z[at])) : g;
+}
 
 // The elements j of a channel in [begin, end) that this thread visits (j = begin + threadIdx.x,
 // then blockDim.x apart), j's image and position in the plane carried from one to the next:
@@ -37,11 +51,12 @@ struct ChannelWalk {
 };
 
 // What a share's block adds up, in f64, for the slot [(ch·parts + k)·4 …]: Σ(x − K), Σ(x − K)²,
-// and with dY, Σ dY, Σ dY·(x − K); the first share's block writes K to shifts[ch]. Launched over
+// and with dY (masked by z where not null), Σ dY, Σ dY·(x − K); the first share's block writes
+// K to shifts[ch]. Launched over
 // (C, parts) blocks; an empty batch launches none.
 template <class X>
 __device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typename X::T* x,
-                                   const typename X::T* dy, double* partial, double* shifts) {
+                                   const typename X::T* dy, const typename X::T* z, double* partial, double* shifts) {
     i64 ch = blockIdx.x, k = blockIdx.y, parts = gridDim.y;
     i64 begin = k * share, end = begin + share < n * plane ? begin + share : n * plane;
     // An infinite or NaN first value would turn every difference into NaN: shift by 0 then
@@ -54,7 +69,7 @@ __device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typ
         s += d;
         q += d * d;
         if (dy) {
-            double gi = X::load(dy[at]);
+            double gi = grad_at<X>(dy, z, at);
             g += gi;
             gd += gi * d;
         }
@@ -75,16 +90,16 @@ __device__ void batch_norm_partial(i64 n, i64 c, i64 plane, i64 share, const typ
     }
 }
 extern "C" __global__ void batch_norm_partial_f32(i64 n, i64 c, i64 plane, i64 share, const float* x, const float* dy,
-                                                  double* partial, double* shifts) {
-    batch_norm_partial<F32>(n, c, plane, share, x, dy, partial, shifts);
+                                                  const float* z, double* partial, double* shifts) {
+    batch_norm_partial<F32>(n, c, plane, share, x, dy, z, partial, shifts);
 }
 extern "C" __global__ void batch_norm_partial_f16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const u16* dy,
-                                                  double* partial, double* shifts) {
-    batch_norm_partial<F16>(n, c, plane, share, x, dy, partial, shifts);
+                                                  const u16* z, double* partial, double* shifts) {
+    batch_norm_partial<F16>(n, c, plane, share, x, dy, z, partial, shifts);
 }
 extern "C" __global__ void batch_norm_partial_bf16(i64 n, i64 c, i64 plane, i64 share, const u16* x, const u16* dy,
-                                                   double* partial, double* shifts) {
-    batch_norm_partial<BF16>(n, c, plane, share, x, dy, partial, shifts);
+                                                   const u16* z, double* partial, double* shifts) {
+    batch_norm_partial<BF16>(n, c, plane, share, x, dy, z, partial, shifts);
 }
 
 // Channel ch's sums over its `parts` shares, in share order (out: the four sums of the partial).
@@ -157,38 +172,44 @@ __device__ __forceinline__ i64 channel_of(i64 i, i64 total, i64 c, i64 plane) {
     return (i / plane) % c;
 }
 
-// Y = (X − mean)·σ⁻¹·scale + bias, the mean and σ⁻¹ from `stats`; four elements at a time
-// where each plane's length is a multiple of four (the four then share a channel).
+// Y = (X − mean)·σ⁻¹·scale + bias (max(Y, 0) with `relu`), the mean and σ⁻¹ from `stats`;
+// four elements at a time where each plane's length is a multiple of four (the four then share
+// a channel).
+__device__ __forceinline__ float normalized(float x, const float* st, float scale, float bias, int relu) {
+    float y = (x - st[0]) * st[1] * scale + bias;
+    return relu ? max_of(y, 0.f) : y;
+}
 template <class S>
-__device__ void batch_norm_apply(i64 total, i64 c, i64 plane, const typename S::T* x, const float* stats,
+__device__ void batch_norm_apply(i64 total, i64 c, i64 plane, int relu, const typename S::T* x, const float* stats,
                                  const float* scale, const float* bias, typename S::T* y) {
     typedef typename S::T T;
     if (plane % 4 == 0 && aligned16(x) && aligned16(y)) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
-            float mean = stats[ch * 4], inv = stats[ch * 4 + 1], s = scale[ch], b = bias[ch];
+            const float* st = stats + ch * 4;
+            float s = scale[ch], b = bias[ch];
             Vec<T, 4> in = ld_vec<T, 4>(x + v * 4), out;
-            for (int e = 0; e < 4; ++e) out.e[e] = S::store((S::load(in.e[e]) - mean) * inv * s + b);
+            for (int e = 0; e < 4; ++e) out.e[e] = S::store(normalized(S::load(in.e[e]), st, s, b, relu));
             st_vec<T, 4>(y + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        y[i] = S::store((S::load(x[i]) - stats[ch * 4]) * stats[ch * 4 + 1] * scale[ch] + bias[ch]);
+        y[i] = S::store(normalized(S::load(x[i]), stats + ch * 4, scale[ch], bias[ch], relu));
     }
 }
-extern "C" __global__ void batch_norm_apply_f32(i64 total, i64 c, i64 plane, const float* x, const float* stats,
+extern "C" __global__ void batch_norm_apply_f32(i64 total, i64 c, i64 plane, int relu, const float* x, const float* stats,
                                                 const float* scale, const float* bias, float* y) {
-    batch_norm_apply<F32>(total, c, plane, x, stats, scale, bias, y);
+    batch_norm_apply<F32>(total, c, plane, relu, x, stats, scale, bias, y);
 }
-extern "C" __global__ void batch_norm_apply_f16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
+extern "C" __global__ void batch_norm_apply_f16(i64 total, i64 c, i64 plane, int relu, const u16* x, const float* stats,
                                                 const float* scale, const float* bias, u16* y) {
-    batch_norm_apply<F16>(total, c, plane, x, stats, scale, bias, y);
+    batch_norm_apply<F16>(total, c, plane, relu, x, stats, scale, bias, y);
 }
-extern "C" __global__ void batch_norm_apply_bf16(i64 total, i64 c, i64 plane, const u16* x, const float* stats,
+extern "C" __global__ void batch_norm_apply_bf16(i64 total, i64 c, i64 plane, int relu, const u16* x, const float* stats,
                                                  const float* scale, const float* bias, u16* y) {
-    batch_norm_apply<BF16>(total, c, plane, x, stats, scale, bias, y);
+    batch_norm_apply<BF16>(total, c, plane, relu, x, stats, scale, bias, y);
 }
 
 // dX = scale·σ⁻¹·(dY − dBias/count − x̂·dScale/count), x̂ = (x − mean)·σ⁻¹, from `stats`.
@@ -196,34 +217,40 @@ __device__ __forceinline__ float batch_norm_dx(float dy, float x, const float* s
     float xh = (x - st[0]) * st[1];
     return scale * st[1] * (dy - st[2] - xh * st[3]);
 }
+// dY masked by z where not null (`grad_at`).
 template <class S>
-__device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const typename S::T* dy, const typename S::T* x,
-                                      const float* stats, const float* scale, typename S::T* dx) {
+__device__ void batch_norm_grad_apply(i64 total, i64 c, i64 plane, const typename S::T* dy, const typename S::T* z,
+                                      const typename S::T* x, const float* stats, const float* scale,
+                                      typename S::T* dx) {
     typedef typename S::T T;
-    if (plane % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx)) {
+    if (plane % 4 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx) && (!z || aligned16(z))) {
         for (i64 v = first_index(); v < total / 4; v += grid_stride()) {
             i64 ch = channel_of(v * 4, total, c, plane);
             Vec<T, 4> g = ld_vec<T, 4>(dy + v * 4), in = ld_vec<T, 4>(x + v * 4), out;
-            for (int e = 0; e < 4; ++e)
-                out.e[e] = S::store(batch_norm_dx(S::load(g.e[e]), S::load(in.e[e]), stats + ch * 4, scale[ch]));
+            Vec<T, 4> m = z ? ld_vec<T, 4>(z + v * 4) : g;
+            for (int e = 0; e < 4; ++e) {
+                float gi = S::load(g.e[e]);
+                if (z) gi = through_relu(gi, S::load(m.e[e]));
+                out.e[e] = S::store(batch_norm_dx(gi, S::load(in.e[e]), stats + ch * 4, scale[ch]));
+            }
             st_vec<T, 4>(dx + v * 4, out);
         }
         return;
     }
     for (i64 i = first_index(); i < total; i += grid_stride()) {
         i64 ch = channel_of(i, total, c, plane);
-        dx[i] = S::store(batch_norm_dx(S::load(dy[i]), S::load(x[i]), stats + ch * 4, scale[ch]));
+        dx[i] = S::store(batch_norm_dx(grad_at<S>(dy, z, i), S::load(x[i]), stats + ch * 4, scale[ch]));
     }
 }
-extern "C" __global__ void batch_norm_grad_apply_f32(i64 total, i64 c, i64 plane, const float* dy, const float* x,
-                                                     const float* stats, const float* scale, float* dx) {
-    batch_norm_grad_apply<F32>(total, c, plane, dy, x, stats, scale, dx);
+extern "C" __global__ void batch_norm_grad_apply_f32(i64 total, i64 c, i64 plane, const float* dy, const float* z,
+                                                     const float* x, const float* stats, const float* scale, float* dx) {
+    batch_norm_grad_apply<F32>(total, c, plane, dy, z, x, stats, scale, dx);
 }
-extern "C" __global__ void batch_norm_grad_apply_f16(i64 total, i64 c, i64 plane, const u16* dy, const u16* x,
-                                                     const float* stats, const float* scale, u16* dx) {
-    batch_norm_grad_apply<F16>(total, c, plane, dy, x, stats, scale, dx);
+extern "C" __global__ void batch_norm_grad_apply_f16(i64 total, i64 c, i64 plane, const u16* dy, const u16* z,
+                                                     const u16* x, const float* stats, const float* scale, u16* dx) {
+    batch_norm_grad_apply<F16>(total, c, plane, dy, z, x, stats, scale, dx);
 }
-extern "C" __global__ void batch_norm_grad_apply_bf16(i64 total, i64 c, i64 plane, const u16* dy, const u16* x,
-                                                      const float* stats, const float* scale, u16* dx) {
-    batch_norm_grad_apply<BF16>(total, c, plane, dy, x, stats, scale, dx);
+extern "C" __global__ void batch_norm_grad_apply_bf16(i64 total, i64 c, i64 plane, const u16* dy, const u16* z,
+                                                      const u16* x, const float* stats, const float* scale, u16* dx) {
+    batch_norm_grad_apply<BF16>(total, c, plane, dy, z, x, stats, scale, dx);
 }

@@ -4,7 +4,8 @@
 //! dY and dX share one type, f32, f16 or bf16 (mixed precision leaves BatchNormalization in its
 //! input's type); scale, bias and the statistics are f32. The statistics are the CPU backend's
 //! (`crate::kernels::conv`): mean and biased variance summed in f64, which the results are
-//! checked against.
+//! checked against. Fused with the ReLU after it, the forward pass writes Z = max(Y, 0) and the
+//! backward pass takes dY = dZ · (Z > 0) as it reads dZ (`Op::BatchNormRelu`).
 
 use super::{channels, elementwise, need_f32, one_float_type, scratch_parts, typed, Dev, Ptr, NULL, V};
 use crate::backend::BackendError;
@@ -49,8 +50,9 @@ impl Layout {
     }
 
     /// Each channel's four f64 sums (`batch_norm_partial`), share by share: of X around its
-    /// first value (the shift) and, with `dy`, of dY and dY·X. No shares launch nothing.
-    fn partial_sums(&self, dev: Dev, x: &V, dy: Ptr, at: &Scratch) -> Result<(), BackendError> {
+    /// first value (the shift) and, with `dy`, of dY and dY·X (dY through the fused ReLU of
+    /// output `z` where not null). No shares launch nothing.
+    fn partial_sums(&self, dev: Dev, x: &V, [dy, z]: [Ptr; 2], at: &Scratch) -> Result<(), BackendError> {
         if self.parts == 0 {
             return Ok(());
         }
@@ -60,7 +62,8 @@ impl Layout {
             shared_mem_bytes: 0,
         };
         let kernel = typed("batch_norm_partial", x.dtype())?;
-        dev.kernel(&kernel, cfg, &mut params![self.n, self.c, self.plane, self.share, x.at, dy, at.partial, at.shifts])
+        let (n, c, plane, share) = (self.n, self.c, self.plane, self.share);
+        dev.kernel(&kernel, cfg, &mut params![n, c, plane, share, x.at, dy, z, at.partial, at.shifts])
     }
 }
 
@@ -71,11 +74,12 @@ struct Scratch {
     stats: Ptr,
 }
 
-/// X, scale, B, input_mean, input_var → Y; in training, the running statistics' update into
-/// `new_stats` where the node has those outputs (null pointers where not).
+/// X, scale, B, input_mean, input_var → Y (max(Y, 0) with `relu`); in training, the running
+/// statistics' update into `new_stats` where the node has those outputs (null pointers where
+/// not).
 pub fn batch_norm(
     dev: Dev,
-    (epsilon, momentum, training): (f32, f32, bool),
+    (epsilon, momentum, training, relu): (f32, f32, bool, bool),
     [x, scale, bias, mean, var]: [V; 5],
     y: V,
     new_stats: [Ptr; 2],
@@ -86,7 +90,7 @@ pub fn batch_norm(
     }
     let l = Layout::of(&x, training)?;
     let at = l.scratch(dev)?;
-    l.partial_sums(dev, &x, NULL, &at)?;
+    l.partial_sums(dev, &x, [NULL, NULL], &at)?;
     let [new_mean, new_var] = new_stats;
     dev.kernel(
         "batch_norm_finish",
@@ -112,24 +116,30 @@ pub fn batch_norm(
     dev.kernel(
         &typed("batch_norm_apply", t)?,
         elementwise(x.n()),
-        &mut params![total, l.c, l.plane, x.at, at.stats, scale.at, bias.at, y.at],
+        &mut params![total, l.c, l.plane, relu as i32, x.at, at.stats, scale.at, bias.at, y.at],
     )
 }
 
 /// dY, X, scale → dX, and dScale, dBias where the node has those outputs (null pointers where
-/// not); the batch's statistics are recomputed from X in the same read as dY's sums.
+/// not); the batch's statistics are recomputed from X in the same read as dY's sums. With `z`,
+/// the output of a fused ReLU, dY is dZ · (Z > 0).
 pub fn batch_norm_grad(
     dev: Dev,
     epsilon: f32,
     [dy, x, scale]: [V; 3],
+    z: Option<V>,
     dx: V,
     [dscale, dbias]: [Ptr; 2],
 ) -> Result<(), BackendError> {
     let t = one_float_type(&[(&x, "X"), (&dy, "dY"), (&dx, "dX")])?;
+    if let Some(z) = z {
+        one_float_type(&[(&x, "X"), (&z, "Z")])?;
+    }
     need_f32(&scale, "scale")?;
     let l = Layout::of(&x, true)?;
     let at = l.scratch(dev)?;
-    l.partial_sums(dev, &x, dy.at, &at)?;
+    let z = z.map_or(NULL, |z| z.at);
+    l.partial_sums(dev, &x, [dy.at, z], &at)?;
     dev.kernel(
         "batch_norm_grad_finish",
         elementwise(l.c as usize),
@@ -139,6 +149,6 @@ pub fn batch_norm_grad(
     dev.kernel(
         &typed("batch_norm_grad_apply", t)?,
         elementwise(x.n()),
-        &mut params![total, l.c, l.plane, dy.at, x.at, at.stats, scale.at, dx.at],
+        &mut params![total, l.c, l.plane, dy.at, z, x.at, at.stats, scale.at, dx.at],
     )
 }
