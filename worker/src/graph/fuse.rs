@@ -1187,6 +1187,11 @@ fn attention_packed(g: &mut Graph, keep: &[ValueId]) -> usize {
             })
             .collect();
         let Some(parts) = parts else { continue };
+        // k and v as q (token-major attention also takes fewer key heads over more rows).
+        let shape = |x: Option<ValueId>| x.and_then(|x| g.meta(x)).map(|m| &m.shape);
+        if (1..3).any(|k| shape(node.input(k)) != shape(node.input(0))) {
+            continue;
+        }
         let split = parts[0].0;
         let in_order = parts.iter().enumerate().all(|(k, &(s, at))| s == split && at == k);
         let Some(packed) = packed_shape(g, &g.nodes[split], node.input(0)).filter(|_| in_order) else { continue };
