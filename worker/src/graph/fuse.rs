@@ -401,10 +401,7 @@ fn residual_layer_norm(g: &mut Graph) -> usize {
 /// where Y > 0, and dY = dZ · (Z > 0) is taken as the norm's gradient reads dZ.
 fn batch_norm_relu(g: &mut Graph) -> usize {
     let (producers, uses) = (g.producers(), g.use_counts());
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        n.inputs.iter().flatten().for_each(|&x| readers[x].push(i));
-    }
+    let readers = g.readers();
     let inner = |v: ValueId, n: usize| uses[v] == n && !g.outputs.contains(&v);
     let mut rewrites = Vec::new();
     for (i, grad) in g.nodes.iter().enumerate() {
@@ -1116,10 +1113,7 @@ fn is_identity(perm: &[i64]) -> bool {
 /// moves before them, onto the token-major value, its tables laid out to match.
 fn attention_token_major(g: &mut Graph, keep: &[ValueId]) -> usize {
     let (producers, uses) = (g.producers(), g.use_counts());
-    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); g.values.len()];
-    for (i, n) in g.nodes.iter().enumerate() {
-        n.inputs.iter().flatten().for_each(|&x| readers[x].push(i));
-    }
+    let readers = g.readers();
     // A value only its one reader sees.
     let inner = |x: ValueId| uses[x] == 1 && !keep.contains(&x) && !g.outputs.contains(&x);
     let mut gone = vec![false; g.nodes.len()];

@@ -192,6 +192,15 @@ impl Graph {
         p
     }
 
+    /// The nodes that read each value, in graph order (a node reading it twice, twice).
+    pub fn readers(&self) -> Vec<Vec<usize>> {
+        let mut r = vec![Vec::new(); self.values.len()];
+        for (i, n) in self.nodes.iter().enumerate() {
+            n.inputs.iter().flatten().for_each(|&x| r[x].push(i));
+        }
+        r
+    }
+
     /// How many node inputs and graph outputs read each value.
     pub fn use_counts(&self) -> Vec<usize> {
         let mut c = vec![0; self.values.len()];

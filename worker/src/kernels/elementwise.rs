@@ -6,6 +6,7 @@ use crate::error::BackendError;
 use crate::op::{Binary, Unary};
 use crate::refused;
 use crate::tensor::{strides, DType, Element, Tensor, TensorView, TensorViewMut};
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -360,13 +361,18 @@ pub fn unary_grad(u: Unary, dy: &TensorView, x: &TensorView, dx: &mut TensorView
     times_derivative(u, Some(dy), x, dx)
 }
 
-/// y ← max(y, 0), as ReLU computes it (a fused op's last step).
-pub fn relu_in_place(y: &mut TensorViewMut) -> KResult {
+/// y ← f(y), each element as `unary` computes it (a fused op's last step: BatchNormRelu's
+/// ReLU). Half types round f's f32 result once, as `unary` on a widened half input does.
+pub fn unary_in_place(u: Unary, y: &mut TensorViewMut) -> KResult {
+    fn each<T: Element>(y: &mut [T], f: impl Fn(T) -> T + Sync) {
+        y.par_chunks_mut(4096).for_each(|c| c.iter_mut().for_each(|v| *v = f(*v)));
+    }
     match y.dtype {
-        DType::F32 => y.as_mut_slice::<f32>().iter_mut().for_each(|v| *v = v.max(0.0)),
-        DType::F64 => y.as_mut_slice::<f64>().iter_mut().for_each(|v| *v = v.max(0.0)),
-        // Half types reach the CPU's kernels widened to f32 (`run_half_in_f32`).
-        t => return refused!("ReLU in place is not implemented for {t}"),
+        DType::F32 => each(y.as_mut_slice::<f32>(), |v| unary_f32(u, v)),
+        DType::F64 => each(y.as_mut_slice::<f64>(), |v| unary_f64(u, v)),
+        DType::BF16 => each(y.as_mut_slice::<bf16>(), |v| bf16::from_f32(unary_f32(u, v.to_f32()))),
+        DType::F16 => each(y.as_mut_slice::<f16>(), |v| f16::from_f32(unary_f32(u, v.to_f32()))),
+        t => return refused!("{u:?} in place over {t}: a float op's output is f32, f64, bf16 or f16"),
     }
     Ok(())
 }

@@ -247,7 +247,7 @@ pub fn run(op: &Op, inputs: &[Option<TensorView>], outputs: &mut [TensorViewMut]
         Op::BatchNormGrad { epsilon } => conv::batch_norm_grad(*epsilon, &x(0)?, &x(1)?, &x(2)?, outputs),
         Op::BatchNormRelu { epsilon, momentum } => {
             conv::batch_norm(*epsilon, *momentum, true, &x(0)?, &x(1)?, &x(2)?, &x(3)?, &x(4)?, outputs)?;
-            elementwise::relu_in_place(&mut outputs[0])
+            elementwise::unary_in_place(Unary::Relu, &mut outputs[0])
         }
         Op::BatchNormReluGrad { epsilon } => {
             // dY = dZ · ReLU'(Z), as the ReLU's gradient computed it unfused.

@@ -1507,21 +1507,16 @@ fn dispatch(dev: Dev, op: &Op, ins: &[Option<V>], outs: &[V]) -> Result<(), Back
             let [dsums, dtargets] = outs else { return refused!("VocabParallelLossGrad has 2 outputs") };
             shard::loss_grad(dev, *reduction, *ignore_index, [x(0)?, x(1)?, x(2)?], [*dsums, *dtargets])
         }
-        Op::BatchNorm { epsilon, momentum, .. } | Op::BatchNormRelu { epsilon, momentum } => {
-            let (training, relu) = match op {
-                Op::BatchNorm { training, .. } => (*training, false),
-                _ => (true, true),
-            };
-            outs.iter().skip(1).try_for_each(|o| need_f32(o, "a running statistic"))?;
-            let stats = [outs.get(1).map_or(NULL, |m| m.at), outs.get(2).map_or(NULL, |v| v.at)];
+        Op::BatchNorm { epsilon, momentum, training } => {
             let ins = [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?];
-            channels::batch_norm(dev, (*epsilon, *momentum, training, relu), ins, y, stats)
+            channels::batch_norm(dev, (*epsilon, *momentum, *training, false), ins, outs)
         }
-        Op::BatchNormGrad { epsilon } | Op::BatchNormReluGrad { epsilon } => {
-            outs.iter().skip(1).try_for_each(|o| need_f32(o, "dScale or dBias"))?;
-            let sums = [outs.get(1).map_or(NULL, |s| s.at), outs.get(2).map_or(NULL, |b| b.at)];
-            let z = if matches!(op, Op::BatchNormReluGrad { .. }) { Some(x(3)?) } else { None };
-            channels::batch_norm_grad(dev, *epsilon, [x(0)?, x(1)?, x(2)?], z, y, sums)
+        Op::BatchNormRelu { epsilon, momentum } => {
+            channels::batch_norm(dev, (*epsilon, *momentum, true, true), [x(0)?, x(1)?, x(2)?, x(3)?, x(4)?], outs)
+        }
+        Op::BatchNormGrad { epsilon } => channels::batch_norm_grad(dev, *epsilon, [x(0)?, x(1)?, x(2)?], None, outs),
+        Op::BatchNormReluGrad { epsilon } => {
+            channels::batch_norm_grad(dev, *epsilon, [x(0)?, x(1)?, x(2)?], Some(x(3)?), outs)
         }
         other => refused!("{} has no CUDA kernel yet", other.onnx_name().0),
     }

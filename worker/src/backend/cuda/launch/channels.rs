@@ -67,6 +67,13 @@ impl Layout {
     }
 }
 
+/// Outputs 1 and 2 (the running statistics, or dScale and dBias), f32, where the node has them;
+/// null pointers where not.
+fn f32_extras(outs: &[V], what: &str) -> Result<[Ptr; 2], BackendError> {
+    outs.iter().skip(1).try_for_each(|o| need_f32(o, what))?;
+    Ok([1, 2].map(|k| outs.get(k).map_or(NULL, |o| o.at)))
+}
+
 /// Where one normalization's temporaries are ([`Layout::scratch`]).
 struct Scratch {
     partial: Ptr,
@@ -74,16 +81,15 @@ struct Scratch {
     stats: Ptr,
 }
 
-/// X, scale, B, input_mean, input_var → Y (max(Y, 0) with `relu`); in training, the running
-/// statistics' update into `new_stats` where the node has those outputs (null pointers where
-/// not).
+/// X, scale, B, input_mean, input_var → Y (max(Y, 0) with `relu`), and in training the
+/// running statistics' update where the node has those outputs.
 pub fn batch_norm(
     dev: Dev,
     (epsilon, momentum, training, relu): (f32, f32, bool, bool),
     [x, scale, bias, mean, var]: [V; 5],
-    y: V,
-    new_stats: [Ptr; 2],
+    outs: &[V],
 ) -> Result<(), BackendError> {
+    let (y, [new_mean, new_var]) = (outs[0], f32_extras(outs, "a running statistic")?);
     let t = one_float_type(&[(&x, "X"), (&y, "Y")])?;
     for (v, what) in [(&scale, "scale"), (&bias, "B"), (&mean, "input_mean"), (&var, "input_var")] {
         need_f32(v, what)?;
@@ -91,7 +97,6 @@ pub fn batch_norm(
     let l = Layout::of(&x, training)?;
     let at = l.scratch(dev)?;
     l.partial_sums(dev, &x, [NULL, NULL], &at)?;
-    let [new_mean, new_var] = new_stats;
     dev.kernel(
         "batch_norm_finish",
         elementwise(l.c as usize),
@@ -120,17 +125,17 @@ pub fn batch_norm(
     )
 }
 
-/// dY, X, scale → dX, and dScale, dBias where the node has those outputs (null pointers where
-/// not); the batch's statistics are recomputed from X in the same read as dY's sums. With `z`,
-/// the output of a fused ReLU, dY is dZ · (Z > 0).
+/// dY, X, scale → dX, and dScale, dBias where the node has those outputs; the batch's
+/// statistics are recomputed from X in the same read as dY's sums. With `z`, the output of a
+/// fused ReLU, dY is dZ · (Z > 0).
 pub fn batch_norm_grad(
     dev: Dev,
     epsilon: f32,
     [dy, x, scale]: [V; 3],
     z: Option<V>,
-    dx: V,
-    [dscale, dbias]: [Ptr; 2],
+    outs: &[V],
 ) -> Result<(), BackendError> {
+    let (dx, [dscale, dbias]) = (outs[0], f32_extras(outs, "dScale or dBias")?);
     let t = one_float_type(&[(&x, "X"), (&dy, "dY"), (&dx, "dX")])?;
     if let Some(z) = z {
         one_float_type(&[(&x, "X"), (&z, "Z")])?;
